@@ -1,0 +1,47 @@
+# hoplite_gpu developer targets. Every target creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: help venv demo test test-fast lint bench soak clean
+
+help:
+	@echo "make demo   - install into .venv and run the broadcast demo on an embedded local cluster"
+	@echo "make test   - install into .venv and run the whole test suite"
+	@echo "make lint   - ruff + mypy"
+	@echo "make bench  - point-to-point and broadcast benchmarks"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[test,lint,bench]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/hoplite-gpu demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not multiprocess"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hoplite_gpu tests bench
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) bench/p2p.py
+	$(VENV)/bin/hoplite-gpu demo --workers 4
+
+soak: $(STAMP)
+	HOPLITE_SOAK=1 $(PY) -m pytest -q tests -m multiprocess
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Benchmarks of hoplite_gpu (not installed with the package)."""

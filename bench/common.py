@@ -1,0 +1,7 @@
+"""Shared helpers of the benchmarks (re-exported from :mod:`hoplite_gpu.baselines`)."""
+
+from __future__ import annotations
+
+from hoplite_gpu.baselines import format_size, memcpy_gbps, parse_size, socket_copy_gbps
+
+__all__ = ["format_size", "memcpy_gbps", "parse_size", "socket_copy_gbps"]

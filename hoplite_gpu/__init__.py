@@ -1,0 +1,150 @@
+"""hoplite_gpu: GPU-aware, fault-tolerant collective communication for task-based systems.
+
+Quick use::
+
+    import hoplite_gpu as hg
+    node = hg.init()                       # embedded directory in this process
+    oid = node.put(np.arange(10))
+    other = hg.connect(node.directory_address, token=node.token)   # in another process
+    arr = other.get(oid)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import errors
+from ._version import __version__
+from .config import Config
+from .errors import (
+    AuthenticationError,
+    DirectoryUnavailableError,
+    HopliteError,
+    HopliteTimeoutError,
+    InvalidArgumentError,
+    NodeClosedError,
+    ObjectDeletedError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    PeerLostError,
+    ProtocolError,
+    StoreFullError,
+    TransportError,
+)
+from .object_id import ObjectID
+
+__all__ = [
+    "AuthenticationError",
+    "Config",
+    "DirectoryUnavailableError",
+    "HopliteError",
+    "HopliteTimeoutError",
+    "InvalidArgumentError",
+    "Node",
+    "NodeClosedError",
+    "ObjectDeletedError",
+    "ObjectExistsError",
+    "ObjectID",
+    "ObjectNotFoundError",
+    "ObjectTooLargeError",
+    "PeerLostError",
+    "ProtocolError",
+    "StoreFullError",
+    "TransportError",
+    "__version__",
+    "connect",
+    "errors",
+    "init",
+    "start_directory",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Node pulls in numpy/xxhash/ucxx machinery; import it lazily.
+    if name == "Node":
+        from .node import Node
+
+        return Node
+    raise AttributeError(name)
+
+
+def start_directory(
+    token: str | None = None, host: str = "127.0.0.1", port: int = 0, config: Config | None = None
+) -> Any:
+    """Start a directory service on this process's I/O thread and return it.
+
+    Its ``address`` and ``token`` are what nodes need. Stop it with ``stop_directory(service)``.
+    """
+    from .auth import new_token
+    from .directory.service import DirectoryService
+    from .node import IOThread
+
+    config = config or Config.from_env()
+    service = DirectoryService(
+        token or new_token(),
+        host=host,
+        port=port,
+        inline_threshold_bytes=config.inline_threshold_bytes,
+        max_message_bytes=config.control_message_limit,
+    )
+    IOThread.get().run(service.start(), timeout=config.connect_timeout)
+    return service
+
+
+def init(
+    directory: str | None = None, token: str | None = None, config: Config | None = None, **overrides: Any
+) -> Any:
+    """Create this process's node.
+
+    Args:
+        directory: ``host:port`` of an existing directory; None starts an embedded directory in this
+            process (stopped when the node closes).
+        token: Shared secret; None generates one for an embedded directory (``node.token``), or
+            reads ``HOPLITE_TOKEN`` when joining an existing directory.
+        config: Tunables (default: :meth:`Config.from_env`); ``overrides`` replace single fields.
+
+    Returns:
+        The :class:`~hoplite_gpu.node.Node`.
+    """
+    from .node import Node
+
+    config = (
+        (config or Config.from_env()).replace(**overrides) if overrides else (config or Config.from_env())
+    )
+    if directory is not None:
+        return connect(directory, token=token, config=config)
+    service = start_directory(token, host=config.listen_host, config=config)
+    try:
+        return Node(service.address, service.token, config, embedded=service)
+    except BaseException:
+        from .node import IOThread
+
+        IOThread.get().run(service.stop(), timeout=10.0)
+        raise
+
+
+def connect(
+    directory: str | None = None, token: str | None = None, config: Config | None = None, **overrides: Any
+) -> Any:
+    """Join an existing directory (default address ``HOPLITE_DIRECTORY``, token ``HOPLITE_TOKEN``).
+
+    Raises:
+        DirectoryUnavailableError: no directory at that address.
+        AuthenticationError: the directory refused the token.
+    """
+    from .node import Node
+
+    directory = directory or os.environ.get("HOPLITE_DIRECTORY")
+    token = token or os.environ.get("HOPLITE_TOKEN")
+    if not directory:
+        raise DirectoryUnavailableError(
+            "no directory address: pass one or set HOPLITE_DIRECTORY", peer="", cause="missing"
+        )
+    if not token:
+        raise AuthenticationError("no token: pass token= or set HOPLITE_TOKEN")
+    config = config or Config.from_env()
+    if overrides:
+        config = config.replace(**overrides)
+    return Node(directory, token, config)

@@ -1,0 +1,97 @@
+"""Physical baselines measured in the same run as our own figures: a plain TCP socket copy between
+two processes on loopback, and an in-process memcpy. Used by the demo and ``bench/``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import re
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864 (also KiB, GiB, K, M, G, plain bytes)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def format_size(n: int) -> str:
+    """67108864 -> ``"64 MiB"``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def _socket_sender(port: int, size: int, repeat: int) -> None:
+    buf = np.ones(size, np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(repeat):
+            s.recv(1)  # go signal
+            s.sendall(memoryview(buf))  # type: ignore[arg-type]
+
+
+def socket_copy_gbps(size: int, repeat: int = 3) -> float:
+    """Best GB/s of a plain Python TCP socket moving ``size`` bytes between two processes."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        srv.settimeout(60)
+        proc = ctx.Process(target=_socket_sender, args=(srv.getsockname()[1], size, repeat))
+        proc.start()
+        try:
+            conn, _ = srv.accept()
+            conn.settimeout(60)
+            out = np.empty(size, np.uint8)
+            view = memoryview(out)  # type: ignore[arg-type]
+            best = float("inf")
+            with conn:
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    conn.sendall(b"g")
+                    got = 0
+                    while got < size:
+                        n = conn.recv_into(view[got:], size - got)
+                        if n == 0:
+                            raise ConnectionError("socket baseline sender went away")
+                        got += n
+                    best = min(best, time.perf_counter() - t0)
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    return size / best / 1e9
+
+
+def memcpy_gbps(size: int, repeat: int = 3) -> float:
+    """Best GB/s of ``np.copyto`` of ``size`` bytes (destination pre-faulted)."""
+    src = np.ones(size, np.uint8)
+    dst = np.zeros(size, np.uint8)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return size / best / 1e9
+
+
+def describe(x: Any) -> str:
+    """Short text for a figure (``"1.23"``)."""
+    return f"{x:.2f}"

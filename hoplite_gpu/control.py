@@ -1,0 +1,191 @@
+"""Control-plane client: a node's authenticated TCP connection to the directory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+
+from . import auth
+from . import protocol as p
+from .directory.service import read_frame
+from .errors import AuthenticationError, DirectoryUnavailableError, HopliteError, ProtocolError
+
+log = logging.getLogger("hoplite_gpu.control")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (raises DirectoryUnavailableError on a malformed address)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise DirectoryUnavailableError(
+            f"directory address {address!r} is not host:port", peer=address, cause="bad address"
+        )
+    return host.strip("[]"), int(port)
+
+
+class ControlClient:
+    """Request/response and push messages over one directory connection.
+
+    Args:
+        on_push: Called on the event loop with every message that is not a reply.
+        limit: Largest frame accepted from the directory.
+    """
+
+    def __init__(self, on_push: Callable[[p.Message], None], limit: int) -> None:
+        self.on_push = on_push
+        self.limit = limit
+        self.address = ""
+        self.directory_id = ""
+        self.inline_threshold_bytes = 0
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future[p.Message]] = {}
+        self._ids = itertools.count(1)
+        self._read_task: asyncio.Task[None] | None = None
+        self._lost: HopliteError | None = None
+
+    async def connect(
+        self, address: str, token: str, node_id: str, data_host: str, data_port: int, timeout: float
+    ) -> None:
+        """Connect, authenticate both ways, and start reading."""
+        self.address = address
+        host, port = parse_address(address)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise DirectoryUnavailableError(
+                f"cannot reach the directory at {address}: {exc or type(exc).__name__}; is it running?",
+                peer=address,
+                cause=type(exc).__name__,
+            ) from exc
+        try:
+            challenge = await asyncio.wait_for(read_frame(reader, 4096), timeout)
+            if not isinstance(challenge, p.Challenge):
+                raise ProtocolError(f"expected a challenge from {address}, got {challenge.TYPE}")
+            mine = auth.new_nonce()
+            proof = auth.mac(token, b"client", challenge.nonce, mine)
+            writer.write(
+                p.encode(
+                    p.Hello(
+                        node_id=node_id,
+                        nonce=mine,
+                        proof=proof,
+                        data_host=data_host,
+                        data_port=data_port,
+                    )
+                )
+            )
+            await writer.drain()
+            try:
+                welcome = await asyncio.wait_for(read_frame(reader, 4096), timeout)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                raise AuthenticationError(
+                    f"the directory at {address} refused our token (connection closed during authentication)",
+                    peer=address,
+                ) from exc
+            if not isinstance(welcome, p.Welcome) or not auth.verify(
+                token, b"server", challenge.nonce, mine, welcome.proof
+            ):
+                raise AuthenticationError(
+                    f"the directory at {address} could not prove it knows our token", peer=address
+                )
+        except asyncio.TimeoutError as exc:
+            writer.close()
+            raise DirectoryUnavailableError(
+                f"the directory at {address} did not complete the handshake in {timeout} s",
+                peer=address,
+                cause="timeout",
+            ) from exc
+        except BaseException:
+            writer.close()
+            raise
+        self.directory_id = welcome.directory_id
+        self.inline_threshold_bytes = welcome.inline_threshold_bytes
+        self._reader, self._writer = reader, writer
+        self._read_task = asyncio.create_task(self._read_loop())
+
+    def next_id(self) -> int:
+        """A fresh request id."""
+        return next(self._ids)
+
+    def send(self, msg: p.Message) -> None:
+        """Send a message that expects no reply."""
+        if self._lost is not None:
+            raise self._lost
+        assert self._writer is not None
+        self._writer.write(p.encode(msg))
+
+    def expect(self, request_id: int) -> asyncio.Future[p.Message]:
+        """Register interest in the reply to ``request_id`` (call before :meth:`send`)."""
+        if self._lost is not None:
+            raise self._lost
+        fut: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = fut
+        return fut
+
+    def forget(self, request_id: int) -> None:
+        """Stop waiting for the reply to ``request_id``."""
+        self._pending.pop(request_id, None)
+
+    async def request(self, msg: p.Message, timeout: float) -> p.Message:
+        """Send a request (it must have ``request_id``) and wait for its reply."""
+        request_id = int(getattr(msg, "request_id", 0))
+        fut = self.expect(request_id)
+        try:
+            self.send(msg)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise DirectoryUnavailableError(
+                f"the directory at {self.address} did not answer a {msg.TYPE} request in {timeout} s",
+                peer=self.address,
+                cause="timeout",
+            ) from None
+        finally:
+            self.forget(request_id)
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        error: HopliteError
+        try:
+            while True:
+                msg = await read_frame(self._reader, self.limit)
+                request_id = getattr(msg, "request_id", None)
+                fut = self._pending.pop(request_id, None) if request_id is not None else None
+                if fut is not None:
+                    if not fut.done():
+                        fut.set_result(msg)
+                elif request_id is None:
+                    self.on_push(msg)
+            # unreachable
+        except ProtocolError as exc:
+            log.error("bad message from the directory: %s", exc)
+            error = exc
+        except asyncio.CancelledError:
+            error = DirectoryUnavailableError(
+                "the directory connection was closed", peer=self.address, cause="closed"
+            )
+        except Exception as exc:
+            error = DirectoryUnavailableError(
+                f"lost the connection to the directory at {self.address}: {type(exc).__name__}",
+                peer=self.address,
+                cause=type(exc).__name__,
+            )
+        self._lost = error
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._pending.clear()
+
+    async def close(self) -> None:
+        """Close the connection."""
+        if self._read_task is not None:
+            self._read_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._read_task
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._writer.wait_closed(), 1.0)

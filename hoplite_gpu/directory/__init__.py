@@ -1,0 +1,8 @@
+"""The object directory: a pure state machine (:mod:`.state`) and its asyncio host (:mod:`.service`)."""
+
+from __future__ import annotations
+
+from .service import DirectoryService, DirectoryThread
+from .state import DirectoryState
+
+__all__ = ["DirectoryService", "DirectoryState", "DirectoryThread"]

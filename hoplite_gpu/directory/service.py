@@ -1,0 +1,229 @@
+"""Asyncio service hosting :class:`~hoplite_gpu.directory.state.DirectoryState` over TCP.
+
+The service is a thin shell: it authenticates connections, decodes frames into events, feeds them to
+the state machine with the current monotonic time, and writes the resulting instructions to the
+right connections. A connection that fails authentication, or sends a malformed or oversized frame,
+is closed and logged; everyone else keeps being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from .. import auth
+from .. import protocol as p
+from ..errors import HopliteError, ProtocolError
+from .state import AuthFailed, DirectoryState, Event, NodeJoined, NodeLeft, Request, Send, Tick
+
+log = logging.getLogger("hoplite_gpu.directory")
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int) -> p.Message:
+    """Read and decode one control frame (raises ProtocolError / IncompleteReadError)."""
+    header = await reader.readexactly(p.FRAME_HEADER.size)
+    length = p.frame_length(header, limit)
+    return p.decode(await reader.readexactly(length))
+
+
+class _Conn:
+    __slots__ = ("node_id", "peer", "writer")
+
+    def __init__(self, node_id: str, writer: asyncio.StreamWriter, peer: str) -> None:
+        self.node_id = node_id
+        self.writer = writer
+        self.peer = peer
+
+
+class DirectoryService:
+    """The directory, served on ``host:port`` (port 0 picks a free one).
+
+    Args:
+        token: Shared secret every node must prove it knows.
+        host: Interface to bind.
+        port: TCP port (0: any free port).
+        inline_threshold_bytes: Objects up to this size are stored in the directory.
+        max_message_bytes: Larger control frames are refused and the connection closed.
+    """
+
+    def __init__(
+        self,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        inline_threshold_bytes: int = 64 * 1024,
+        max_message_bytes: int = 64 * 1024 + 1024 * 1024,
+    ) -> None:
+        if not token:
+            raise HopliteError("the directory needs a non-empty token")
+        self.token = token
+        self.host = host
+        self.port = port
+        self.max_message_bytes = max_message_bytes
+        self.state = DirectoryState(inline_threshold_bytes=inline_threshold_bytes)
+        self.directory_id = uuid.uuid4().hex
+        self.auth_failures = 0
+        self._conns: dict[str, _Conn] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._handlers: set[asyncio.Task[Any]] = set()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the service listens on."""
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and start serving."""
+        self._server = await asyncio.start_server(self._on_connection, self.host, self.port)
+        sock = self._server.sockets[0]
+        self.port = sock.getsockname()[1]
+        self._ticker = asyncio.create_task(self._tick_loop())
+        log.info("directory %s listening on %s", self.directory_id, self.address)
+
+    async def stop(self) -> None:
+        """Stop serving and close every connection."""
+        if self._server is not None:
+            self._server.close()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for conn in list(self._conns.values()):
+            conn.writer.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+    # ------------------------------------------------------------ connections
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        peer = ":".join(str(x) for x in writer.get_extra_info("peername")[:2])
+        node_id: str | None = None
+        try:
+            node_id = await self._handshake(reader, writer, peer)
+            if node_id is None:
+                return
+            while True:
+                msg = await read_frame(reader, self.max_message_bytes)
+                self._apply(Request(node_id, msg, time.monotonic()))
+        except ProtocolError as exc:
+            log.warning("closing connection from %s (node %s): %s", peer, node_id, exc)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._handlers.discard(task)
+            if node_id is not None and self._conns.get(node_id) is not None:
+                if self._conns[node_id].writer is writer:
+                    del self._conns[node_id]
+                    self._apply(NodeLeft(node_id, time.monotonic()))
+            writer.close()
+
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+    ) -> str | None:
+        nonce = auth.new_nonce()
+        writer.write(p.encode(p.Challenge(nonce=nonce)))
+        await writer.drain()
+        try:
+            hello = await asyncio.wait_for(read_frame(reader, 4096), HANDSHAKE_TIMEOUT)
+        except (asyncio.TimeoutError, ProtocolError, asyncio.IncompleteReadError) as exc:
+            self.auth_failures += 1
+            log.warning("dropping %s: no valid hello (%s)", peer, type(exc).__name__)
+            self._apply(AuthFailed(peer, time.monotonic()))
+            return None
+        if not isinstance(hello, p.Hello) or not auth.verify(
+            self.token, b"client", nonce, hello.nonce, hello.proof
+        ):
+            self.auth_failures += 1
+            log.warning("dropping %s: authentication failed (wrong token?)", peer)
+            self._apply(AuthFailed(peer, time.monotonic()))
+            return None
+        if hello.node_id in self._conns:
+            log.warning("dropping %s: node id %s already connected", peer, hello.node_id)
+            return None
+        writer.write(
+            p.encode(
+                p.Welcome(
+                    proof=auth.mac(self.token, b"server", nonce, hello.nonce),
+                    directory_id=self.directory_id,
+                    inline_threshold_bytes=self.state.inline_threshold_bytes,
+                )
+            )
+        )
+        await writer.drain()
+        self._conns[hello.node_id] = _Conn(hello.node_id, writer, peer)
+        self._apply(NodeJoined(hello.node_id, hello.data_host, hello.data_port, time.monotonic()))
+        return hello.node_id
+
+    # ------------------------------------------------------------ state machine glue
+    def _apply(self, event: Event) -> None:
+        for instr in self.state.handle(event):
+            if isinstance(instr, Send):
+                conn = self._conns.get(instr.node_id)
+                if conn is not None and not conn.writer.is_closing():
+                    conn.writer.write(p.encode(instr.message))
+        self._wake.set()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            deadline = self.state.next_deadline()
+            self._wake.clear()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._apply(Tick(time.monotonic()))
+
+
+class DirectoryThread:
+    """A :class:`DirectoryService` on a dedicated event-loop thread (used by the standalone command)."""
+
+    def __init__(self, service: DirectoryService) -> None:
+        self.service = service
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="hoplite-directory", daemon=True)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self.service.start())
+        except BaseException as exc:  # reported to start()
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Start the thread and return the service address."""
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise HopliteError("embedded directory did not start in time")
+        if self._error is not None:
+            raise HopliteError(f"embedded directory failed to start: {self._error}")
+        return self.service.address
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the service and the thread."""
+        if not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.service.stop(), self._loop)
+        with contextlib.suppress(Exception):
+            fut.result(timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)

@@ -1,0 +1,118 @@
+"""Typed errors raised by hoplite_gpu.
+
+Every error derives from :class:`HopliteError`. Errors carry structured fields, survive pickling (they
+cross process boundaries, e.g. in Ray), and their message says what to do next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HopliteError(Exception):
+    """Root of every error raised by hoplite_gpu.
+
+    Subclasses keep their constructor arguments in ``self.fields`` so they pickle faithfully.
+    """
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.fields))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[HopliteError], message: str, fields: dict[str, Any]) -> HopliteError:
+    err = cls.__new__(cls)
+    HopliteError.__init__(err, message, **fields)
+    return err
+
+
+class HopliteTimeoutError(HopliteError, TimeoutError):
+    """A blocking call did not finish within its timeout.
+
+    Fields: ``operation`` (what was waited for), ``timeout`` (seconds), ``object_id`` (hex or None).
+    """
+
+
+class ObjectNotFoundError(HopliteError, KeyError):
+    """The object is not known where it was expected (e.g. a peer no longer holds it)."""
+
+
+class ObjectExistsError(HopliteError):
+    """``put`` of an ObjectID that already exists with different content, dtype or shape.
+
+    Use a fresh ObjectID (``ObjectID.random()``) or ``delete`` the old object first.
+    """
+
+
+class ObjectDeletedError(HopliteError):
+    """The object was deleted by its owner while this call was waiting for it."""
+
+
+class ObjectTooLargeError(HopliteError, ValueError):
+    """The object is larger than the configured store limit (``Config.max_object_bytes``)."""
+
+
+class StoreFullError(HopliteError, MemoryError):
+    """Storing the object would exceed the node's ``Config.store_capacity_bytes``."""
+
+
+class InvalidArgumentError(HopliteError, ValueError):
+    """An argument has the wrong type or value (e.g. an unsupported array type or dtype)."""
+
+
+class AuthenticationError(HopliteError):
+    """A peer or the directory refused our token, or presented a wrong one.
+
+    Check that every process uses the token printed by the process that started the directory
+    (``node.token`` or the ``HOPLITE_TOKEN`` environment variable).
+    """
+
+
+class ProtocolError(HopliteError):
+    """A malformed, oversized or unexpected message was received; the connection was closed."""
+
+
+class TransportError(HopliteError, ConnectionError):
+    """A data-plane (UCX) or control-plane connection failed.
+
+    Fields: ``peer`` ("host:port"), ``cause`` (the underlying error's type and text).
+    """
+
+
+class PeerLostError(TransportError):
+    """The peer serving or receiving a transfer went away in the middle of it."""
+
+
+class DirectoryUnavailableError(TransportError):
+    """The directory cannot be reached (not started, wrong address, or it went away)."""
+
+
+class NodeClosedError(HopliteError, RuntimeError):
+    """The node was closed; create a new one with ``hoplite_gpu.init`` or ``hoplite_gpu.connect``."""
+
+
+__all__ = [
+    "AuthenticationError",
+    "DirectoryUnavailableError",
+    "HopliteError",
+    "HopliteTimeoutError",
+    "InvalidArgumentError",
+    "NodeClosedError",
+    "ObjectDeletedError",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
+    "ObjectTooLargeError",
+    "PeerLostError",
+    "ProtocolError",
+    "StoreFullError",
+    "TransportError",
+]

@@ -1,0 +1,321 @@
+"""Every wire message of hoplite_gpu, and their codecs.
+
+Control plane (node <-> directory, over TCP): frames of a 4-byte big-endian length followed by a
+msgpack array ``[PROTOCOL_VERSION, message_type, {field: value}]``. Each message is a frozen
+dataclass below; :func:`decode` validates the version, the type name, the field names and each
+field's type, and raises :class:`ProtocolError` on anything else.
+
+Data plane (node <-> node, over UCX): fixed-size binary headers (``struct``) defined at the bottom,
+so the receiver can post a buffer of known size.
+"""
+
+from __future__ import annotations
+
+import struct
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+FRAME_HEADER = struct.Struct(">I")
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+class Message:
+    """Base of every control-plane message."""
+
+    __slots__ = ()
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.TYPE:
+            # dataclass(slots=True) re-creates the class, so the same name registers twice.
+            previous = _REGISTRY.get(cls.TYPE)
+            if previous is not None and previous.__qualname__ != cls.__qualname__:
+                raise RuntimeError(f"duplicate message type {cls.TYPE}")
+            _REGISTRY[cls.TYPE] = cls
+
+
+# ---------------------------------------------------------------- handshake
+@dataclass(frozen=True, slots=True)
+class Challenge(Message):
+    """Directory -> node: first frame on a connection."""
+
+    TYPE: ClassVar[str] = "challenge"
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """Node -> directory: authenticate and introduce the node."""
+
+    TYPE: ClassVar[str] = "hello"
+    node_id: str
+    nonce: bytes
+    proof: bytes
+    data_host: str
+    data_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    """Directory -> node: authentication accepted; carries the directory's proof."""
+
+    TYPE: ClassVar[str] = "welcome"
+    proof: bytes
+    directory_id: str
+    inline_threshold_bytes: int
+
+
+# ---------------------------------------------------------------- requests (node -> directory)
+@dataclass(frozen=True, slots=True)
+class PutRequest(Message):
+    """Register an object whose complete copy the sender holds (or inline data)."""
+
+    TYPE: ClassVar[str] = "put"
+    request_id: int
+    object_id: bytes
+    size: int
+    dtype: str
+    shape: list[int]
+    digest: bytes
+    inline: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequest(Message):
+    """Ask for the object or a source to pull it from; blocks until one exists or ``timeout``.
+
+    ``timeout`` 0 waits until cancelled. ``have_bytes`` is how much of the object the requester
+    already holds (a resumed transfer).
+    """
+
+    TYPE: ClassVar[str] = "lookup"
+    request_id: int
+    object_id: bytes
+    timeout: float
+    have_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CancelLookup(Message):
+    """Withdraw a pending lookup (the caller timed out or was cancelled)."""
+
+    TYPE: ClassVar[str] = "cancel_lookup"
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone(Message):
+    """Receiver -> directory: a transfer ended; ``ok`` means the receiver's copy is complete."""
+
+    TYPE: ClassVar[str] = "transfer_done"
+    transfer_id: int
+    ok: bool
+    progress: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeDone(Message):
+    """Sender -> directory: it finished serving a transfer (for the event log)."""
+
+    TYPE: ClassVar[str] = "serve_done"
+    transfer_id: int
+    bytes_sent: int
+    bytes_sent_while_incomplete: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteRequest(Message):
+    """Delete the object (owner: everywhere; other nodes: their own copy only)."""
+
+    TYPE: ClassVar[str] = "delete"
+    request_id: int
+    object_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EventLogRequest(Message):
+    """Fetch directory events with sequence number >= ``since`` (diagnostics and tests)."""
+
+    TYPE: ClassVar[str] = "event_log"
+    request_id: int
+    since: int = 0
+
+
+# ---------------------------------------------------------------- replies and pushes
+@dataclass(frozen=True, slots=True)
+class PutReply(Message):
+    """Directory -> node: result of a :class:`PutRequest`; ``error`` is empty on success."""
+
+    TYPE: ClassVar[str] = "put_reply"
+    request_id: int
+    error: str = ""
+    error_kind: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply(Message):
+    """Directory -> node: where to get an object.
+
+    ``status`` is ``"inline"`` (data in ``inline``), ``"pull"`` (stream from the sender at
+    ``sender_host:sender_port`` under ``transfer_id``), or ``"timeout"``.
+    """
+
+    TYPE: ClassVar[str] = "lookup_reply"
+    request_id: int
+    status: str
+    object_id: bytes
+    size: int = 0
+    dtype: str = ""
+    shape: list[int] = field(default_factory=list)
+    digest: bytes = b""
+    inline: bytes | None = None
+    transfer_id: int = 0
+    sender_node: str = ""
+    sender_host: str = ""
+    sender_port: int = 0
+    sender_complete: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteReply(Message):
+    """Directory -> node: the object was deleted (``deleted``) or was not known."""
+
+    TYPE: ClassVar[str] = "delete_reply"
+    request_id: int
+    deleted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DropObject(Message):
+    """Directory -> node (push): the owner deleted the object; drop the local copy."""
+
+    TYPE: ClassVar[str] = "drop_object"
+    object_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EventLogReply(Message):
+    """Directory -> node: events (dicts with ``seq``, ``t``, ``kind`` and details)."""
+
+    TYPE: ClassVar[str] = "event_log_reply"
+    request_id: int
+    events: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply(Message):
+    """Directory -> node: the request could not be served."""
+
+    TYPE: ClassVar[str] = "error"
+    request_id: int
+    kind: str
+    message: str
+
+
+# ---------------------------------------------------------------- codec
+_HINT_CACHE: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINT_CACHE.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls)
+        hints = {f.name: hints[f.name] for f in fields(cls)}
+        _HINT_CACHE[cls] = hints
+    return hints
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, inner) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a message into one frame (length prefix included)."""
+    body = {f.name: getattr(msg, f.name) for f in fields(msg)}  # type: ignore[arg-type]
+    payload = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True)
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def decode(payload: bytes) -> Message:
+    """Parse and validate one frame body (without the length prefix)."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable control message: {exc}") from exc
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise ProtocolError("control message is not [version, type, body]")
+    version, kind, body = obj
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} not supported (this build speaks {PROTOCOL_VERSION}); "
+            "run the same hoplite_gpu version everywhere",
+            version=version,
+        )
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
+    if cls is None or not isinstance(body, dict):
+        raise ProtocolError(f"unknown control message type {kind!r}")
+    hints = _hints(cls)
+    for name, value in body.items():
+        hint = hints.get(name)
+        if hint is None:
+            raise ProtocolError(f"{kind}: unexpected field {name!r}")
+        if not _matches(value, hint):
+            raise ProtocolError(f"{kind}: field {name!r} has type {type(value).__name__}")
+    try:
+        return cls(**body)
+    except TypeError as exc:
+        raise ProtocolError(f"{kind}: {exc}") from exc
+
+
+def frame_length(header: bytes, limit: int) -> int:
+    """Length announced by a frame header; raises :class:`ProtocolError` above ``limit``."""
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > limit:
+        raise ProtocolError(f"control message of {length} bytes exceeds the limit of {limit}")
+    return int(length)
+
+
+# ---------------------------------------------------------------- data plane (UCX)
+#: Pull request, receiver -> sender: magic, version, transfer_id, offset, object_id (20 bytes).
+PULL_REQUEST = struct.Struct("<4sHxxQQ20s")
+PULL_MAGIC = b"HGPL"
+#: Pull response, sender -> receiver: status, object size.
+PULL_RESPONSE = struct.Struct("<iiQ")
+PULL_OK = 0
+PULL_NOT_FOUND = 1
+PULL_BAD_REQUEST = 2
+
+#: UCX tags used on a data-plane endpoint (hashed with the endpoint's own tag by ucxx).
+TAG_AUTH = 1
+TAG_REQUEST = 2
+TAG_RESPONSE = 3
+TAG_WARMUP = 4
+TAG_ACK = 5  # receiver -> sender, per transfer: 8 bytes, the receiver's final byte count
+ACK = struct.Struct("<Q")
+TAG_CHUNK_BASE = 1 << 20  # chunk tag of a transfer = TAG_CHUNK_BASE + transfer_id

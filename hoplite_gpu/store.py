@@ -1,0 +1,203 @@
+"""A node's local object store: buffers with progress counters.
+
+A partial copy is readable up to its progress, which is how a node forwards the chunks of an object
+it is still receiving. The store is used only from the node's event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .errors import (
+    HopliteError,
+    HopliteTimeoutError,
+    InvalidArgumentError,
+    ObjectDeletedError,
+    StoreFullError,
+)
+from .object_id import ObjectID
+
+_SPECIAL_DTYPES = ("bfloat16",)
+
+
+def dtype_to_wire(dtype: np.dtype[Any]) -> str:
+    """Text form of a dtype that :func:`dtype_from_wire` turns back into it."""
+    if dtype.hasobject:
+        raise InvalidArgumentError(
+            "object arrays cannot be stored (their bytes are pointers); convert to a numeric dtype",
+            argument="array",
+        )
+    if dtype.name in _SPECIAL_DTYPES:
+        return dtype.name
+    return dtype.str if dtype.fields is None else np.lib.format.dtype_to_descr(dtype).__repr__()
+
+
+def dtype_from_wire(text: str) -> np.dtype[Any]:
+    """Inverse of :func:`dtype_to_wire`."""
+    if text in _SPECIAL_DTYPES:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+    if text.startswith("["):
+        import ast
+
+        return np.dtype(ast.literal_eval(text))
+    return np.dtype(text)
+
+
+def digest_of(buf: np.ndarray[Any, Any]) -> bytes:
+    """128-bit xxh3 digest of a contiguous byte buffer (about 10 GB/s)."""
+    return xxhash.xxh3_128_digest(memoryview(buf).cast("B"))  # type: ignore[arg-type]
+
+
+@dataclass(eq=False, slots=True)
+class LocalObject:
+    """One object in the local store (complete, or partial and filling)."""
+
+    object_id: ObjectID
+    size: int
+    dtype: str
+    shape: tuple[int, ...]
+    digest: bytes
+    data: np.ndarray[Any, Any]  # flat uint8 view of the bytes
+    progress: int = 0
+    owner: bool = False
+    error: HopliteError | None = None
+    _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """All bytes are present."""
+        return self.progress >= self.size and self.error is None
+
+    def array(self) -> np.ndarray[Any, Any]:
+        """Read-only typed view of the complete object."""
+        view = self.data.view(dtype_from_wire(self.dtype)).reshape(self.shape)
+        view.flags.writeable = False
+        return view
+
+    def advance(self, progress: int) -> None:
+        """Record that bytes ``[0, progress)`` are present and wake the waiters they satisfy."""
+        if progress <= self.progress:
+            return
+        self.progress = min(progress, self.size)
+        keep = []
+        for need, fut in self._waiters:
+            if need <= self.progress:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((need, fut))
+        self._waiters = keep
+
+    def fail(self, error: HopliteError) -> None:
+        """Mark the object unusable and fail every waiter with ``error``."""
+        self.error = error
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(error)
+        self._waiters = []
+
+    async def wait_progress(self, need: int, timeout: float | None) -> None:
+        """Wait until ``need`` bytes are present (raises on failure or timeout)."""
+        if self.error is not None:
+            raise self.error
+        if self.progress >= min(need, self.size):
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((min(need, self.size), fut))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise HopliteTimeoutError(
+                f"object {self.object_id} made no progress for {timeout} s "
+                f"({self.progress}/{self.size} bytes present)",
+                operation="wait_progress",
+                timeout=timeout,
+                object_id=self.object_id.hex(),
+            ) from None
+        finally:
+            self._waiters = [(n, f) for n, f in self._waiters if f is not fut]
+
+
+class LocalStore:
+    """The objects this node holds, with a capacity limit."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._objects: dict[ObjectID, LocalObject] = {}
+        self._arrivals: dict[ObjectID, list[asyncio.Future[LocalObject]]] = {}
+
+    def __contains__(self, oid: ObjectID) -> bool:
+        return oid in self._objects
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def get(self, oid: ObjectID) -> LocalObject | None:
+        """The local object, or None."""
+        return self._objects.get(oid)
+
+    def reserve(self, nbytes: int) -> None:
+        """Check that ``nbytes`` more fit in the store."""
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            raise StoreFullError(
+                f"storing {nbytes} bytes would exceed this node's store capacity "
+                f"({self.used_bytes}/{self.capacity_bytes} bytes used); delete objects or raise "
+                "Config.store_capacity_bytes",
+                requested=nbytes,
+                used=self.used_bytes,
+                capacity=self.capacity_bytes,
+            )
+
+    def add(self, obj: LocalObject) -> LocalObject:
+        """Insert an object (its bytes count against the capacity)."""
+        self.reserve(obj.size)
+        self._objects[obj.object_id] = obj
+        self.used_bytes += obj.size
+        for fut in self._arrivals.pop(obj.object_id, []):
+            if not fut.done():
+                fut.set_result(obj)
+        return obj
+
+    def remove(self, oid: ObjectID, error: HopliteError | None = None) -> LocalObject | None:
+        """Remove an object, failing its waiters with ``error`` (default: ObjectDeletedError)."""
+        obj = self._objects.pop(oid, None)
+        if obj is None:
+            return None
+        self.used_bytes -= obj.size
+        if not obj.complete or obj._waiters:
+            obj.fail(error or ObjectDeletedError(f"object {oid} was deleted", object_id=oid.hex()))
+        return obj
+
+    async def wait_for(self, oid: ObjectID, timeout: float) -> LocalObject | None:
+        """The object, waiting up to ``timeout`` for it to be added (None if it never is)."""
+        obj = self._objects.get(oid)
+        if obj is not None:
+            return obj
+        fut: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
+        self._arrivals.setdefault(oid, []).append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            waiting = self._arrivals.get(oid)
+            if waiting is not None:
+                waiting[:] = [f for f in waiting if f is not fut]
+                if not waiting:
+                    del self._arrivals[oid]
+
+    def clear(self, error: HopliteError) -> None:
+        """Drop everything (node shutdown)."""
+        for oid in list(self._objects):
+            self.remove(oid, error)
+        for futs in self._arrivals.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.cancel()
+        self._arrivals.clear()

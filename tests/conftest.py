@@ -1,0 +1,29 @@
+"""Shared fixtures: an embedded directory in the test process and worker processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.procs import Worker, start_workers
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[Any]:
+    """A node with an embedded directory, living in the test process."""
+    import hoplite_gpu as hg
+
+    node = hg.init()
+    yield node
+    node.close()
+
+
+@pytest.fixture(scope="module")
+def workers(owner: Any) -> Iterator[list[Worker]]:
+    """Eight worker processes joined to ``owner``'s directory."""
+    ws = start_workers(owner.directory_address, owner.token, 8)
+    yield ws
+    for w in ws:
+        w.stop()

@@ -1,0 +1,139 @@
+"""Helpers for multi-process tests: worker processes that run node commands sent over a pipe."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import xxhash
+
+CMD_TIMEOUT = 120.0
+
+
+def digest(arr: np.ndarray[Any, Any]) -> str:
+    """Hex xxh3-128 of an array's bytes plus its dtype and shape."""
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return f"{arr.dtype.str}{tuple(arr.shape)}:{xxhash.xxh3_128_hexdigest(flat)}"
+
+
+def make_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any, Any]:
+    """Deterministic array of any dtype/shape (distinct per seed)."""
+    n = int(np.prod(shape))
+    raw = (np.arange(n, dtype=np.int64) * 2654435761 + seed) % 251
+    return raw.astype(dtype).reshape(shape)
+
+
+def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> None:
+    import hoplite_gpu as hg
+
+    node = hg.connect(address, token=token, **overrides)
+    conn.send(("ok", node.node_id))
+
+    def run(cmd: str, args: tuple[Any, ...]) -> Any:
+        if cmd == "get":
+            oid_hex, timeout = args
+            return digest(node.get(hg.ObjectID.from_hex(oid_hex), timeout=timeout))
+        if cmd == "get_many":
+            oids, timeout = args
+
+            async def all_of() -> list[str]:
+                arrs = await asyncio.gather(
+                    *(node.get_async(hg.ObjectID.from_hex(h), timeout=timeout) for h in oids)
+                )
+                return [digest(a) for a in arrs]
+
+            return asyncio.run(all_of())
+        if cmd == "put":
+            dtype, shape, seed, oid_hex = args
+            oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
+            return node.put(make_array(dtype, shape, seed), oid).hex()
+        if cmd == "contains":
+            return node.contains(hg.ObjectID.from_hex(args[0]))
+        if cmd == "delete":
+            return node.delete(hg.ObjectID.from_hex(args[0]))
+        raise ValueError(cmd)
+
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            cmd, args = msg
+            try:
+                conn.send(("ok", run(cmd, args)))
+            except BaseException as exc:  # report to the test
+                conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
+    finally:
+        node.close()
+
+
+class Worker:
+    """A spawned process with its own node, driven by commands."""
+
+    def __init__(self, address: str, token: str, **overrides: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(address, token, overrides, child), daemon=True)
+        self.proc.start()
+        self.node_id = ""
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Wait until the worker's node has joined."""
+        self.node_id = self._recv(timeout)
+
+    def send(self, cmd: str, *args: Any) -> None:
+        """Start a command without waiting for its result."""
+        self.conn.send((cmd, args))
+
+    def result(self, timeout: float = CMD_TIMEOUT) -> Any:
+        """Result of the command started last (re-raises its error as RuntimeError)."""
+        return self._recv(timeout)
+
+    def call(self, cmd: str, *args: Any, timeout: float = CMD_TIMEOUT) -> Any:
+        """Run a command and return its result."""
+        self.send(cmd, *args)
+        return self.result(timeout)
+
+    def _recv(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker {self.proc.pid} did not answer within {timeout} s")
+        status, value = self.conn.recv()
+        if status == "error":
+            name, text, tb = value
+            raise RuntimeError(f"{name}: {text}\n{tb}")
+        return value
+
+    def stop(self) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        try:
+            self.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def start_workers(address: str, token: str, n: int, **overrides: Any) -> list[Worker]:
+    """Start ``n`` workers and wait until all joined."""
+    workers = [Worker(address, token, **overrides) for _ in range(n)]
+    for w in workers:
+        w.wait_ready()
+    return workers
+
+
+def wait_for_events(node: Any, predicate: Any, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """Poll the directory event log until ``predicate(events)`` holds (deadline, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = node.event_log()
+        if predicate(events):
+            return events
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"directory events never satisfied the condition: {events[-10:]}")
+        time.sleep(0.02)

@@ -1,0 +1,196 @@
+"""API behaviour in one process (embedded directory): bad input, typed errors, auth, CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu import protocol as p
+from hoplite_gpu.config import Config
+from hoplite_gpu.store import LocalObject, LocalStore
+from hoplite_gpu.transport import DataPlane
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_object_id_forms() -> None:
+    a = hg.ObjectID.from_name("weights/step-7")
+    assert a == hg.ObjectID.from_name("weights/step-7") != hg.ObjectID.from_name("weights/step-8")
+    assert hg.ObjectID.from_bytes(a.binary()) == a == hg.ObjectID.from_hex(a.hex())
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert hg.ObjectID.random() != hg.ObjectID.random()
+    with pytest.raises(hg.InvalidArgumentError):
+        hg.ObjectID.from_bytes(b"short")
+
+
+def test_errors_pickle_with_fields() -> None:
+    err = hg.HopliteTimeoutError("late", operation="get", timeout=1.5, object_id="ab")
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, hg.HopliteTimeoutError) and isinstance(back, TimeoutError)
+    assert (back.operation, back.timeout, str(back)) == ("get", 1.5, "late")
+
+
+def test_put_get_local_roundtrip_and_readonly(owner: Any) -> None:
+    arr = np.arange(100_000, dtype=np.float64).reshape(100, 1000)
+    oid = owner.put(arr, hg.ObjectID.from_name("local-roundtrip"))
+    got = owner.get(oid, timeout=5)
+    assert got.dtype == arr.dtype and got.shape == arr.shape and np.array_equal(got, arr)
+    with pytest.raises(ValueError):
+        got[0, 0] = 1.0
+    out = np.empty_like(arr)
+    assert owner.get(oid, out=out) is out and np.array_equal(out, arr)
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.get(oid, out=np.empty((3,), np.float64))
+    owner.delete(oid)
+
+
+def test_unknown_object_times_out_typed(owner: Any) -> None:
+    with pytest.raises(hg.HopliteTimeoutError) as info:
+        owner.get(hg.ObjectID.random(), timeout=0.3)
+    assert info.value.operation == "get"
+
+
+def test_get_async_twin(owner: Any) -> None:
+    arr = np.arange(50_000, dtype=np.int32)
+
+    async def flow() -> np.ndarray[Any, Any]:
+        oid = await owner.put_async(arr)
+        return await owner.get_async(oid, timeout=5)  # type: ignore[no-any-return]
+
+    assert np.array_equal(asyncio.run(flow()), arr)
+
+
+def test_put_conflicting_content_is_typed(owner: Any) -> None:
+    oid = hg.ObjectID.from_name("conflict")
+    owner.put(np.zeros(1000, np.float32), oid)
+    owner.put(np.zeros(1000, np.float32), oid)  # same content: idempotent
+    with pytest.raises(hg.ObjectExistsError):
+        owner.put(np.ones(1000, np.float32), oid)
+    other = hg.connect(owner.directory_address, token=owner.token)
+    try:
+        with pytest.raises(hg.ObjectExistsError):
+            other.put(np.ones(1000, np.float32), oid)  # detected by the directory
+    finally:
+        other.close()
+    owner.delete(oid)
+
+
+def test_bad_puts_are_typed(owner: Any) -> None:
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.put([1, 2, 3])
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.put(np.array([object()], dtype=object))
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.get("not-an-id")
+    small = hg.connect(owner.directory_address, token=owner.token, max_object_bytes=1024)
+    try:
+        with pytest.raises(hg.ObjectTooLargeError):
+            small.put(np.zeros(2048, np.uint8))
+    finally:
+        small.close()
+
+
+def test_closed_node_raises() -> None:
+    node = hg.init()
+    node.close()
+    node.close()  # idempotent
+    with pytest.raises(hg.NodeClosedError):
+        node.put(np.zeros(4))
+
+
+def test_wrong_token_refused_and_directory_keeps_serving(owner: Any) -> None:
+    with pytest.raises(hg.AuthenticationError):
+        hg.connect(owner.directory_address, token="not-the-token")
+    events = owner.event_log()
+    assert any(e["kind"] == "auth_failed" for e in events)
+    oid = owner.put(np.arange(10))
+    assert np.array_equal(owner.get(oid, timeout=5), np.arange(10))
+
+
+def test_malformed_and_oversized_frames_close_only_that_connection(owner: Any) -> None:
+    host, port = owner.directory_address.rsplit(":", 1)
+    for payload in (b"\xff" * 64, struct.pack(">I", 1 << 30) + b"x"):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.recv(4096)  # the challenge
+            s.sendall(payload)
+            s.settimeout(5)
+            assert s.recv(4096) == b""  # closed by the directory
+    oid = owner.put(np.arange(20))
+    assert np.array_equal(owner.get(oid, timeout=5), np.arange(20))
+
+
+def test_data_plane_refuses_wrong_token(owner: Any) -> None:
+    from hoplite_gpu.node import IOThread
+
+    host, port = owner.data_address.rsplit(":", 1)
+    before = owner.stats()["data_auth_failures"]
+
+    async def attempt() -> None:
+        plane = DataPlane(LocalStore(1 << 20), "wrong-token", Config(connect_timeout=5))
+        obj = LocalObject(hg.ObjectID.random(), 8, "<i8", (1,), b"", np.empty(8, np.uint8))
+        try:
+            await plane.pull(host, int(port), obj, transfer_id=1)
+        finally:
+            await plane.close()
+
+    with pytest.raises(hg.AuthenticationError):
+        IOThread.get().run(attempt(), timeout=30)
+    assert owner.stats()["data_auth_failures"] == before + 1
+
+
+def test_protocol_rejects_bad_messages() -> None:
+    import msgpack
+
+    with pytest.raises(hg.ProtocolError):
+        p.decode(msgpack.packb([p.PROTOCOL_VERSION, "lookup", {"request_id": "x"}]))
+    with pytest.raises(hg.ProtocolError):
+        p.decode(msgpack.packb([99, "lookup", {}]))
+    with pytest.raises(hg.ProtocolError):
+        p.frame_length(struct.pack(">I", 10_000), limit=100)
+    msg = p.LookupRequest(request_id=1, object_id=b"a" * 20, timeout=1.5)
+    assert p.decode(p.encode(msg)[4:]) == msg
+
+
+def test_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOPLITE_CHUNK_BYTES", "1048576")
+    monkeypatch.setenv("HOPLITE_VERIFY_DIGEST", "true")
+    cfg = Config.from_env(chunks_in_flight=2)
+    assert (cfg.chunk_bytes, cfg.verify_digest, cfg.chunks_in_flight) == (1 << 20, True, 2)
+    with pytest.raises(hg.InvalidArgumentError):
+        Config(chunk_bytes=0)
+
+
+def test_standalone_directory_command() -> None:
+    env = dict(os.environ, HOPLITE_TOKEN="cli-token")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on" in line
+        address = line.rsplit(" ", 1)[1].strip()
+        a = hg.connect(address, token="cli-token")
+        b = hg.connect(address, token="cli-token")
+        try:
+            oid = a.put(np.arange(300_000, dtype=np.int64))  # 2.4 MB, through the data plane
+            assert np.array_equal(b.get(oid, timeout=30), np.arange(300_000))
+        finally:
+            a.close()
+            b.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
