@@ -1,0 +1,18 @@
+"""A bounded run of the demo (the full one is `make demo`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hoplite_gpu.demo import format_table, run_demo
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+
+def test_demo_small_run_verifies_every_byte() -> None:
+    rows = run_demo(workers=2, sizes="1KiB,3MiB")
+    assert [r["size"] for r in rows] == [1024, 3 << 20]
+    assert all(r["verified"] and r["receivers"] == 2 for r in rows)
+    assert all(r["socket_gbps"] > 0 and r["memcpy_gbps"] > 0 for r in rows)
+    table = format_table(rows)
+    assert "| 3 MiB | 2 |" in table and "NO" not in table
