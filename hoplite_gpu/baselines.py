@@ -7,7 +7,6 @@ import multiprocessing as mp
 import re
 import socket
 import time
-from typing import Any
 
 import numpy as np
 
@@ -90,8 +89,3 @@ def memcpy_gbps(size: int, repeat: int = 3) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return size / best / 1e9
-
-
-def describe(x: Any) -> str:
-    """Short text for a figure (``"1.23"``)."""
-    return f"{x:.2f}"

@@ -28,7 +28,6 @@ from .config import Config, apply_ucx_defaults
 from .errors import (
     AuthenticationError,
     HopliteError,
-    HopliteTimeoutError,
     ObjectNotFoundError,
     PeerLostError,
     TransportError,
@@ -422,13 +421,3 @@ class DataPlane:
                 for _, fut in window:
                     fut.cancel()
                 await asyncio.gather(*(f for _, f in window), return_exceptions=True)
-
-    @staticmethod
-    def timeout_error(what: str, timeout: float, oid: ObjectID) -> HopliteTimeoutError:
-        """A typed timeout for ``what`` on ``oid``."""
-        return HopliteTimeoutError(
-            f"{what} of {oid} did not finish within {timeout} s",
-            operation=what,
-            timeout=timeout,
-            object_id=oid.hex(),
-        )

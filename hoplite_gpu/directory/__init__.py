@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .service import DirectoryService, DirectoryThread
+from .service import DirectoryService
 from .state import DirectoryState
 
-__all__ = ["DirectoryService", "DirectoryState", "DirectoryThread"]
+__all__ = ["DirectoryService", "DirectoryState"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from typing import Any
@@ -186,44 +185,3 @@ class DirectoryService:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._apply(Tick(time.monotonic()))
-
-
-class DirectoryThread:
-    """A :class:`DirectoryService` on a dedicated event-loop thread (used by the standalone command)."""
-
-    def __init__(self, service: DirectoryService) -> None:
-        self.service = service
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="hoplite-directory", daemon=True)
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self.service.start())
-        except BaseException as exc:  # reported to start()
-            self._error = exc
-            self._started.set()
-            return
-        self._started.set()
-        self._loop.run_forever()
-
-    def start(self, timeout: float = 10.0) -> str:
-        """Start the thread and return the service address."""
-        self._thread.start()
-        if not self._started.wait(timeout):
-            raise HopliteError("embedded directory did not start in time")
-        if self._error is not None:
-            raise HopliteError(f"embedded directory failed to start: {self._error}")
-        return self.service.address
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the service and the thread."""
-        if not self._thread.is_alive():
-            return
-        fut = asyncio.run_coroutine_threadsafe(self.service.stop(), self._loop)
-        with contextlib.suppress(Exception):
-            fut.result(timeout)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,15 +325,7 @@ class DirectoryState:
         entry = self.objects.get(oid)
         if not queue or entry is None:
             return
-        waiting: deque[PendingLookup] = deque()
-        while queue:
-            pl = queue.popleft()
-            if not self._try_answer(entry, pl, now):
-                waiting.append(pl)
-        if waiting:
-            self.pending[oid] = waiting
-        else:
-            del self.pending[oid]
+        self._retain_pending(oid, lambda pl: not self._try_answer(entry, pl, now))
 
     def _try_answer(self, entry: ObjectEntry, pl: PendingLookup, now: float) -> bool:
         meta: dict[str, Any] = dict(
@@ -476,12 +469,8 @@ class DirectoryState:
         if self.nodes.pop(ev.node_id, None) is None:
             return
         self._log(ev.now, "node_left", node=ev.node_id)
-        for oid, queue in list(self.pending.items()):
-            kept = deque(pl for pl in queue if pl.node_id != ev.node_id)
-            if kept:
-                self.pending[oid] = kept
-            else:
-                del self.pending[oid]
+        for oid in list(self.pending):
+            self._retain_pending(oid, lambda pl: pl.node_id != ev.node_id)
         touched: set[bytes] = set()
         for tid, tr in list(self.transfers.items()):
             if ev.node_id in (tr.sender, tr.receiver):
@@ -499,29 +488,29 @@ class DirectoryState:
             self._serve_pending(oid, ev.now)
 
     def _expire(self, now: float) -> None:
-        for oid, queue in list(self.pending.items()):
-            kept: deque[PendingLookup] = deque()
-            for pl in queue:
-                if pl.deadline is not None and pl.deadline <= now:
-                    self._send(
-                        pl.node_id,
-                        p.LookupReply(request_id=pl.request_id, status="timeout", object_id=oid),
-                    )
-                    self._log(now, "lookup_timeout", node=pl.node_id, object_id=oid.hex())
-                else:
-                    kept.append(pl)
-            if kept:
-                self.pending[oid] = kept
-            else:
-                del self.pending[oid]
+        def alive(pl: PendingLookup) -> bool:
+            if pl.deadline is None or pl.deadline > now:
+                return True
+            reply = p.LookupReply(request_id=pl.request_id, status="timeout", object_id=pl.object_id)
+            self._send(pl.node_id, reply)
+            self._log(now, "lookup_timeout", node=pl.node_id, object_id=pl.object_id.hex())
+            return False
+
+        for oid in list(self.pending):
+            self._retain_pending(oid, alive)
 
     def _drop_pending(self, node_id: str, request_id: int) -> None:
-        for oid, queue in list(self.pending.items()):
-            kept = deque(pl for pl in queue if not (pl.node_id == node_id and pl.request_id == request_id))
-            if kept:
-                self.pending[oid] = kept
-            else:
-                del self.pending[oid]
+        for oid in list(self.pending):
+            self._retain_pending(oid, lambda pl: (pl.node_id, pl.request_id) != (node_id, request_id))
+
+    def _retain_pending(self, oid: bytes, keep: Callable[[PendingLookup], bool]) -> None:
+        """Keep, in order, the lookups waiting for ``oid`` for which ``keep`` is true (it may
+        answer the others); forget the queue once it is empty."""
+        kept = deque(pl for pl in self.pending.get(oid, ()) if keep(pl))
+        if kept:
+            self.pending[oid] = kept
+        else:
+            self.pending.pop(oid, None)
 
     # ------------------------------------------------------------ helpers
     def _send(self, node_id: str, message: p.Message) -> None:
