@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
-from hoplite_gpu.baselines import format_size, memcpy_gbps, parse_size, socket_copy_gbps
+from hoplite_gpu.baselines import (
+    format_size,
+    memcpy_gbps,
+    parse_size,
+    socket_copy_gbps,
+    socket_copy_times,
+)
 
-__all__ = ["format_size", "memcpy_gbps", "parse_size", "socket_copy_gbps"]
+__all__ = ["format_size", "memcpy_gbps", "parse_size", "socket_copy_gbps", "socket_copy_times"]

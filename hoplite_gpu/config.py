@@ -18,14 +18,34 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 #: UCX settings applied (unless already set in the environment) before UCX is first imported.
-#: Measured on the 2-core development machines over loopback TCP (see bench/p2p.py and README):
-#: the rendezvous protocol over TCP moved 0.5-1 GB/s, the eager protocol (RNDV_THRESH=inf) about
-#: 5 GB/s; "blocking" progress costs ~3% of a core when idle, "polling" a whole core.
+#: Measured on the 2-core development machines, process to process, 256 MiB in 4 MiB chunks
+#: (``bench/p2p.py``; the raw-ucxx figures came from a two-process script with a reused buffer):
+#:
+#: - over loopback TCP the rendezvous protocol moved 0.5-1 GB/s and the eager protocol
+#:   (RNDV_THRESH=inf) 2-5 GB/s depending on the day, never reliably above a plain socket;
+#: - adding the shared-memory transports (``sm``: posix, sysv, cma) for peers on the same host moved
+#:   6.6-7 GB/s in the same run where TCP moved 2.0 GB/s. UCX leaves shared memory out of endpoints
+#:   that ask for peer-failure handling (ucxx endpoints do) unless ``UCX_MM_ERROR_HANDLING=y``; with
+#:   it a SIGKILLed peer still failed a pending receive within milliseconds (through the TCP lane
+#:   the endpoint keeps), which is all the fault handling relies on;
+#: - progress: ucxx (0.52) waits for a request without Python futures by re-polling the event
+#:   loop (``asyncio.sleep(0)``) until it completes, in every mode but "thread" with
+#:   ``UCXPY_ENABLE_PYTHON_FUTURE=1``. A node always has a receive posted for the next pull request,
+#:   so "blocking" mode spun a whole core per idle node (60-100% measured with ``os.times``), which
+#:   on a 2-core machine starved the other processes (a 4-worker broadcast of 256 MiB took 2.75 s).
+#:   "thread" mode with Python futures idles at 1-2% of a core; a 64-byte round trip costs
+#:   160-300 us instead of 37 us spinning, and 256 MiB moves at 4-5 GB/s instead of 5-6.
+#:
+#: Peers on other hosts use TCP either way. Set ``UCX_TLS=tcp`` to keep same-host peers on TCP, as
+#: the emulated-cluster benchmarks must (network namespaces share /dev/shm); in containers give
+#: /dev/shm room (``--shm-size`` or ``--ipc=host``).
 UCX_DEFAULTS: dict[str, str] = {
-    "UCX_TLS": "tcp",
+    "UCX_TLS": "tcp,sm",
+    "UCX_MM_ERROR_HANDLING": "y",
     "UCX_RNDV_THRESH": "inf",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
-    "UCXPY_PROGRESS_MODE": "blocking",
+    "UCXPY_PROGRESS_MODE": "thread",
+    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
 }
 
 
@@ -34,11 +54,22 @@ class Config:
     """Tunables for a node (and the embedded directory).
 
     Attributes:
-        chunk_bytes: Size of one data-plane chunk. 4 MiB measured best with 4 in flight.
+        chunk_bytes: Size of a data-plane chunk for the first transfer from a peer; with
+            ``adaptive_chunks`` later transfers size chunks from the throughput measured from that
+            peer (about ``chunk_seconds`` of data each, within ``min_chunk_bytes`` and
+            ``max_chunk_bytes``), so fast same-host links use large chunks (less per-chunk overhead:
+            16 MiB chunks moved 64 MiB at 4.1 GB/s where 4 MiB chunks moved 2.7 GB/s) and slow
+            links small ones (a chain of k receivers finishes about k chunk-times after the first).
+        adaptive_chunks: Size chunks from measured throughput (else always ``chunk_bytes``).
+        chunk_seconds: Target transfer time of one chunk when adaptive.
+        min_chunk_bytes: Smallest adaptive chunk.
+        max_chunk_bytes: Largest adaptive chunk.
         chunks_in_flight: How many chunks a receiver has posted ahead of the data.
         inline_threshold_bytes: Objects up to this size live inline in the directory.
         max_object_bytes: Largest object ``put`` accepts.
         store_capacity_bytes: Total bytes a node's local store may hold.
+        buffer_pool_bytes: Bytes of removed objects' buffers a node keeps for reuse by new objects
+            of the same size (saves page faults; 0 disables). Not counted in the capacity.
         max_control_message_bytes: Control messages larger than this are rejected (connection closed).
         connect_timeout: Seconds to connect and authenticate to the directory or a peer.
         request_timeout: Seconds to wait for a directory reply to a non-blocking request.
@@ -54,10 +85,15 @@ class Config:
     """
 
     chunk_bytes: int = 4 * MiB
+    adaptive_chunks: bool = True
+    chunk_seconds: float = 0.004
+    min_chunk_bytes: int = 256 * KiB
+    max_chunk_bytes: int = 16 * MiB
     chunks_in_flight: int = 4
     inline_threshold_bytes: int = 64 * KiB
     max_object_bytes: int = 16 * GiB
     store_capacity_bytes: int = 64 * GiB
+    buffer_pool_bytes: int = 1 * GiB
     max_control_message_bytes: int = 0  # 0: derived from inline_threshold_bytes
     connect_timeout: float = 10.0
     request_timeout: float = 30.0
@@ -70,14 +106,26 @@ class Config:
     close_grace: float = 10.0
 
     def __post_init__(self) -> None:
-        positive = ("chunk_bytes", "chunks_in_flight", "max_object_bytes", "store_capacity_bytes")
+        positive = (
+            "chunk_bytes",
+            "chunks_in_flight",
+            "max_object_bytes",
+            "store_capacity_bytes",
+            "min_chunk_bytes",
+            "max_chunk_bytes",
+            "chunk_seconds",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"Config.{name} must be > 0", argument=name)
         for name in ("connect_timeout", "request_timeout", "stall_timeout"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"Config.{name} must be > 0 seconds", argument=name)
-        if self.inline_threshold_bytes < 0 or self.send_rate_limit < 0:
+        if self.min_chunk_bytes > self.max_chunk_bytes:
+            raise InvalidArgumentError(
+                "Config.min_chunk_bytes must be <= max_chunk_bytes", argument="min_chunk_bytes"
+            )
+        if min(self.inline_threshold_bytes, self.send_rate_limit, self.buffer_pool_bytes) < 0:
             raise InvalidArgumentError("Config sizes and rates must be >= 0", argument="config")
 
     @property

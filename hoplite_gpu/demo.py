@@ -34,17 +34,33 @@ def _worker(address: str, token: str, conn: Any) -> None:
             if msg is None:
                 break
             oid_hex, size, seed = msg
-            t0 = time.perf_counter()
             arr = node.get(hg.ObjectID.from_hex(oid_hex), timeout=120)
-            dt = time.perf_counter() - t0
+            done = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes on one host
             ok = bool(np.array_equal(arr, pattern(size, seed)))
-            conn.send((dt, ok))
+            del arr
+            node.delete(hg.ObjectID.from_hex(oid_hex))
+            conn.send((done, ok))
     finally:
         node.close()
 
 
 def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def _broadcast(node: Any, pipes: list[Any], size: int, seed: int) -> tuple[float, bool]:
+    """Put one object, have every worker get it; returns (put done to last get done, all exact)."""
+    oid = node.put(pattern(size, seed))
+    t0 = time.monotonic()
+    for pipe in pipes:
+        pipe.send((oid.hex(), size, seed))
+    results = []
+    for pipe in pipes:
+        if not pipe.poll(180):
+            raise RuntimeError("a worker did not answer within 180 s")
+        results.append(pipe.recv())
+    node.delete(oid)
+    return max(done for done, _ in results) - t0, all(ok for _, ok in results)
 
 
 def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any]]:
@@ -67,24 +83,14 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
         for pipe in pipes:
             if not pipe.poll(60) or pipe.recv() != "ready":
                 raise RuntimeError("a worker did not start")
+        _progress("warming up: one 1 MiB broadcast opens the data-plane connections ...")
+        _broadcast(node, pipes, 1 << 20, seed=0)
         for i, size in enumerate(size_list, 1):
             _progress(f"[{i}/{len(size_list)}] broadcasting {format_size(size)} to {workers} workers ...")
-            data = pattern(size, seed=i)
-            oid = node.put(data)
-            t0 = time.perf_counter()
-            for pipe in pipes:
-                pipe.send((oid.hex(), size, i))
-            results = []
-            for pipe in pipes:
-                if not pipe.poll(180):
-                    raise RuntimeError("a worker did not answer within 180 s")
-                results.append(pipe.recv())
-            elapsed = time.perf_counter() - t0
-            node.delete(oid)
-            verified = all(ok for _, ok in results)
+            elapsed, verified = _broadcast(node, pipes, size, seed=i)
             sock = socket_copy_gbps(size, repeat=3)
             mem = memcpy_gbps(size)
-            gbps = size / elapsed / 1e9
+            gbps = size * workers / elapsed / 1e9  # delivered: every receiver got ``size`` bytes
             rows.append(
                 dict(
                     size=size,
@@ -115,7 +121,8 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of demo rows."""
     lines = [
-        "| size | receivers | time (s) | GB/s | socket GB/s | x socket | memcpy GB/s | x memcpy | verified |",
+        "| size | receivers | time (s) | delivered GB/s | socket GB/s | x socket | memcpy GB/s | x memcpy "
+        "| verified |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in rows:
@@ -133,8 +140,10 @@ def main(workers: int = 4, sizes: str = DEFAULT_SIZES) -> int:
     rows = run_demo(workers, sizes)
     print()
     print(
-        f"Broadcast from one process to {workers} workers (time = put done to last get done; "
-        "GB/s = size / time; socket = plain TCP socket between two processes, same run):"
+        f"Broadcast from one process to {workers} workers (time = put done to last get done, after "
+        "a warm-up broadcast that opened the connections; delivered GB/s = receivers x size / time; "
+        "socket = best of "
+        "3 copies over a plain TCP socket between two processes, same run):"
     )
     print(format_table(rows))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")

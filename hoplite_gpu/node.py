@@ -154,7 +154,7 @@ class Node:
         self._embedded = embedded
         self.node_id = uuid.uuid4().hex
         self._io = IOThread.get()
-        self._store = LocalStore(self.config.store_capacity_bytes)
+        self._store = LocalStore(self.config.store_capacity_bytes, self.config.buffer_pool_bytes)
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
         self._control = ControlClient(self._on_push, self.config.control_message_limit)
         self._closed = False
@@ -247,8 +247,9 @@ class Node:
                 limit=self.config.max_object_bytes,
             )
         contiguous = host.flags.c_contiguous
-        if copy or not contiguous:
-            data = np.empty(nbytes, np.uint8)
+        pooled = copy or not contiguous
+        if pooled:
+            data = self._store.pool.allocate(nbytes)
             if nbytes:
                 data.view(host.dtype).reshape(host.shape)[...] = host
         else:
@@ -263,6 +264,7 @@ class Node:
             data=data,
             progress=nbytes,
             owner=True,
+            pooled=pooled,
         )
 
     def put(self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True) -> ObjectID:
@@ -542,8 +544,8 @@ class Node:
                 limit=self.config.max_object_bytes,
             )
         self._store.reserve(reply.size)
-        data = np.empty(reply.size, np.uint8)
-        obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, data, progress=0)
+        data = self._store.pool.allocate(reply.size)
+        obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, data, progress=0, pooled=True)
         return self._store.add(obj)
 
     def _report(self, msg: p.Message) -> None:

@@ -302,8 +302,9 @@ def frame_length(header: bytes, limit: int) -> int:
 
 
 # ---------------------------------------------------------------- data plane (UCX)
-#: Pull request, receiver -> sender: magic, version, transfer_id, offset, object_id (20 bytes).
-PULL_REQUEST = struct.Struct("<4sHxxQQ20s")
+#: Pull request, receiver -> sender: magic, version, transfer_id, offset, chunk size (the receiver
+#: chooses it; the sender sends messages of exactly that size), object_id (20 bytes).
+PULL_REQUEST = struct.Struct("<4sHxxQQQ20s")
 PULL_MAGIC = b"HGPL"
 #: Pull response, sender -> receiver: status, object size.
 PULL_RESPONSE = struct.Struct("<iiQ")

@@ -41,6 +41,12 @@ log = logging.getLogger("hoplite_gpu.transport")
 #: TCP endpoint was measured to take 0.2-1.2 s, after a 4 MiB exchange it took milliseconds.
 WARMUP_BYTES = 4 * 1024 * 1024
 
+#: Bounds of the chunk size a receiver may ask for (checked by the sender).
+MIN_WIRE_CHUNK = 64 * 1024
+MAX_WIRE_CHUNK = 256 * 1024 * 1024
+#: Transfers smaller than this do not update a peer's measured throughput.
+RATE_SAMPLE_MIN_BYTES = 2 * 1024 * 1024
+
 _ucxx: Any = None
 
 
@@ -117,6 +123,7 @@ class DataPlane:
         self._serving: set[asyncio.Task[Any]] = set()
         self._server_eps: set[Any] = set()
         self._closed = False
+        self._rates: dict[str, float] = {}  # peer address -> measured pull throughput, bytes/s
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> int:
@@ -208,21 +215,21 @@ class DataPlane:
         while not self._closed:
             raw = np.empty(p.PULL_REQUEST.size, np.uint8)
             await ep.recv(raw, tag=p.TAG_REQUEST)  # no timeout: an idle endpoint is fine
-            magic, version, transfer_id, offset, oid_raw = p.PULL_REQUEST.unpack(raw.tobytes())
+            magic, version, transfer_id, offset, chunk, oid_raw = p.PULL_REQUEST.unpack(raw.tobytes())
             if magic != p.PULL_MAGIC or version != p.PROTOCOL_VERSION:
                 log.warning("data plane: malformed pull request; closing the endpoint")
                 return
-            task = self._spawn(self._serve_one(ep, transfer_id, offset, ObjectID(oid_raw)))
+            task = self._spawn(self._serve_one(ep, transfer_id, offset, chunk, ObjectID(oid_raw)))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 
-    async def _serve_one(self, ep: Any, transfer_id: int, offset: int, oid: ObjectID) -> None:
+    async def _serve_one(self, ep: Any, transfer_id: int, offset: int, chunk: int, oid: ObjectID) -> None:
         cfg = self.config
         obj = await self.store.wait_for(oid, cfg.stall_timeout)
         status = p.PULL_OK
         if obj is None or obj.error is not None:
             status = p.PULL_NOT_FOUND
-        elif offset > obj.size:
+        elif offset > obj.size or not MIN_WIRE_CHUNK <= chunk <= MAX_WIRE_CHUNK:
             status = p.PULL_BAD_REQUEST
         size = obj.size if obj is not None else 0
         header = np.frombuffer(p.PULL_RESPONSE.pack(status, 0, size), np.uint8).copy()
@@ -232,14 +239,16 @@ class DataPlane:
             )
             if status != p.PULL_OK or obj is None:
                 return
-            sent, while_incomplete = await self._stream(ep, obj, transfer_id, offset)
+            sent, while_incomplete = await self._stream(ep, obj, transfer_id, offset, chunk)
         except (HopliteError, asyncio.CancelledError) as exc:
             log.debug("serving %s (transfer %d) stopped: %s", oid, transfer_id, exc)
             return
         if self.on_served is not None:
             self.on_served(transfer_id, sent, while_incomplete)
 
-    async def _stream(self, ep: Any, obj: LocalObject, transfer_id: int, offset: int) -> tuple[int, int]:
+    async def _stream(
+        self, ep: Any, obj: LocalObject, transfer_id: int, offset: int, chunk: int
+    ) -> tuple[int, int]:
         cfg = self.config
         tag = p.TAG_CHUNK_BASE + transfer_id
         window: set[asyncio.Future[Any]] = set()
@@ -249,7 +258,7 @@ class DataPlane:
         pos = offset
         try:
             while pos < obj.size:
-                end = min(pos + cfg.chunk_bytes, obj.size)
+                end = min(pos + chunk, obj.size)
                 if obj.progress < end:
                     await obj.wait_progress(end, cfg.stall_timeout)
                     while_incomplete += end - pos
@@ -347,6 +356,37 @@ class DataPlane:
             raise
         return _Peer(ep, address)
 
+    def chunk_size(self, address: str) -> int:
+        """Chunk size for the next pull from ``address`` (see ``Config.adaptive_chunks``)."""
+        cfg = self.config
+        rate = self._rates.get(address)
+        if not cfg.adaptive_chunks or rate is None:
+            return max(MIN_WIRE_CHUNK, min(cfg.chunk_bytes, MAX_WIRE_CHUNK))
+        want = int(rate * cfg.chunk_seconds)
+        want = max(cfg.min_chunk_bytes, min(want, cfg.max_chunk_bytes))
+        want -= want % MIN_WIRE_CHUNK
+        return max(MIN_WIRE_CHUNK, min(want, MAX_WIRE_CHUNK))
+
+    def _record_rate(self, address: str, nbytes: int, seconds: float) -> None:
+        # Small transfers measure latency, not bandwidth: only larger ones update the estimate.
+        if nbytes < RATE_SAMPLE_MIN_BYTES or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        old = self._rates.get(address)
+        self._rates[address] = sample if old is None else 0.5 * old + 0.5 * sample
+
+    async def _send_ack(self, peer: _Peer, ack: np.ndarray[Any, Any], transfer_id: int) -> None:
+        try:
+            await _timed(
+                peer.ep.send(ack, tag=(p.TAG_ACK, transfer_id)),
+                self.config.stall_timeout,
+                peer.address,
+                "ack",
+            )
+        except HopliteError as exc:
+            log.debug("ack of transfer %d to %s failed: %s", transfer_id, peer.address, exc)
+            self._evict(peer)
+
     def _evict(self, peer: _Peer) -> None:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
@@ -365,23 +405,35 @@ class DataPlane:
         address = peer.address
         ep = peer.ep
         start = obj.progress
+        chunk = self.chunk_size(address)
         request = p.PULL_REQUEST.pack(
-            p.PULL_MAGIC, p.PROTOCOL_VERSION, transfer_id, start, obj.object_id.binary()
+            p.PULL_MAGIC, p.PROTOCOL_VERSION, transfer_id, start, chunk, obj.object_id.binary()
         )
         header = np.empty(p.PULL_RESPONSE.size, np.uint8)
         tag = p.TAG_CHUNK_BASE + transfer_id
         window: list[tuple[int, asyncio.Future[Any]]] = []
+        pos = start
+
+        def post_chunks() -> None:
+            nonlocal pos
+            while pos < obj.size and len(window) < cfg.chunks_in_flight:
+                end = min(pos + chunk, obj.size)
+                window.append((end, asyncio.ensure_future(ep.recv(obj.data[pos:end], tag=tag))))
+                pos = end
+
         try:
             resp = asyncio.ensure_future(ep.recv(header, tag=(p.TAG_RESPONSE, transfer_id)))
-            window.append((0, resp))
             await _timed(
                 ep.send(np.frombuffer(request, np.uint8).copy(), tag=p.TAG_REQUEST),
                 cfg.stall_timeout,
                 address,
                 "pull request",
             )
-            await _timed(resp, cfg.stall_timeout, address, "pull response")
-            window.clear()
+            try:
+                await _timed(asyncio.shield(resp), cfg.stall_timeout, address, "pull response")
+            except BaseException:
+                window.append((0, resp))
+                raise
             status, _, size = p.PULL_RESPONSE.unpack(header.tobytes())
             if status == p.PULL_NOT_FOUND:
                 raise ObjectNotFoundError(
@@ -395,18 +447,24 @@ class DataPlane:
                     peer=address,
                     cause=f"status {status}",
                 )
-            pos = start
-            while pos < obj.size or window:
-                while pos < obj.size and len(window) < cfg.chunks_in_flight:
-                    end = min(pos + cfg.chunk_bytes, obj.size)
-                    window.append((end, asyncio.ensure_future(ep.recv(obj.data[pos:end], tag=tag))))
-                    pos = end
+            # Chunks are posted only after an OK: posting them with the request would save a round
+            # trip, but a refusal would then leave receives posted that ucxx cannot cancel short
+            # of closing the endpoint (and reconnecting costs far more than the round trip).
+            post_chunks()
+            data_started = time.monotonic()
+            while window:
                 end, fut = window[0]
                 await _timed(asyncio.shield(fut), cfg.stall_timeout, address, "receive")
                 window.pop(0)
                 obj.advance(end)
+                post_chunks()
+            self._record_rate(address, obj.size - start, time.monotonic() - data_started)
+            # The get does not wait for the ack to be sent: a lost ack only makes the sender
+            # report a failed serve after its stall timeout, never a wrong result here.
             ack = np.frombuffer(p.ACK.pack(obj.progress), np.uint8).copy()
-            await _timed(ep.send(ack, tag=(p.TAG_ACK, transfer_id)), cfg.stall_timeout, address, "ack")
+            task = self._spawn(self._send_ack(peer, ack, transfer_id))
+            self._serving.add(task)  # close() lets it finish, like a transfer being served
+            task.add_done_callback(self._serving.discard)
         except HopliteError as exc:
             if isinstance(exc, PeerLostError):
                 self._evict(peer)

@@ -1,0 +1,73 @@
+"""The local store's buffer pool: recycled only when nothing else refers to a buffer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hoplite_gpu.store import BufferPool
+from tests.procs import digest, make_array
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_an_unreferenced_buffer_is_reused() -> None:
+    pool = BufferPool(1 << 20)
+    buf = pool.allocate(4096)
+    address = buf.ctypes.data
+    pool.release(buf)
+    del buf
+    again = pool.allocate(4096)
+    assert again.ctypes.data == address
+    assert pool.reused == 1 and pool.held_bytes == 0
+
+
+def test_a_buffer_with_a_live_view_is_not_reused() -> None:
+    pool = BufferPool(1 << 20)
+    buf = pool.allocate(4096)
+    view = buf.view(np.float32).reshape(32, 32)
+    view.flags.writeable = False
+    pool.release(buf)
+    del buf
+    other = pool.allocate(4096)
+    assert other.ctypes.data != view.ctypes.data
+    other[:] = 7  # must not reach the view
+    assert pool.reused == 0
+    del view
+    assert pool.allocate(4096) is not None and pool.reused == 1
+
+
+def test_only_exact_sizes_are_reused_and_the_pool_is_bounded() -> None:
+    pool = BufferPool(10_000)
+    bufs = [np.empty(4000, np.uint8) for _ in range(3)]
+    for b in bufs:
+        pool.release(b)
+    assert pool.held_bytes == 8000  # the oldest was dropped to stay within 10 000 bytes
+    pool.release(np.empty(20_000, np.uint8))  # larger than the whole pool: not kept
+    assert pool.held_bytes == 8000
+    del bufs, b
+    assert pool.allocate(3000).nbytes == 3000 and pool.reused == 0
+    pool.allocate(4000)
+    assert pool.reused == 1 and pool.held_bytes == 4000
+
+
+def test_disabled_pool_keeps_nothing() -> None:
+    pool = BufferPool(0)
+    pool.release(np.empty(100, np.uint8))
+    assert pool.held_bytes == 0
+
+
+def test_a_result_held_across_delete_survives_the_next_get(owner: Any) -> None:
+    """The array ``get`` gave the user must stay intact after delete and new objects."""
+    first = make_array("float64", (256, 256), seed=11)  # 512 KiB: not inline
+    oid = owner.put(first)
+    held = owner.get(oid)
+    owner.delete(oid)
+    for seed in range(3):
+        other = make_array("float64", (256, 256), seed=100 + seed)
+        oid2 = owner.put(other)
+        assert digest(owner.get(oid2)) == digest(other)
+        owner.delete(oid2)
+    assert digest(held) == digest(first)
