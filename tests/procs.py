@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import time
 import traceback
 from typing import Any
@@ -55,6 +56,13 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             return node.contains(hg.ObjectID.from_hex(args[0]))
         if cmd == "delete":
             return node.delete(hg.ObjectID.from_hex(args[0]))
+        if cmd == "cpu_while_idle":
+            # CPU seconds per second this process uses over an interval in which it is asked to do
+            # nothing (a measurement window, not synchronisation).
+            before = os.times()
+            time.sleep(args[0])
+            after = os.times()
+            return (after.user + after.system - before.user - before.system) / args[0]
         raise ValueError(cmd)
 
     try:

@@ -128,3 +128,18 @@ def test_noncontiguous_put_is_copied(owner: Any, workers: Any) -> None:
     oid = owner.put(view)
     assert workers[2].call("get", oid.hex(), 60) == digest(np.ascontiguousarray(view))
     owner.delete(oid)
+
+
+def test_nodes_do_not_spin_while_idle(owner: Any, workers: Any) -> None:
+    """After serving and receiving, an idle node must not busy-poll (ucxx's non-thread progress
+    modes did: 60-100% of a core per node, measured)."""
+    arr = make_array("float32", (1024, 1024), seed=21)  # 4 MiB: goes through the data plane
+    oid = owner.put(arr)
+    for w in workers[:3]:
+        w.send("get", oid.hex(), 120)
+    assert [w.result() for w in workers[:3]] == [digest(arr)] * 3
+    owner.delete(oid)
+    for w in workers[:3]:
+        w.send("cpu_while_idle", 2.0)
+    usage = [w.result() for w in workers[:3]]
+    assert max(usage) < 0.3, usage

@@ -71,3 +71,44 @@ def test_a_result_held_across_delete_survives_the_next_get(owner: Any) -> None:
         assert digest(owner.get(oid2)) == digest(other)
         owner.delete(oid2)
     assert digest(held) == digest(first)
+
+
+def test_a_removed_object_is_refused_at_once() -> None:
+    """A pull of an object this node just deleted must not wait for it to reappear."""
+    import asyncio
+
+    from hoplite_gpu.object_id import ObjectID
+    from hoplite_gpu.store import LocalObject, LocalStore
+
+    async def scenario() -> tuple[object, object]:
+        store = LocalStore(1 << 20)
+        oid = ObjectID.random()
+        data = np.zeros(16, np.uint8)
+        store.add(LocalObject(oid, 16, "|u1", (16,), b"", data, progress=16))
+        store.remove(oid)
+        gone = await asyncio.wait_for(store.wait_for(oid, timeout=60), 5)
+        store.add(LocalObject(oid, 16, "|u1", (16,), b"", data, progress=16))
+        back = await asyncio.wait_for(store.wait_for(oid, timeout=60), 5)
+        return gone, back
+
+    gone, back = asyncio.run(scenario())
+    assert gone is None and back is not None
+
+
+def test_chunk_size_follows_measured_throughput() -> None:
+    from hoplite_gpu.config import Config, MiB
+    from hoplite_gpu.store import LocalStore
+    from hoplite_gpu.transport import DataPlane
+
+    cfg = Config(chunk_bytes=4 * MiB, chunk_seconds=0.004, min_chunk_bytes=MiB // 4, max_chunk_bytes=16 * MiB)
+    plane = DataPlane(LocalStore(1), "token", cfg)
+    assert plane.chunk_size("a:1") == 4 * MiB  # nothing measured yet
+    plane._record_rate("a:1", 512 * 1024, 1.0)  # too small a transfer to count
+    assert plane.chunk_size("a:1") == 4 * MiB
+    plane._record_rate("a:1", 100 * MiB, 0.02)  # 5 GiB/s: capped at max
+    assert plane.chunk_size("a:1") == 16 * MiB
+    plane._record_rate("b:1", 100 * MiB, 1.0)  # 100 MiB/s: 409.6 KiB, rounded down to 64 KiB units
+    assert plane.chunk_size("b:1") == 384 * 1024
+    plane._record_rate("c:1", 10 * MiB, 10.0)  # 1 MiB/s: floored at min
+    assert plane.chunk_size("c:1") == MiB // 4
+    assert DataPlane(LocalStore(1), "t", cfg.replace(adaptive_chunks=False)).chunk_size("a:1") == 4 * MiB
