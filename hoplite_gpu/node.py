@@ -460,7 +460,9 @@ class Node:
                 if fruitless >= MAX_FRUITLESS_PULLS:
                     self._abandon(local, 0, exc)
                     raise
-                log.info(
+                # A copy deleted just as the directory chose it is routine; a lost peer is news.
+                log.log(
+                    logging.DEBUG if isinstance(exc, ObjectNotFoundError) else logging.INFO,
                     "pull of %s from %s failed (%s); asking for another source",
                     oid,
                     reply.sender_node[:8],
