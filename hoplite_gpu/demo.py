@@ -142,8 +142,7 @@ def main(workers: int = 4, sizes: str = DEFAULT_SIZES) -> int:
     print(
         f"Broadcast from one process to {workers} workers (time = put done to last get done, after "
         "a warm-up broadcast that opened the connections; delivered GB/s = receivers x size / time; "
-        "socket = best of "
-        "3 copies over a plain TCP socket between two processes, same run):"
+        "socket = best of 3 copies over a plain TCP socket between two processes, same run):"
     )
     print(format_table(rows))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")

@@ -247,10 +247,6 @@ class LocalStore:
             self.pool.release(obj.data)
         return obj
 
-    def was_removed(self, oid: ObjectID) -> bool:
-        """Whether the object was removed recently (and not added again)."""
-        return oid in self._removed
-
     async def wait_for(self, oid: ObjectID, timeout: float) -> LocalObject | None:
         """The object, waiting up to ``timeout`` for it to be added (None if it never is, or if it
         was removed recently: a peer sent here by the directory just before this node's delete

@@ -164,6 +164,12 @@ class DataPlane:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _spawn_served(self, coro: Awaitable[Any]) -> None:
+        """Spawn a task that ``close(grace)`` lets finish: a transfer being served, or an ack."""
+        task = self._spawn(coro)
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+
     # ------------------------------------------------------------ serving side
     async def _on_endpoint(self, ep: Any) -> None:
         if self._closed:
@@ -219,9 +225,7 @@ class DataPlane:
             if magic != p.PULL_MAGIC or version != p.PROTOCOL_VERSION:
                 log.warning("data plane: malformed pull request; closing the endpoint")
                 return
-            task = self._spawn(self._serve_one(ep, transfer_id, offset, chunk, ObjectID(oid_raw)))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
+            self._spawn_served(self._serve_one(ep, transfer_id, offset, chunk, ObjectID(oid_raw)))
 
     async def _serve_one(self, ep: Any, transfer_id: int, offset: int, chunk: int, oid: ObjectID) -> None:
         cfg = self.config
@@ -423,17 +427,15 @@ class DataPlane:
 
         try:
             resp = asyncio.ensure_future(ep.recv(header, tag=(p.TAG_RESPONSE, transfer_id)))
+            window.append((0, resp))
             await _timed(
                 ep.send(np.frombuffer(request, np.uint8).copy(), tag=p.TAG_REQUEST),
                 cfg.stall_timeout,
                 address,
                 "pull request",
             )
-            try:
-                await _timed(asyncio.shield(resp), cfg.stall_timeout, address, "pull response")
-            except BaseException:
-                window.append((0, resp))
-                raise
+            await _timed(resp, cfg.stall_timeout, address, "pull response")
+            window.clear()
             status, _, size = p.PULL_RESPONSE.unpack(header.tobytes())
             if status == p.PULL_NOT_FOUND:
                 raise ObjectNotFoundError(
@@ -462,9 +464,7 @@ class DataPlane:
             # The get does not wait for the ack to be sent: a lost ack only makes the sender
             # report a failed serve after its stall timeout, never a wrong result here.
             ack = np.frombuffer(p.ACK.pack(obj.progress), np.uint8).copy()
-            task = self._spawn(self._send_ack(peer, ack, transfer_id))
-            self._serving.add(task)  # close() lets it finish, like a transfer being served
-            task.add_done_callback(self._serving.discard)
+            self._spawn_served(self._send_ack(peer, ack, transfer_id))
         except HopliteError as exc:
             if isinstance(exc, PeerLostError):
                 self._evict(peer)
