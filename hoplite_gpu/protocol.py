@@ -20,7 +20,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PULL_REQUEST carries the chunk size
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
