@@ -70,6 +70,12 @@ class Config:
         store_capacity_bytes: Total bytes a node's local store may hold.
         buffer_pool_bytes: Bytes of removed objects' buffers a node keeps for reuse by new objects
             of the same size (saves page faults; 0 disables). Not counted in the capacity.
+        shared_memory: Keep objects larger than ``inline_threshold_bytes`` in ``/dev/shm``
+            segments, and copy objects held by a node on the same host straight from its segment
+            instead of over the data plane (:mod:`hoplite_gpu.shm`: 5-8 GB/s against 2.8 GB/s
+            for a plain socket). Turn off (``HOPLITE_SHARED_MEMORY=0``) to force every transfer
+            through UCX, as the emulated-cluster benchmarks do (network namespaces share
+            ``/dev/shm``). When ``/dev/shm`` is full a buffer falls back to private memory.
         max_control_message_bytes: Control messages larger than this are rejected (connection closed).
         connect_timeout: Seconds to connect and authenticate to the directory or a peer.
         request_timeout: Seconds to wait for a directory reply to a non-blocking request.
@@ -94,6 +100,7 @@ class Config:
     max_object_bytes: int = 16 * GiB
     store_capacity_bytes: int = 64 * GiB
     buffer_pool_bytes: int = 1 * GiB
+    shared_memory: bool = True
     max_control_message_bytes: int = 0  # 0: derived from inline_threshold_bytes
     connect_timeout: float = 10.0
     request_timeout: float = 30.0

@@ -48,9 +48,17 @@ class ControlClient:
         self._lost: HopliteError | None = None
 
     async def connect(
-        self, address: str, token: str, node_id: str, data_host: str, data_port: int, timeout: float
+        self,
+        address: str,
+        token: str,
+        node_id: str,
+        data_host: str,
+        data_port: int,
+        timeout: float,
+        host_key: str = "",
     ) -> None:
-        """Connect, authenticate both ways, and start reading."""
+        """Connect, authenticate both ways, and start reading (``host_key``: see
+        :func:`hoplite_gpu.shm.host_key`)."""
         self.address = address
         host, port = parse_address(address)
         try:
@@ -75,6 +83,7 @@ class ControlClient:
                         proof=proof,
                         data_host=data_host,
                         data_port=data_port,
+                        host_key=host_key,
                     )
                 )
             )

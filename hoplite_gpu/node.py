@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import protocol as p
+from . import shm
 from .config import Config
 from .control import ControlClient
 from .directory.service import DirectoryService
@@ -49,6 +50,10 @@ T = TypeVar("T")
 
 #: Consecutive failed pulls without any new byte received before ``get`` gives up.
 MAX_FRUITLESS_PULLS = 8
+
+#: Shared-memory copies at least this large run on a worker thread (NumPy releases the GIL), so
+#: the event loop keeps serving other transfers meanwhile.
+THREAD_COPY_BYTES = 1 << 20
 
 _ERROR_KINDS: dict[str, type[HopliteError]] = {
     "ObjectExistsError": ObjectExistsError,
@@ -128,6 +133,13 @@ def _to_host(array: Any) -> np.ndarray[Any, Any]:
     )
 
 
+def _as_hoplite_error(exc: BaseException, oid: ObjectID) -> HopliteError:
+    """The error waiters of an abandoned get see: ``exc`` itself if typed, else a cancellation."""
+    if isinstance(exc, HopliteError):
+        return exc
+    return ObjectDeletedError(f"get of {oid} was cancelled", object_id=oid.hex())
+
+
 class Node:
     """A process's handle on the object store. Create it with :func:`hoplite_gpu.init` or
     :func:`hoplite_gpu.connect`.
@@ -154,7 +166,14 @@ class Node:
         self._embedded = embedded
         self.node_id = uuid.uuid4().hex
         self._io = IOThread.get()
-        self._store = LocalStore(self.config.store_capacity_bytes, self.config.buffer_pool_bytes)
+        self._shm = self.config.shared_memory and shm.available()
+        if self._shm:
+            shm.sweep_orphans()
+        self._store = LocalStore(
+            self.config.store_capacity_bytes,
+            self.config.buffer_pool_bytes,
+            shared_min_bytes=self.config.inline_threshold_bytes + 1 if self._shm else 0,
+        )
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
         self._control = ControlClient(self._on_push, self.config.control_message_limit)
         self._closed = False
@@ -204,6 +223,7 @@ class Node:
                 self.config.data_host,
                 port,
                 self.config.connect_timeout,
+                host_key=shm.host_key() if self._shm else "",
             )
         except BaseException:
             await self._data.close()
@@ -223,6 +243,7 @@ class Node:
         err = NodeClosedError("the node was closed")
         await self._data.close(grace=self.config.close_grace)
         self._store.clear(err)
+        shm.forget_mappings()
         await self._control.close()
         if self._embedded is not None:
             await self._embedded.stop()
@@ -306,6 +327,7 @@ class Node:
             )
         inline = obj.data.tobytes() if obj.size <= self._control.inline_threshold_bytes else None
         self._store.add(obj)
+        segment = self._publish(obj)
         rid = self._control.next_id()
         try:
             reply = await self._control.request(
@@ -317,6 +339,7 @@ class Node:
                     shape=list(obj.shape),
                     digest=obj.digest,
                     inline=inline,
+                    segment=segment,
                 ),
                 self.config.request_timeout,
             )
@@ -422,7 +445,7 @@ class Node:
             if left is not None and left <= 0:
                 raise timed_out()
             have = local.progress if local is not None else 0
-            reply = await self._lookup(oid, left, have)
+            reply = await self._lookup(oid, left, have, shared_memory=self._shm and local is None)
             if reply.status == "timeout":
                 raise timed_out()
             if reply.status == "inline":
@@ -434,6 +457,20 @@ class Node:
                 raise ObjectNotFoundError(f"object {oid} vanished from this node", object_id=oid.hex())
             if local is None:
                 local = self._new_partial(oid, reply)
+            if reply.status == "shm":
+                try:
+                    copied = await self._copy_shared(local, reply)
+                except BaseException as exc:
+                    self._abandon(local, 0, _as_hoplite_error(exc, oid))
+                    raise
+                if copied:
+                    return local
+                if local.error is not None:
+                    raise local.error
+                log.debug(
+                    "shared-memory copy of %s from %s failed; pulling instead", oid, reply.sender_node[:8]
+                )
+                continue  # ``local`` exists now, so the next lookup asks for a data-plane source
             before = local.progress
             try:
                 pull = self._data.pull(reply.sender_host, reply.sender_port, local, reply.transfer_id)
@@ -470,17 +507,43 @@ class Node:
                 )
                 continue
             except BaseException as exc:
-                err = (
-                    exc
-                    if isinstance(exc, HopliteError)
-                    else ObjectDeletedError(f"get of {oid} was cancelled", object_id=oid.hex())
-                )
-                self._abandon(local, reply.transfer_id, err)
+                self._abandon(local, reply.transfer_id, _as_hoplite_error(exc, oid))
                 raise
             if local.error is not None:
                 raise local.error
-            self._report(p.TransferDone(transfer_id=reply.transfer_id, ok=True, progress=local.size))
+            self._report(
+                p.TransferDone(
+                    transfer_id=reply.transfer_id, ok=True, progress=local.size, segment=self._publish(local)
+                )
+            )
             return local
+
+    async def _copy_shared(self, local: LocalObject, reply: p.LookupReply) -> bool:
+        """Fill ``local`` from a same-host holder's shared-memory segment; False if it changed or
+        vanished (the caller then pulls over the data plane)."""
+        oid = local.object_id.binary()
+        if local.size >= THREAD_COPY_BYTES:
+            loop = asyncio.get_running_loop()
+            ok = await loop.run_in_executor(None, shm.read_into, reply.segment, oid, local.data)
+        else:
+            ok = shm.read_into(reply.segment, oid, local.data)
+        if not ok or local.error is not None or self._store.get(local.object_id) is not local:
+            return False
+        if self.config.verify_digest and digest_of(local.data) != local.digest:
+            log.warning("shared-memory copy of %s did not match its digest", local.object_id)
+            return False
+        local.advance(local.size)
+        self._report(p.CopyAdded(object_id=oid, segment=self._publish(local)))
+        return True
+
+    @staticmethod
+    def _publish(obj: LocalObject) -> str:
+        """Publish a complete pooled copy in its shared-memory segment; the segment's name, or ""."""
+        seg = shm.segment_of(obj.data) if obj.pooled else None
+        if seg is None:
+            return ""
+        seg.publish(obj.object_id.binary())
+        return seg.name
 
     def _abandon(self, local: LocalObject, transfer_id: int, exc: HopliteError) -> None:
         if transfer_id:
@@ -490,13 +553,19 @@ class Node:
         if self._store.get(local.object_id) is local:
             self._store.remove(local.object_id, exc)
 
-    async def _lookup(self, oid: ObjectID, timeout: float | None, have: int) -> p.LookupReply:
+    async def _lookup(
+        self, oid: ObjectID, timeout: float | None, have: int, shared_memory: bool = False
+    ) -> p.LookupReply:
         rid = self._control.next_id()
         fut = self._control.expect(rid)
         try:
             self._control.send(
                 p.LookupRequest(
-                    request_id=rid, object_id=oid.binary(), timeout=timeout or 0.0, have_bytes=have
+                    request_id=rid,
+                    object_id=oid.binary(),
+                    timeout=timeout or 0.0,
+                    have_bytes=have,
+                    shared_memory=shared_memory,
                 )
             )
             # The directory enforces the deadline; the margin covers a directory that went silent.
@@ -567,6 +636,7 @@ class Node:
             self._store.remove(
                 oid, ObjectDeletedError(f"object {oid} was deleted by its owner", object_id=oid.hex())
             )
+            shm.forget_mappings(unlinked_only=True)
 
     # ------------------------------------------------------------ delete and diagnostics
     def delete(self, object_id: ObjectID) -> bool:
@@ -589,6 +659,7 @@ class Node:
             p.DeleteRequest(request_id=rid, object_id=oid.binary()), self.config.request_timeout
         )
         self._store.remove(oid)
+        shm.forget_mappings(unlinked_only=True)
         return isinstance(reply, p.DeleteReply) and reply.deleted
 
     def contains(self, object_id: ObjectID) -> bool:

@@ -20,7 +20,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: PULL_REQUEST carries the chunk size
+PROTOCOL_VERSION = 3  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -62,6 +62,7 @@ class Hello(Message):
     proof: bytes
     data_host: str
     data_port: int
+    host_key: str = ""  # shared-memory namespace (:func:`hoplite_gpu.shm.host_key`); "" for none
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class PutRequest(Message):
     shape: list[int]
     digest: bytes
     inline: bytes | None = None
+    segment: str = ""  # shared-memory segment holding the copy ("" if none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +96,8 @@ class LookupRequest(Message):
     """Ask for the object or a source to pull it from; blocks until one exists or ``timeout``.
 
     ``timeout`` 0 waits until cancelled. ``have_bytes`` is how much of the object the requester
-    already holds (a resumed transfer).
+    already holds (a resumed transfer). ``shared_memory``: the requester can copy from a
+    complete copy's shared-memory segment on its own host.
     """
 
     TYPE: ClassVar[str] = "lookup"
@@ -102,6 +105,7 @@ class LookupRequest(Message):
     object_id: bytes
     timeout: float
     have_bytes: int = 0
+    shared_memory: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,17 @@ class TransferDone(Message):
     ok: bool
     progress: int
     reason: str = ""
+    segment: str = ""  # the receiver's shared-memory segment holding the copy (when ok)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyAdded(Message):
+    """Node -> directory: it now holds a complete copy, made from a same-host shared-memory
+    segment (no transfer was scheduled for it)."""
+
+    TYPE: ClassVar[str] = "copy_added"
+    object_id: bytes
+    segment: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +182,8 @@ class LookupReply(Message):
     """Directory -> node: where to get an object.
 
     ``status`` is ``"inline"`` (data in ``inline``), ``"pull"`` (stream from the sender at
-    ``sender_host:sender_port`` under ``transfer_id``), or ``"timeout"``.
+    ``sender_host:sender_port`` under ``transfer_id``), ``"shm"`` (copy from ``sender_node``'s
+    shared-memory ``segment`` on the requester's host), ``"local"`` or ``"timeout"``.
     """
 
     TYPE: ClassVar[str] = "lookup_reply"
@@ -184,6 +200,7 @@ class LookupReply(Message):
     sender_host: str = ""
     sender_port: int = 0
     sender_complete: bool = False
+    segment: str = ""
 
 
 @dataclass(frozen=True, slots=True)

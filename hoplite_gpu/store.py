@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from . import shm
 from .errors import (
     HopliteError,
     HopliteTimeoutError,
@@ -147,10 +148,16 @@ class BufferPool:
     nothing else refers to it: an array returned by ``get`` is a view that keeps its buffer
     referenced, as does a transfer still using it, and such a buffer is never reused under them.
     Thread-safe (``put`` copies on the caller's thread).
+
+    With ``shared_min_bytes`` > 0, buffers of at least that many bytes live in shared-memory
+    segments (:mod:`hoplite_gpu.shm`) that processes on the same host copy from directly; a
+    segment is retired (readers reject it) as soon as it is released and unlinked when the pool
+    lets go of it.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, shared_min_bytes: int = 0) -> None:
         self.max_bytes = max_bytes
+        self.shared_min_bytes = shared_min_bytes
         self.held_bytes = 0
         self.reused = 0
         self._free: deque[np.ndarray[Any, Any]] = deque()
@@ -158,30 +165,52 @@ class BufferPool:
 
     def allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
         """A flat uint8 buffer of ``nbytes`` (recycled when an unreferenced one fits exactly)."""
+        shared = 0 < self.shared_min_bytes <= nbytes
         with self._lock:
             for i, buf in enumerate(self._free):
-                if buf.nbytes == nbytes and sys.getrefcount(buf) <= _UNSHARED_REFS:
+                if (
+                    buf.nbytes == nbytes
+                    and sys.getrefcount(buf) <= _UNSHARED_REFS
+                    and (shm.segment_of(buf) is not None) == shared
+                ):
                     del self._free[i]
                     self.held_bytes -= nbytes
                     self.reused += 1
                     return buf
-        return np.empty(nbytes, np.uint8)
+        created = shm.create(nbytes) if shared else None
+        return created if created is not None else np.empty(nbytes, np.uint8)
 
     def release(self, buf: np.ndarray[Any, Any]) -> None:
         """Offer a buffer the store no longer uses (it may still be referenced elsewhere)."""
+        seg = shm.segment_of(buf)
+        if seg is not None:
+            seg.retire()
         if buf.nbytes == 0 or buf.nbytes > self.max_bytes:
+            _drop(buf)
             return
         with self._lock:
             self._free.append(buf)
             self.held_bytes += buf.nbytes
             while self.held_bytes > self.max_bytes:
-                self.held_bytes -= self._free.popleft().nbytes
+                old = self._free.popleft()
+                self.held_bytes -= old.nbytes
+                _drop(old)
 
     def clear(self) -> None:
         """Drop every held buffer."""
         with self._lock:
+            for buf in self._free:
+                _drop(buf)
             self._free.clear()
             self.held_bytes = 0
+
+
+def _drop(buf: np.ndarray[Any, Any]) -> None:
+    """Let go of a buffer: a shared-memory segment's file is unlinked now (its memory is freed
+    once no array uses it any more)."""
+    seg = shm.segment_of(buf)
+    if seg is not None:
+        seg.unlink()
 
 
 #: How many removed ObjectIDs a store remembers (to refuse pulls of them at once).
@@ -191,9 +220,9 @@ REMEMBERED_REMOVALS = 4096
 class LocalStore:
     """The objects this node holds, with a capacity limit and a pool of reusable buffers."""
 
-    def __init__(self, capacity_bytes: int, pool_bytes: int = 0) -> None:
+    def __init__(self, capacity_bytes: int, pool_bytes: int = 0, shared_min_bytes: int = 0) -> None:
         self.capacity_bytes = capacity_bytes
-        self.pool = BufferPool(pool_bytes)
+        self.pool = BufferPool(pool_bytes, shared_min_bytes)
         self.used_bytes = 0
         self._objects: dict[ObjectID, LocalObject] = {}
         self._arrivals: dict[ObjectID, list[asyncio.Future[LocalObject]]] = {}

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+# Same-host copies through shared memory would bypass the data plane that most multi-process tests
+# exercise (chains, pipelining, auth); tests/test_shm.py turns it on explicitly.
+os.environ.setdefault("HOPLITE_SHARED_MEMORY", "0")
 
 from tests.procs import Worker, start_workers
 

@@ -165,7 +165,9 @@ class DirectoryService:
         )
         await writer.drain()
         self._conns[hello.node_id] = _Conn(hello.node_id, writer, peer)
-        self._apply(NodeJoined(hello.node_id, hello.data_host, hello.data_port, time.monotonic()))
+        self._apply(
+            NodeJoined(hello.node_id, hello.data_host, hello.data_port, time.monotonic(), hello.host_key)
+        )
         return hello.node_id
 
     # ------------------------------------------------------------ state machine glue

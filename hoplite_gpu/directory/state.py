@@ -19,6 +19,10 @@ Scheduling follows the Hoplite paper (Zhuang et al., SIGCOMM 2021, section 4.2),
 * A receiver is never given a source whose upstream chain leads back to itself (no cycles).
 * Objects of at most ``inline_threshold_bytes`` are stored in the directory and returned with the
   lookup; no data-plane transfer happens.
+* A requester that can use shared memory, on the same host (equal ``host_key``) as a complete copy
+  published in a shared-memory segment, is told to copy from that segment. This takes no sender
+  time (many readers copy at once, memory bandwidth permitting), so the sender is not marked busy
+  and no transfer is recorded; the requester reports its copy with ``CopyAdded`` afterwards.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class NodeJoined:
     data_host: str
     data_port: int
     now: float
+    host_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +116,7 @@ class Location:
     progress: int
     busy: bool = False
     upstream: str | None = None  # node this copy is being filled from
+    segment: str = ""  # shared-memory segment of a complete copy ("" if none)
 
 
 @dataclass(slots=True)
@@ -136,6 +142,7 @@ class PendingLookup:
     object_id: bytes
     have_bytes: int
     deadline: float | None
+    shared_memory: bool = False
 
 
 @dataclass(slots=True)
@@ -157,6 +164,7 @@ class NodeInfo:
     data_host: str
     data_port: int
     joined: float
+    host_key: str = ""
 
 
 class DirectoryState:
@@ -184,7 +192,9 @@ class DirectoryState:
         if isinstance(event, Request):
             self._on_request(event)
         elif isinstance(event, NodeJoined):
-            self.nodes[event.node_id] = NodeInfo(event.node_id, event.data_host, event.data_port, event.now)
+            self.nodes[event.node_id] = NodeInfo(
+                event.node_id, event.data_host, event.data_port, event.now, event.host_key
+            )
             self._log(event.now, "node_joined", node=event.node_id)
         elif isinstance(event, NodeLeft):
             self._on_node_left(event)
@@ -215,6 +225,8 @@ class DirectoryState:
             self._drop_pending(ev.node_id, msg.request_id)
         elif isinstance(msg, p.TransferDone):
             self._on_transfer_done(ev.node_id, msg, ev.now)
+        elif isinstance(msg, p.CopyAdded):
+            self._on_copy_added(ev.node_id, msg, ev.now)
         elif isinstance(msg, p.ServeDone):
             self._log(
                 ev.now,
@@ -282,7 +294,7 @@ class DirectoryState:
                 )
                 return
             if entry.inline is None:
-                self._add_complete(entry, node_id)
+                self._add_complete(entry, node_id, msg.segment)
             self._send(node_id, p.PutReply(request_id=msg.request_id))
             self._log(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, again=True)
             self._serve_pending(oid, now)
@@ -297,24 +309,38 @@ class DirectoryState:
             inline=msg.inline,
         )
         if msg.inline is None:
-            self._add_complete(entry, node_id)
+            self._add_complete(entry, node_id, msg.segment)
         self.objects[oid] = entry
         self._send(node_id, p.PutReply(request_id=msg.request_id))
         self._log(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, inline=msg.inline is not None)
         self._serve_pending(oid, now)
 
-    def _add_complete(self, entry: ObjectEntry, node_id: str) -> None:
+    def _add_complete(self, entry: ObjectEntry, node_id: str, segment: str) -> None:
         loc = entry.locations.get(node_id)
         if loc is None:
-            entry.locations[node_id] = Location(node_id, LocationState.COMPLETE, entry.size)
+            entry.locations[node_id] = Location(node_id, LocationState.COMPLETE, entry.size, segment=segment)
         else:
             loc.state = LocationState.COMPLETE
             loc.progress = entry.size
             loc.upstream = None
+            loc.segment = segment
+
+    def _on_copy_added(self, node_id: str, msg: p.CopyAdded, now: float) -> None:
+        entry = self.objects.get(msg.object_id)
+        if entry is None or entry.inline is not None:
+            # Deleted while the node copied it: the node was not on record as a holder when the
+            # owner's delete went out, so tell it now.
+            self._send(node_id, p.DropObject(object_id=msg.object_id))
+            return
+        self._add_complete(entry, node_id, msg.segment)
+        self._log(now, "copy_added", node=node_id, object_id=msg.object_id.hex())
+        self._serve_pending(msg.object_id, now)
 
     def _on_lookup(self, node_id: str, msg: p.LookupRequest, now: float) -> None:
         deadline = now + msg.timeout if msg.timeout > 0 else None
-        pl = PendingLookup(node_id, msg.request_id, msg.object_id, max(0, msg.have_bytes), deadline)
+        pl = PendingLookup(
+            node_id, msg.request_id, msg.object_id, max(0, msg.have_bytes), deadline, msg.shared_memory
+        )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
         self._log(now, "lookup", node=node_id, object_id=msg.object_id.hex(), request_id=msg.request_id)
         self._serve_pending(msg.object_id, now)
@@ -344,6 +370,16 @@ class DirectoryState:
         if own is not None and own.state is LocationState.COMPLETE:
             # The requester already holds it (e.g. a re-put); nothing to transfer.
             self._send(pl.node_id, p.LookupReply(status="local", **meta))
+            return True
+        shared = self._same_host_copy(entry, pl.node_id) if pl.shared_memory else None
+        if shared is not None:
+            self._send(
+                pl.node_id,
+                p.LookupReply(status="shm", sender_node=shared.node_id, segment=shared.segment, **meta),
+            )
+            self._log(
+                now, "lookup_shm", node=pl.node_id, object_id=entry.object_id.hex(), sender=shared.node_id
+            )
             return True
         sender = self._choose_sender(entry, pl.node_id)
         if sender is None:
@@ -380,6 +416,26 @@ class DirectoryState:
             sender_progress=sender.progress,
         )
         return True
+
+    def _same_host_copy(self, entry: ObjectEntry, receiver: str) -> Location | None:
+        """A complete copy in a shared-memory segment on ``receiver``'s host (the owner's first)."""
+        key = self.nodes[receiver].host_key
+        if not key:
+            return None
+        found: Location | None = None
+        for loc in entry.locations.values():
+            info = self.nodes.get(loc.node_id)
+            if (
+                loc.state is LocationState.COMPLETE
+                and loc.segment
+                and loc.node_id != receiver
+                and info is not None
+                and info.host_key == key
+            ):
+                if loc.node_id == entry.owner:
+                    return loc
+                found = found or loc
+        return found
 
     def _choose_sender(self, entry: ObjectEntry, receiver: str) -> Location | None:
         """Idle complete copy first, else the idle partial copy with most bytes; never a cycle."""
@@ -434,6 +490,7 @@ class DirectoryState:
                 own.state = LocationState.COMPLETE
                 own.progress = entry.size
                 own.upstream = None
+                own.segment = msg.segment
             else:
                 # The receiver will look up again with what it holds; keep its bytes on record.
                 own.progress = max(own.progress, msg.progress)

@@ -1,0 +1,206 @@
+"""Same-host copies through shared memory: segments, the directory's choice, real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu import protocol as p
+from hoplite_gpu import shm
+from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request, Send
+from hoplite_gpu.store import BufferPool
+from tests.procs import Worker, digest, make_array, start_workers, wait_for_events
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm"),
+]
+
+OID = b"o" * 20
+
+
+def _ours() -> set[str]:
+    """Segment files created by this test process."""
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"hoplite-{ns}-{os.getpid()}-")}
+
+
+# ---------------------------------------------------------------- segments
+def test_published_payload_is_read_back_and_anything_else_is_refused() -> None:
+    buf = shm.create(1000)
+    assert buf is not None
+    seg = shm.segment_of(buf)
+    assert seg is not None and os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+    buf[:] = np.arange(1000) % 251
+    out = np.zeros(1000, np.uint8)
+    assert not shm.read_into(seg.name, OID, out)  # not published yet
+    seg.publish(OID)
+    assert shm.read_into(seg.name, OID, out) and np.array_equal(out, buf)
+    assert not shm.read_into(seg.name, b"x" * 20, out)  # another object
+    assert not shm.read_into(seg.name, OID, np.zeros(999, np.uint8))  # another size
+    seg.retire()
+    assert not shm.read_into(seg.name, OID, out)
+    seg.publish(b"y" * 20)  # reused for another object
+    assert not shm.read_into(seg.name, OID, out)
+    seg.unlink()
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+    shm.forget_mappings()
+    assert not shm.read_into(seg.name, b"y" * 20, out)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "hoplite-1-2-3-zz", "", "hoplite-1-2-3-ab/../x"])
+def test_names_from_the_network_are_checked(name: str) -> None:
+    assert not shm.valid_name(name)
+    assert not shm.read_into(name, OID, np.zeros(8, np.uint8))
+
+
+def test_pool_puts_large_buffers_in_segments_and_unlinks_them_when_dropped() -> None:
+    before = _ours()
+    pool = BufferPool(1 << 20, shared_min_bytes=4096)
+    small, large = pool.allocate(100), pool.allocate(8192)
+    assert shm.segment_of(small) is None
+    seg = shm.segment_of(large)
+    assert seg is not None and not seg.published
+    seg.publish(OID)
+    pool.release(large)
+    assert not seg.published  # retired at once: readers refuse it
+    del large, seg
+    again = pool.allocate(8192)
+    assert pool.reused == 1 and shm.segment_of(again) is not None
+    pool.release(again)
+    assert len(_ours() - before) == 1
+    pool.clear()
+    assert _ours() == before
+
+
+def test_orphaned_segments_of_a_killed_process_are_swept() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, signal; from hoplite_gpu import shm; b = shm.create(1 << 16); "
+        "print(shm.segment_of(b).name, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    name = proc.stdout.strip()
+    assert os.path.exists(os.path.join(shm.SHM_DIR, name))
+    assert shm.sweep_orphans() >= 1
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+
+
+# ---------------------------------------------------------------- directory decisions
+def _state(**hosts: str) -> DirectoryState:
+    state = DirectoryState()
+    for i, (node, key) in enumerate(hosts.items()):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, key))
+    return state
+
+
+def _put(state: DirectoryState, node: str, segment: str) -> None:
+    state.handle(Request(node, p.PutRequest(1, OID, 1 << 20, "|u1", [1 << 20], b"d", None, segment), 0.0))
+
+
+def _lookup(state: DirectoryState, node: str, shared: bool = True) -> p.LookupReply:
+    out = state.handle(Request(node, p.LookupRequest(7, OID, 0.0, 0, shared), 0.0))
+    (send,) = out
+    assert isinstance(send.message, p.LookupReply)
+    return send.message
+
+
+def test_same_host_requester_is_sent_to_the_segment_without_a_transfer() -> None:
+    state = _state(A="h1", B="h1")
+    _put(state, "A", "hoplite-1-2-3-ab")
+    reply = _lookup(state, "B")
+    assert (reply.status, reply.segment, reply.sender_node) == ("shm", "hoplite-1-2-3-ab", "A")
+    assert not state.transfers and not state.objects[OID].locations["A"].busy
+    assert _lookup(state, "B").status == "shm"  # the holder is not busy: any number of readers
+
+
+@pytest.mark.parametrize(
+    ("hosts", "segment", "shared"),
+    [
+        ({"A": "h1", "B": "h2"}, "hoplite-1-2-3-ab", True),  # other host
+        ({"A": "h1", "B": "h1"}, "", True),  # holder has no segment
+        ({"A": "h1", "B": "h1"}, "hoplite-1-2-3-ab", False),  # requester cannot use shm
+        ({"A": "", "B": ""}, "hoplite-1-2-3-ab", True),  # no shared-memory namespace
+    ],
+)
+def test_otherwise_the_requester_pulls(hosts: dict[str, str], segment: str, shared: bool) -> None:
+    state = _state(**hosts)
+    _put(state, "A", segment)
+    assert _lookup(state, "B", shared).status == "pull"
+
+
+def test_copy_added_registers_a_complete_copy_or_drops_a_deleted_one() -> None:
+    state = _state(A="h1", B="h1", C="h2")
+    _put(state, "A", "hoplite-1-2-3-ab")
+    assert state.handle(Request("B", p.CopyAdded(OID, "hoplite-1-2-4-cd"), 0.0)) == []
+    loc = state.objects[OID].locations["B"]
+    assert loc.state.value == "complete" and loc.segment == "hoplite-1-2-4-cd"
+    state.handle(Request("A", p.DeleteRequest(2, OID), 0.0))
+    out = state.handle(Request("C", p.CopyAdded(OID, "hoplite-1-9-4-cd"), 0.0))
+    assert out == [Send("C", p.DropObject(OID))]
+
+
+# ---------------------------------------------------------------- real processes
+@pytest.fixture(scope="module")
+def shm_owner() -> Iterator[Any]:
+    node = hg.init(shared_memory=True)
+    yield node
+    node.close()
+
+
+@pytest.fixture(scope="module")
+def shm_workers(shm_owner: Any) -> Iterator[list[Worker]]:
+    ws = start_workers(shm_owner.directory_address, shm_owner.token, 3, shared_memory=True)
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+def _kinds(events: list[dict[str, Any]], oid: hg.ObjectID, since: int) -> list[str]:
+    return [e["kind"] for e in events if e["seq"] > since and e.get("object_id") == oid.hex()]
+
+
+def test_same_host_gets_copy_from_shared_memory(shm_owner: Any, shm_workers: list[Worker]) -> None:
+    arr = make_array("float32", (1024, 1024), seed=11)  # 4 MiB
+    start = shm_owner.event_log()[-1]["seq"]
+    oid = shm_owner.put(arr)
+    for w in shm_workers:
+        w.send("get", oid.hex(), 60)
+    assert [w.result() for w in shm_workers] == [digest(arr)] * 3
+    events = wait_for_events(
+        shm_owner, lambda evs: _kinds(evs, oid, start).count("copy_added") == 3, timeout=30
+    )
+    kinds = _kinds(events, oid, start)
+    assert kinds.count("lookup_shm") == 3 and "transfer_start" not in kinds
+    shm_owner.delete(oid)
+
+
+def test_a_vanished_segment_falls_back_to_the_data_plane(shm_owner: Any, shm_workers: list[Worker]) -> None:
+    arr = make_array("int64", (512, 1024), seed=12)  # 4 MiB
+    oid = shm_owner.put(arr)
+    seg = shm.segment_of(shm_owner._store.get(oid).data)
+    assert seg is not None
+    seg.unlink()  # the directory still lists the segment; the reader finds no file
+    start = shm_owner.event_log()[-1]["seq"]
+    assert shm_workers[0].call("get", oid.hex(), 60) == digest(arr)
+    kinds = _kinds(shm_owner.event_log(), oid, start)
+    assert kinds[:3] == ["lookup", "lookup_shm", "lookup"] and "transfer_start" in kinds
+    shm_owner.delete(oid)
+
+
+def test_nothing_is_left_in_dev_shm(shm_owner: Any) -> None:
+    node = hg.connect(shm_owner.directory_address, token=shm_owner.token, shared_memory=True)
+    before = _ours()
+    node.put(make_array("uint8", (1 << 20,), seed=13))
+    assert len(_ours() - before) == 1
+    node.close()
+    assert _ours() == before
