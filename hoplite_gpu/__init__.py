@@ -51,6 +51,7 @@ __all__ = [
     "ObjectTooLargeError",
     "PeerLostError",
     "ProtocolError",
+    "ReduceOp",
     "StoreFullError",
     "TransportError",
     "__version__",
@@ -67,6 +68,10 @@ def __getattr__(name: str) -> Any:
         from .node import Node
 
         return Node
+    if name == "ReduceOp":
+        from .reduce_ops import ReduceOp
+
+        return ReduceOp
     raise AttributeError(name)
 
 

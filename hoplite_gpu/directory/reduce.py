@@ -1,0 +1,276 @@
+"""Reduce trees: shape from a cost model, vertices placed in arrival order (pure, no I/O).
+
+A reduction of ``k`` inputs (the first ``k`` of the listed ObjectIDs to become ready) runs as a
+tree of ``k`` vertices. Vertex ``v`` sits on the node holding its input ``x_v`` and produces
+``O_v = x_v (op) O_c1 (op) ... (op) O_cd`` over its children ``c``, chunk by chunk: it streams each
+child's output as that child produces it (children's outputs are ordinary partial objects, pulled
+through the broadcast machinery) and its own output is readable up to the bytes already reduced.
+The root's output is the reduction's result, so a ``get`` of it streams while the reduction runs
+(allreduce = reduce pipelined into broadcast).
+
+Shape. A complete ``d``-ary tree, vertices numbered breadth first (root 0, children of ``v`` are
+``d*v+1 .. d*v+d``). Arrivals fill the vertices in in-order (first child's subtree, the vertex,
+then the other children's subtrees), so the first inputs to arrive are leaves that start
+reducing at once, and for ``d = 1`` the tree is a chain whose last arrival is the root.
+
+Cost model (after the Hoplite paper, section 4.3). With per-hop latency ``L``, link bandwidth
+``B``, object size ``S``, chunk size ``C`` and tree height ``h(d)`` (edges on the longest
+root path), a vertex receives ``d`` streams through one link, so::
+
+    T(d) = d * S / B  +  h(d) * (L + d * C / B)
+
+The first term is the bandwidth bottleneck, the second the pipeline fill: each level adds a hop
+latency and one chunk time per child. Large objects favour chains (``d = 1``, ``T ≈ S/B``), small
+ones flat trees (``d = k-1``, ``T ≈ (k-1)S/B + L``). ``L`` and ``B`` are measured at run time by
+the directory from completed transfers (:class:`LinkEstimate`), not fixed constants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+#: Chunk size the cost model assumes when the caller passes none.
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEstimate:
+    """Measured per-hop latency (seconds) and bandwidth (bytes/second) of the cluster's links.
+
+    Starts from a guess and moves towards each measurement (exponentially weighted).
+    """
+
+    latency: float = 500e-6
+    bandwidth: float = 1e9
+    samples: int = 0
+
+    def with_transfer(self, nbytes: int, seconds: float, weight: float = 0.25) -> LinkEstimate:
+        """Fold in one completed transfer of ``nbytes`` that took ``seconds`` end to end."""
+        if nbytes <= 0 or seconds <= 0:
+            return self
+        if nbytes < (1 << 20):  # small transfers measure latency
+            latency = self.latency + weight * (seconds - self.latency)
+            return LinkEstimate(max(latency, 1e-6), self.bandwidth, self.samples + 1)
+        rate = nbytes / max(seconds - self.latency, seconds / 2)
+        bandwidth = self.bandwidth + weight * (rate - self.bandwidth)
+        return LinkEstimate(self.latency, max(bandwidth, 1.0), self.samples + 1)
+
+
+class TreeShape:
+    """A complete ``degree``-ary tree of ``n`` vertices, numbered breadth first.
+
+    Args:
+        n: Number of vertices (>= 1).
+        degree: Children per vertex (>= 1; 1 is a chain).
+    """
+
+    def __init__(self, n: int, degree: int) -> None:
+        if n < 1 or degree < 1:
+            raise ValueError("a tree needs n >= 1 and degree >= 1")
+        self.n = n
+        self.degree = degree
+        self.inorder: list[int] = []
+        self._visit_inorder()
+        self.rank = {v: i for i, v in enumerate(self.inorder)}
+
+    def parent(self, v: int) -> int | None:
+        """Parent of ``v`` (None for the root)."""
+        return None if v == 0 else (v - 1) // self.degree
+
+    def children(self, v: int) -> list[int]:
+        """Children of ``v``, in order."""
+        first = self.degree * v + 1
+        return list(range(first, min(first + self.degree, self.n)))
+
+    def depth(self, v: int) -> int:
+        """Edges from ``v`` up to the root."""
+        d = 0
+        while v:
+            v = (v - 1) // self.degree
+            d += 1
+        return d
+
+    @property
+    def height(self) -> int:
+        """Edges on the longest path from a leaf to the root."""
+        return self.depth(self.n - 1)
+
+    def _visit_inorder(self) -> None:
+        # Iterative: chains of 10 000 vertices must not hit the recursion limit.
+        stack: list[tuple[int, bool]] = [(0, False)]
+        while stack:
+            v, expanded = stack.pop()
+            if expanded:
+                self.inorder.append(v)
+                continue
+            kids = self.children(v)
+            for c in reversed(kids[1:]):
+                stack.append((c, False))
+            stack.append((v, True))
+            if kids:
+                stack.append((kids[0], False))
+
+
+def tree_height(n: int, degree: int) -> int:
+    """Height of the complete ``degree``-ary tree of ``n`` vertices (breadth-first numbering)."""
+    if degree == 1:
+        return n - 1
+    height, last = 0, n - 1
+    while last:
+        last = (last - 1) // degree
+        height += 1
+    return height
+
+
+def estimated_time(
+    n: int, degree: int, size: int, link: LinkEstimate, chunk: int = DEFAULT_CHUNK_BYTES
+) -> float:
+    """Modelled seconds for a ``degree``-ary reduce tree of ``n`` inputs of ``size`` bytes."""
+    if n <= 1:
+        return 0.0
+    chunk = max(1, min(chunk, size))
+    per_byte = 1.0 / link.bandwidth
+    return degree * size * per_byte + tree_height(n, degree) * (link.latency + degree * chunk * per_byte)
+
+
+def choose_degree(n: int, size: int, link: LinkEstimate, chunk: int = DEFAULT_CHUNK_BYTES) -> tuple[int, str]:
+    """The degree minimising :func:`estimated_time`, and a human-readable reason.
+
+    Ties go to the smaller degree (fewer streams into one link).
+    """
+    if n <= 2:
+        return 1, f"{n} input(s): a chain is the only shape"
+    best, best_t = 1, math.inf
+    for d in range(1, n):
+        t = estimated_time(n, d, size, link, chunk)
+        if t < best_t - 1e-12:
+            best, best_t = d, t
+    return best, (
+        f"degree {best} minimises T(d) = d*S/B + h(d)*(L + d*C/B) for n={n}, S={size} B, "
+        f"L={link.latency * 1e6:.0f} us, B={link.bandwidth / 1e9:.2f} GB/s: {best_t * 1e3:.2f} ms"
+    )
+
+
+def vertex_object_id(reduction_id: bytes, vertex: int) -> bytes:
+    """ObjectID of a vertex's output: the reduction's own id for the root, else derived from it."""
+    if vertex == 0:
+        return reduction_id
+    return hashlib.blake2b(reduction_id + b"/vertex/" + str(vertex).encode(), digest_size=20).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """An input placed at a tree vertex: the node holding it computes the vertex's output."""
+
+    vertex: int
+    object_id: bytes
+    node_id: str
+    output_id: bytes
+    child_outputs: tuple[bytes, ...]  # outputs of the vertex's children, in order
+    parent_output: bytes | None  # where this vertex's output goes (None: the root)
+
+
+class MismatchError(Exception):
+    """An input's dtype or shape differs from the reduction's; carries the offending id."""
+
+    def __init__(self, object_id: bytes, message: str) -> None:
+        super().__init__(message)
+        self.object_id = object_id
+
+
+@dataclass(slots=True)
+class ReducePlan:
+    """One reduction's tree: which inputs were placed where, in arrival order.
+
+    Args:
+        reduction_id: Id of the result object (the root's output).
+        inputs: The candidate inputs, in the caller's order (distinct).
+        num_objects: How many of them to reduce (the first to become ready).
+    """
+
+    reduction_id: bytes
+    inputs: tuple[bytes, ...]
+    num_objects: int
+    degree: int = 0
+    reason: str = ""
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    size: int = -1
+    placed: list[Placement] = field(default_factory=list)
+    _tree: TreeShape | None = None
+
+    def __post_init__(self) -> None:
+        if len(set(self.inputs)) != len(self.inputs):
+            raise ValueError("a reduction's inputs must be distinct")
+        if not 1 <= self.num_objects <= len(self.inputs):
+            raise ValueError(f"num_objects must be in 1..{len(self.inputs)}")
+
+    @property
+    def full(self) -> bool:
+        """Whether all ``num_objects`` vertices are placed."""
+        return len(self.placed) >= self.num_objects
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The tree, once the first input fixed its size and degree."""
+        return self._tree
+
+    def reduced_objects(self) -> list[bytes]:
+        """The inputs placed so far, in arrival order (all of them once :attr:`full`)."""
+        return [pl.object_id for pl in self.placed]
+
+    def wants(self, object_id: bytes) -> bool:
+        """Whether ``object_id`` is an input not placed yet and there is a free vertex."""
+        return (
+            not self.full
+            and object_id in self.inputs
+            and all(pl.object_id != object_id for pl in self.placed)
+        )
+
+    def check(self, object_id: bytes, size: int, dtype: str, shape: tuple[int, ...]) -> None:
+        """Raise :class:`MismatchError` if the input does not match inputs placed before."""
+        if self.size >= 0 and (dtype != self.dtype or tuple(shape) != self.shape or size != self.size):
+            raise MismatchError(
+                object_id,
+                f"input {object_id.hex()} has dtype {dtype} and shape {list(shape)}, but the "
+                f"reduction's inputs have dtype {self.dtype} and shape {list(self.shape)}",
+            )
+
+    def place(
+        self,
+        object_id: bytes,
+        node_id: str,
+        size: int,
+        dtype: str,
+        shape: tuple[int, ...],
+        link: LinkEstimate,
+        chunk: int = DEFAULT_CHUNK_BYTES,
+    ) -> Placement:
+        """Place the next arriving input at the next vertex in in-order.
+
+        Raises:
+            MismatchError: dtype or shape differs from the inputs placed before.
+            ValueError: not a wanted input (see :meth:`wants`).
+        """
+        if not self.wants(object_id):
+            raise ValueError(f"{object_id.hex()} is not a pending input of this reduction")
+        self.check(object_id, size, dtype, shape)
+        if self._tree is None:
+            self.size, self.dtype, self.shape = size, dtype, tuple(shape)
+            self.degree, self.reason = choose_degree(self.num_objects, size, link, chunk)
+            self._tree = TreeShape(self.num_objects, self.degree)
+        tree = self._tree
+        vertex = tree.inorder[len(self.placed)]
+        parent = tree.parent(vertex)
+        pl = Placement(
+            vertex=vertex,
+            object_id=object_id,
+            node_id=node_id,
+            output_id=vertex_object_id(self.reduction_id, vertex),
+            child_outputs=tuple(vertex_object_id(self.reduction_id, c) for c in tree.children(vertex)),
+            parent_output=None if parent is None else vertex_object_id(self.reduction_id, parent),
+        )
+        self.placed.append(pl)
+        return pl
