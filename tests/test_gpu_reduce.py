@@ -1,0 +1,79 @@
+"""GPU reduction kernels against NumPy, for every op and dtype, at sizes around powers of two.
+
+The kernel tests need CuPy and a CUDA device and skip cleanly otherwise; the checks of the kernel
+table run everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hoplite_gpu import gpu
+from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp
+from hoplite_gpu.reduce_ops import finish as host_finish
+from hoplite_gpu.reduce_ops import reduce_into as host_reduce_into
+
+pytestmark = pytest.mark.timeout(300)
+
+needs_gpu = pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+
+SIZES = sorted({max(0, 2**i + d) for i in (0, 5, 10, 17, 20) for d in (-1, 0, 1)})
+
+
+def test_every_dtype_and_op_has_a_kernel_in_the_source() -> None:
+    assert set(gpu.CUDA_TYPES) == set(SUPPORTED_DTYPES)
+    source = (gpu.kernels_dir() / "reduce.cu").read_text()
+    for name in ("hoplite_reduce", "hoplite_average", "hoplite_bf16", "OpSum", "OpProd", "OpMin", "OpMax"):
+        assert name in source
+    names = gpu.kernel_names()
+    assert len(names) == len(set(names)) == len(SUPPORTED_DTYPES) * 5
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _arrays(dtype: np.dtype[Any], size: int, seed: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    if np.issubdtype(dtype, np.integer):
+        lo = 0 if dtype.kind == "u" else -100
+        return rng.integers(lo, 100, size).astype(dtype), rng.integers(lo, 100, size).astype(dtype)
+    a = rng.uniform(-2, 2, size).astype(dtype)
+    b = rng.uniform(-2, 2, size).astype(dtype)
+    if size > 3:
+        a[1], b[2] = np.nan, np.nan  # MIN/MAX must propagate NaN like NumPy
+    return a, b
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype_name", SUPPORTED_DTYPES)
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_kernel_matches_numpy(dtype_name: str, op: ReduceOp) -> None:
+    import cupy
+
+    dtype = _dtype(dtype_name)
+    for size in SIZES:
+        a, b = _arrays(dtype, size, seed=size)
+        want = a.copy()
+        host_reduce_into(op, want, b)
+        host_finish(op, want, 3)
+        # bfloat16 has no CuPy dtype: its bits travel as uint16 and the kernel is named by dtype.
+        bf16 = dtype_name == "bfloat16"
+        acc = cupy.asarray(a.view(np.uint16) if bf16 else a)
+        other = cupy.asarray(b.view(np.uint16) if bf16 else b)
+        gpu.reduce_into(op, acc, other, dtype=dtype_name)
+        gpu.finish(op, acc, 3, dtype=dtype_name)
+        got = cupy.asnumpy(acc).view(dtype)
+        if np.issubdtype(dtype, np.integer):
+            assert np.array_equal(got, want), (size, op)
+        else:
+            g, w = got.astype(np.float64), want.astype(np.float64)
+            eps = float(ml_dtypes.finfo(dtype).eps)
+            assert np.array_equal(np.isnan(g), np.isnan(w)), (size, op)
+            ok = ~np.isnan(w)
+            assert np.all(np.abs(g[ok] - w[ok]) <= eps * np.abs(w[ok]) + 1e-30), (size, op)
