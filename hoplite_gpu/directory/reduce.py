@@ -86,11 +86,7 @@ class TreeShape:
 
     def depth(self, v: int) -> int:
         """Edges from ``v`` up to the root."""
-        d = 0
-        while v:
-            v = (v - 1) // self.degree
-            d += 1
-        return d
+        return _depth(v, self.degree)
 
     @property
     def height(self) -> int:
@@ -113,15 +109,21 @@ class TreeShape:
                 stack.append((kids[0], False))
 
 
-def tree_height(n: int, degree: int) -> int:
-    """Height of the complete ``degree``-ary tree of ``n`` vertices (breadth-first numbering)."""
+def _depth(v: int, degree: int) -> int:
+    """Edges from vertex ``v`` up to the root of a breadth-first numbered ``degree``-ary tree."""
     if degree == 1:
-        return n - 1
-    height, last = 0, n - 1
-    while last:
-        last = (last - 1) // degree
-        height += 1
-    return height
+        return v
+    d = 0
+    while v:
+        v = (v - 1) // degree
+        d += 1
+    return d
+
+
+def tree_height(n: int, degree: int) -> int:
+    """Height of the complete ``degree``-ary tree of ``n`` vertices (breadth-first numbering):
+    the depth of its last vertex."""
+    return _depth(n - 1, degree)
 
 
 def estimated_time(

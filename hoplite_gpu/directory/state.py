@@ -487,10 +487,7 @@ class DirectoryState:
         own = entry.locations.get(node_id)
         if own is not None:
             if msg.ok:
-                own.state = LocationState.COMPLETE
-                own.progress = entry.size
-                own.upstream = None
-                own.segment = msg.segment
+                self._add_complete(entry, node_id, msg.segment)
             else:
                 # The receiver will look up again with what it holds; keep its bytes on record.
                 own.progress = max(own.progress, msg.progress)
