@@ -30,6 +30,8 @@ from .errors import (
     ObjectTooLargeError,
     PeerLostError,
     ProtocolError,
+    ReduceMismatchError,
+    ReductionFailedError,
     StoreFullError,
     TransportError,
 )
@@ -51,7 +53,9 @@ __all__ = [
     "ObjectTooLargeError",
     "PeerLostError",
     "ProtocolError",
+    "ReduceMismatchError",
     "ReduceOp",
+    "ReductionFailedError",
     "StoreFullError",
     "TransportError",
     "__version__",

@@ -88,6 +88,7 @@ class Config:
         advertise_host: Address peers use to reach this node (defaults to ``listen_host``).
         verify_digest: Check a received object's digest against the one recorded at ``put``.
         close_grace: Seconds ``Node.close`` lets transfers it is serving finish.
+        reduce_chunk_bytes: Bytes a reduce-tree vertex reduces (and forwards) at a time.
     """
 
     chunk_bytes: int = 4 * MiB
@@ -111,6 +112,7 @@ class Config:
     advertise_host: str = ""
     verify_digest: bool = False
     close_grace: float = 10.0
+    reduce_chunk_bytes: int = 1 * MiB
 
     def __post_init__(self) -> None:
         positive = (
@@ -121,6 +123,7 @@ class Config:
             "min_chunk_bytes",
             "max_chunk_bytes",
             "chunk_seconds",
+            "reduce_chunk_bytes",
         )
         for name in positive:
             if getattr(self, name) <= 0:

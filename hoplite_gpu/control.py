@@ -32,10 +32,17 @@ class ControlClient:
     Args:
         on_push: Called on the event loop with every message that is not a reply.
         limit: Largest frame accepted from the directory.
+        on_lost: Called on the event loop with the error once the connection is lost or closed.
     """
 
-    def __init__(self, on_push: Callable[[p.Message], None], limit: int) -> None:
+    def __init__(
+        self,
+        on_push: Callable[[p.Message], None],
+        limit: int,
+        on_lost: Callable[[HopliteError], None] | None = None,
+    ) -> None:
         self.on_push = on_push
+        self.on_lost = on_lost
         self.limit = limit
         self.address = ""
         self.directory_id = ""
@@ -187,6 +194,8 @@ class ControlClient:
             if not fut.done():
                 fut.set_exception(error)
         self._pending.clear()
+        if self.on_lost is not None:
+            self.on_lost(error)
 
     async def close(self) -> None:
         """Close the connection."""

@@ -96,6 +96,20 @@ class DirectoryUnavailableError(TransportError):
     """The directory cannot be reached (not started, wrong address, or it went away)."""
 
 
+class ReduceMismatchError(HopliteError, ValueError):
+    """Inputs of a reduction differ in dtype or shape; nothing was reduced.
+
+    Fields: ``object_id`` (hex of the offending input), ``reduction_id`` (hex).
+    """
+
+
+class ReductionFailedError(HopliteError):
+    """A reduction could not produce its result (an input vanished or a tree vertex failed).
+
+    Fields: ``reduction_id`` (hex), ``cause`` (what went wrong). Request it again under a new id.
+    """
+
+
 class NodeClosedError(HopliteError, RuntimeError):
     """The node was closed; create a new one with ``hoplite_gpu.init`` or ``hoplite_gpu.connect``."""
 
@@ -113,6 +127,8 @@ __all__ = [
     "ObjectTooLargeError",
     "PeerLostError",
     "ProtocolError",
+    "ReduceMismatchError",
+    "ReductionFailedError",
     "StoreFullError",
     "TransportError",
 ]

@@ -38,11 +38,15 @@ from .errors import (
     ObjectNotFoundError,
     ObjectTooLargeError,
     ProtocolError,
+    ReduceMismatchError,
+    ReductionFailedError,
     TransportError,
 )
 from .object_id import ObjectID
+from .reduce_ops import ReduceOp, as_op
 from .store import LocalObject, LocalStore, digest_of, dtype_from_wire, dtype_to_wire
 from .transport import DataPlane
+from .vertex import VertexRun, reduce_stream
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -56,9 +60,23 @@ MAX_FRUITLESS_PULLS = 8
 THREAD_COPY_BYTES = 1 << 20
 
 _ERROR_KINDS: dict[str, type[HopliteError]] = {
-    "ObjectExistsError": ObjectExistsError,
-    "ProtocolError": ProtocolError,
+    cls.__name__: cls
+    for cls in (
+        HopliteTimeoutError,
+        InvalidArgumentError,
+        ObjectDeletedError,
+        ObjectExistsError,
+        ObjectNotFoundError,
+        ProtocolError,
+        ReduceMismatchError,
+        ReductionFailedError,
+    )
 }
+
+
+def _remote_error(kind: str, message: str, **fields: Any) -> HopliteError:
+    """The typed error for an error the directory reported as ``kind``."""
+    return _ERROR_KINDS.get(kind, HopliteError)(message, **fields)
 
 
 class IOThread:
@@ -175,7 +193,10 @@ class Node:
             shared_min_bytes=self.config.inline_threshold_bytes + 1 if self._shm else 0,
         )
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
-        self._control = ControlClient(self._on_push, self.config.control_message_limit)
+        self._control = ControlClient(
+            self._on_push, self.config.control_message_limit, on_lost=self._on_directory_lost
+        )
+        self._vertices: dict[tuple[bytes, int], VertexRun] = {}
         self._closed = False
         self._active: set[concurrent.futures.Future[Any]] = set()
         self._io.run(self._start(), timeout=self.config.connect_timeout * 3)
@@ -241,6 +262,8 @@ class Node:
 
     async def _close(self) -> None:
         err = NodeClosedError("the node was closed")
+        for run in list(self._vertices.values()):
+            run.cancel()
         await self._data.close(grace=self.config.close_grace)
         self._store.clear(err)
         shm.forget_mappings()
@@ -351,8 +374,7 @@ class Node:
             raise ProtocolError(f"unexpected reply to put: {reply.TYPE}")
         if reply.error:
             self._store.remove(oid)
-            cls = _ERROR_KINDS.get(reply.error_kind, HopliteError)
-            raise cls(reply.error, object_id=oid.hex())
+            raise _remote_error(reply.error_kind, reply.error, object_id=oid.hex())
         return oid
 
     # ------------------------------------------------------------ get
@@ -415,7 +437,11 @@ class Node:
             out.set(arr)  # CuPy
         return out
 
-    async def _get(self, oid: ObjectID, timeout: float | None) -> LocalObject:
+    async def _get(
+        self, oid: ObjectID, timeout: float | None, started: asyncio.Future[LocalObject] | None = None
+    ) -> LocalObject:
+        """Fetch ``oid`` into the local store; ``started`` (if given) is resolved with the local
+        object as soon as it exists, while it is still filling."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def remaining() -> float | None:
@@ -448,6 +474,15 @@ class Node:
             reply = await self._lookup(oid, left, have, shared_memory=self._shm and local is None)
             if reply.status == "timeout":
                 raise timed_out()
+            if reply.status == "error":
+                culprit = reply.error_object_id.hex() if reply.error_object_id else None
+                raise _remote_error(
+                    reply.error_kind,
+                    reply.error,
+                    object_id=culprit,
+                    reduction_id=oid.hex(),
+                    cause=reply.error,
+                )
             if reply.status == "inline":
                 return self._store_inline(oid, reply)
             if reply.status == "local":
@@ -457,6 +492,8 @@ class Node:
                 raise ObjectNotFoundError(f"object {oid} vanished from this node", object_id=oid.hex())
             if local is None:
                 local = self._new_partial(oid, reply)
+                if started is not None and not started.done():
+                    started.set_result(local)
             if reply.status == "shm":
                 try:
                     copied = await self._copy_shared(local, reply)
@@ -478,7 +515,7 @@ class Node:
                     await asyncio.wait_for(pull, remaining())
                 except asyncio.TimeoutError:
                     raise timed_out() from None
-                if self.config.verify_digest and digest_of(local.data) != local.digest:
+                if self.config.verify_digest and local.digest and digest_of(local.data) != local.digest:
                     raise TransportError(
                         f"object {oid} arrived corrupted (digest mismatch)", peer="", cause="digest"
                     )
@@ -529,7 +566,7 @@ class Node:
             ok = shm.read_into(reply.segment, oid, local.data)
         if not ok or local.error is not None:  # removed meanwhile: an incomplete copy is failed
             return False
-        if self.config.verify_digest and digest_of(local.data) != local.digest:
+        if self.config.verify_digest and local.digest and digest_of(local.data) != local.digest:
             log.warning("shared-memory copy of %s did not match its digest", local.object_id)
             return False
         local.advance(local.size)
@@ -631,12 +668,255 @@ class Node:
         )
 
     def _on_push(self, msg: p.Message) -> None:
-        if isinstance(msg, p.DropObject):
+        if isinstance(msg, p.ReduceTask):
+            run = VertexRun(msg)
+            self._vertices[run.key] = run
+            run.runner = asyncio.ensure_future(self._run_vertex(run))
+            run.runner.add_done_callback(lambda _: self._vertices.pop(run.key, None))
+        elif isinstance(msg, p.ReduceChild):
+            found = self._vertices.get((msg.reduction_id, msg.vertex))
+            if found is not None:
+                found.set_child(msg.index, msg.object_id)
+        elif isinstance(msg, p.DropObject):
             oid = ObjectID(msg.object_id)
+            for run in [r for r in self._vertices.values() if r.output_id == oid]:
+                run.cancel()  # the reduction failed, or was deleted
             self._store.remove(
                 oid, ObjectDeletedError(f"object {oid} was deleted by its owner", object_id=oid.hex())
             )
             shm.forget_mappings(unlinked_only=True)
+
+    def _on_directory_lost(self, error: HopliteError) -> None:
+        # Nobody can tell a vertex any more that its reduction failed: stop them.
+        for run in list(self._vertices.values()):
+            run.cancel()
+
+    # ------------------------------------------------------------ reduce
+    def reduce(
+        self,
+        object_ids: Any,
+        op: ReduceOp | str = ReduceOp.SUM,
+        num_objects: int | None = None,
+        reduction_id: ObjectID | None = None,
+        timeout: float | None = None,
+    ) -> ObjectID:
+        """Reduce the first ``num_objects`` of ``object_ids`` to become ready; return the result's id.
+
+        Returns at once: the reduction runs in the background, on the nodes holding the inputs,
+        as a tree built in the order the inputs become ready (inputs may be put after this call).
+        ``get`` the returned id for the result; it streams while the reduction runs. Every input
+        must have the same dtype and shape.
+
+        Args:
+            object_ids: Candidate inputs (distinct ObjectIDs).
+            op: A :class:`ReduceOp` (or its name). ``AVG`` divides by the number of inputs reduced.
+            num_objects: How many inputs to reduce (default all); the first to become ready are
+                used, later ones ignored (see :meth:`reduced_objects`).
+            reduction_id: Id of the result (default a new random id). Repeating a request with the
+                same id and arguments is accepted, so every member of a group may issue it.
+            timeout: Seconds the directory waits for ``num_objects`` inputs before failing the
+                reduction with :class:`HopliteTimeoutError` (None: ``Config.default_get_timeout``,
+                0 there: forever).
+
+        Raises:
+            InvalidArgumentError: bad ids, ``num_objects`` or op, or an unsupported dtype.
+            ReduceMismatchError: inputs already present differ in dtype or shape (names one).
+            ObjectExistsError: ``reduction_id`` exists as an object or another reduction.
+        """
+        self._check_open()
+        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout)
+        return self._io.run(self._reduce(msg))
+
+    async def reduce_async(
+        self,
+        object_ids: Any,
+        op: ReduceOp | str = ReduceOp.SUM,
+        num_objects: int | None = None,
+        reduction_id: ObjectID | None = None,
+        timeout: float | None = None,
+    ) -> ObjectID:
+        """Async twin of :meth:`reduce`."""
+        self._check_open()
+        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout)
+        return await self._io.run_async(self._reduce(msg))
+
+    def _reduce_request(
+        self,
+        object_ids: Any,
+        op: ReduceOp | str,
+        num_objects: int | None,
+        reduction_id: ObjectID | None,
+        timeout: float | None,
+    ) -> p.ReduceRequest:
+        ids = list(object_ids) if not isinstance(object_ids, (str, bytes, ObjectID)) else None
+        if not ids or not all(isinstance(o, ObjectID) for o in ids):
+            raise InvalidArgumentError(
+                "object_ids must be a non-empty list of ObjectIDs", argument="object_ids"
+            )
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError("object_ids must be distinct", argument="object_ids")
+        k = len(ids) if num_objects is None else num_objects
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= len(ids):
+            raise InvalidArgumentError(
+                f"num_objects must be an int in 1..{len(ids)}, got {num_objects!r}", argument="num_objects"
+            )
+        if reduction_id is not None and not isinstance(reduction_id, ObjectID):
+            raise InvalidArgumentError("reduction_id must be an ObjectID or None", argument="reduction_id")
+        rid = reduction_id or ObjectID.random()
+        if rid in ids:
+            raise InvalidArgumentError("reduction_id must not be one of the inputs", argument="reduction_id")
+        wait = self._resolve_timeout(timeout)
+        return p.ReduceRequest(
+            request_id=0,
+            reduction_id=rid.binary(),
+            object_ids=[o.binary() for o in ids],
+            op=as_op(op).value,
+            num_objects=k,
+            timeout=wait or 0.0,
+        )
+
+    async def _reduce(self, msg: p.ReduceRequest) -> ObjectID:
+        rid = self._control.next_id()
+        reply = await self._control.request(
+            p.ReduceRequest(
+                request_id=rid,
+                reduction_id=msg.reduction_id,
+                object_ids=msg.object_ids,
+                op=msg.op,
+                num_objects=msg.num_objects,
+                timeout=msg.timeout,
+            ),
+            self.config.request_timeout,
+        )
+        if not isinstance(reply, p.ReduceReply):
+            raise ProtocolError(f"unexpected reply to reduce: {reply.TYPE}")
+        if reply.error:
+            culprit = reply.error_object_id.hex() if reply.error_object_id else None
+            raise _remote_error(
+                reply.error_kind, reply.error, object_id=culprit, reduction_id=msg.reduction_id.hex()
+            )
+        return ObjectID(msg.reduction_id)
+
+    def reduced_objects(self, reduction_id: ObjectID, timeout: float | None = None) -> list[ObjectID]:
+        """The inputs a reduction reduces, in the order they became ready.
+
+        Waits until the reduction has chosen all of them (``num_objects`` became ready).
+
+        Raises:
+            HopliteTimeoutError: not chosen within ``timeout`` (None: ``Config.default_get_timeout``).
+            ObjectNotFoundError: no such reduction (never requested, or deleted).
+            ReduceMismatchError, ReductionFailedError: the reduction failed.
+        """
+        self._check_open()
+        self._check_oid(reduction_id)
+        return self._io.run(self._reduced_objects(reduction_id, self._resolve_timeout(timeout)))
+
+    async def reduced_objects_async(
+        self, reduction_id: ObjectID, timeout: float | None = None
+    ) -> list[ObjectID]:
+        """Async twin of :meth:`reduced_objects`."""
+        self._check_open()
+        self._check_oid(reduction_id)
+        return await self._io.run_async(self._reduced_objects(reduction_id, self._resolve_timeout(timeout)))
+
+    async def _reduced_objects(self, rid: ObjectID, timeout: float | None) -> list[ObjectID]:
+        request_id = self._control.next_id()
+        guard = self.config.request_timeout + (timeout or 0.0) if timeout else None
+        fut = self._control.expect(request_id)
+        try:
+            self._control.send(
+                p.ReducedObjectsRequest(
+                    request_id=request_id, reduction_id=rid.binary(), timeout=timeout or 0.0
+                )
+            )
+            reply = await asyncio.wait_for(fut, guard)
+        except asyncio.TimeoutError:
+            raise DirectoryUnavailableError(
+                f"the directory did not answer reduced_objects({rid})",
+                peer=self._directory_address,
+                cause="timeout",
+            ) from None
+        finally:
+            self._control.forget(request_id)
+        if not isinstance(reply, p.ReducedObjectsReply):
+            raise ProtocolError(f"unexpected reply to reduced_objects: {reply.TYPE}")
+        if reply.error:
+            culprit = reply.error_object_id.hex() if reply.error_object_id else None
+            raise _remote_error(reply.error_kind, reply.error, object_id=culprit, reduction_id=rid.hex())
+        return [ObjectID(o) for o in reply.object_ids]
+
+    async def _run_vertex(self, run: VertexRun) -> None:
+        """Execute a :class:`~hoplite_gpu.protocol.ReduceTask` and report how it went."""
+        task = run.task
+        out: LocalObject | None = None
+        try:
+            own = self._store.get(ObjectID(task.input_id))
+            if own is None:
+                raise ObjectNotFoundError(
+                    f"input {task.input_id.hex()} of reduction {task.reduction_id.hex()} is no longer "
+                    "on this node",
+                    object_id=task.input_id.hex(),
+                )
+            self._store.reserve(task.size)
+            out = LocalObject(
+                run.output_id,
+                task.size,
+                task.dtype,
+                tuple(task.shape),
+                b"",
+                self._store.pool.allocate(task.size),
+                pooled=True,
+            )
+            self._store.add(out)
+            children = await asyncio.gather(*(self._stream_child(run, i) for i in range(len(task.children))))
+            await reduce_stream(task, own, list(children), out, self.config.reduce_chunk_bytes)
+            self._report(
+                p.VertexDone(
+                    reduction_id=task.reduction_id, vertex=task.vertex, ok=True, segment=self._publish(out)
+                )
+            )
+            self._drop_fetched(run)
+        except asyncio.CancelledError:
+            if out is not None and self._store.get(out.object_id) is out and not out.complete:
+                self._store.remove(out.object_id)
+            raise
+        except HopliteError as exc:
+            log.info("reduce vertex %d of %s failed: %s", task.vertex, task.reduction_id.hex()[:8], exc)
+            self._report(
+                p.VertexDone(reduction_id=task.reduction_id, vertex=task.vertex, ok=False, reason=str(exc))
+            )
+            if out is not None and self._store.get(out.object_id) is out:
+                self._store.remove(out.object_id, exc)
+        finally:
+            for _, fetch in run.fetches:
+                fetch.cancel()
+
+    async def _stream_child(self, run: VertexRun, index: int) -> LocalObject:
+        """The local object of a vertex's child: already here, or being fetched (still filling)."""
+        oid = await run.child(index)
+        local = self._store.get(oid)
+        if local is not None:
+            return local
+        started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
+        fetch = asyncio.ensure_future(self._get(oid, None, started=started))
+        run.fetches.append((oid, fetch))
+        await asyncio.wait({started, fetch}, return_when=asyncio.FIRST_COMPLETED)
+        obj = started.result() if started.done() else fetch.result()
+
+        def failed(task: asyncio.Future[LocalObject]) -> None:
+            if not task.cancelled() and task.exception() is not None and not obj.complete:
+                exc = task.exception()
+                obj.fail(exc if isinstance(exc, HopliteError) else _as_hoplite_error(exc, oid))  # type: ignore[arg-type]
+
+        fetch.add_done_callback(failed)
+        return obj
+
+    def _drop_fetched(self, run: VertexRun) -> None:
+        """Forget the copies of children a finished vertex fetched only to reduce them."""
+        for oid, fetch in run.fetches:
+            if fetch.done() and not fetch.cancelled() and fetch.exception() is None:
+                self._store.remove(oid)
+                self._report(p.DeleteRequest(request_id=self._control.next_id(), object_id=oid.binary()))
 
     # ------------------------------------------------------------ delete and diagnostics
     def delete(self, object_id: ObjectID) -> bool:

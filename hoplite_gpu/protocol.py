@@ -20,7 +20,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies
+PROTOCOL_VERSION = 4  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -158,6 +158,46 @@ class DeleteRequest(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class ReduceRequest(Message):
+    """Reduce the first ``num_objects`` of ``object_ids`` to become ready into ``reduction_id``.
+
+    ``op`` is a :class:`~hoplite_gpu.reduce_ops.ReduceOp` value; ``timeout`` (0: none) is how long
+    the directory waits for enough inputs before failing the reduction. Repeating a request with
+    the same id and arguments is accepted (every rank of a group may issue it).
+    """
+
+    TYPE: ClassVar[str] = "reduce"
+    request_id: int
+    reduction_id: bytes
+    object_ids: list[bytes]
+    op: str
+    num_objects: int
+    timeout: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReducedObjectsRequest(Message):
+    """Ask which inputs a reduction uses; answered once all of them are chosen, or ``timeout``."""
+
+    TYPE: ClassVar[str] = "reduced_objects"
+    request_id: int
+    reduction_id: bytes
+    timeout: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class VertexDone(Message):
+    """Node -> directory: a reduce-tree vertex finished its output (``ok``) or failed."""
+
+    TYPE: ClassVar[str] = "vertex_done"
+    reduction_id: bytes
+    vertex: int
+    ok: bool
+    reason: str = ""
+    segment: str = ""  # shared-memory segment holding the output (when ok)
+
+
+@dataclass(frozen=True, slots=True)
 class EventLogRequest(Message):
     """Fetch directory events with sequence number >= ``since`` (diagnostics and tests)."""
 
@@ -183,7 +223,8 @@ class LookupReply(Message):
 
     ``status`` is ``"inline"`` (data in ``inline``), ``"pull"`` (stream from the sender at
     ``sender_host:sender_port`` under ``transfer_id``), ``"shm"`` (copy from ``sender_node``'s
-    shared-memory ``segment`` on the requester's host), ``"local"`` or ``"timeout"``.
+    shared-memory ``segment`` on the requester's host), ``"local"``, ``"timeout"`` or
+    ``"error"`` (the object is a reduction that failed: ``error_kind`` and ``error``).
     """
 
     TYPE: ClassVar[str] = "lookup_reply"
@@ -201,6 +242,9 @@ class LookupReply(Message):
     sender_port: int = 0
     sender_complete: bool = False
     segment: str = ""
+    error: str = ""
+    error_kind: str = ""
+    error_object_id: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +261,63 @@ class DropObject(Message):
     """Directory -> node (push): the owner deleted the object; drop the local copy."""
 
     TYPE: ClassVar[str] = "drop_object"
+    object_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceReply(Message):
+    """Directory -> node: the reduction was accepted (``error`` empty) or refused."""
+
+    TYPE: ClassVar[str] = "reduce_reply"
+    request_id: int
+    error: str = ""
+    error_kind: str = ""
+    error_object_id: bytes = b""  # the offending input, for a mismatch
+
+
+@dataclass(frozen=True, slots=True)
+class ReducedObjectsReply(Message):
+    """Directory -> node: the inputs a reduction uses, in arrival order (or an error)."""
+
+    TYPE: ClassVar[str] = "reduced_objects_reply"
+    request_id: int
+    object_ids: list[bytes] = field(default_factory=list)
+    error: str = ""
+    error_kind: str = ""
+    error_object_id: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceTask(Message):
+    """Directory -> node (push): compute vertex ``vertex`` of a reduce tree.
+
+    The output ``output_id`` is ``input_id`` (held by this node) reduced with the objects in
+    ``children`` (streamed from wherever they are, chunk by chunk as they fill); an empty entry
+    is a child not known yet, announced later by :class:`ReduceChild`. The root (``count`` > 0)
+    applies the operator's final step over ``count`` inputs (AVG divides).
+    """
+
+    TYPE: ClassVar[str] = "reduce_task"
+    reduction_id: bytes
+    vertex: int
+    input_id: bytes
+    output_id: bytes
+    children: list[bytes]
+    op: str
+    count: int
+    size: int
+    dtype: str
+    shape: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceChild(Message):
+    """Directory -> node (push): child ``index`` of ``vertex`` is ``object_id``."""
+
+    TYPE: ClassVar[str] = "reduce_child"
+    reduction_id: bytes
+    vertex: int
+    index: int
     object_id: bytes
 
 

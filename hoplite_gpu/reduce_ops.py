@@ -2,8 +2,9 @@
 
 A reduction accumulates into a buffer that starts as a copy of one input: for each further input,
 ``reduce_into(op, acc, other)`` applies the operator elementwise into ``acc`` (``out=``, no
-temporaries). ``AVG`` accumulates like ``SUM`` and :func:`finish` divides by the number of inputs
-actually reduced (for integer dtypes the quotient is truncated toward zero, as NCCL does).
+temporaries); :func:`reduce_chunk` does one tree vertex's chunk in one pass per input. ``AVG``
+accumulates like ``SUM`` and :func:`finish` divides by the number of inputs actually reduced
+(for integer dtypes the quotient is truncated toward zero, as NCCL does).
 """
 
 from __future__ import annotations
@@ -63,6 +64,25 @@ def check_dtype(dtype: np.dtype[Any]) -> None:
 def reduce_into(op: ReduceOp, acc: np.ndarray[Any, Any], other: np.ndarray[Any, Any]) -> None:
     """``acc = acc (op) other`` elementwise, in place; both have the same dtype and size."""
     _UFUNCS[op](acc, other, out=acc)
+
+
+def reduce_chunk(
+    op: ReduceOp,
+    own: np.ndarray[Any, Any],
+    children: list[np.ndarray[Any, Any]],
+    out: np.ndarray[Any, Any],
+    count: int = 0,
+) -> None:
+    """One chunk of a tree vertex: ``out = own (op) children[0] (op) ...``, then, at the root
+    (``count`` > 0), the final step over ``count`` inputs. One pass per child, no temporaries."""
+    if children:
+        _UFUNCS[op](own, children[0], out=out)
+        for child in children[1:]:
+            _UFUNCS[op](out, child, out=out)
+    else:
+        np.copyto(out, own)
+    if count:
+        finish(op, out, count)
 
 
 def finish(op: ReduceOp, acc: np.ndarray[Any, Any], count: int) -> None:

@@ -22,7 +22,7 @@ from hoplite_gpu.directory.reduce import (
     vertex_object_id,
 )
 from hoplite_gpu.errors import InvalidArgumentError
-from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp, as_op, check_dtype, finish, reduce_into
+from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp, as_op, check_dtype, reduce_chunk
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,13 +115,25 @@ def test_arrivals_fill_the_tree_in_order_and_the_root_output_is_the_result() -> 
     assert [pl.vertex for pl in placed] == tree.inorder
     assert plan.reduced_objects() == [oid(i) for i in order]
     for pl in placed:
-        assert pl.output_id == vertex_object_id(RID, pl.vertex)
-        assert pl.child_outputs == tuple(vertex_object_id(RID, c) for c in tree.children(pl.vertex))
-        parent = tree.parent(pl.vertex)
-        assert pl.parent_output == (None if parent is None else vertex_object_id(RID, parent))
+        leaf = not tree.children(pl.vertex) and pl.vertex != 0
+        assert pl.runs_task is not leaf
+        assert pl.output_id == (pl.object_id if leaf else vertex_object_id(RID, pl.vertex))
+        assert pl.children == tuple(tree.children(pl.vertex)) and pl.parent == tree.parent(pl.vertex)
+        assert plan.child_sources(pl.vertex) == [plan.by_vertex[c].output_id for c in pl.children]
     root = next(pl for pl in placed if pl.vertex == 0)
-    assert root.output_id == RID and root.parent_output is None
+    assert root.output_id == RID and root.parent is None
     assert len({pl.output_id for pl in placed}) == 7
+    assert {pl.vertex for pl in plan.intermediates()} == {v for v in range(1, 7) if tree.children(v)}
+
+
+def test_children_not_placed_yet_have_no_source() -> None:
+    plan = ReducePlan(RID, tuple(oid(i) for i in range(7)), 7)
+    for i in range(3):  # in-order: leaf 3, vertex 1, leaf 4 (binary tree of 7 at 4 KiB)
+        plan.place(oid(i), "n", 4096, "<f4", (1024,), LAN)
+    assert plan.degree == 2 and [pl.vertex for pl in plan.placed] == [3, 1, 4]
+    assert plan.child_sources(1) == [oid(0), oid(2)]
+    plan.place(oid(3), "n", 4096, "<f4", (1024,), LAN)
+    assert plan.child_sources(0) == [vertex_object_id(RID, 1), b""]
 
 
 def test_chain_places_first_arrival_at_the_tail_and_last_at_the_root() -> None:
@@ -211,20 +223,27 @@ def _simulate(plan: ReducePlan, arrays: dict[bytes, np.ndarray[Any, Any]], op: R
     chunks into a copy of its input; the root applies the final step per chunk."""
     tree = plan.tree
     assert tree is not None
-    by_vertex = {pl.vertex: arrays[pl.object_id] for pl in plan.placed}
-    size = next(iter(by_vertex.values())).size
-    outputs = {v: np.empty_like(x) for v, x in by_vertex.items()}
+    objects = dict(arrays)
+    size = next(iter(arrays.values())).size
     # Children before parents: deepest vertices first.
     for v in sorted(range(tree.n), key=tree.depth, reverse=True):
+        pl = plan.by_vertex[v]
+        if not pl.runs_task:
+            assert pl.output_id == pl.object_id
+            continue
+        out = np.empty_like(arrays[pl.object_id])
+        sources = [objects[s] for s in plan.child_sources(v)]
         for lo in range(0, size, chunk):
             hi = min(lo + chunk, size)
-            acc = outputs[v][lo:hi]
-            acc[...] = by_vertex[v][lo:hi]
-            for c in tree.children(v):
-                reduce_into(op, acc, outputs[c][lo:hi])
-            if v == 0:
-                finish(op, acc, tree.n)
-    return outputs[0]
+            reduce_chunk(
+                op,
+                arrays[pl.object_id][lo:hi],
+                [s[lo:hi] for s in sources],
+                out[lo:hi],
+                tree.n if v == 0 else 0,
+            )
+        objects[pl.output_id] = out
+    return objects[RID]
 
 
 @settings(max_examples=120, deadline=None)

@@ -5,6 +5,7 @@ tree of ``k`` vertices. Vertex ``v`` sits on the node holding its input ``x_v`` 
 ``O_v = x_v (op) O_c1 (op) ... (op) O_cd`` over its children ``c``, chunk by chunk: it streams each
 child's output as that child produces it (children's outputs are ordinary partial objects, pulled
 through the broadcast machinery) and its own output is readable up to the bytes already reduced.
+A leaf's output is its input, so leaves cost nothing: their parents stream the inputs directly.
 The root's output is the reduction's result, so a ``get`` of it streams while the reduction runs
 (allreduce = reduce pipelined into broadcast).
 
@@ -164,14 +165,24 @@ def vertex_object_id(reduction_id: bytes, vertex: int) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """An input placed at a tree vertex: the node holding it computes the vertex's output."""
+    """An input placed at a tree vertex.
+
+    A leaf's output is its input itself (its parent streams the input directly, so a leaf costs
+    its node nothing); any other vertex, and the root always, runs a task on ``node_id`` that
+    writes ``output_id``.
+    """
 
     vertex: int
     object_id: bytes
     node_id: str
-    output_id: bytes
-    child_outputs: tuple[bytes, ...]  # outputs of the vertex's children, in order
-    parent_output: bytes | None  # where this vertex's output goes (None: the root)
+    output_id: bytes  # the object the parent streams: ``object_id`` for a leaf
+    parent: int | None  # parent vertex (None: the root)
+    children: tuple[int, ...]  # child vertices, in order
+
+    @property
+    def runs_task(self) -> bool:
+        """Whether the vertex computes an output (every vertex but a non-root leaf)."""
+        return bool(self.children) or self.parent is None
 
 
 class MismatchError(Exception):
@@ -201,6 +212,7 @@ class ReducePlan:
     shape: tuple[int, ...] = ()
     size: int = -1
     placed: list[Placement] = field(default_factory=list)
+    by_vertex: dict[int, Placement] = field(default_factory=dict)
     _tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
@@ -266,13 +278,25 @@ class ReducePlan:
         tree = self._tree
         vertex = tree.inorder[len(self.placed)]
         parent = tree.parent(vertex)
+        children = tuple(tree.children(vertex))
+        leaf = not children and parent is not None
         pl = Placement(
             vertex=vertex,
             object_id=object_id,
             node_id=node_id,
-            output_id=vertex_object_id(self.reduction_id, vertex),
-            child_outputs=tuple(vertex_object_id(self.reduction_id, c) for c in tree.children(vertex)),
-            parent_output=None if parent is None else vertex_object_id(self.reduction_id, parent),
+            output_id=object_id if leaf else vertex_object_id(self.reduction_id, vertex),
+            parent=parent,
+            children=children,
         )
         self.placed.append(pl)
+        self.by_vertex[vertex] = pl
         return pl
+
+    def child_sources(self, vertex: int) -> list[bytes]:
+        """The objects ``vertex`` reduces, one per child in order (``b""`` for a child not placed)."""
+        pl = self.by_vertex[vertex]
+        return [self.by_vertex[c].output_id if c in self.by_vertex else b"" for c in pl.children]
+
+    def intermediates(self) -> list[Placement]:
+        """Placed vertices whose output is a temporary object (not an input, not the result)."""
+        return [pl for pl in self.placed if pl.runs_task and pl.parent is not None]

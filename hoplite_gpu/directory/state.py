@@ -19,6 +19,11 @@ Scheduling follows the Hoplite paper (Zhuang et al., SIGCOMM 2021, section 4.2),
 * A receiver is never given a source whose upstream chain leads back to itself (no cycles).
 * Objects of at most ``inline_threshold_bytes`` are stored in the directory and returned with the
   lookup; no data-plane transfer happens.
+* Reductions (:mod:`.reduce`): inputs are placed in a tree as they become ready (put), in the
+  order they arrive; every vertex but a leaf gets a :class:`~hoplite_gpu.protocol.ReduceTask` on
+  the node holding its input, and its output is registered at once as a partial object there, so
+  its parent (or a ``get`` of the result) streams it through the same lookup/pull path as any
+  object while it is being reduced. Inline-sized inputs are reduced here, without any transfer.
 * A requester that can use shared memory, on the same host (equal ``host_key``) as a complete copy
   published in a shared-memory segment, is told to copy from that segment. This takes no sender
   time (many readers copy at once, memory bandwidth permitting), so the sender is not marked busy
@@ -34,7 +39,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .. import protocol as p
+from ..errors import InvalidArgumentError
+from ..reduce_ops import as_op, check_dtype, reduce_chunk
+from ..store import dtype_from_wire
+from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
+
+#: Finished or failed reductions the directory remembers (for ``reduced_objects`` and lookups).
+REDUCTIONS_KEPT = 10_000
 
 #: How many events the directory keeps for :class:`~hoplite_gpu.protocol.EventLogRequest`.
 EVENT_LOG_CAPACITY = 100_000
@@ -157,6 +171,34 @@ class Transfer:
 
 
 @dataclass(slots=True)
+class PendingQuery:
+    """A ``reduced_objects`` request waiting for its reduction to choose all inputs."""
+
+    node_id: str
+    request_id: int
+    deadline: float | None
+
+
+@dataclass(slots=True)
+class Reduction:
+    """A requested reduction: its tree plan and where it stands."""
+
+    plan: ReducePlan
+    op: str
+    requester: str
+    deadline: float | None  # fail if the plan is not full by then
+    error: tuple[str, str, bytes] | None = None  # (error kind, message, offending input)
+    done: bool = False
+    inline: list[bytes] = field(default_factory=list)  # inputs' bytes, for a directory-side reduce
+    queries: list[PendingQuery] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        """Neither finished nor failed."""
+        return self.error is None and not self.done
+
+
+@dataclass(slots=True)
 class NodeInfo:
     """A connected node."""
 
@@ -184,6 +226,9 @@ class DirectoryState:
         self._seq = itertools.count()
         self._transfer_ids = itertools.count(1)
         self._out: list[Instruction] = []
+        self.reductions: dict[bytes, Reduction] = {}
+        self.awaiting: dict[bytes, set[bytes]] = {}  # input ObjectID -> reductions waiting for it
+        self.link = LinkEstimate()
 
     # ------------------------------------------------------------ entry point
     def handle(self, event: Event) -> list[Instruction]:
@@ -210,6 +255,10 @@ class DirectoryState:
     def next_deadline(self) -> float | None:
         """Earliest pending-lookup deadline, so the host knows when to send a :class:`Tick`."""
         deadlines = [pl.deadline for q in self.pending.values() for pl in q if pl.deadline is not None]
+        for red in self.reductions.values():
+            if red.deadline is not None and red.active and not red.plan.full:
+                deadlines.append(red.deadline)
+            deadlines.extend(q.deadline for q in red.queries if q.deadline is not None)
         return min(deadlines) if deadlines else None
 
     # ------------------------------------------------------------ requests
@@ -238,6 +287,12 @@ class DirectoryState:
             )
         elif isinstance(msg, p.DeleteRequest):
             self._on_delete(ev.node_id, msg, ev.now)
+        elif isinstance(msg, p.ReduceRequest):
+            self._on_reduce(ev.node_id, msg, ev.now)
+        elif isinstance(msg, p.VertexDone):
+            self._on_vertex_done(ev.node_id, msg, ev.now)
+        elif isinstance(msg, p.ReducedObjectsRequest):
+            self._on_reduced_objects(ev.node_id, msg, ev.now)
         elif isinstance(msg, p.EventLogRequest):
             events = [e for e in self.events if e["seq"] >= msg.since]
             self._send(ev.node_id, p.EventLogReply(request_id=msg.request_id, events=events))
@@ -270,6 +325,16 @@ class DirectoryState:
                 ),
             )
             return
+        if oid in self.reductions and oid not in self.objects:
+            self._send(
+                node_id,
+                p.PutReply(
+                    request_id=msg.request_id,
+                    error=f"object {oid.hex()} is the result of a reduction; use another ObjectID",
+                    error_kind="ObjectExistsError",
+                ),
+            )
+            return
         entry = self.objects.get(oid)
         if entry is not None:
             same = (
@@ -298,6 +363,7 @@ class DirectoryState:
             self._send(node_id, p.PutReply(request_id=msg.request_id))
             self._log(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, again=True)
             self._serve_pending(oid, now)
+            self._object_ready(oid, now)
             return
         entry = ObjectEntry(
             object_id=oid,
@@ -314,6 +380,7 @@ class DirectoryState:
         self._send(node_id, p.PutReply(request_id=msg.request_id))
         self._log(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, inline=msg.inline is not None)
         self._serve_pending(oid, now)
+        self._object_ready(oid, now)
 
     def _add_complete(self, entry: ObjectEntry, node_id: str, segment: str) -> None:
         loc = entry.locations.get(node_id)
@@ -335,8 +402,13 @@ class DirectoryState:
         self._add_complete(entry, node_id, msg.segment)
         self._log(now, "copy_added", node=node_id, object_id=msg.object_id.hex())
         self._serve_pending(msg.object_id, now)
+        self._object_ready(msg.object_id, now)
 
     def _on_lookup(self, node_id: str, msg: p.LookupRequest, now: float) -> None:
+        red = self.reductions.get(msg.object_id)
+        if red is not None and red.error is not None:
+            self._send(node_id, self._failed_lookup(msg.request_id, msg.object_id, red.error))
+            return
         deadline = now + msg.timeout if msg.timeout > 0 else None
         pl = PendingLookup(
             node_id, msg.request_id, msg.object_id, max(0, msg.have_bytes), deadline, msg.shared_memory
@@ -485,9 +557,12 @@ class DirectoryState:
         if sender is not None:
             sender.busy = False
         own = entry.locations.get(node_id)
+        if msg.ok:
+            self.link = self.link.with_transfer(entry.size, now - transfer.started)
         if own is not None:
             if msg.ok:
                 self._add_complete(entry, node_id, msg.segment)
+                self._object_ready(transfer.object_id, now)
             else:
                 # The receiver will look up again with what it holds; keep its bytes on record.
                 own.progress = max(own.progress, msg.progress)
@@ -498,6 +573,16 @@ class DirectoryState:
         self._serve_pending(transfer.object_id, now)
 
     def _on_delete(self, node_id: str, msg: p.DeleteRequest, now: float) -> None:
+        red = self.reductions.get(msg.object_id)
+        if red is not None and red.requester == node_id:
+            self._fail_reduction(
+                red, "ObjectDeletedError", f"reduction {msg.object_id.hex()} was deleted", now
+            )
+            del self.reductions[msg.object_id]
+            if msg.object_id not in self.objects:  # the result was never placed, or dropped above
+                self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
+                self._log(now, "delete", node=node_id, object_id=msg.object_id.hex())
+                return
         entry = self.objects.get(msg.object_id)
         if entry is None:
             self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
@@ -509,14 +594,338 @@ class DirectoryState:
             self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
             self._log(now, "delete_local", node=node_id, object_id=msg.object_id.hex())
             return
-        del self.objects[msg.object_id]
-        for tid in [t for t, tr in self.transfers.items() if tr.object_id == msg.object_id]:
-            del self.transfers[tid]
-        for holder in entry.locations:
-            if holder != node_id and holder in self.nodes:
-                self._send(holder, p.DropObject(object_id=msg.object_id))
+        self._remove_object(msg.object_id, now, skip=node_id)
         self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
         self._log(now, "delete", node=node_id, object_id=msg.object_id.hex())
+
+    def _remove_object(self, oid: bytes, now: float, skip: str = "") -> None:
+        """Forget an object everywhere: its transfers end, its holders (but ``skip``) drop it and
+        lookups still waiting for it fail as deleted."""
+        entry = self.objects.pop(oid, None)
+        if entry is None:
+            return
+        for tid in [t for t, tr in self.transfers.items() if tr.object_id == oid]:
+            del self.transfers[tid]
+        for holder in entry.locations:
+            if holder != skip and holder in self.nodes:
+                self._send(holder, p.DropObject(object_id=oid))
+
+    # ------------------------------------------------------------ reductions
+    def _on_reduce(self, node_id: str, msg: p.ReduceRequest, now: float) -> None:
+        rid, inputs = msg.reduction_id, tuple(msg.object_ids)
+
+        def refuse(kind: str, text: str, culprit: bytes = b"") -> None:
+            self._send(
+                node_id,
+                p.ReduceReply(
+                    request_id=msg.request_id, error=text, error_kind=kind, error_object_id=culprit
+                ),
+            )
+
+        if len(rid) != 20 or not inputs or any(len(o) != 20 for o in inputs) or rid in inputs:
+            refuse(
+                "InvalidArgumentError", "a reduction needs 20-byte ObjectIDs and an id not among its inputs"
+            )
+            return
+        try:
+            op = as_op(msg.op).value
+            plan = ReducePlan(rid, inputs, msg.num_objects)
+        except (InvalidArgumentError, ValueError) as exc:
+            refuse("InvalidArgumentError", str(exc))
+            return
+        existing = self.reductions.get(rid)
+        if existing is not None:
+            old = existing.plan
+            if (old.inputs, old.num_objects, existing.op) == (inputs, msg.num_objects, op):
+                self._send(node_id, p.ReduceReply(request_id=msg.request_id))  # every rank may ask
+            else:
+                refuse("ObjectExistsError", f"reduction {rid.hex()} already exists with other inputs or op")
+            return
+        if rid in self.objects:
+            refuse("ObjectExistsError", f"object {rid.hex()} already exists; use another reduction id")
+            return
+        present = [self.objects[o] for o in inputs if o in self.objects]
+        for entry in present:  # refuse what is already known to be wrong: nothing gets reduced
+            problem = self._input_problem(plan, entry, present[0])
+            if problem is not None:
+                refuse(problem[0], problem[1], entry.object_id)
+                return
+        red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None)
+        self.reductions[rid] = red
+        self._forget_old_reductions()
+        self._send(node_id, p.ReduceReply(request_id=msg.request_id))
+        self._log(
+            now, "reduce", node=node_id, object_id=rid.hex(), inputs=len(inputs), k=msg.num_objects, op=op
+        )
+        for oid in inputs:
+            self.awaiting.setdefault(oid, set()).add(rid)
+        for oid in inputs:
+            if oid in self.objects:
+                self._offer(red, oid, now)
+
+    @staticmethod
+    def _input_problem(plan: ReducePlan, entry: ObjectEntry, first: ObjectEntry) -> tuple[str, str] | None:
+        """Why ``entry`` cannot be reduced together with ``first`` (or with what ``plan`` placed)."""
+        try:
+            check_dtype(dtype_from_wire(entry.dtype))
+        except (InvalidArgumentError, TypeError) as exc:
+            return "InvalidArgumentError", f"input {entry.object_id.hex()}: {exc}"
+        ref = (
+            (plan.size, plan.dtype, plan.shape)
+            if plan.size >= 0
+            else (first.size, first.dtype, tuple(first.shape))
+        )
+        if (entry.size, entry.dtype, tuple(entry.shape)) != ref:
+            return "ReduceMismatchError", (
+                f"input {entry.object_id.hex()} has dtype {entry.dtype} and shape {list(entry.shape)}, but "
+                f"reduction {plan.reduction_id.hex()}'s inputs have dtype {ref[1]} and shape {list(ref[2])}; "
+                "nothing was reduced"
+            )
+        return None
+
+    def _object_ready(self, oid: bytes, now: float) -> None:
+        """``oid`` has a copy a reduction can use: offer it to the reductions waiting for it."""
+        for rid in list(self.awaiting.get(oid, ())):
+            red = self.reductions.get(rid)
+            if red is not None:
+                self._offer(red, oid, now)
+
+    def _input_holder(self, entry: ObjectEntry) -> str | None:
+        """The node to compute at for an input: its owner, else another complete copy, else the
+        node producing it (a reduction's result); "" for an inline object; None for none yet."""
+        if entry.inline is not None:
+            return ""
+        usable = [
+            loc
+            for loc in entry.locations.values()
+            if loc.node_id in self.nodes and (loc.state is LocationState.COMPLETE or loc.upstream is None)
+        ]
+        usable.sort(
+            key=lambda loc: (loc.state is LocationState.COMPLETE, loc.node_id == entry.owner), reverse=True
+        )
+        return usable[0].node_id if usable else None
+
+    def _offer(self, red: Reduction, oid: bytes, now: float) -> None:
+        plan = red.plan
+        entry = self.objects.get(oid)
+        if not red.active or entry is None or not plan.wants(oid):
+            return
+        holder = self._input_holder(entry)
+        if holder is None:
+            return
+        problem = self._input_problem(plan, entry, entry)
+        if problem is None and plan.placed and (entry.inline is not None) != bool(red.inline):
+            problem = "ReduceMismatchError", f"input {oid.hex()} is stored differently from the others"
+        if problem is not None:
+            self._fail_reduction(red, problem[0], problem[1], now, culprit=oid)
+            return
+        try:
+            pl = plan.place(oid, holder, entry.size, entry.dtype, tuple(entry.shape), self.link)
+        except MismatchError as exc:  # pragma: no cover - _input_problem checked the same
+            self._fail_reduction(red, "ReduceMismatchError", str(exc), now, culprit=oid)
+            return
+        self._unawait(oid, plan.reduction_id)
+        if len(plan.placed) == 1:
+            self._log(
+                now, "reduce_tree", object_id=plan.reduction_id.hex(), degree=plan.degree, reason=plan.reason
+            )
+        self._log(
+            now,
+            "reduce_place",
+            object_id=plan.reduction_id.hex(),
+            input=oid.hex(),
+            vertex=pl.vertex,
+            node=holder,
+        )
+        if entry.inline is not None:
+            red.inline.append(entry.inline)
+        else:
+            self._start_vertex(red, pl, now)
+        if plan.full:
+            for other in plan.inputs:
+                self._unawait(other, plan.reduction_id)
+            for q in red.queries:
+                self._send(
+                    q.node_id,
+                    p.ReducedObjectsReply(request_id=q.request_id, object_ids=plan.reduced_objects()),
+                )
+            red.queries.clear()
+            if red.inline:
+                self._reduce_inline(red, now)
+
+    def _start_vertex(self, red: Reduction, pl: Placement, now: float) -> None:
+        """Give the vertex's node its task (registering the output it will produce) and tell an
+        already placed parent where this vertex's output is."""
+        plan = red.plan
+        if pl.runs_task:
+            root = pl.parent is None
+            self.objects[pl.output_id] = ObjectEntry(
+                object_id=pl.output_id,
+                size=plan.size,
+                dtype=plan.dtype,
+                shape=list(plan.shape),
+                digest=b"",
+                owner=red.requester if root else pl.node_id,
+                inline=None,
+                locations={pl.node_id: Location(pl.node_id, LocationState.PARTIAL, 0)},
+            )
+            self._send(
+                pl.node_id,
+                p.ReduceTask(
+                    reduction_id=plan.reduction_id,
+                    vertex=pl.vertex,
+                    input_id=pl.object_id,
+                    output_id=pl.output_id,
+                    children=plan.child_sources(pl.vertex),
+                    op=red.op,
+                    count=plan.num_objects if root else 0,
+                    size=plan.size,
+                    dtype=plan.dtype,
+                    shape=list(plan.shape),
+                ),
+            )
+            self._serve_pending(pl.output_id, now)
+            self._object_ready(pl.output_id, now)
+        parent = plan.by_vertex.get(pl.parent) if pl.parent is not None else None
+        if parent is not None:
+            self._send(
+                parent.node_id,
+                p.ReduceChild(
+                    reduction_id=plan.reduction_id,
+                    vertex=parent.vertex,
+                    index=parent.children.index(pl.vertex),
+                    object_id=pl.output_id,
+                ),
+            )
+
+    def _reduce_inline(self, red: Reduction, now: float) -> None:
+        """All inputs are inline: reduce them here and store the result inline."""
+        plan = red.plan
+        dtype = dtype_from_wire(plan.dtype)
+        arrays = [np.frombuffer(b, dtype) for b in red.inline]
+        out = np.empty_like(arrays[0])
+        reduce_chunk(as_op(red.op), arrays[0], arrays[1:], out, plan.num_objects)
+        rid = plan.reduction_id
+        self.objects[rid] = ObjectEntry(
+            rid, plan.size, plan.dtype, list(plan.shape), b"", red.requester, out.tobytes()
+        )
+        red.done = True
+        red.inline = []
+        self._log(now, "reduce_done", object_id=rid.hex(), inline=True)
+        self._serve_pending(rid, now)
+        self._object_ready(rid, now)
+
+    def _on_vertex_done(self, node_id: str, msg: p.VertexDone, now: float) -> None:
+        red = self.reductions.get(msg.reduction_id)
+        pl = red.plan.by_vertex.get(msg.vertex) if red is not None else None
+        if red is None or pl is None or pl.node_id != node_id or not red.active:
+            return
+        if not msg.ok:
+            self._fail_reduction(
+                red,
+                "ReductionFailedError",
+                f"vertex {msg.vertex} of reduction {msg.reduction_id.hex()} on node {node_id[:8]} "
+                f"failed: {msg.reason}",
+                now,
+            )
+            return
+        entry = self.objects.get(pl.output_id)
+        if entry is not None:
+            self._add_complete(entry, node_id, msg.segment)
+        self._log(now, "vertex_done", object_id=msg.reduction_id.hex(), vertex=msg.vertex, node=node_id)
+        if pl.parent is None:
+            red.done = True
+            for inner in red.plan.intermediates():  # their parents hold everything they need
+                self._remove_object(inner.output_id, now)
+            self._log(now, "reduce_done", object_id=msg.reduction_id.hex())
+        self._serve_pending(pl.output_id, now)
+        self._object_ready(pl.output_id, now)
+
+    def _fail_reduction(
+        self, red: Reduction, kind: str, message: str, now: float, culprit: bytes = b""
+    ) -> None:
+        """Abandon a reduction: its tasks are dropped (which cancels them), waiters get the error."""
+        if not red.active:
+            return
+        plan = red.plan
+        red.error = (kind, message, culprit)
+        red.inline = []
+        self._log(now, "reduce_failed", object_id=plan.reduction_id.hex(), error_kind=kind, reason=message)
+        for oid in plan.inputs:
+            self._unawait(oid, plan.reduction_id)
+        for pl in plan.placed:
+            if pl.runs_task:
+                self._remove_object(pl.output_id, now)
+
+        def fail(pl: PendingLookup) -> bool:
+            assert red.error is not None
+            self._send(pl.node_id, self._failed_lookup(pl.request_id, plan.reduction_id, red.error))
+            return False
+
+        self._retain_pending(plan.reduction_id, fail)
+        for q in red.queries:
+            self._send(
+                q.node_id,
+                p.ReducedObjectsReply(
+                    request_id=q.request_id, error=message, error_kind=kind, error_object_id=culprit
+                ),
+            )
+        red.queries.clear()
+
+    @staticmethod
+    def _failed_lookup(request_id: int, oid: bytes, error: tuple[str, str, bytes]) -> p.LookupReply:
+        kind, message, culprit = error
+        return p.LookupReply(
+            request_id=request_id,
+            status="error",
+            object_id=oid,
+            error=message,
+            error_kind=kind,
+            error_object_id=culprit,
+        )
+
+    def _on_reduced_objects(self, node_id: str, msg: p.ReducedObjectsRequest, now: float) -> None:
+        red = self.reductions.get(msg.reduction_id)
+        if red is None:
+            self._send(
+                node_id,
+                p.ReducedObjectsReply(
+                    request_id=msg.request_id,
+                    error=f"no reduction {msg.reduction_id.hex()} is known (never requested, or deleted)",
+                    error_kind="ObjectNotFoundError",
+                ),
+            )
+        elif red.error is not None:
+            kind, message, culprit = red.error
+            self._send(
+                node_id,
+                p.ReducedObjectsReply(
+                    request_id=msg.request_id, error=message, error_kind=kind, error_object_id=culprit
+                ),
+            )
+        elif red.plan.full:
+            self._send(
+                node_id,
+                p.ReducedObjectsReply(request_id=msg.request_id, object_ids=red.plan.reduced_objects()),
+            )
+        else:
+            deadline = now + msg.timeout if msg.timeout > 0 else None
+            red.queries.append(PendingQuery(node_id, msg.request_id, deadline))
+
+    def _unawait(self, oid: bytes, rid: bytes) -> None:
+        waiting = self.awaiting.get(oid)
+        if waiting is not None:
+            waiting.discard(rid)
+            if not waiting:
+                del self.awaiting[oid]
+
+    def _forget_old_reductions(self) -> None:
+        """Keep at most :data:`REDUCTIONS_KEPT` finished or failed reductions (oldest go first)."""
+        excess = len(self.reductions) - REDUCTIONS_KEPT
+        if excess <= 0:
+            return
+        for rid in [rid for rid, red in self.reductions.items() if not red.active][:excess]:
+            del self.reductions[rid]
 
     # ------------------------------------------------------------ node and time
     def _on_node_left(self, ev: NodeLeft) -> None:
@@ -538,6 +947,16 @@ class DirectoryState:
         for oid, entry in list(self.objects.items()):
             if entry.locations.pop(ev.node_id, None) is not None:
                 touched.add(oid)
+        for red in list(self.reductions.values()):
+            lost = [pl.vertex for pl in red.plan.placed if pl.node_id == ev.node_id and pl.runs_task]
+            if lost and red.active:
+                self._fail_reduction(
+                    red,
+                    "ReductionFailedError",
+                    f"node {ev.node_id[:8]} computing vertex {lost[0]} of reduction "
+                    f"{red.plan.reduction_id.hex()} left",
+                    ev.now,
+                )
         for oid in touched:
             self._serve_pending(oid, ev.now)
 
@@ -552,6 +971,27 @@ class DirectoryState:
 
         for oid in list(self.pending):
             self._retain_pending(oid, alive)
+        for red in list(self.reductions.values()):
+            if red.active and not red.plan.full and red.deadline is not None and red.deadline <= now:
+                plan = red.plan
+                self._fail_reduction(
+                    red,
+                    "HopliteTimeoutError",
+                    f"reduction {plan.reduction_id.hex()}: only {len(plan.placed)} of "
+                    f"{plan.num_objects} inputs became ready within its timeout",
+                    now,
+                )
+            expired = [q for q in red.queries if q.deadline is not None and q.deadline <= now]
+            for q in expired:
+                red.queries.remove(q)
+                self._send(
+                    q.node_id,
+                    p.ReducedObjectsReply(
+                        request_id=q.request_id,
+                        error=f"reduction {red.plan.reduction_id.hex()} did not choose its inputs in time",
+                        error_kind="HopliteTimeoutError",
+                    ),
+                )
 
     def _drop_pending(self, node_id: str, request_id: int) -> None:
         for oid in list(self.pending):
