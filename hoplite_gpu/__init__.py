@@ -59,6 +59,7 @@ __all__ = [
     "StoreFullError",
     "TransportError",
     "__version__",
+    "collective",
     "connect",
     "errors",
     "init",
@@ -72,6 +73,10 @@ def __getattr__(name: str) -> Any:
         from .node import Node
 
         return Node
+    if name == "collective":
+        import importlib
+
+        return importlib.import_module(".collective", __name__)
     if name == "ReduceOp":
         from .reduce_ops import ReduceOp
 

@@ -46,7 +46,7 @@ from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
 from .store import LocalObject, LocalStore, digest_of, dtype_from_wire, dtype_to_wire
 from .transport import DataPlane
-from .vertex import VertexRun, reduce_stream
+from .vertex import Fetch, VertexRun, reduce_stream
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -197,6 +197,8 @@ class Node:
             self._on_push, self.config.control_message_limit, on_lost=self._on_directory_lost
         )
         self._vertices: dict[tuple[bytes, int], VertexRun] = {}
+        # Copies fetched only for reduce vertices, with how many running vertices use each.
+        self._fetched: dict[ObjectID, Fetch] = {}
         self._closed = False
         self._active: set[concurrent.futures.Future[Any]] = set()
         self._io.run(self._start(), timeout=self.config.connect_timeout * 3)
@@ -875,7 +877,6 @@ class Node:
                     reduction_id=task.reduction_id, vertex=task.vertex, ok=True, segment=self._publish(out)
                 )
             )
-            self._drop_fetched(run)
         except asyncio.CancelledError:
             if out is not None and self._store.get(out.object_id) is out and not out.complete:
                 self._store.remove(out.object_id)
@@ -888,35 +889,46 @@ class Node:
             if out is not None and self._store.get(out.object_id) is out:
                 self._store.remove(out.object_id, exc)
         finally:
-            for _, fetch in run.fetches:
-                fetch.cancel()
+            self._release_fetched(run)
 
     async def _stream_child(self, run: VertexRun, index: int) -> LocalObject:
-        """The local object of a vertex's child: already here, or being fetched (still filling)."""
+        """The local object of a vertex's child: already here, or being fetched (still filling).
+
+        A copy fetched for vertices is shared by every vertex on this node that needs it, and
+        dropped when the last of them finishes (:meth:`_release_fetched`).
+        """
         oid = await run.child(index)
-        local = self._store.get(oid)
-        if local is not None:
-            return local
-        started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
-        fetch = asyncio.ensure_future(self._get(oid, None, started=started))
-        run.fetches.append((oid, fetch))
-        await asyncio.wait({started, fetch}, return_when=asyncio.FIRST_COMPLETED)
-        obj = started.result() if started.done() else fetch.result()
+        fetch = self._fetched.get(oid)
+        if fetch is None:
+            local = self._store.get(oid)
+            if local is not None:
+                return local  # this node's own object (or a vertex output computed here)
+            started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
+            fetch = Fetch(asyncio.ensure_future(self._get(oid, None, started=started)), started)
+            fetch.task.add_done_callback(fetch.failed)
+            self._fetched[oid] = fetch
+        fetch.users += 1
+        run.fetches.append(oid)
+        return await fetch.local()
 
-        def failed(task: asyncio.Future[LocalObject]) -> None:
-            if not task.cancelled() and task.exception() is not None and not obj.complete:
-                exc = task.exception()
-                obj.fail(exc if isinstance(exc, HopliteError) else _as_hoplite_error(exc, oid))  # type: ignore[arg-type]
-
-        fetch.add_done_callback(failed)
-        return obj
-
-    def _drop_fetched(self, run: VertexRun) -> None:
-        """Forget the copies of children a finished vertex fetched only to reduce them."""
-        for oid, fetch in run.fetches:
-            if fetch.done() and not fetch.cancelled() and fetch.exception() is None:
+    def _release_fetched(self, run: VertexRun) -> None:
+        """A vertex stopped using the copies it fetched: drop (or stop fetching) those no other
+        running vertex uses."""
+        for oid in run.fetches:
+            shared = self._fetched.get(oid)
+            if shared is None:
+                continue
+            shared.users -= 1
+            if shared.users > 0:
+                continue
+            del self._fetched[oid]
+            fetch = shared.task
+            if not fetch.done():
+                fetch.cancel()
+            elif not fetch.cancelled() and fetch.exception() is None:
                 self._store.remove(oid)
                 self._report(p.DeleteRequest(request_id=self._control.next_id(), object_id=oid.binary()))
+        run.fetches.clear()
 
     # ------------------------------------------------------------ delete and diagnostics
     def delete(self, object_id: ObjectID) -> bool:

@@ -11,9 +11,10 @@ parent (or a ``get`` of the result) streams reduced chunks while later ones are 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from dataclasses import dataclass
 
 from . import protocol as p
+from .errors import HopliteError
 from .object_id import ObjectID
 from .reduce_ops import as_op, reduce_chunk
 from .store import LocalObject, dtype_from_wire
@@ -37,7 +38,7 @@ class VertexRun:
             if oid:
                 self.set_child(index, oid)
         self.runner: asyncio.Task[None] | None = None
-        self.fetches: list[tuple[ObjectID, asyncio.Task[Any]]] = []
+        self.fetches: list[ObjectID] = []  # children this vertex uses through a :class:`Fetch`
 
     def set_child(self, index: int, object_id: bytes) -> None:
         """Child ``index`` is ``object_id`` (ignored if out of range or already known)."""
@@ -49,11 +50,35 @@ class VertexRun:
         return await self._children[index]
 
     def cancel(self) -> None:
-        """Stop the vertex and its fetches (the directory dropped the reduction)."""
+        """Stop the vertex (the directory dropped the reduction); it releases its fetches."""
         if self.runner is not None:
             self.runner.cancel()
-        for _, fetch in self.fetches:
-            fetch.cancel()
+
+
+@dataclass(eq=False)
+class Fetch:
+    """A copy of another node's object being fetched for the vertices on this node that reduce
+    it (shared by all of them; ``users`` counts those still running)."""
+
+    task: asyncio.Task[LocalObject]  # the get filling the local copy
+    started: asyncio.Future[LocalObject]  # resolved with the local copy once it exists
+    users: int = 0
+
+    async def local(self) -> LocalObject:
+        """The local copy, as soon as it exists (still filling); raises the fetch's error."""
+        await asyncio.wait({self.started, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if self.started.done():
+            return self.started.result()
+        return self.task.result()
+
+    def failed(self, task: asyncio.Task[LocalObject]) -> None:
+        """Done-callback: a failed fetch fails the partial copy, so vertices waiting on it stop."""
+        if task.cancelled() or not self.started.done():
+            return
+        error = task.exception()
+        obj = self.started.result()
+        if isinstance(error, HopliteError) and not obj.complete:
+            obj.fail(error)
 
 
 async def reduce_stream(

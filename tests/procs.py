@@ -33,8 +33,27 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
 
     node = hg.connect(address, token=token, **overrides)
     conn.send(("ok", node.node_id))
+    groups: dict[str, Any] = {}
 
     def run(cmd: str, args: tuple[Any, ...]) -> Any:
+        if cmd in COLLECTIVES:
+            return _collective(hg, node, groups, cmd, args)
+        if cmd == "reduce":
+            ids, op, k, rid_hex, timeout = args
+            rid = node.reduce(
+                [hg.ObjectID.from_hex(h) for h in ids],
+                op,
+                num_objects=k,
+                reduction_id=hg.ObjectID.from_hex(rid_hex) if rid_hex else None,
+                timeout=timeout,
+            )
+            return rid.hex()
+        if cmd == "get_array":
+            return np.array(node.get(hg.ObjectID.from_hex(args[0]), timeout=args[1]))
+        if cmd == "put_array":
+            return node.put(args[0], hg.ObjectID.from_hex(args[1]) if args[1] else None).hex()
+        if cmd == "objects":
+            return node.stats()["objects"]
         if cmd == "get":
             oid_hex, timeout = args
             return digest(node.get(hg.ObjectID.from_hex(oid_hex), timeout=timeout))
@@ -77,6 +96,46 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
                 conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
     finally:
         node.close()
+
+
+COLLECTIVES = (
+    "group",
+    "allreduce",
+    "allgather",
+    "reducescatter",
+    "broadcast",
+    "reduce_to",
+    "barrier",
+    "destroy",
+)
+
+
+def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tuple[Any, ...]) -> Any:
+    """Group collectives; arrays are ``make_array(dtype, shape, seed)`` with a per-rank seed."""
+    if cmd == "group":
+        name, rank, world = args
+        groups[name] = hg.collective.Group(node, rank, world, name, timeout=CMD_TIMEOUT)
+        return rank
+    group = groups[args[0]]
+    coll = hg.collective
+    if cmd == "barrier":
+        return coll.barrier(group)
+    if cmd == "destroy":
+        return group.destroy()
+    dtype, shape, seed = args[1:4]
+    arr = make_array(dtype, shape, seed + group.rank)
+    if cmd == "allreduce":
+        return coll.allreduce(arr, group, args[4])
+    if cmd == "reduce_to":
+        return coll.reduce(arr, args[4], group, args[5])
+    if cmd == "broadcast":
+        return coll.broadcast(arr, args[4], group)
+    if cmd == "allgather":
+        out = [np.empty_like(arr) for _ in range(group.world_size)]
+        return coll.allgather(out, arr, group)
+    pieces = [make_array(dtype, shape, seed + group.rank * 100 + dst) for dst in range(group.world_size)]
+    out = np.empty_like(arr)
+    return coll.reducescatter(out, pieces, group, args[4])
 
 
 class Worker:

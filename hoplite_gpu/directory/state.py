@@ -435,6 +435,8 @@ class DirectoryState:
             digest=entry.digest,
         )
         if entry.inline is not None:
+            # Recorded as a holder so that the owner's delete drops the reader's copy too.
+            entry.locations.setdefault(pl.node_id, Location(pl.node_id, LocationState.COMPLETE, entry.size))
             self._send(pl.node_id, p.LookupReply(status="inline", inline=entry.inline, **meta))
             self._log(now, "lookup_inline", node=pl.node_id, object_id=entry.object_id.hex())
             return True
@@ -588,9 +590,9 @@ class DirectoryState:
             self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
             return
         if entry.owner != node_id:
-            loc = entry.locations.get(node_id)
-            if loc is not None and not loc.busy:
-                del entry.locations[node_id]
+            # Even while it serves a transfer: that transfer goes on from the array it holds, but
+            # nobody may be sent to (or told to use) the dropped copy any more.
+            entry.locations.pop(node_id, None)
             self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
             self._log(now, "delete_local", node=node_id, object_id=msg.object_id.hex())
             return

@@ -1,0 +1,255 @@
+"""Group collectives for processes that all take part, named and ordered like ``ray.util.collective``.
+
+Each member creates a :class:`Group` with its own node, its rank and the group's size and name,
+then every member calls the same collectives in the same order::
+
+    group = hg.collective.Group(node, rank, world_size, "trainers")
+    hg.collective.allreduce(grads, group)            # in place, SUM by default
+    hg.collective.broadcast(weights, 0, group)
+
+The collectives are built on ``put``/``get``/``reduce``: the objects of the ``n``-th collective of a
+group have ObjectIDs derived from (group name, ``n``, rank), so members find each other's objects
+without talking to each other, and a ``get`` of a reduction streams its result while it is being
+reduced (allreduce is a reduce pipelined into a broadcast).
+
+Clean-up: a member deletes the objects it created for earlier collectives as soon as a collective
+to which every member contributed (allreduce, allgather, reducescatter, barrier) completes on it,
+because every member then has finished all earlier ones. :meth:`Group.destroy` deletes the rest
+but the one-byte result of its final barrier, which a slower member may still be reading. Group
+names must therefore be unique for the lifetime of a directory (a second group of the same name
+would find the first one's results).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+from .node import Node
+from .object_id import ObjectID
+from .reduce_ops import ReduceOp, as_op
+
+T = TypeVar("T")
+
+__all__ = ["Group", "allgather", "allreduce", "barrier", "broadcast", "reduce", "reducescatter"]
+
+
+class Group:
+    """A fixed set of ``world_size`` processes that run collectives together.
+
+    Args:
+        node: This process's node.
+        rank: This member's rank, in ``0..world_size-1``.
+        world_size: Number of members.
+        name: The group's name; identical on every member.
+        timeout: Seconds each collective may wait for the other members (None:
+            ``Config.default_get_timeout`` of the node, where 0 means forever).
+    """
+
+    def __init__(
+        self, node: Node, rank: int, world_size: int, name: str = "default", timeout: float | None = None
+    ) -> None:
+        if not isinstance(node, Node):
+            raise InvalidArgumentError(
+                f"node must be a hoplite_gpu.Node, got {type(node).__name__}", argument="node"
+            )
+        if not isinstance(world_size, int) or world_size < 1:
+            raise InvalidArgumentError("world_size must be an int >= 1", argument="world_size")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise InvalidArgumentError(f"rank must be an int in 0..{world_size - 1}", argument="rank")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError("name must be a non-empty str", argument="name")
+        if timeout is not None and timeout < 0:
+            raise InvalidArgumentError("timeout must be >= 0 or None", argument="timeout")
+        self.node = node
+        self.rank = rank
+        self.world_size = world_size
+        self.name = name
+        self.timeout = timeout
+        self.seq = 0  # collectives started so far
+        self._owned: list[tuple[int, ObjectID]] = []  # (sequence number, object) this member created
+
+    def __repr__(self) -> str:
+        return (
+            f"<hoplite_gpu.collective.Group {self.name!r} rank {self.rank}/{self.world_size} seq {self.seq}>"
+        )
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def object_id(self, seq: int, kind: str, *parts: int) -> ObjectID:
+        """The ObjectID of an object of collective number ``seq`` (the same on every member)."""
+        tail = "/".join(str(x) for x in parts)
+        return ObjectID.from_name(f"hoplite-group/{self.name}/{seq}/{kind}/{tail}")
+
+    def destroy(self) -> None:
+        """Wait for every member (a barrier), then delete the objects this member created (but
+        the final barrier's one-byte result, which a slower member may still be reading)."""
+        if self.node.closed:
+            return
+        barrier(self)
+        last = self.seq - 1
+        result = self.object_id(last, "allreduce-result")
+        self._owned = [(s, oid) for s, oid in self._owned if oid != result]
+        self._run(self._delete_before(self.seq))
+
+    # ------------------------------------------------------------ plumbing
+    def _next(self) -> int:
+        seq = self.seq
+        self.seq += 1
+        return seq
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.node._io.run(coro)
+
+    async def _put(self, seq: int, array: Any, oid: ObjectID) -> None:
+        self._owned.append((seq, oid))
+        await self.node.put_async(array, oid)
+
+    async def _delete_before(self, seq: int) -> None:
+        """Delete this member's objects of collectives before ``seq`` (every member is past them)."""
+        old = [oid for s, oid in self._owned if s < seq]
+        self._owned = [(s, oid) for s, oid in self._owned if s >= seq]
+        await asyncio.gather(*(self.node.delete_async(oid) for oid in old))
+
+    async def _reduce_into(
+        self, seq: int, inputs: list[ObjectID], result: ObjectID, op: ReduceOp, out: Any
+    ) -> Any:
+        self._owned.append((seq, result))
+        await self.node.reduce_async(inputs, op, reduction_id=result, timeout=self.timeout)
+        if out is None:
+            return None
+        return await self.node.get_async(result, timeout=self.timeout, out=out)
+
+
+def _check_group(group: Any) -> Group:
+    if not isinstance(group, Group):
+        raise InvalidArgumentError(
+            f"group must be a hoplite_gpu.collective.Group, got {type(group).__name__}", argument="group"
+        )
+    return group
+
+
+def _check_rank(group: Group, rank: Any, argument: str) -> int:
+    if not isinstance(rank, int) or not 0 <= rank < group.world_size:
+        raise InvalidArgumentError(
+            f"{argument} must be an int in 0..{group.world_size - 1}", argument=argument
+        )
+    return rank
+
+
+def broadcast(array: Any, src_rank: int, group: Group) -> Any:
+    """Copy ``src_rank``'s ``array`` into ``array`` on every member (in place); returns it."""
+    g = _check_group(group)
+    _check_rank(g, src_rank, "src_rank")
+    seq = g._next()
+    oid = g.object_id(seq, "broadcast")
+
+    async def run() -> Any:
+        if g.rank == src_rank:
+            await g._put(seq, array, oid)
+            return array
+        return await g.node.get_async(oid, timeout=g.timeout, out=array)
+
+    return g._run(run())
+
+
+def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
+    """Reduce every member's ``array`` into ``array`` on ``dst_rank`` (in place); returns it.
+
+    Other members return as soon as their contribution is registered.
+    """
+    g = _check_group(group)
+    _check_rank(g, dst_rank, "dst_rank")
+    reduce_op = as_op(op)
+    seq = g._next()
+    inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
+
+    async def run() -> Any:
+        await g._put(seq, array, inputs[g.rank])
+        out = array if g.rank == dst_rank else None
+        await g._reduce_into(seq, inputs, g.object_id(seq, "reduce-result"), reduce_op, out)
+        return array
+
+    return g._run(run())
+
+
+def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
+    """Reduce every member's ``array`` and write the result into ``array`` everywhere (in place)."""
+    g = _check_group(group)
+    reduce_op = as_op(op)
+    seq = g._next()
+    inputs = [g.object_id(seq, "allreduce", r) for r in range(g.world_size)]
+
+    async def run() -> Any:
+        await g._put(seq, array, inputs[g.rank])
+        await g._reduce_into(seq, inputs, g.object_id(seq, "allreduce-result"), reduce_op, array)
+        await g._delete_before(seq)
+        return array
+
+    return g._run(run())
+
+
+def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
+    """Fill ``list_out[r]`` with member ``r``'s ``array`` on every member; returns ``list_out``."""
+    g = _check_group(group)
+    if not isinstance(list_out, list) or len(list_out) != g.world_size:
+        raise InvalidArgumentError(f"list_out must be a list of {g.world_size} arrays", argument="list_out")
+    seq = g._next()
+    ids = [g.object_id(seq, "allgather", r) for r in range(g.world_size)]
+
+    async def run() -> list[Any]:
+        await g._put(seq, array, ids[g.rank])
+        others = [r for r in range(g.world_size) if r != g.rank]
+        await asyncio.gather(*(g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r]) for r in others))
+        _copy(list_out[g.rank], array)
+        await g._delete_before(seq)
+        return list_out
+
+    return g._run(run())
+
+
+def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
+    """Member ``r`` gets, in ``out``, the reduction over members of their ``list_in[r]``."""
+    g = _check_group(group)
+    if not isinstance(list_in, list) or len(list_in) != g.world_size:
+        raise InvalidArgumentError(f"list_in must be a list of {g.world_size} arrays", argument="list_in")
+    reduce_op = as_op(op)
+    seq = g._next()
+
+    async def run() -> Any:
+        await asyncio.gather(
+            *(
+                g._put(seq, piece, g.object_id(seq, "reducescatter", dst, g.rank))
+                for dst, piece in enumerate(list_in)
+            )
+        )
+        inputs = [g.object_id(seq, "reducescatter", g.rank, src) for src in range(g.world_size)]
+        await g._reduce_into(seq, inputs, g.object_id(seq, "reducescatter-result", g.rank), reduce_op, out)
+        await g._delete_before(seq)
+        return out
+
+    return g._run(run())
+
+
+def barrier(group: Group) -> None:
+    """Return once every member has called ``barrier`` (an allreduce of one byte)."""
+    allreduce(np.zeros(1, np.uint8), group)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    if isinstance(dst, np.ndarray):
+        if dst.shape != np.shape(src) or dst.dtype != src.dtype:
+            raise InvalidArgumentError(
+                "list_out entries must match the array's dtype and shape", argument="list_out"
+            )
+        np.copyto(dst, src)
+    else:
+        dst[...] = src  # CuPy

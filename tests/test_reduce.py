@@ -1,0 +1,266 @@
+"""Multi-process reduce, allreduce and group collectives over real UCX on loopback.
+
+Inputs come from ``make_array`` (integers 0..250), so sums of eight are exact in every float dtype
+and results can be compared bit for bit whatever order the tree reduced them in.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from tests.procs import digest, make_array, start_workers, wait_for_events
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+SIZES = [
+    ("float32", (16, 16)),  # 1 KiB: inline, reduced by the directory
+    ("float64", (128, 1024)),  # 1 MiB
+    ("int64", (1024, 8192)),  # 64 MiB
+]
+
+
+def _eventually(condition: Any, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds (a deadline, not a sleep used as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition never held")
+        time.sleep(0.02)
+
+
+def _put_inputs(workers: Any, dtype: str, shape: tuple[int, ...], seed: int) -> list[hg.ObjectID]:
+    for i, w in enumerate(workers):
+        w.send("put", dtype, shape, seed + i, "")
+    return [hg.ObjectID.from_hex(w.result()) for w in workers]
+
+
+def _expected(dtype: str, shape: tuple[int, ...], seeds: list[int], op: str = "sum") -> np.ndarray[Any, Any]:
+    xs = np.stack([make_array(dtype, shape, s).astype(np.float64) for s in seeds])
+    ufunc = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
+    out = ufunc(xs, axis=0)
+    if np.dtype(dtype).kind in "iu" and op == "avg":
+        out = np.trunc(out)
+    return out.astype(dtype)
+
+
+@pytest.mark.parametrize(("dtype", "shape"), SIZES)
+def test_reduce_then_allreduce_of_eight_processes(
+    owner: Any, workers: Any, dtype: str, shape: tuple[int, ...]
+) -> None:
+    ids = _put_inputs(workers, dtype, shape, seed=10)
+    start = owner.event_log()[-1]["seq"]
+    rid = owner.reduce(ids, hg.ReduceOp.SUM)
+    want = _expected(dtype, shape, [10 + i for i in range(8)])
+    for w in workers:  # allreduce: every process gets the result while it is being reduced
+        w.send("get", rid.hex(), 120)
+    assert [w.result() for w in workers] == [digest(want)] * 8
+    assert np.array_equal(owner.get(rid, timeout=60), want)
+    assert owner.reduced_objects(rid, timeout=10) == owner.reduced_objects(rid) and set(
+        owner.reduced_objects(rid)
+    ) == set(ids)
+    events = [e for e in owner.event_log(start) if e.get("object_id") in {rid.hex()} | {o.hex() for o in ids}]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("reduce_place") == 8 and "reduce_done" in kinds
+    if np.prod(shape) * np.dtype(dtype).itemsize <= 64 * 1024:
+        # Inline inputs are reduced in the directory: no data-plane transfer of inputs or result.
+        assert "transfer_start" not in kinds and "vertex_done" not in kinds
+    else:
+        assert "vertex_done" in kinds
+    owner.delete(rid)
+    for w, oid in zip(workers, ids, strict=True):
+        w.call("delete", oid.hex())
+    # Intermediate outputs and fetched copies are gone too (drops arrive asynchronously).
+    _eventually(lambda: [w.call("objects") for w in workers] == [0] * 8)
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "avg"])
+def test_every_op_matches_numpy(owner: Any, workers: Any, op: str) -> None:
+    shape = (300, 701)  # 1.6 MiB of float64: not a multiple of the reduce chunk
+    ids = _put_inputs(workers[:5], "float64", shape, seed=3)
+    rid = workers[0].call("reduce", [o.hex() for o in ids], op, None, "", 60)
+    got = workers[7].call("get_array", rid, 60)
+    xs = [make_array("float64", shape, 3 + i) for i in range(5)]
+    want = {"sum": sum, "prod": np.prod, "min": np.min, "max": np.max, "avg": np.mean}[op]
+    expected = want(xs) if op == "sum" else want(np.stack(xs), axis=0)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    for w, oid in zip(workers, ids, strict=False):
+        w.call("delete", oid.hex())
+
+
+def test_first_k_ignores_late_and_missing_inputs(owner: Any, workers: Any) -> None:
+    shape = (256, 1024)  # 1 MiB of float32
+    ids = [hg.ObjectID.random() for _ in range(8)]
+    ontime = [0, 1, 2, 3, 4, 5]
+    rid = owner.reduce(ids, hg.ReduceOp.SUM, num_objects=6, timeout=120)
+    for i in ontime:
+        workers[i].send("put", "float32", shape, 40 + i, ids[i].hex())
+    for i in ontime:
+        workers[i].result()
+    want = _expected("float32", shape, [40 + i for i in ontime])
+    assert workers[7].call("get", rid.hex(), 60) == digest(want)  # input 7 is never put
+    assert sorted(owner.reduced_objects(rid), key=ids.index) == [ids[i] for i in ontime]
+    workers[6].call("put", "float32", shape, 46, ids[6].hex())  # a straggler changes nothing
+    assert digest(owner.get(rid, timeout=60)) == digest(want)
+    assert ids[6] not in owner.reduced_objects(rid)
+    owner.delete(rid)
+    for i in [*ontime, 6]:
+        workers[i].call("delete", ids[i].hex())
+
+
+def test_mismatched_inputs_name_the_culprit_and_reduce_nothing(owner: Any, workers: Any) -> None:
+    good = _put_inputs(workers[:3], "float32", (1024, 64), seed=1)
+    bad = hg.ObjectID.from_hex(workers[3].call("put", "float32", (64, 1024), 1, ""))
+    with pytest.raises(hg.ReduceMismatchError) as info:
+        owner.reduce([*good, bad])
+    assert info.value.object_id == bad.hex() and bad.hex() in str(info.value)
+    # A culprit that arrives after the request fails the reduction for every getter.
+    late = hg.ObjectID.random()
+    rid = owner.reduce([*good, late])
+    workers[4].call("put", "float64", (1024, 64), 1, late.hex())
+    with pytest.raises(hg.ReduceMismatchError) as info:
+        owner.get(rid, timeout=30)
+    assert info.value.object_id == late.hex()
+    with pytest.raises(hg.ReduceMismatchError):
+        owner.reduced_objects(rid)
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.reduce([good[0], good[0]])
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.reduce(good, num_objects=4)
+    for w, oid in zip(workers, [*good, bad, late], strict=False):
+        w.call("delete", oid.hex())
+
+
+def test_a_reduction_that_never_gets_its_inputs_times_out(owner: Any) -> None:
+    rid = owner.reduce([hg.ObjectID.random(), hg.ObjectID.random()], timeout=0.5)
+    with pytest.raises(hg.HopliteTimeoutError):
+        owner.get(rid, timeout=30)
+    with pytest.raises(hg.HopliteTimeoutError):
+        owner.reduced_objects(rid)
+
+
+def test_concurrent_reductions_sharing_inputs_do_not_double_count(owner: Any, workers: Any) -> None:
+    shape = (512, 1024)  # 4 MiB of int64
+    ids = _put_inputs(workers, "int64", shape, seed=70)
+    rids = []
+    subsets = [ids, ids[:4], ids[2:], ids]
+    ops = ["sum", "sum", "sum", "max"]
+    for i, (subset, op) in enumerate(zip(subsets, ops, strict=True)):
+        workers[i].send("reduce", [o.hex() for o in subset], op, None, "", 60)
+    rids = [w.result() for w in workers[:4]]
+    for i, rid in enumerate(rids):
+        workers[7 - i].send("get", rid, 120)
+    try:
+        got = [w.result() for w in workers[4:][::-1]]
+    except Exception:
+        print([e for e in owner.event_log() if "reduce_failed" in e["kind"] or e["kind"] == "delete"][-10:])
+        raise
+    seeds = [70 + ids.index(o) for o in ids]
+    want = [
+        _expected("int64", shape, seeds),
+        _expected("int64", shape, seeds[:4]),
+        _expected("int64", shape, seeds[2:]),
+        _expected("int64", shape, seeds, "max"),
+    ]
+    assert got == [digest(w) for w in want]
+    for w, oid in zip(workers, ids, strict=True):
+        w.call("delete", oid.hex())
+
+
+def test_a_reduction_of_a_reduction_streams(owner: Any, workers: Any) -> None:
+    shape = (1024, 256)  # 1 MiB of float32
+    ids = _put_inputs(workers[:4], "float32", shape, seed=5)
+    first = owner.reduce(ids[:2])
+    second = owner.reduce([first, *ids[2:]])
+    want = _expected("float32", shape, [5, 6, 7, 8])
+    assert workers[6].call("get", second.hex(), 60) == digest(want)
+    wait_for_events(
+        owner, lambda evs: any(e["kind"] == "reduce_done" and e["object_id"] == second.hex() for e in evs)
+    )
+    for w, oid in zip(workers, ids, strict=False):
+        w.call("delete", oid.hex())
+
+
+def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
+    world = len(workers)
+    name = hg.ObjectID.random().hex()
+    before = [w.call("objects") for w in workers]  # left by earlier tests
+    for rank, w in enumerate(workers):
+        w.send("group", name, rank, world)
+    assert [w.result() for w in workers] == list(range(world))
+
+    def everyone(cmd: str, *args: Any) -> list[Any]:
+        for w in workers:
+            w.send(cmd, name, *args)
+        return [w.result() for w in workers]
+
+    shape = (64, 1024)  # 256 KiB of float32
+    seeds = list(range(world))
+    for op in ("sum", "avg", "max"):
+        results = everyone("allreduce", "float32", shape, 0, op)
+        want = _expected("float32", shape, seeds, op)
+        assert all(np.array_equal(r, want) for r in results), op
+    small = everyone("allreduce", "int32", (4,), 0, "sum")  # inline
+    assert all(np.array_equal(r, _expected("int32", (4,), seeds)) for r in small)
+    gathered = everyone("allgather", "float64", (8, 1024), 9)
+    rows = [make_array("float64", (8, 1024), 9 + r) for r in range(world)]
+    assert all(all(np.array_equal(a, b) for a, b in zip(g, rows, strict=True)) for g in gathered)
+    scattered = everyone("reducescatter", "int64", (1000, 33), 2, "sum")
+    for rank, got in enumerate(scattered):
+        parts = [make_array("int64", (1000, 33), 2 + src * 100 + rank) for src in range(world)]
+        assert np.array_equal(got, np.sum(parts, axis=0))
+    sent = everyone("broadcast", "float32", (512, 1024), 4, 3)
+    assert all(np.array_equal(s, make_array("float32", (512, 1024), 4 + 3)) for s in sent)
+    reduced = everyone("reduce_to", "float32", (512, 1024), 1, 5, "sum")
+    assert np.array_equal(reduced[5], _expected("float32", (512, 1024), [1 + r for r in range(world)]))
+    assert np.array_equal(reduced[0], make_array("float32", (512, 1024), 1))  # others keep theirs
+    everyone("barrier")
+    # Every member deleted what it created (others' drops arrive asynchronously); what remains
+    # is the final barrier's one-byte result.
+    everyone("destroy")
+    _eventually(lambda: [w.call("objects") for w in workers] == [n + 1 for n in before])
+
+
+def test_reduce_argument_errors_are_typed(owner: Any) -> None:
+    oid = owner.put(np.zeros(4, np.float32))
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.reduce([])
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.reduce([oid], op="median")
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.reduce([oid], reduction_id=oid)
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.reduce([oid.hex()])
+    with pytest.raises(hg.ObjectExistsError):
+        owner.reduce([hg.ObjectID.random()], reduction_id=oid)
+    text = owner.put(np.zeros(4, np.complex64))
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.reduce([text])
+    rid = owner.reduce([oid], reduction_id=hg.ObjectID.random())
+    assert owner.reduce([oid], reduction_id=rid) == rid  # the same request again is accepted
+    with pytest.raises(hg.ObjectExistsError):
+        owner.reduce([oid], op="max", reduction_id=rid)
+    with pytest.raises(hg.ObjectNotFoundError):
+        owner.reduced_objects(hg.ObjectID.random())
+    assert np.array_equal(owner.get(rid, timeout=10), np.zeros(4, np.float32))
+    for o in (oid, text, rid):
+        owner.delete(o)
+
+
+def test_reduce_with_shared_memory_on(owner: Any) -> None:
+    """Workers that copy through shared memory on the same host reduce and get correctly."""
+    workers = start_workers(owner.directory_address, owner.token, 3, shared_memory=True)
+    try:
+        ids = _put_inputs(workers, "float32", (2048, 1024), seed=20)  # 8 MiB
+        rid = hg.ObjectID.from_hex(workers[0].call("reduce", [o.hex() for o in ids], "sum", None, "", 60))
+        want = _expected("float32", (2048, 1024), [20, 21, 22])
+        for w in workers:
+            w.send("get", rid.hex(), 60)
+        assert [w.result() for w in workers] == [digest(want)] * 3
+    finally:
+        for w in workers:
+            w.stop()
