@@ -1,0 +1,221 @@
+"""Reductions in the pure directory state machine: placement, tasks, results, failures, time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hoplite_gpu.directory.reduce import vertex_object_id
+from hoplite_gpu.directory.state import DirectoryState, LocationState, NodeJoined, NodeLeft, Request, Tick
+from hoplite_gpu.protocol import (
+    DeleteReply,
+    DeleteRequest,
+    DropObject,
+    LookupReply,
+    LookupRequest,
+    PutReply,
+    PutRequest,
+    ReduceChild,
+    ReducedObjectsReply,
+    ReducedObjectsRequest,
+    ReduceReply,
+    ReduceRequest,
+    ReduceTask,
+    VertexDone,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+MiB = 1 << 20
+RID = b"r" * 20
+NODES = "ABCDEFGH"
+
+
+def oid(i: int) -> bytes:
+    return bytes([i]) * 20
+
+
+def make_state() -> DirectoryState:
+    state = DirectoryState(inline_threshold_bytes=64 * 1024)
+    for i, node in enumerate(NODES):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0))
+    return state
+
+
+def req(state, node, msg, now=0.0):
+    return state.handle(Request(node, msg, now))
+
+
+def put(state, node, i, size=MiB, dtype="<f4", inline=None, now=0.0):
+    itemsize = np.dtype(dtype).itemsize
+    return req(state, node, PutRequest(1, oid(i), size, dtype, [size // itemsize], b"d" * 16, inline), now)
+
+
+def reduce(state, node="A", ids=(0, 1, 2, 3), k=None, op="sum", timeout=0.0, now=0.0):
+    k = len(ids) if k is None else k
+    return req(state, node, ReduceRequest(9, RID, [oid(i) for i in ids], op, k, timeout), now)
+
+
+def sent(out, kind):
+    return [(s.node_id, s.message) for s in out if isinstance(s.message, kind)]
+
+
+def test_a_chain_places_arrivals_and_streams_outputs_to_parents() -> None:
+    state = make_state()
+    assert sent(reduce(state), ReduceReply) == [("A", ReduceReply(request_id=9))]
+    size = 256 * MiB  # large: a chain (degree 1), first arrival at the tail
+    assert sent(put(state, "B", 1, size), ReduceTask) == []  # a leaf costs its node nothing
+    out = put(state, "C", 2, size)
+    ((node, task),) = sent(out, ReduceTask)
+    assert node == "C" and task.vertex == 2 and task.children == [oid(1)] and task.count == 0
+    assert task.input_id == oid(2) and task.output_id == vertex_object_id(RID, 2)
+    loc = state.objects[task.output_id].locations["C"]
+    assert loc.state is LocationState.PARTIAL and loc.upstream is None
+    put(state, "D", 3, size)
+    ((node, root),) = sent(put(state, "E", 0, size), ReduceTask)
+    assert node == "E" and root.vertex == 0 and root.output_id == RID and root.count == 4
+    assert root.children == [vertex_object_id(RID, 1)]
+    # A get of the result streams from the root while it is being reduced.
+    ((_, reply),) = sent(req(state, "F", LookupRequest(5, RID, 0.0)), LookupReply)
+    assert reply.status == "pull" and reply.sender_node == "E" and not reply.sender_complete
+    # Vertices finish bottom up; the root finishing drops the intermediate outputs everywhere.
+    for node, vertex in (("C", 2), ("D", 1)):
+        req(state, node, VertexDone(RID, vertex, True))
+    out = req(state, "E", VertexDone(RID, 0, True))
+    drops = sent(out, DropObject)
+    assert {(n, m.object_id) for n, m in drops} == {
+        ("C", vertex_object_id(RID, 2)),
+        ("D", vertex_object_id(RID, 1)),
+    }
+    assert state.objects[RID].locations["E"].state is LocationState.COMPLETE
+    assert vertex_object_id(RID, 1) not in state.objects
+    ((_, ids),) = sent(req(state, "A", ReducedObjectsRequest(3, RID)), ReducedObjectsReply)
+    assert ids.object_ids == [oid(1), oid(2), oid(3), oid(0)]
+
+
+def test_children_placed_after_their_parent_are_announced_to_it() -> None:
+    state = make_state()
+    reduce(state, ids=tuple(range(7)))
+    tasks: dict[int, tuple[str, ReduceTask]] = {}
+    announced = []
+    for i in range(7):  # 1 MiB each: a binary tree; in-order 3 1 4 0 5 2 6
+        out = put(state, NODES[i], i)
+        tasks.update({m.vertex: (n, m) for n, m in sent(out, ReduceTask)})
+        announced += sent(out, ReduceChild)
+    assert set(tasks) == {0, 1, 2}  # leaves 3..6 run nothing
+    # A child placed before its parent is in the parent's task; a later one is announced.
+    assert tasks[1] == ("B", tasks[1][1]) and tasks[1][1].children == [oid(0), b""]
+    assert tasks[0] == ("D", tasks[0][1]) and tasks[0][1].children == [vertex_object_id(RID, 1), b""]
+    assert tasks[2] == ("F", tasks[2][1]) and tasks[2][1].children == [oid(4), b""]
+    assert sorted(announced, key=lambda a: a[0]) == [
+        ("B", ReduceChild(RID, 1, 1, oid(2))),
+        ("D", ReduceChild(RID, 0, 1, vertex_object_id(RID, 2))),
+        ("F", ReduceChild(RID, 2, 1, oid(6))),
+    ]
+
+
+def test_inline_inputs_are_reduced_by_the_directory() -> None:
+    state = make_state()
+    xs = [np.arange(5, dtype=np.float32) * (i + 1) for i in range(3)]
+    reduce(state, ids=(0, 1, 2), op="avg")
+    out = []
+    for i, x in enumerate(xs):
+        out += put(state, NODES[i], i, x.nbytes, inline=x.tobytes())
+    assert sent(out, ReduceTask) == []
+    ((_, reply),) = sent(req(state, "D", LookupRequest(4, RID, 0.0)), LookupReply)
+    assert reply.status == "inline"
+    assert np.array_equal(np.frombuffer(reply.inline, np.float32), sum(xs) / 3)
+
+
+def test_first_k_takes_the_first_ready_inputs_only() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1, 2, 3), k=2)
+    put(state, "C", 2)
+    out = put(state, "A", 0)
+    assert [m.vertex for _, m in sent(out, ReduceTask)] == [0]
+    assert sent(put(state, "B", 1), ReduceTask) == []  # a straggler is ignored
+    ((_, ids),) = sent(req(state, "A", ReducedObjectsRequest(3, RID)), ReducedObjectsReply)
+    assert ids.object_ids == [oid(2), oid(0)]
+    assert state.awaiting == {}
+
+
+def test_a_mismatch_known_at_request_time_is_refused() -> None:
+    state = make_state()
+    put(state, "A", 0)
+    put(state, "B", 1, dtype="<f8")
+    ((_, reply),) = sent(reduce(state, ids=(0, 1)), ReduceReply)
+    assert reply.error_kind == "ReduceMismatchError" and reply.error_object_id == oid(1)
+    assert RID not in state.reductions
+    put(state, "C", 2, dtype="|u1")
+    put(state, "D", 3, dtype="<c8")
+    ((_, reply),) = sent(reduce(state, ids=(3,)), ReduceReply)
+    assert reply.error_kind == "InvalidArgumentError" and reply.error_object_id == oid(3)
+
+
+def test_a_late_mismatch_fails_the_reduction_and_cancels_its_tasks() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1, 2, 3))
+    put(state, "A", 0, 256 * MiB)
+    put(state, "B", 1, 256 * MiB)  # vertex 2 runs on B
+    sent(req(state, "H", LookupRequest(6, RID, 0.0)), LookupReply)  # waits for the result
+    out = put(state, "C", 2, 256 * MiB, dtype="<i4")
+    assert ("B", DropObject(vertex_object_id(RID, 2))) in sent(out, DropObject)
+    ((node, failed),) = sent(out, LookupReply)
+    assert node == "H" and failed.status == "error" and failed.error_kind == "ReduceMismatchError"
+    assert failed.error_object_id == oid(2)
+    ((_, again),) = sent(req(state, "G", LookupRequest(7, RID, 0.0)), LookupReply)
+    assert again.status == "error"
+    ((_, ids),) = sent(req(state, "A", ReducedObjectsRequest(3, RID)), ReducedObjectsReply)
+    assert ids.error_kind == "ReduceMismatchError"
+
+
+def test_a_reduction_short_of_inputs_times_out() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1), timeout=5.0, now=10.0)
+    req(state, "B", ReducedObjectsRequest(3, RID, timeout=2.0), now=10.0)
+    assert state.next_deadline() == 12.0
+    ((_, late),) = sent(state.handle(Tick(12.0)), ReducedObjectsReply)
+    assert late.error_kind == "HopliteTimeoutError"
+    put(state, "A", 0, now=11.0)
+    assert state.next_deadline() == 15.0
+    assert state.handle(Tick(14.9)) == []
+    state.handle(Tick(15.0))
+    ((_, reply),) = sent(req(state, "C", LookupRequest(4, RID, 0.0), now=16.0), LookupReply)
+    assert reply.status == "error" and reply.error_kind == "HopliteTimeoutError"
+    assert state.next_deadline() is None
+
+
+def test_losing_a_vertex_node_fails_the_reduction() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1))
+    put(state, "A", 0, 256 * MiB)
+    put(state, "B", 1, 256 * MiB)  # the root: vertex 0 on B
+    ((_, pulling),) = sent(req(state, "C", LookupRequest(4, RID, 0.0)), LookupReply)
+    assert pulling.status == "pull" and pulling.sender_node == "B"
+    state.handle(NodeLeft("B", 1.0))
+    ((_, reply),) = sent(req(state, "C", LookupRequest(5, RID, 0.0, have_bytes=MiB), 2.0), LookupReply)
+    assert reply.status == "error" and reply.error_kind == "ReductionFailedError"
+
+
+def test_requests_are_idempotent_and_ids_are_not_reused() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1))
+    assert sent(reduce(state, node="B", ids=(0, 1)), ReduceReply) == [("B", ReduceReply(request_id=9))]
+    ((_, clash),) = sent(reduce(state, ids=(0, 1), op="max"), ReduceReply)
+    assert clash.error_kind == "ObjectExistsError"
+    ((_, taken),) = sent(req(state, "C", PutRequest(1, RID, 4, "<f4", [1], b"d", b"abcd")), PutReply)
+    assert taken.error_kind == "ObjectExistsError"
+    ((_, bad),) = sent(req(state, "A", ReduceRequest(9, oid(9), [oid(1), oid(1)], "sum", 2)), ReduceReply)
+    assert bad.error_kind == "InvalidArgumentError"
+
+
+def test_the_requester_deletes_a_reduction_before_or_after_it_is_placed() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1))
+    ((_, deleted),) = sent(req(state, "A", DeleteRequest(2, RID)), DeleteReply)
+    assert deleted.deleted and RID not in state.reductions and state.awaiting == {}
+    reduce(state, ids=(0, 1))
+    put(state, "A", 0, 256 * MiB)
+    put(state, "B", 1, 256 * MiB)
+    out = req(state, "A", DeleteRequest(2, RID))
+    assert ("B", DropObject(RID)) in sent(out, DropObject) and RID not in state.objects
