@@ -72,6 +72,7 @@ class Group:
         self.timeout = timeout
         self.seq = 0  # collectives started so far
         self._owned: list[tuple[int, ObjectID]] = []  # (sequence number, object) this member created
+        self._deleting: set[asyncio.Future[Any]] = set()  # background deletes in flight
 
     def __repr__(self) -> str:
         return (
@@ -98,7 +99,7 @@ class Group:
         last = self.seq - 1
         result = self.object_id(last, "allreduce-result")
         self._owned = [(s, oid) for s, oid in self._owned if oid != result]
-        self._run(self._delete_before(self.seq))
+        self._run(self._delete_before(self.seq, wait=True))
 
     # ------------------------------------------------------------ plumbing
     def _next(self) -> int:
@@ -113,11 +114,19 @@ class Group:
         self._owned.append((seq, oid))
         await self.node.put_async(array, oid)
 
-    async def _delete_before(self, seq: int) -> None:
-        """Delete this member's objects of collectives before ``seq`` (every member is past them)."""
+    async def _delete_before(self, seq: int, wait: bool = False) -> None:
+        """Delete this member's objects of collectives before ``seq`` (every member is past them),
+        in the background unless ``wait``: the collective that frees them need not wait."""
         old = [oid for s, oid in self._owned if s < seq]
         self._owned = [(s, oid) for s, oid in self._owned if s >= seq]
-        await asyncio.gather(*(self.node.delete_async(oid) for oid in old))
+        if not old:
+            return
+        deleting = asyncio.gather(*(self.node.delete_async(oid) for oid in old), return_exceptions=True)
+        if wait:
+            await deleting
+        else:
+            self._deleting.add(deleting)
+            deleting.add_done_callback(self._deleting.discard)
 
     async def _reduce_into(
         self, seq: int, inputs: list[ObjectID], result: ObjectID, op: ReduceOp, out: Any

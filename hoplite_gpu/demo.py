@@ -1,6 +1,13 @@
-"""The main job: broadcast arrays of several sizes from this process to N local worker processes
-over an embedded directory, verify every byte, and print a table with the ratio to a plain TCP
-socket copy and to memcpy measured in the same run."""
+"""The main job, on an embedded local cluster of N worker processes, for arrays of several sizes:
+
+* broadcast from this process to every worker;
+* reduce (SUM) of one array per worker, fetched by this process;
+* allreduce: every worker puts its array and gets the sum.
+
+Every byte is verified. Broadcast rows carry the ratio to a plain TCP socket copy and to memcpy
+measured in the same run; reduce and allreduce rows the ratio of their time to the ideal at the
+socket's rate (one socket copy of the array for reduce, ``2 (N-1)/N`` for allreduce: the
+bandwidth-optimal bound of ring allreduce)."""
 
 from __future__ import annotations
 
@@ -23,6 +30,14 @@ def pattern(size: int, seed: int) -> np.ndarray[Any, Any]:
     return (np.arange(size, dtype=np.int64) + seed).astype(np.uint8)
 
 
+def sum_of(size: int, seeds: list[int]) -> np.ndarray[Any, Any]:
+    """The elementwise sum of the patterns of ``seeds`` (wrapping like the dtype does)."""
+    total = pattern(size, seeds[0]).copy()
+    for seed in seeds[1:]:
+        total += pattern(size, seed)
+    return total
+
+
 def _worker(address: str, token: str, conn: Any) -> None:
     import hoplite_gpu as hg
 
@@ -33,13 +48,27 @@ def _worker(address: str, token: str, conn: Any) -> None:
             msg = conn.recv()
             if msg is None:
                 break
-            oid_hex, size, seed = msg
-            arr = node.get(hg.ObjectID.from_hex(oid_hex), timeout=120)
-            done = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes on one host
-            ok = bool(np.array_equal(arr, pattern(size, seed)))
+            kind, oid_hex, size, seed, seeds = msg
+            oid = hg.ObjectID.from_hex(oid_hex)
+            start = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes on one host
+            if kind in ("put", "allreduce"):
+                node.put(pattern(size, seed), oid)
+            if kind == "put":
+                conn.send((start, start, True))
+                continue
+            if kind == "delete":
+                node.delete(oid)
+                conn.send((start, start, True))
+                continue
+            result = hg.ObjectID.from_hex(seeds.pop()) if kind == "allreduce" else oid
+            arr = node.get(result, timeout=120)
+            done = time.monotonic()
+            ok = bool(np.array_equal(arr, sum_of(size, seeds)))
             del arr
-            node.delete(hg.ObjectID.from_hex(oid_hex))
-            conn.send((done, ok))
+            node.delete(result)
+            if kind == "allreduce":
+                node.delete(oid)
+            conn.send((start, done, ok))
     finally:
         node.close()
 
@@ -48,19 +77,54 @@ def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _broadcast(node: Any, pipes: list[Any], size: int, seed: int) -> tuple[float, bool]:
-    """Put one object, have every worker get it; returns (put done to last get done, all exact)."""
-    oid = node.put(pattern(size, seed))
-    t0 = time.monotonic()
-    for pipe in pipes:
-        pipe.send((oid.hex(), size, seed))
+def _answers(pipes: list[Any]) -> list[tuple[float, float, bool]]:
     results = []
     for pipe in pipes:
         if not pipe.poll(180):
             raise RuntimeError("a worker did not answer within 180 s")
         results.append(pipe.recv())
+    return results
+
+
+def _broadcast(node: Any, pipes: list[Any], size: int, seed: int) -> tuple[float, bool]:
+    """Put one object, have every worker get it; returns (put done to last get done, all exact)."""
+    oid = node.put(pattern(size, seed))
+    t0 = time.monotonic()
+    for pipe in pipes:
+        pipe.send(("get", oid.hex(), size, seed, [seed]))
+    results = _answers(pipes)
     node.delete(oid)
-    return max(done for done, _ in results) - t0, all(ok for _, ok in results)
+    return max(done for _, done, _ in results) - t0, all(ok for _, _, ok in results)
+
+
+def _reduce(node: Any, pipes: list[Any], size: int, everyone: bool) -> tuple[float, bool]:
+    """Each worker puts an array; this process (or, for allreduce, every worker) gets their sum.
+
+    Returns (last put started to last result received, all exact)."""
+    import hoplite_gpu as hg
+
+    ids = [hg.ObjectID.random() for _ in pipes]
+    seeds = list(range(100, 100 + len(pipes)))
+    rid = node.reduce(ids, hg.ReduceOp.SUM)  # before the puts: the tree forms as they arrive
+    for pipe, oid, seed in zip(pipes, ids, seeds, strict=True):
+        kind = "allreduce" if everyone else "put"
+        pipe.send((kind, oid.hex(), size, seed, [*seeds, rid.hex()]))
+    if everyone:
+        results = _answers(pipes)
+        elapsed = max(done for _, done, _ in results) - max(start for start, _, _ in results)
+        verified = all(ok for _, _, ok in results)
+    else:
+        arr = node.get(rid, timeout=120)
+        done = time.monotonic()
+        verified = bool(np.array_equal(arr, sum_of(size, seeds)))
+        del arr
+        results = _answers(pipes)
+        elapsed = done - max(start for start, _, _ in results)
+        for pipe, oid in zip(pipes, ids, strict=True):
+            pipe.send(("delete", oid.hex(), 0, 0, []))
+        _answers(pipes)
+    node.delete(rid)
+    return elapsed, verified
 
 
 def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any]]:
@@ -93,6 +157,7 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
             gbps = size * workers / elapsed / 1e9  # delivered: every receiver got ``size`` bytes
             rows.append(
                 dict(
+                    op="broadcast",
                     size=size,
                     receivers=workers,
                     seconds=elapsed,
@@ -104,6 +169,23 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
                     verified=verified,
                 )
             )
+            for op in ("reduce", "allreduce"):
+                _progress(f"[{i}/{len(size_list)}] {op} of {format_size(size)} from {workers} workers ...")
+                elapsed, verified = _reduce(node, pipes, size, everyone=op == "allreduce")
+                ideal = size / (sock * 1e9) * (2 * (workers - 1) / workers if op == "allreduce" else 1.0)
+                rows.append(
+                    dict(
+                        op=op,
+                        size=size,
+                        receivers=workers,
+                        seconds=elapsed,
+                        gbps=size / elapsed / 1e9,
+                        socket_gbps=sock,
+                        ideal_seconds=ideal,
+                        vs_ideal=elapsed / ideal,
+                        verified=verified,
+                    )
+                )
     finally:
         for pipe in pipes:
             try:
@@ -119,7 +201,29 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of demo rows."""
+    """Markdown tables of demo rows: broadcast, then reduce and allreduce."""
+    return (
+        _broadcast_table([r for r in rows if r["op"] == "broadcast"])
+        + "\n\n"
+        + _reduce_table([r for r in rows if r["op"] != "broadcast"])
+    )
+
+
+def _reduce_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| op | size | workers | time (s) | size/time GB/s | ideal at socket rate (s) | x ideal | verified |",
+        "|---|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['op']} | {format_size(r['size'])} | {r['receivers']} | {r['seconds']:.4f} | "
+            f"{r['gbps']:.3f} | {r['ideal_seconds']:.4f} | {r['vs_ideal']:.2f} | "
+            f"{'yes' if r['verified'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def _broadcast_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| size | receivers | time (s) | delivered GB/s | socket GB/s | x socket | memcpy GB/s | x memcpy "
         "| verified |",
@@ -142,7 +246,11 @@ def main(workers: int = 4, sizes: str = DEFAULT_SIZES) -> int:
     print(
         f"Broadcast from one process to {workers} workers (time = put done to last get done, after "
         "a warm-up broadcast that opened the connections; delivered GB/s = receivers x size / time; "
-        "socket = best of 3 copies over a plain TCP socket between two processes, same run):"
+        "socket = best of 3 copies over a plain TCP socket between two processes, same run).\n"
+        f"Reduce (SUM) of one array from each of the {workers} workers, fetched by this process, and "
+        "allreduce, fetched by every worker (time = last put started to last result received; "
+        "x ideal = time / ideal, 1.0 is ideal; ideal = one socket copy of the array for reduce, "
+        "2(N-1)/N copies for allreduce):"
     )
     print(format_table(rows))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")

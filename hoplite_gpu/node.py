@@ -199,6 +199,7 @@ class Node:
         self._vertices: dict[tuple[bytes, int], VertexRun] = {}
         # Copies fetched only for reduce vertices, with how many running vertices use each.
         self._fetched: dict[ObjectID, Fetch] = {}
+        self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget deletes
         self._closed = False
         self._active: set[concurrent.futures.Future[Any]] = set()
         self._io.run(self._start(), timeout=self.config.connect_timeout * 3)
@@ -926,15 +927,22 @@ class Node:
             if not fetch.done():
                 fetch.cancel()
             elif not fetch.cancelled() and fetch.exception() is None:
-                self._store.remove(oid)
-                self._report(p.DeleteRequest(request_id=self._control.next_id(), object_id=oid.binary()))
+                dropping = asyncio.ensure_future(self._delete(oid))
+                self._background.add(dropping)
+                dropping.add_done_callback(self._background_done)
         run.fetches.clear()
+
+    def _background_done(self, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("background delete failed: %s", task.exception())
 
     # ------------------------------------------------------------ delete and diagnostics
     def delete(self, object_id: ObjectID) -> bool:
-        """Delete an object. On its owner (the node that put it) it disappears from the directory
-        and from every node; elsewhere only the local copy is dropped. Returns whether the object
-        was deleted everywhere."""
+        """Delete an object. On its owner (the node that put it, or that requested the reduction)
+        it disappears from the directory and from every node; elsewhere only the local copy is
+        dropped, unless it is the only copy (a reduction result on the node that computed it),
+        which stays until the owner deletes it. Returns whether the object was deleted everywhere."""
         self._check_open()
         self._check_oid(object_id)
         return self._io.run(self._delete(object_id))
@@ -950,9 +958,12 @@ class Node:
         reply = await self._control.request(
             p.DeleteRequest(request_id=rid, object_id=oid.binary()), self.config.request_timeout
         )
-        self._store.remove(oid)
-        shm.forget_mappings(unlinked_only=True)
-        return isinstance(reply, p.DeleteReply) and reply.deleted
+        if not isinstance(reply, p.DeleteReply):
+            raise ProtocolError(f"unexpected reply to delete: {reply.TYPE}")
+        if not reply.kept:
+            self._store.remove(oid)
+            shm.forget_mappings(unlinked_only=True)
+        return reply.deleted
 
     def contains(self, object_id: ObjectID) -> bool:
         """Whether this node holds a complete local copy."""

@@ -249,11 +249,13 @@ class LookupReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class DeleteReply(Message):
-    """Directory -> node: the object was deleted (``deleted``) or was not known."""
+    """Directory -> node: the object was deleted everywhere (``deleted``), or only the requester's
+    copy is to be dropped, or (``kept``) the requester must keep its copy: it is the only one."""
 
     TYPE: ClassVar[str] = "delete_reply"
     request_id: int
     deleted: bool
+    kept: bool = False  # the requester holds the only copy (a reduction result): it must keep it
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from hoplite_gpu.protocol import (
     ReduceReply,
     ReduceRequest,
     ReduceTask,
+    TransferDone,
     VertexDone,
 )
 
@@ -219,3 +220,20 @@ def test_the_requester_deletes_a_reduction_before_or_after_it_is_placed() -> Non
     put(state, "B", 1, 256 * MiB)
     out = req(state, "A", DeleteRequest(2, RID))
     assert ("B", DropObject(RID)) in sent(out, DropObject) and RID not in state.objects
+
+
+def test_the_node_holding_the_only_copy_of_a_result_keeps_it_until_the_owner_deletes() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1))  # requested (owned) by A
+    put(state, "B", 0, 256 * MiB)
+    put(state, "C", 1, 256 * MiB)  # the root runs on C
+    req(state, "C", VertexDone(RID, 0, True))
+    ((_, kept),) = sent(req(state, "C", DeleteRequest(2, RID)), DeleteReply)
+    assert kept.kept and not kept.deleted and "C" in state.objects[RID].locations
+    ((_, pulling),) = sent(req(state, "D", LookupRequest(4, RID, 0.0)), LookupReply)
+    assert pulling.status == "pull" and pulling.sender_node == "C"
+    req(state, "D", TransferDone(pulling.transfer_id, True, 256 * MiB))
+    ((_, dropped),) = sent(req(state, "C", DeleteRequest(3, RID)), DeleteReply)
+    assert not dropped.kept and "C" not in state.objects[RID].locations  # D has a copy now
+    out = req(state, "A", DeleteRequest(5, RID))
+    assert sent(out, DropObject) == [("D", DropObject(RID))] and RID not in state.objects

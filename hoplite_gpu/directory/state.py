@@ -590,6 +590,13 @@ class DirectoryState:
             self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
             return
         if entry.owner != node_id:
+            loc = entry.locations.get(node_id)
+            if loc is not None and self._sole_copy(entry, loc):
+                # E.g. a reduction's result on the node that computed it, owned by the node that
+                # asked for it: dropping it would lose it; it goes when its owner deletes it.
+                self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False, kept=True))
+                self._log(now, "delete_kept", node=node_id, object_id=msg.object_id.hex())
+                return
             # Even while it serves a transfer: that transfer goes on from the array it holds, but
             # nobody may be sent to (or told to use) the dropped copy any more.
             entry.locations.pop(node_id, None)
@@ -599,6 +606,20 @@ class DirectoryState:
         self._remove_object(msg.object_id, now, skip=node_id)
         self._send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
         self._log(now, "delete", node=node_id, object_id=msg.object_id.hex())
+
+    def _sole_copy(self, entry: ObjectEntry, loc: Location) -> bool:
+        """Whether ``loc`` is the only complete copy of a non-inline object (or the node producing
+        it), so dropping it would lose the object."""
+        if entry.inline is not None:
+            return False
+        if loc.state is LocationState.PARTIAL and loc.upstream is not None:
+            return False  # a copy still being received from elsewhere
+        return not any(
+            other.state is LocationState.COMPLETE
+            and other.node_id != loc.node_id
+            and other.node_id in self.nodes
+            for other in entry.locations.values()
+        )
 
     def _remove_object(self, oid: bytes, now: float, skip: str = "") -> None:
         """Forget an object everywhere: its transfers end, its holders (but ``skip``) drop it and

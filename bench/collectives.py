@@ -1,0 +1,197 @@
+"""Broadcast, reduce and allreduce among N local processes, against the ideal for the same bytes.
+
+N worker processes join an embedded directory and form one :class:`hoplite_gpu.collective.Group`.
+For each size, each collective runs ``--warmup`` untimed and ``--repeat`` timed times, each after a
+barrier; its time runs from the moment the last member entered it to the moment the last member
+returned (``time.monotonic`` is CLOCK_MONOTONIC, comparable across processes on one host), so the
+skew with which the barrier releases members does not count. The point-to-point time of the same size
+is measured in the same run (a ``get`` between two members, median of ``--repeat``), and the ideal
+of each collective is derived from it:
+
+* broadcast and reduce: one point-to-point time (``put`` by one member and ``get`` by another; a
+  pipelined chain moves ``S`` bytes over each link once);
+* allreduce: ``2 (N-1)/N`` point-to-point times (the bandwidth-optimal bound of ring allreduce).
+
+``x ideal`` is measured median time over ideal time: 1.0 is ideal, larger is slower. On a 2-core
+machine every member shares the same cores and memory bus, so the ideal is a reference point, not a
+reachable target once N > 2.
+
+    python bench/collectives.py --workers 4 --sizes 1KiB,1MiB,64MiB,256MiB --paths ucx
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import format_size, parse_size
+
+OPS = ("broadcast", "reduce", "allreduce")
+
+
+def _member(address: str, token: str, rank: int, world: int, shared: bool, conn: Any) -> None:
+    import hoplite_gpu as hg
+    from hoplite_gpu import collective as coll
+
+    node = hg.connect(address, token=token, shared_memory=shared)
+    group = coll.Group(node, rank, world, "bench-" + address, timeout=300)
+    conn.send("ready")
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            op, size, rounds = msg
+            arr = np.ones(size // 4, np.float32)
+            spans = []
+            sent: list[Any] = []
+            for _ in range(rounds):
+                coll.barrier(group)
+                for oid in sent:  # every member is past the barrier: the receiver has it
+                    node.delete(oid)
+                sent.clear()
+                start = time.monotonic()
+                if op == "broadcast":
+                    coll.broadcast(arr, 0, group)
+                elif op == "reduce":
+                    coll.reduce(arr, 0, group)
+                elif op == "allreduce":
+                    coll.allreduce(arr, group)
+                elif op == "p2p":  # member 0 puts, member 1 gets; the others idle
+                    oid = hg.ObjectID.from_name(f"{group.name}/p2p/{group.seq}")
+                    if rank == 0:
+                        sent.append(node.put(arr, oid))
+                    elif rank == 1:
+                        node.get(oid, timeout=300)
+                spans.append((start, time.monotonic()))
+                arr[...] = 1  # keep values small: allreduce multiplies them by N each round
+            coll.barrier(group)
+            for oid in sent:
+                node.delete(oid)
+            conn.send(spans)
+        group.destroy()
+    finally:
+        node.close()
+
+
+def run(workers: int, sizes: list[int], repeat: int, warmup: int, path: str) -> list[dict[str, Any]]:
+    """One row per (size, collective): median seconds and the ratio to the ideal."""
+    import hoplite_gpu as hg
+
+    shared = path == "shm"
+    node = hg.init(shared_memory=shared)
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    rows: list[dict[str, Any]] = []
+    try:
+        for rank in range(workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_member, args=(node.directory_address, node.token, rank, workers, shared, child)
+            )
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        for pipe in pipes:
+            if not pipe.poll(120) or pipe.recv() != "ready":
+                raise RuntimeError("a member did not start")
+
+        def timed(op: str, size: int) -> float:
+            for pipe in pipes:
+                pipe.send((op, size, warmup + repeat))
+            spans = []
+            for pipe in pipes:
+                if not pipe.poll(900):
+                    raise TimeoutError(f"{op} of {size} bytes did not finish")
+                spans.append(pipe.recv())
+            per_round = [
+                max(s[i][1] for s in spans) - min(s[i][0] for s in spans)
+                for i in range(warmup, warmup + repeat)
+            ]
+            return statistics.median(per_round)
+
+        for size in sizes:
+            print(f"{format_size(size)} ...", file=sys.stderr, flush=True)
+            p2p = timed("p2p", size)
+            ideal = {"broadcast": p2p, "reduce": p2p, "allreduce": 2 * (workers - 1) / workers * p2p}
+            for op in OPS:
+                seconds = timed(op, size)
+                rows.append(
+                    {
+                        "path": path,
+                        "op": op,
+                        "workers": workers,
+                        "size": size,
+                        "seconds": seconds,
+                        "p2p_seconds": p2p,
+                        "ideal_seconds": ideal[op],
+                        "x_ideal": seconds / ideal[op],
+                        "algbw_gbps": size / seconds / 1e9,
+                    }
+                )
+    finally:
+        for pipe in pipes:
+            try:
+                pipe.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+        node.close()
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of benchmark rows."""
+    lines = [
+        "| path | op | N | size | median s | p2p s | ideal s | x ideal | algbw GB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['path']} | {r['op']} | {r['workers']} | {format_size(r['size'])} | {r['seconds']:.4f} "
+            f"| {r['p2p_seconds']:.4f} | {r['ideal_seconds']:.4f} | {r['x_ideal']:.2f} "
+            f"| {r['algbw_gbps']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--sizes", default="1KiB,64KiB,1MiB,16MiB,64MiB,256MiB")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--paths", default="ucx", help="comma-separated: shm, ucx")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    if args.workers < 2:
+        ap.error("--workers must be >= 2")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if not paths or set(paths) - {"shm", "ucx"}:
+        ap.error("--paths takes shm and/or ucx")
+    rows = [r for path in paths for r in run(args.workers, sizes, args.repeat, args.warmup, path)]
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return 0
+
+
+__all__ = ["format_table", "main", "run"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
