@@ -50,9 +50,11 @@ def _worker(address: str, token: str, conn: Any) -> None:
                 break
             kind, oid_hex, size, seed, seeds = msg
             oid = hg.ObjectID.from_hex(oid_hex)
+            data = pattern(size, seed) if kind in ("put", "allreduce") else None
             start = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes on one host
-            if kind in ("put", "allreduce"):
-                node.put(pattern(size, seed), oid)
+            if data is not None:
+                node.put(data, oid)
+                del data
             if kind == "put":
                 conn.send((start, start, True))
                 continue

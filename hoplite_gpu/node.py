@@ -659,6 +659,13 @@ class Node:
         obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, data, progress=0, pooled=True)
         return self._store.add(obj)
 
+    async def _allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """A store buffer; large fresh ones are set up (page faults) on a worker thread, so the
+        event loop keeps serving transfers meanwhile."""
+        if nbytes < THREAD_COPY_BYTES:
+            return self._store.pool.allocate(nbytes)
+        return await asyncio.get_running_loop().run_in_executor(None, self._store.pool.allocate, nbytes)
+
     def _report(self, msg: p.Message) -> None:
         with contextlib.suppress(HopliteError):
             self._control.send(msg)
@@ -860,18 +867,19 @@ class Node:
                     "on this node",
                     object_id=task.input_id.hex(),
                 )
-            self._store.reserve(task.size)
-            out = LocalObject(
-                run.output_id,
-                task.size,
-                task.dtype,
-                tuple(task.shape),
-                b"",
-                self._store.pool.allocate(task.size),
-                pooled=True,
-            )
-            self._store.add(out)
-            children = await asyncio.gather(*(self._stream_child(run, i) for i in range(len(task.children))))
+            # Children start streaming while the output buffer is being set up.
+            streams = asyncio.gather(*(self._stream_child(run, i) for i in range(len(task.children))))
+            try:
+                self._store.reserve(task.size)
+                data = await self._allocate(task.size)
+                out = LocalObject(
+                    run.output_id, task.size, task.dtype, tuple(task.shape), b"", data, pooled=True
+                )
+                self._store.add(out)
+                children = await streams
+            except BaseException:
+                streams.cancel()
+                raise
             await reduce_stream(task, own, list(children), out, self.config.reduce_chunk_bytes)
             self._report(
                 p.VertexDone(
