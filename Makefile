@@ -7,10 +7,10 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 .PHONY: help venv demo test test-fast lint bench soak clean
 
 help:
-	@echo "make demo   - install into .venv and run the broadcast demo on an embedded local cluster"
+	@echo "make demo   - install into .venv and run the demo (broadcast, reduce, allreduce) locally"
 	@echo "make test   - install into .venv and run the whole test suite"
 	@echo "make lint   - ruff + mypy"
-	@echo "make bench  - point-to-point and broadcast benchmarks"
+	@echo "make bench  - point-to-point and collective benchmarks"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/p2p.py
+	$(PY) bench/collectives.py --workers 4 --paths shm,ucx
 	$(VENV)/bin/hoplite-gpu demo --workers 4
 
 soak: $(STAMP)

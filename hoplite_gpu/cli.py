@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "else a new token is generated and printed)",
     )
     d.set_defaults(func=_directory)
-    m = sub.add_parser("demo", help="broadcast demo on an embedded local cluster")
+    m = sub.add_parser("demo", help="broadcast, reduce and allreduce demo on an embedded local cluster")
     m.add_argument("--workers", type=int, default=4)
     m.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes, e.g. 1KiB,64MiB")
     m.set_defaults(func=_demo)
