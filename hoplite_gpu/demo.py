@@ -149,8 +149,10 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
         for pipe in pipes:
             if not pipe.poll(60) or pipe.recv() != "ready":
                 raise RuntimeError("a worker did not start")
-        _progress("warming up: one 1 MiB broadcast opens the data-plane connections ...")
+        _progress("warming up: a 1 MiB broadcast and allreduces open the data-plane connections ...")
         _broadcast(node, pipes, 1 << 20, seed=0)
+        for _ in range(3):  # reduce trees connect workers to each other, in arrival order
+            _reduce(node, pipes, 1 << 20, everyone=True)
         for i, size in enumerate(size_list, 1):
             _progress(f"[{i}/{len(size_list)}] broadcasting {format_size(size)} to {workers} workers ...")
             elapsed, verified = _broadcast(node, pipes, size, seed=i)
