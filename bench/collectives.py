@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import format_size, parse_size
+from bench.common import format_size, parse_size, stop_workers
 
 OPS = ("broadcast", "reduce", "allreduce")
 
@@ -140,15 +140,7 @@ def run(workers: int, sizes: list[int], repeat: int, warmup: int, path: str) -> 
                     }
                 )
     finally:
-        for pipe in pipes:
-            try:
-                pipe.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
+        stop_workers(pipes, procs, timeout=60)
         node.close()
     return rows
 

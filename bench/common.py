@@ -8,6 +8,14 @@ from hoplite_gpu.baselines import (
     parse_size,
     socket_copy_gbps,
     socket_copy_times,
+    stop_workers,
 )
 
-__all__ = ["format_size", "memcpy_gbps", "parse_size", "socket_copy_gbps", "socket_copy_times"]
+__all__ = [
+    "format_size",
+    "memcpy_gbps",
+    "parse_size",
+    "socket_copy_gbps",
+    "socket_copy_times",
+    "stop_workers",
+]

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import memcpy_gbps, parse_size, socket_copy_times
+from bench.common import memcpy_gbps, parse_size, socket_copy_times, stop_workers
 
 
 def _receiver(address: str, token: str, shared_memory: bool, conn: Any) -> None:
@@ -98,10 +98,7 @@ def run(sizes: list[int], repeat: int, warmup: int = 3, path: str = "shm") -> li
                 }
             )
     finally:
-        parent.send(None)
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        stop_workers([parent], [proc])
         node.close()
     return rows
 

@@ -1,5 +1,6 @@
 """Physical baselines measured in the same run as our own figures: a plain TCP socket copy between
-two processes on loopback, and an in-process memcpy. Used by the demo and ``bench/``."""
+two processes on loopback, and an in-process memcpy; and the worker-process teardown the demo and
+``bench/`` share. Used by the demo and ``bench/``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import multiprocessing as mp
 import re
 import socket
 import time
+from typing import Any
 
 import numpy as np
 
@@ -97,3 +99,17 @@ def memcpy_gbps(size: int, repeat: int = 3) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return size / best / 1e9
+
+
+def stop_workers(pipes: list[Any], procs: list[Any], timeout: float = 30.0) -> None:
+    """Tell worker processes to exit (``None`` on each pipe), wait up to ``timeout`` seconds for
+    each, and kill those still alive."""
+    for pipe in pipes:
+        try:
+            pipe.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+    for proc in procs:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()

@@ -146,8 +146,9 @@ class ControlClient:
         """Stop waiting for the reply to ``request_id``."""
         self._pending.pop(request_id, None)
 
-    async def request(self, msg: p.Message, timeout: float) -> p.Message:
-        """Send a request (it must have ``request_id``) and wait for its reply."""
+    async def request(self, msg: p.Message, timeout: float | None) -> p.Message:
+        """Send a request (it must have ``request_id``) and wait for its reply (``timeout`` None:
+        as long as the connection lives)."""
         request_id = int(getattr(msg, "request_id", 0))
         fut = self.expect(request_id)
         try:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .baselines import format_size, memcpy_gbps, parse_size, socket_copy_gbps
+from .baselines import format_size, memcpy_gbps, parse_size, socket_copy_gbps, stop_workers
 
 DEFAULT_SIZES = "1KiB,64KiB,1MiB,16MiB,64MiB,256MiB"
 
@@ -191,15 +191,7 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
                     )
                 )
     finally:
-        for pipe in pipes:
-            try:
-                pipe.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+        stop_workers(pipes, procs)
         node.close()
     return rows
 

@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -786,18 +787,8 @@ class Node:
         )
 
     async def _reduce(self, msg: p.ReduceRequest) -> ObjectID:
-        rid = self._control.next_id()
-        reply = await self._control.request(
-            p.ReduceRequest(
-                request_id=rid,
-                reduction_id=msg.reduction_id,
-                object_ids=msg.object_ids,
-                op=msg.op,
-                num_objects=msg.num_objects,
-                timeout=msg.timeout,
-            ),
-            self.config.request_timeout,
-        )
+        request = dataclasses.replace(msg, request_id=self._control.next_id())
+        reply = await self._control.request(request, self.config.request_timeout)
         if not isinstance(reply, p.ReduceReply):
             raise ProtocolError(f"unexpected reply to reduce: {reply.TYPE}")
         if reply.error:
@@ -830,24 +821,12 @@ class Node:
         return await self._io.run_async(self._reduced_objects(reduction_id, self._resolve_timeout(timeout)))
 
     async def _reduced_objects(self, rid: ObjectID, timeout: float | None) -> list[ObjectID]:
-        request_id = self._control.next_id()
-        guard = self.config.request_timeout + (timeout or 0.0) if timeout else None
-        fut = self._control.expect(request_id)
-        try:
-            self._control.send(
-                p.ReducedObjectsRequest(
-                    request_id=request_id, reduction_id=rid.binary(), timeout=timeout or 0.0
-                )
-            )
-            reply = await asyncio.wait_for(fut, guard)
-        except asyncio.TimeoutError:
-            raise DirectoryUnavailableError(
-                f"the directory did not answer reduced_objects({rid})",
-                peer=self._directory_address,
-                cause="timeout",
-            ) from None
-        finally:
-            self._control.forget(request_id)
+        # The directory enforces ``timeout``; the margin covers a directory that went silent.
+        guard = self.config.request_timeout + timeout if timeout else None
+        request = p.ReducedObjectsRequest(
+            request_id=self._control.next_id(), reduction_id=rid.binary(), timeout=timeout or 0.0
+        )
+        reply = await self._control.request(request, guard)
         if not isinstance(reply, p.ReducedObjectsReply):
             raise ProtocolError(f"unexpected reply to reduced_objects: {reply.TYPE}")
         if reply.error:

@@ -767,12 +767,7 @@ class DirectoryState:
         if plan.full:
             for other in plan.inputs:
                 self._unawait(other, plan.reduction_id)
-            for q in red.queries:
-                self._send(
-                    q.node_id,
-                    p.ReducedObjectsReply(request_id=q.request_id, object_ids=plan.reduced_objects()),
-                )
-            red.queries.clear()
+            self._answer_queries(red)
             if red.inline:
                 self._reduce_inline(red, now)
 
@@ -886,14 +881,7 @@ class DirectoryState:
             return False
 
         self._retain_pending(plan.reduction_id, fail)
-        for q in red.queries:
-            self._send(
-                q.node_id,
-                p.ReducedObjectsReply(
-                    request_id=q.request_id, error=message, error_kind=kind, error_object_id=culprit
-                ),
-            )
-        red.queries.clear()
+        self._answer_queries(red)
 
     @staticmethod
     def _failed_lookup(request_id: int, oid: bytes, error: tuple[str, str, bytes]) -> p.LookupReply:
@@ -918,22 +906,27 @@ class DirectoryState:
                     error_kind="ObjectNotFoundError",
                 ),
             )
-        elif red.error is not None:
-            kind, message, culprit = red.error
-            self._send(
-                node_id,
-                p.ReducedObjectsReply(
-                    request_id=msg.request_id, error=message, error_kind=kind, error_object_id=culprit
-                ),
-            )
-        elif red.plan.full:
-            self._send(
-                node_id,
-                p.ReducedObjectsReply(request_id=msg.request_id, object_ids=red.plan.reduced_objects()),
-            )
+        elif red.error is not None or red.plan.full:
+            self._send(node_id, self._reduced_reply(msg.request_id, red))
         else:
             deadline = now + msg.timeout if msg.timeout > 0 else None
             red.queries.append(PendingQuery(node_id, msg.request_id, deadline))
+
+    @staticmethod
+    def _reduced_reply(request_id: int, red: Reduction) -> p.ReducedObjectsReply:
+        """The answer to a ``reduced_objects`` query of a failed or fully placed reduction."""
+        if red.error is not None:
+            kind, message, culprit = red.error
+            return p.ReducedObjectsReply(
+                request_id=request_id, error=message, error_kind=kind, error_object_id=culprit
+            )
+        return p.ReducedObjectsReply(request_id=request_id, object_ids=red.plan.reduced_objects())
+
+    def _answer_queries(self, red: Reduction) -> None:
+        """Answer every waiting ``reduced_objects`` query (the reduction failed or is full)."""
+        for q in red.queries:
+            self._send(q.node_id, self._reduced_reply(q.request_id, red))
+        red.queries.clear()
 
     def _unawait(self, oid: bytes, rid: bytes) -> None:
         waiting = self.awaiting.get(oid)
