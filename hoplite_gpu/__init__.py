@@ -26,6 +26,7 @@ from .errors import (
     NodeClosedError,
     ObjectDeletedError,
     ObjectExistsError,
+    ObjectLostError,
     ObjectNotFoundError,
     ObjectTooLargeError,
     PeerLostError,
@@ -49,6 +50,7 @@ __all__ = [
     "ObjectDeletedError",
     "ObjectExistsError",
     "ObjectID",
+    "ObjectLostError",
     "ObjectNotFoundError",
     "ObjectTooLargeError",
     "PeerLostError",
@@ -102,6 +104,7 @@ def start_directory(
         port=port,
         inline_threshold_bytes=config.inline_threshold_bytes,
         max_message_bytes=config.control_message_limit,
+        lease_timeout=config.lease_timeout,
     )
     IOThread.get().run(service.start(), timeout=config.connect_timeout)
     return service

@@ -32,6 +32,7 @@ def _directory(args: argparse.Namespace) -> int:
             port=args.port,
             inline_threshold_bytes=config.inline_threshold_bytes,
             max_message_bytes=config.control_message_limit,
+            lease_timeout=config.lease_timeout,
         )
         await service.start()
         print(f"hoplite-gpu directory listening on {service.address}", flush=True)

@@ -89,6 +89,12 @@ class Config:
         verify_digest: Check a received object's digest against the one recorded at ``put``.
         close_grace: Seconds ``Node.close`` lets transfers it is serving finish.
         reduce_chunk_bytes: Bytes a reduce-tree vertex reduces (and forwards) at a time.
+        heartbeat_interval: Seconds between a node's heartbeats to the directory.
+        lease_timeout: Seconds the directory waits without hearing from a node (heartbeats or any
+            other message) before it declares the node dead and repairs every schedule the node
+            was part of. A node whose connection closes (a killed process) is dead at once.
+        fault_injection: Faults to inject, for tests and benchmarks (see
+            :mod:`hoplite_gpu.faults`); empty: none.
     """
 
     chunk_bytes: int = 4 * MiB
@@ -113,6 +119,9 @@ class Config:
     verify_digest: bool = False
     close_grace: float = 10.0
     reduce_chunk_bytes: int = 1 * MiB
+    heartbeat_interval: float = 1.0
+    lease_timeout: float = 5.0
+    fault_injection: str = ""
 
     def __post_init__(self) -> None:
         positive = (
@@ -128,9 +137,13 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"Config.{name} must be > 0", argument=name)
-        for name in ("connect_timeout", "request_timeout", "stall_timeout"):
+        for name in ("connect_timeout", "request_timeout", "stall_timeout", "heartbeat_interval"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"Config.{name} must be > 0 seconds", argument=name)
+        if self.lease_timeout < 2 * self.heartbeat_interval:
+            raise InvalidArgumentError(
+                "Config.lease_timeout must be at least twice heartbeat_interval", argument="lease_timeout"
+            )
         if self.min_chunk_bytes > self.max_chunk_bytes:
             raise InvalidArgumentError(
                 "Config.min_chunk_bytes must be <= max_chunk_bytes", argument="min_chunk_bytes"

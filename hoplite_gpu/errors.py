@@ -110,6 +110,13 @@ class ReductionFailedError(HopliteError):
     """
 
 
+class ObjectLostError(HopliteError):
+    """Every complete copy of the object died while this call was receiving it, so it can never
+    complete. Fields: ``object_id`` (hex). Put it again (a restarted task that puts it again under
+    the same ObjectID is picked up by new gets and reductions).
+    """
+
+
 class NodeClosedError(HopliteError, RuntimeError):
     """The node was closed; create a new one with ``hoplite_gpu.init`` or ``hoplite_gpu.connect``."""
 
@@ -123,6 +130,7 @@ __all__ = [
     "NodeClosedError",
     "ObjectDeletedError",
     "ObjectExistsError",
+    "ObjectLostError",
     "ObjectNotFoundError",
     "ObjectTooLargeError",
     "PeerLostError",

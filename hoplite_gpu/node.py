@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import faults, shm
 from . import protocol as p
-from . import shm
 from .config import Config
 from .control import ControlClient
 from .directory.service import DirectoryService
@@ -36,6 +36,7 @@ from .errors import (
     NodeClosedError,
     ObjectDeletedError,
     ObjectExistsError,
+    ObjectLostError,
     ObjectNotFoundError,
     ObjectTooLargeError,
     ProtocolError,
@@ -67,6 +68,7 @@ _ERROR_KINDS: dict[str, type[HopliteError]] = {
         InvalidArgumentError,
         ObjectDeletedError,
         ObjectExistsError,
+        ObjectLostError,
         ObjectNotFoundError,
         ProtocolError,
         ReduceMismatchError,
@@ -78,6 +80,15 @@ _ERROR_KINDS: dict[str, type[HopliteError]] = {
 def _remote_error(kind: str, message: str, **fields: Any) -> HopliteError:
     """The typed error for an error the directory reported as ``kind``."""
     return _ERROR_KINDS.get(kind, HopliteError)(message, **fields)
+
+
+class _ObjectReset(HopliteError):
+    """A partial copy of a reduction's result was voided (the tree is being rebuilt after a
+    failure); the get starts again from byte 0. Never raised to callers."""
+
+
+#: Errors of a vertex's sources after which the directory rebuilds the tree instead of failing it.
+_RETRY_VERTEX = (TransportError, ObjectLostError, _ObjectReset)
 
 
 class IOThread:
@@ -197,12 +208,15 @@ class Node:
         self._control = ControlClient(
             self._on_push, self.config.control_message_limit, on_lost=self._on_directory_lost
         )
-        self._vertices: dict[tuple[bytes, int], VertexRun] = {}
+        self._vertices: dict[tuple[bytes, int, int], VertexRun] = {}
         # Copies fetched only for reduce vertices, with how many running vertices use each.
         self._fetched: dict[ObjectID, Fetch] = {}
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget deletes
         self._closed = False
+        self._beat: asyncio.Future[None] | None = None
         self._active: set[concurrent.futures.Future[Any]] = set()
+        if self.config.fault_injection:
+            faults.arm(self.config.fault_injection)
         self._io.run(self._start(), timeout=self.config.connect_timeout * 3)
         atexit.register(self.close)
 
@@ -253,6 +267,16 @@ class Node:
         except BaseException:
             await self._data.close()
             raise
+        self._beat = asyncio.ensure_future(self._heartbeats())
+
+    async def _heartbeats(self) -> None:
+        """Tell the directory this node is alive, every ``Config.heartbeat_interval`` seconds."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)  # a period, not synchronisation
+            try:
+                self._control.send(p.Heartbeat())
+            except HopliteError:
+                return  # the connection is gone
 
     def close(self) -> None:
         """Leave the directory, close every connection and drop local objects. Idempotent."""
@@ -266,6 +290,8 @@ class Node:
 
     async def _close(self) -> None:
         err = NodeClosedError("the node was closed")
+        if self._beat is not None:
+            self._beat.cancel()
         for run in list(self._vertices.values()):
             run.cancel()
         await self._data.close(grace=self.config.close_grace)
@@ -447,6 +473,20 @@ class Node:
         """Fetch ``oid`` into the local store; ``started`` (if given) is resolved with the local
         object as soon as it exists, while it is still filling."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return await self._fetch(oid, deadline, timeout, started)
+            except _ObjectReset:
+                log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)
+
+    async def _fetch(
+        self,
+        oid: ObjectID,
+        deadline: float | None,
+        timeout: float | None,
+        started: asyncio.Future[LocalObject] | None,
+    ) -> LocalObject:
+        """One attempt of :meth:`_get` (raises :class:`_ObjectReset` if its copy was voided)."""
 
         def remaining() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -476,17 +516,27 @@ class Node:
                 raise timed_out()
             have = local.progress if local is not None else 0
             reply = await self._lookup(oid, left, have, shared_memory=self._shm and local is None)
+            if local is not None and local.error is not None:
+                # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
+                if reply.transfer_id:
+                    self._report(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
+                raise local.error
             if reply.status == "timeout":
+                if local is not None:
+                    self._abandon(local, 0, timed_out())
                 raise timed_out()
             if reply.status == "error":
                 culprit = reply.error_object_id.hex() if reply.error_object_id else None
-                raise _remote_error(
+                error = _remote_error(
                     reply.error_kind,
                     reply.error,
                     object_id=culprit,
                     reduction_id=oid.hex(),
                     cause=reply.error,
                 )
+                if local is not None:
+                    self._abandon(local, 0, error)
+                raise error
             if reply.status == "inline":
                 return self._store_inline(oid, reply)
             if reply.status == "local":
@@ -531,7 +581,11 @@ class Node:
                     raise
                 self._report(
                     p.TransferDone(
-                        transfer_id=reply.transfer_id, ok=False, progress=local.progress, reason=str(exc)
+                        transfer_id=reply.transfer_id,
+                        ok=False,
+                        progress=local.progress,
+                        reason=str(exc),
+                        sender_failed=not isinstance(exc, ObjectNotFoundError),
                     )
                 )
                 fruitless = 0 if local.progress > before else fruitless + 1
@@ -685,17 +739,31 @@ class Node:
             run.runner = asyncio.ensure_future(self._run_vertex(run))
             run.runner.add_done_callback(lambda _: self._vertices.pop(run.key, None))
         elif isinstance(msg, p.ReduceChild):
-            found = self._vertices.get((msg.reduction_id, msg.vertex))
+            found = self._vertices.get((msg.reduction_id, msg.epoch, msg.vertex))
             if found is not None:
                 found.set_child(msg.index, msg.object_id)
         elif isinstance(msg, p.DropObject):
-            oid = ObjectID(msg.object_id)
-            for run in [r for r in self._vertices.values() if r.output_id == oid]:
-                run.cancel()  # the reduction failed, or was deleted
-            self._store.remove(
-                oid, ObjectDeletedError(f"object {oid} was deleted by its owner", object_id=oid.hex())
+            self._drop(ObjectID(msg.object_id), msg.reason)
+
+    def _drop(self, oid: ObjectID, reason: str) -> None:
+        """The directory dropped this node's copy of ``oid`` (see :class:`protocol.DropObject`)."""
+        for run in [r for r in self._vertices.values() if r.output_id == oid]:
+            run.cancel()  # the reduction failed, was deleted, or its tree is rebuilt
+        local = self._store.get(oid)
+        error: HopliteError
+        if reason == "reset":
+            if local is not None and local.complete:
+                return  # finished before the failure: exact for the inputs it reduced; keep it
+            error = _ObjectReset(f"partial copy of {oid} was reset", object_id=oid.hex())
+        elif reason == "lost":
+            error = ObjectLostError(
+                f"object {oid} was lost: every complete copy died while it was being received; put it again",
+                object_id=oid.hex(),
             )
-            shm.forget_mappings(unlinked_only=True)
+        else:
+            error = ObjectDeletedError(f"object {oid} was deleted by its owner", object_id=oid.hex())
+        self._store.remove(oid, error)
+        shm.forget_mappings(unlinked_only=True)
 
     def _on_directory_lost(self, error: HopliteError) -> None:
         # Nobody can tell a vertex any more that its reduction failed: stop them.
@@ -849,6 +917,9 @@ class Node:
             # Children start streaming while the output buffer is being set up.
             streams = asyncio.gather(*(self._stream_child(run, i) for i in range(len(task.children))))
             try:
+                stale = self._store.get(run.output_id)
+                if stale is not None and stale.complete and not stale.owner:
+                    self._store.remove(run.output_id)  # the result of a tree rebuilt since
                 self._store.reserve(task.size)
                 data = await self._allocate(task.size)
                 out = LocalObject(
@@ -862,7 +933,11 @@ class Node:
             await reduce_stream(task, own, list(children), out, self.config.reduce_chunk_bytes)
             self._report(
                 p.VertexDone(
-                    reduction_id=task.reduction_id, vertex=task.vertex, ok=True, segment=self._publish(out)
+                    reduction_id=task.reduction_id,
+                    vertex=task.vertex,
+                    ok=True,
+                    segment=self._publish(out),
+                    epoch=task.epoch,
                 )
             )
         except asyncio.CancelledError:
@@ -872,7 +947,14 @@ class Node:
         except HopliteError as exc:
             log.info("reduce vertex %d of %s failed: %s", task.vertex, task.reduction_id.hex()[:8], exc)
             self._report(
-                p.VertexDone(reduction_id=task.reduction_id, vertex=task.vertex, ok=False, reason=str(exc))
+                p.VertexDone(
+                    reduction_id=task.reduction_id,
+                    vertex=task.vertex,
+                    ok=False,
+                    reason=str(exc),
+                    epoch=task.epoch,
+                    retry=isinstance(exc, _RETRY_VERTEX),
+                )
             )
             if out is not None and self._store.get(out.object_id) is out:
                 self._store.remove(out.object_id, exc)

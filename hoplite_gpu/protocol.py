@@ -20,7 +20,8 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 4  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce
+PROTOCOL_VERSION = 5  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+# 5: heartbeats, failed senders, lost and reset objects
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -126,6 +127,15 @@ class TransferDone(Message):
     progress: int
     reason: str = ""
     segment: str = ""  # the receiver's shared-memory segment holding the copy (when ok)
+    sender_failed: bool = False  # the sender went away or stalled (not: it no longer holds it)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Node -> directory, every ``Config.heartbeat_interval``: this node is alive. A node the
+    directory hears nothing from for its lease is declared dead."""
+
+    TYPE: ClassVar[str] = "heartbeat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +205,8 @@ class VertexDone(Message):
     ok: bool
     reason: str = ""
     segment: str = ""  # shared-memory segment holding the output (when ok)
+    epoch: int = 0  # the tree's epoch (a tree rebuilt after a failure has a higher one)
+    retry: bool = False  # failed because a source died or was reset: rebuild, do not fail
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,10 +272,16 @@ class DeleteReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class DropObject(Message):
-    """Directory -> node (push): the owner deleted the object; drop the local copy."""
+    """Directory -> node (push): drop the local copy.
+
+    ``reason``: ``"deleted"`` (its owner deleted it), ``"lost"`` (every complete copy died: a
+    partial copy can never complete) or ``"reset"`` (a reduction result being computed is
+    recomputed after a failure: a partial copy's bytes are void and a get starts again).
+    """
 
     TYPE: ClassVar[str] = "drop_object"
     object_id: bytes
+    reason: str = "deleted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +328,7 @@ class ReduceTask(Message):
     size: int
     dtype: str
     shape: list[int]
+    epoch: int = 0  # the tree's epoch (echoed in VertexDone; stale vertices are ignored)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +340,7 @@ class ReduceChild(Message):
     vertex: int
     index: int
     object_id: bytes
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)

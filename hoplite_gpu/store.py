@@ -94,7 +94,7 @@ class LocalObject:
             if need <= self.progress:
                 if not fut.done():
                     fut.set_result(None)
-            else:
+            elif not fut.done():
                 keep.append((need, fut))
         self._waiters = keep
 
@@ -105,6 +105,22 @@ class LocalObject:
             if not fut.done():
                 fut.set_exception(error)
         self._waiters = []
+
+    def failure(self) -> asyncio.Future[None]:
+        """A future that fails with the object's error once it is failed (it never succeeds);
+        hand it to :meth:`forget_failure` when no longer needed."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.error is not None:
+            fut.set_exception(self.error)
+        else:
+            self._waiters.append((self.size + 1, fut))  # beyond any progress: only fail() ends it
+        return fut
+
+    def forget_failure(self, fut: asyncio.Future[None]) -> None:
+        """Stop watching with a future from :meth:`failure`."""
+        self._waiters = [(need, f) for need, f in self._waiters if f is not fut]
+        if not fut.cancel() and not fut.cancelled():
+            fut.exception()  # failed meanwhile: mark the error retrieved
 
     async def wait_progress(self, need: int, timeout: float | None) -> None:
         """Wait until ``need`` bytes are present (raises on failure or timeout)."""

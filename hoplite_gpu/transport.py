@@ -32,6 +32,7 @@ from .errors import (
     PeerLostError,
     TransportError,
 )
+from .faults import INJECTOR
 from .object_id import ObjectID
 from .store import LocalObject, LocalStore
 
@@ -82,6 +83,20 @@ async def _timed(aw: Awaitable[Any], timeout: float, peer: str, what: str) -> An
         raise
     except Exception as exc:
         raise _wrap(exc, peer, what) from exc
+
+
+async def _landed(fut: asyncio.Future[Any], failed: asyncio.Future[None], timeout: float, peer: str) -> None:
+    """Wait for a posted receive; give up if the object being filled failed (it was lost, reset or
+    deleted: the bytes are void) or nothing arrived for ``timeout`` s."""
+    done, _ = await asyncio.wait({fut, failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if fut in done:
+        fut.result()
+    elif failed in done:
+        failed.result()  # raises the object's error
+    else:
+        raise PeerLostError(
+            f"receive with {peer} made no progress for {timeout} s", peer=peer, cause="stalled"
+        )
 
 
 class _Peer:
@@ -260,9 +275,14 @@ class DataPlane:
         while_incomplete = 0
         started = time.monotonic()
         pos = offset
+        faults = INJECTOR.armed
         try:
             while pos < obj.size:
                 end = min(pos + chunk, obj.size)
+                if faults:
+                    INJECTOR.check("serve", obj.object_id.hex(), pos, obj.size)
+                    cut = INJECTOR.next_offset("serve", obj.object_id.hex(), pos, obj.size)
+                    end = end if cut is None else min(end, cut)
                 if obj.progress < end:
                     await obj.wait_progress(end, cfg.stall_timeout)
                     while_incomplete += end - pos
@@ -287,6 +307,8 @@ class DataPlane:
             if window:
                 await _timed(asyncio.gather(*window), cfg.stall_timeout, "peer", "send")
                 window = set()
+            if faults:
+                INJECTOR.check("serve", obj.object_id.hex(), pos, obj.size)
             # Eager sends complete once buffered locally; the receiver's ack says it has the bytes,
             # so closing this node afterwards cannot cut the transfer short.
             ack = np.empty(p.ACK.size, np.uint8)
@@ -417,6 +439,9 @@ class DataPlane:
         tag = p.TAG_CHUNK_BASE + transfer_id
         window: list[tuple[int, asyncio.Future[Any]]] = []
         pos = start
+        failed = obj.failure()
+        if INJECTOR.armed:
+            INJECTOR.check("receive", obj.object_id.hex(), start, obj.size)
 
         def post_chunks() -> None:
             nonlocal pos
@@ -456,9 +481,11 @@ class DataPlane:
             data_started = time.monotonic()
             while window:
                 end, fut = window[0]
-                await _timed(asyncio.shield(fut), cfg.stall_timeout, address, "receive")
+                await _landed(fut, failed, cfg.stall_timeout, address)
                 window.pop(0)
                 obj.advance(end)
+                if INJECTOR.armed:
+                    INJECTOR.check("receive", obj.object_id.hex(), obj.progress, obj.size)
                 post_chunks()
             self._record_rate(address, obj.size - start, time.monotonic() - data_started)
             # The get does not wait for the ack to be sent: a lost ack only makes the sender
@@ -473,6 +500,7 @@ class DataPlane:
             self._evict(peer)
             raise _wrap(exc, address, "receive") from exc
         finally:
+            obj.forget_failure(failed)
             if window:
                 # An endpoint with abandoned posted receives cannot be reused safely.
                 self._evict(peer)

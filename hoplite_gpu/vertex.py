@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from . import protocol as p
 from .errors import HopliteError
+from .faults import INJECTOR
 from .object_id import ObjectID
 from .reduce_ops import as_op, reduce_chunk
 from .store import LocalObject, dtype_from_wire
@@ -30,7 +31,7 @@ class VertexRun:
 
     def __init__(self, task: p.ReduceTask) -> None:
         self.task = task
-        self.key = (task.reduction_id, task.vertex)
+        self.key = (task.reduction_id, task.epoch, task.vertex)
         self.output_id = ObjectID(task.output_id)
         loop = asyncio.get_running_loop()
         self._children: list[asyncio.Future[ObjectID]] = [loop.create_future() for _ in task.children]
@@ -106,6 +107,8 @@ async def reduce_stream(
                 await src.wait_progress(end, None)
         if out.error is not None:
             raise out.error
+        if INJECTOR.armed:
+            INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)
         reduce_chunk(
             op,
             own.data[pos:end].view(dtype),
@@ -116,3 +119,5 @@ async def reduce_stream(
         out.advance(end)
         pos = end
         await asyncio.sleep(0)  # let transfers this node serves or receives run between chunks
+    if INJECTOR.armed:
+        INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)

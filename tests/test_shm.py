@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from collections.abc import Iterator
@@ -97,7 +98,7 @@ def test_orphaned_segments_of_a_killed_process_are_swept() -> None:
 
 # ---------------------------------------------------------------- directory decisions
 def _state(**hosts: str) -> DirectoryState:
-    state = DirectoryState()
+    state = DirectoryState(lease_timeout=math.inf)
     for i, (node, key) in enumerate(hosts.items()):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, key))
     return state

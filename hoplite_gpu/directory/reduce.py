@@ -156,11 +156,13 @@ def choose_degree(n: int, size: int, link: LinkEstimate, chunk: int = DEFAULT_CH
     )
 
 
-def vertex_object_id(reduction_id: bytes, vertex: int) -> bytes:
-    """ObjectID of a vertex's output: the reduction's own id for the root, else derived from it."""
+def vertex_object_id(reduction_id: bytes, vertex: int, epoch: int = 0) -> bytes:
+    """ObjectID of a vertex's output: the reduction's own id for the root, else derived from it
+    (and from the tree's ``epoch``: a tree rebuilt after a failure gets fresh intermediate ids)."""
     if vertex == 0:
         return reduction_id
-    return hashlib.blake2b(reduction_id + b"/vertex/" + str(vertex).encode(), digest_size=20).digest()
+    suffix = f"{vertex}" if epoch == 0 else f"{vertex}@{epoch}"
+    return hashlib.blake2b(reduction_id + b"/vertex/" + suffix.encode(), digest_size=20).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,11 +203,13 @@ class ReducePlan:
         reduction_id: Id of the result object (the root's output).
         inputs: The candidate inputs, in the caller's order (distinct).
         num_objects: How many of them to reduce (the first to become ready).
+        epoch: How many times the tree was rebuilt after a failure (part of intermediate ids).
     """
 
     reduction_id: bytes
     inputs: tuple[bytes, ...]
     num_objects: int
+    epoch: int = 0
     degree: int = 0
     reason: str = ""
     dtype: str = ""
@@ -284,7 +288,7 @@ class ReducePlan:
             vertex=vertex,
             object_id=object_id,
             node_id=node_id,
-            output_id=object_id if leaf else vertex_object_id(self.reduction_id, vertex),
+            output_id=object_id if leaf else vertex_object_id(self.reduction_id, vertex, self.epoch),
             parent=parent,
             children=children,
         )

@@ -18,7 +18,7 @@ from typing import Any
 from .. import auth
 from .. import protocol as p
 from ..errors import HopliteError, ProtocolError
-from .state import AuthFailed, DirectoryState, Event, NodeJoined, NodeLeft, Request, Send, Tick
+from .state import AuthFailed, DirectoryState, Disconnect, Event, NodeJoined, NodeLeft, Request, Send, Tick
 
 log = logging.getLogger("hoplite_gpu.directory")
 
@@ -50,6 +50,7 @@ class DirectoryService:
         port: TCP port (0: any free port).
         inline_threshold_bytes: Objects up to this size are stored in the directory.
         max_message_bytes: Larger control frames are refused and the connection closed.
+        lease_timeout: Seconds without any message from a node before it is declared dead.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class DirectoryService:
         port: int = 0,
         inline_threshold_bytes: int = 64 * 1024,
         max_message_bytes: int = 64 * 1024 + 1024 * 1024,
+        lease_timeout: float = 5.0,
     ) -> None:
         if not token:
             raise HopliteError("the directory needs a non-empty token")
@@ -66,7 +68,9 @@ class DirectoryService:
         self.host = host
         self.port = port
         self.max_message_bytes = max_message_bytes
-        self.state = DirectoryState(inline_threshold_bytes=inline_threshold_bytes)
+        self.state = DirectoryState(
+            inline_threshold_bytes=inline_threshold_bytes, lease_timeout=lease_timeout
+        )
         self.directory_id = uuid.uuid4().hex
         self.auth_failures = 0
         self._conns: dict[str, _Conn] = {}
@@ -173,10 +177,15 @@ class DirectoryService:
     # ------------------------------------------------------------ state machine glue
     def _apply(self, event: Event) -> None:
         for instr in self.state.handle(event):
+            conn = self._conns.get(instr.node_id)
+            if conn is None or conn.writer.is_closing():
+                continue
             if isinstance(instr, Send):
-                conn = self._conns.get(instr.node_id)
-                if conn is not None and not conn.writer.is_closing():
-                    conn.writer.write(p.encode(instr.message))
+                conn.writer.write(p.encode(instr.message))
+            elif isinstance(instr, Disconnect):
+                log.warning("declaring node %s dead: %s", instr.node_id[:8], instr.reason)
+                del self._conns[instr.node_id]
+                conn.writer.close()
         self._wake.set()
 
     async def _tick_loop(self) -> None:
@@ -184,6 +193,11 @@ class DirectoryService:
             deadline = self.state.next_deadline()
             self._wake.clear()
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            woken = False
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            self._apply(Tick(time.monotonic()))
+                woken = True
+            now = time.monotonic()
+            # How late this loop woke: a directory that was itself stalled renews leases.
+            lag = 0.0 if woken or deadline is None else max(0.0, now - deadline)
+            self._apply(Tick(now, lag))

@@ -28,12 +28,30 @@ Scheduling follows the Hoplite paper (Zhuang et al., SIGCOMM 2021, section 4.2),
   published in a shared-memory segment, is told to copy from that segment. This takes no sender
   time (many readers copy at once, memory bandwidth permitting), so the sender is not marked busy
   and no transfer is recorded; the requester reports its copy with ``CopyAdded`` afterwards.
+
+Failures (section 4.3 of the paper, plus what it lacked):
+
+* A node is dead when its connection closes or when it sends nothing (heartbeats included) for
+  ``lease_timeout`` seconds; the host then closes its connection (:class:`Disconnect`). A directory
+  that itself stalled (``Tick.lag``) renews every lease instead of declaring everyone dead.
+* A receiver that reports its sender failed (``TransferDone.sender_failed``: a lost connection or a
+  stalled stream) makes the sender *suspect*: it serves nobody until it heartbeats again, so the
+  receiver's next lookup gets another source and resumes from the bytes it holds.
+* When a dead node held the last complete copy of an object (and nobody is computing it), the object
+  is *lost*: partial holders drop it and waiting lookups fail with ``ObjectLostError``; a later
+  ``put`` of the same ObjectID (a restarted task) makes it available again.
+* A reduction one of whose placed inputs or vertices was on a dead node is *repaired*: its tree is
+  rebuilt under a new epoch from the inputs that still have a copy, in their arrival order, plus
+  the next ready inputs (first-k), or it waits for the lost input to be put again. Every vertex
+  of the old tree is cancelled and partial copies of the result are reset, so nothing is counted
+  twice; ``reduced_objects`` is answered only when the result is complete, so it is exact.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +70,13 @@ REDUCTIONS_KEPT = 10_000
 
 #: How many events the directory keeps for :class:`~hoplite_gpu.protocol.EventLogRequest`.
 EVENT_LOG_CAPACITY = 100_000
+
+#: A suspect node's heartbeat clears the suspicion only if it arrives this long after it (one sent
+#: just before the node stopped may still be in flight).
+SUSPECT_GRACE = 0.25
+
+#: Rebuilds of one reduction's tree after failures before it is failed instead.
+MAX_REPAIRS = 64
 
 
 class LocationState(enum.Enum):
@@ -100,9 +125,11 @@ class AuthFailed:
 
 @dataclass(frozen=True, slots=True)
 class Tick:
-    """Time passed; expire deadlines up to ``now``."""
+    """Time passed; expire deadlines and leases up to ``now``. ``lag``: how late the host woke
+    for this tick (a directory that was itself stalled does not declare its nodes dead)."""
 
     now: float
+    lag: float = 0.0
 
 
 Event = NodeJoined | NodeLeft | Request | AuthFailed | Tick
@@ -117,7 +144,15 @@ class Send:
     message: p.Message
 
 
-Instruction = Send
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    """Close node ``node_id``'s connection: it was declared dead (``reason``)."""
+
+    node_id: str
+    reason: str
+
+
+Instruction = Send | Disconnect
 
 
 # ---------------------------------------------------------------- state
@@ -131,6 +166,7 @@ class Location:
     busy: bool = False
     upstream: str | None = None  # node this copy is being filled from
     segment: str = ""  # shared-memory segment of a complete copy ("" if none)
+    producing: bool = False  # the node computes this object (a reduce-tree vertex's output)
 
 
 @dataclass(slots=True)
@@ -187,6 +223,8 @@ class Reduction:
     op: str
     requester: str
     deadline: float | None  # fail if the plan is not full by then
+    timeout: float = 0.0  # the request's timeout (the deadline restarts when the tree is rebuilt)
+    repairs: int = 0
     error: tuple[str, str, bytes] | None = None  # (error kind, message, offending input)
     done: bool = False
     inline: list[bytes] = field(default_factory=list)  # inputs' bytes, for a directory-side reduce
@@ -207,6 +245,8 @@ class NodeInfo:
     data_port: int
     joined: float
     host_key: str = ""
+    last_seen: float = 0.0
+    suspect_since: float | None = None  # a receiver reported it failed; it serves nobody
 
 
 class DirectoryState:
@@ -214,10 +254,12 @@ class DirectoryState:
 
     Args:
         inline_threshold_bytes: Objects up to this size are stored inline.
+        lease_timeout: Seconds of silence after which a node is declared dead.
     """
 
-    def __init__(self, inline_threshold_bytes: int = 64 * 1024) -> None:
+    def __init__(self, inline_threshold_bytes: int = 64 * 1024, lease_timeout: float = 5.0) -> None:
         self.inline_threshold_bytes = inline_threshold_bytes
+        self.lease_timeout = lease_timeout
         self.nodes: dict[str, NodeInfo] = {}
         self.objects: dict[bytes, ObjectEntry] = {}
         self.pending: dict[bytes, deque[PendingLookup]] = {}
@@ -238,12 +280,16 @@ class DirectoryState:
             self._on_request(event)
         elif isinstance(event, NodeJoined):
             self.nodes[event.node_id] = NodeInfo(
-                event.node_id, event.data_host, event.data_port, event.now, event.host_key
+                event.node_id, event.data_host, event.data_port, event.now, event.host_key, event.now
             )
             self._log(event.now, "node_joined", node=event.node_id)
         elif isinstance(event, NodeLeft):
-            self._on_node_left(event)
+            self._on_node_left(event.node_id, event.now, "left")
         elif isinstance(event, Tick):
+            if event.lag > self.lease_timeout / 4:
+                for info in self.nodes.values():  # we were stalled, not they: renew every lease
+                    info.last_seen = max(info.last_seen, event.now)
+                self._log(event.now, "directory_stalled", lag=round(event.lag, 3))
             self._expire(event.now)
         elif isinstance(event, AuthFailed):
             self._log(event.now, "auth_failed", peer=event.peer)
@@ -253,8 +299,10 @@ class DirectoryState:
         return out
 
     def next_deadline(self) -> float | None:
-        """Earliest pending-lookup deadline, so the host knows when to send a :class:`Tick`."""
+        """Earliest deadline or lease expiry, so the host knows when to send a :class:`Tick`."""
         deadlines = [pl.deadline for q in self.pending.values() for pl in q if pl.deadline is not None]
+        if self.nodes and math.isfinite(self.lease_timeout):
+            deadlines.append(min(info.last_seen for info in self.nodes.values()) + self.lease_timeout)
         for red in self.reductions.values():
             if red.deadline is not None and red.active and not red.plan.full:
                 deadlines.append(red.deadline)
@@ -264,9 +312,17 @@ class DirectoryState:
     # ------------------------------------------------------------ requests
     def _on_request(self, ev: Request) -> None:
         msg = ev.message
-        if ev.node_id not in self.nodes:
-            return  # not authenticated/joined: nothing it sends is acted on
-        if isinstance(msg, p.PutRequest):
+        info = self.nodes.get(ev.node_id)
+        if info is None:
+            return  # not authenticated/joined, or declared dead: nothing it sends is acted on
+        info.last_seen = max(info.last_seen, ev.now)
+        if isinstance(msg, p.Heartbeat):
+            if info.suspect_since is not None and ev.now - info.suspect_since >= SUSPECT_GRACE:
+                info.suspect_since = None  # alive after all: it may serve again
+                self._log(ev.now, "node_trusted", node=ev.node_id)
+                for oid in list(self.pending):
+                    self._serve_pending(oid, ev.now)
+        elif isinstance(msg, p.PutRequest):
             self._on_put(ev.node_id, msg, ev.now)
         elif isinstance(msg, p.LookupRequest):
             self._on_lookup(ev.node_id, msg, ev.now)
@@ -391,6 +447,7 @@ class DirectoryState:
             loc.progress = entry.size
             loc.upstream = None
             loc.segment = segment
+            loc.producing = False
 
     def _on_copy_added(self, node_id: str, msg: p.CopyAdded, now: float) -> None:
         entry = self.objects.get(msg.object_id)
@@ -408,6 +465,10 @@ class DirectoryState:
         red = self.reductions.get(msg.object_id)
         if red is not None and red.error is not None:
             self._send(node_id, self._failed_lookup(msg.request_id, msg.object_id, red.error))
+            return
+        if msg.have_bytes > 0 and msg.object_id not in self.objects and (red is None or not red.active):
+            # It was receiving an object that has since been lost (or deleted): it cannot complete.
+            self._send(node_id, self._lost_lookup(msg.request_id, msg.object_id))
             return
         deadline = now + msg.timeout if msg.timeout > 0 else None
         pl = PendingLookup(
@@ -505,6 +566,7 @@ class DirectoryState:
                 and loc.node_id != receiver
                 and info is not None
                 and info.host_key == key
+                and info.suspect_since is None
             ):
                 if loc.node_id == entry.owner:
                     return loc
@@ -515,7 +577,8 @@ class DirectoryState:
         """Idle complete copy first, else the idle partial copy with most bytes; never a cycle."""
         best: Location | None = None
         for loc in entry.locations.values():
-            if loc.busy or loc.node_id == receiver or loc.node_id not in self.nodes:
+            info = self.nodes.get(loc.node_id)
+            if loc.busy or loc.node_id == receiver or info is None or info.suspect_since is not None:
                 continue
             if loc.state is LocationState.PARTIAL and self._depends_on(entry, loc, receiver):
                 continue
@@ -558,6 +621,10 @@ class DirectoryState:
         sender = entry.locations.get(transfer.sender)
         if sender is not None:
             sender.busy = False
+        suspect = self.nodes.get(transfer.sender)
+        if msg.sender_failed and not msg.ok and suspect is not None and suspect.suspect_since is None:
+            suspect.suspect_since = now  # it serves nobody until it shows it is alive
+            self._log(now, "node_suspect", node=transfer.sender, reporter=node_id, reason=msg.reason)
         own = entry.locations.get(node_id)
         if msg.ok:
             self.link = self.link.with_transfer(entry.size, now - transfer.started)
@@ -570,7 +637,12 @@ class DirectoryState:
                 own.progress = max(own.progress, msg.progress)
                 if own.state is LocationState.PARTIAL and own.upstream == transfer.sender:
                     own.upstream = None
-                if own.progress == 0 and own.state is LocationState.PARTIAL and not own.busy:
+                if (
+                    own.progress == 0
+                    and own.state is LocationState.PARTIAL
+                    and not own.busy
+                    and not own.producing
+                ):
                     del entry.locations[node_id]
         self._serve_pending(transfer.object_id, now)
 
@@ -612,7 +684,7 @@ class DirectoryState:
         it), so dropping it would lose the object."""
         if entry.inline is not None:
             return False
-        if loc.state is LocationState.PARTIAL and loc.upstream is not None:
+        if loc.state is LocationState.PARTIAL and not loc.producing:
             return False  # a copy still being received from elsewhere
         return not any(
             other.state is LocationState.COMPLETE
@@ -673,7 +745,7 @@ class DirectoryState:
             if problem is not None:
                 refuse(problem[0], problem[1], entry.object_id)
                 return
-        red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None)
+        red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
         self.reductions[rid] = red
         self._forget_old_reductions()
         self._send(node_id, p.ReduceReply(request_id=msg.request_id))
@@ -721,7 +793,7 @@ class DirectoryState:
         usable = [
             loc
             for loc in entry.locations.values()
-            if loc.node_id in self.nodes and (loc.state is LocationState.COMPLETE or loc.upstream is None)
+            if loc.node_id in self.nodes and (loc.state is LocationState.COMPLETE or loc.producing)
         ]
         usable.sort(
             key=lambda loc: (loc.state is LocationState.COMPLETE, loc.node_id == entry.owner), reverse=True
@@ -767,7 +839,6 @@ class DirectoryState:
         if plan.full:
             for other in plan.inputs:
                 self._unawait(other, plan.reduction_id)
-            self._answer_queries(red)
             if red.inline:
                 self._reduce_inline(red, now)
 
@@ -785,7 +856,7 @@ class DirectoryState:
                 digest=b"",
                 owner=red.requester if root else pl.node_id,
                 inline=None,
-                locations={pl.node_id: Location(pl.node_id, LocationState.PARTIAL, 0)},
+                locations={pl.node_id: Location(pl.node_id, LocationState.PARTIAL, 0, producing=True)},
             )
             self._send(
                 pl.node_id,
@@ -800,6 +871,7 @@ class DirectoryState:
                     size=plan.size,
                     dtype=plan.dtype,
                     shape=list(plan.shape),
+                    epoch=plan.epoch,
                 ),
             )
             self._serve_pending(pl.output_id, now)
@@ -813,6 +885,7 @@ class DirectoryState:
                     vertex=parent.vertex,
                     index=parent.children.index(pl.vertex),
                     object_id=pl.output_id,
+                    epoch=plan.epoch,
                 ),
             )
 
@@ -829,6 +902,7 @@ class DirectoryState:
         )
         red.done = True
         red.inline = []
+        self._answer_queries(red)
         self._log(now, "reduce_done", object_id=rid.hex(), inline=True)
         self._serve_pending(rid, now)
         self._object_ready(rid, now)
@@ -836,7 +910,17 @@ class DirectoryState:
     def _on_vertex_done(self, node_id: str, msg: p.VertexDone, now: float) -> None:
         red = self.reductions.get(msg.reduction_id)
         pl = red.plan.by_vertex.get(msg.vertex) if red is not None else None
-        if red is None or pl is None or pl.node_id != node_id or not red.active:
+        if (
+            red is None
+            or pl is None
+            or pl.node_id != node_id
+            or not red.active
+            or msg.epoch != red.plan.epoch
+        ):
+            return  # unknown, finished, or a vertex of a tree rebuilt since
+        if not msg.ok and msg.retry:
+            # A source died or was reset under it: rebuild (the dead node's own report may follow).
+            self._repair(red, now, f"vertex {msg.vertex} on node {node_id[:8]} lost a source: {msg.reason}")
             return
         if not msg.ok:
             self._fail_reduction(
@@ -852,10 +936,7 @@ class DirectoryState:
             self._add_complete(entry, node_id, msg.segment)
         self._log(now, "vertex_done", object_id=msg.reduction_id.hex(), vertex=msg.vertex, node=node_id)
         if pl.parent is None:
-            red.done = True
-            for inner in red.plan.intermediates():  # their parents hold everything they need
-                self._remove_object(inner.output_id, now)
-            self._log(now, "reduce_done", object_id=msg.reduction_id.hex())
+            self._finish(red, now)
         self._serve_pending(pl.output_id, now)
         self._object_ready(pl.output_id, now)
 
@@ -906,7 +987,7 @@ class DirectoryState:
                     error_kind="ObjectNotFoundError",
                 ),
             )
-        elif red.error is not None or red.plan.full:
+        elif red.error is not None or red.done:
             self._send(node_id, self._reduced_reply(msg.request_id, red))
         else:
             deadline = now + msg.timeout if msg.timeout > 0 else None
@@ -914,7 +995,7 @@ class DirectoryState:
 
     @staticmethod
     def _reduced_reply(request_id: int, red: Reduction) -> p.ReducedObjectsReply:
-        """The answer to a ``reduced_objects`` query of a failed or fully placed reduction."""
+        """The answer to a ``reduced_objects`` query of a failed or finished reduction."""
         if red.error is not None:
             kind, message, culprit = red.error
             return p.ReducedObjectsReply(
@@ -923,7 +1004,7 @@ class DirectoryState:
         return p.ReducedObjectsReply(request_id=request_id, object_ids=red.plan.reduced_objects())
 
     def _answer_queries(self, red: Reduction) -> None:
-        """Answer every waiting ``reduced_objects`` query (the reduction failed or is full)."""
+        """Answer every waiting ``reduced_objects`` query (the reduction failed or finished)."""
         for q in red.queries:
             self._send(q.node_id, self._reduced_reply(q.request_id, red))
         red.queries.clear()
@@ -943,40 +1024,137 @@ class DirectoryState:
         for rid in [rid for rid, red in self.reductions.items() if not red.active][:excess]:
             del self.reductions[rid]
 
-    # ------------------------------------------------------------ node and time
-    def _on_node_left(self, ev: NodeLeft) -> None:
-        if self.nodes.pop(ev.node_id, None) is None:
+    def _finish(self, red: Reduction, now: float) -> None:
+        """The root's output is complete: the reduction is done."""
+        red.done = True
+        for inner in red.plan.intermediates():  # their parents hold everything they need
+            self._remove_object(inner.output_id, now)
+        self._answer_queries(red)
+        self._log(now, "reduce_done", object_id=red.plan.reduction_id.hex(), repairs=red.repairs)
+
+    def _repair(self, red: Reduction, now: float, why: str) -> None:
+        """Rebuild a reduction's tree after a failure: cancel every vertex of the old tree, reset
+        partial copies of the result, and place again (under a new epoch) the inputs that still
+        have a live copy, in their arrival order, then the next ready inputs."""
+        if not red.active:
             return
-        self._log(ev.now, "node_left", node=ev.node_id)
+        old = red.plan
+        rid = old.reduction_id
+        result = self.objects.get(rid)
+        if result is not None and any(
+            loc.state is LocationState.COMPLETE and loc.node_id in self.nodes
+            for loc in result.locations.values()
+        ):
+            # The root finished just before the failure (a reader already holds the whole result).
+            self._finish(red, now)
+            return
+        red.repairs += 1
+        if red.repairs > MAX_REPAIRS:
+            self._fail_reduction(
+                red,
+                "ReductionFailedError",
+                f"reduction {rid.hex()} failed {MAX_REPAIRS} times; last: {why}",
+                now,
+            )
+            return
+        self._log(now, "reduce_repair", object_id=rid.hex(), epoch=old.epoch + 1, reason=why)
+        for pl in old.placed:
+            if pl.runs_task and pl.parent is not None:
+                self._remove_object(pl.output_id, now)  # cancels the vertex computing it
+        if result is not None:
+            del self.objects[rid]
+            for tid in [t for t, tr in self.transfers.items() if tr.object_id == rid]:
+                del self.transfers[tid]
+            for holder in result.locations:  # the root's node (cancelled) and partial readers
+                if holder in self.nodes:
+                    self._send(holder, p.DropObject(object_id=rid, reason="reset"))
+        red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1)
+        red.inline = []
+        red.deadline = now + red.timeout if red.timeout > 0 else None
+        for oid in old.inputs:
+            self.awaiting.setdefault(oid, set()).add(rid)
+        for oid in [pl.object_id for pl in old.placed] + list(old.inputs):
+            if red.active and oid in self.objects:
+                self._offer(red, oid, now)
+
+    @staticmethod
+    def _lost_lookup(request_id: int, oid: bytes) -> p.LookupReply:
+        return p.LookupReply(
+            request_id=request_id,
+            status="error",
+            object_id=oid,
+            error=(
+                f"object {oid.hex()} was lost: every complete copy died while it was being received; "
+                "put it again"
+            ),
+            error_kind="ObjectLostError",
+            error_object_id=oid,
+        )
+
+    def _lose_object(self, oid: bytes, now: float) -> None:
+        """No live complete copy of ``oid`` is left and nobody computes it: partial holders drop
+        it and waiting lookups fail. A later put of the same id makes it available again."""
+        entry = self.objects.pop(oid)
+        self._log(now, "object_lost", object_id=oid.hex(), partial_copies=len(entry.locations))
+        for tid in [t for t, tr in self.transfers.items() if tr.object_id == oid]:
+            del self.transfers[tid]
+        for holder in entry.locations:
+            if holder in self.nodes:
+                self._send(holder, p.DropObject(object_id=oid, reason="lost"))
+
+        def fail(pl: PendingLookup) -> bool:
+            self._send(pl.node_id, self._lost_lookup(pl.request_id, oid))
+            return False
+
+        self._retain_pending(oid, fail)
+        red = self.reductions.get(oid)
+        if red is not None and red.done:  # a finished result cannot be put again: fail its readers
+            red.error = ("ObjectLostError", f"the result of reduction {oid.hex()} was lost", oid)
+
+    # ------------------------------------------------------------ node and time
+    def _on_node_left(self, node_id: str, now: float, reason: str) -> None:
+        """A node left or was declared dead: repair every schedule it took part in."""
+        if self.nodes.pop(node_id, None) is None:
+            return
+        self._log(now, "node_left", node=node_id, reason=reason)
         for oid in list(self.pending):
-            self._retain_pending(oid, lambda pl: pl.node_id != ev.node_id)
+            self._retain_pending(oid, lambda pl: pl.node_id != node_id)
         touched: set[bytes] = set()
         for tid, tr in list(self.transfers.items()):
-            if ev.node_id in (tr.sender, tr.receiver):
+            if node_id in (tr.sender, tr.receiver):
                 del self.transfers[tid]
                 entry = self.objects.get(tr.object_id)
-                if entry is not None and tr.receiver == ev.node_id:
-                    sender = entry.locations.get(tr.sender)
-                    if sender is not None:
-                        sender.busy = False
+                if entry is not None:
+                    peer = entry.locations.get(tr.sender if tr.receiver == node_id else tr.receiver)
+                    if peer is not None and tr.receiver == node_id:
+                        peer.busy = False
+                    elif peer is not None and peer.upstream == node_id:
+                        peer.upstream = None  # it will ask for another source
                 touched.add(tr.object_id)
         for oid, entry in list(self.objects.items()):
-            if entry.locations.pop(ev.node_id, None) is not None:
+            if entry.locations.pop(node_id, None) is not None:
                 touched.add(oid)
         for red in list(self.reductions.values()):
-            lost = [pl.vertex for pl in red.plan.placed if pl.node_id == ev.node_id and pl.runs_task]
-            if lost and red.active:
-                self._fail_reduction(
-                    red,
-                    "ReductionFailedError",
-                    f"node {ev.node_id[:8]} computing vertex {lost[0]} of reduction "
-                    f"{red.plan.reduction_id.hex()} left",
-                    ev.now,
-                )
+            hit = [pl for pl in red.plan.placed if pl.node_id == node_id]
+            if hit and red.active:
+                self._repair(red, now, f"node {node_id[:8]} holding vertex {hit[0].vertex} {reason}")
         for oid in touched:
-            self._serve_pending(oid, ev.now)
+            entry = self.objects.get(oid)
+            if entry is None or entry.inline is not None:
+                continue
+            if not any(
+                loc.state is LocationState.COMPLETE or loc.producing for loc in entry.locations.values()
+            ):
+                self._lose_object(oid, now)
+            else:
+                self._serve_pending(oid, now)
 
     def _expire(self, now: float) -> None:
+        for info in [i for i in self.nodes.values() if now - i.last_seen >= self.lease_timeout]:
+            silent = now - info.last_seen
+            self._out.append(Disconnect(info.node_id, f"no heartbeat for {silent:.1f} s"))
+            self._on_node_left(info.node_id, now, f"missed its lease ({silent:.1f} s silent)")
+
         def alive(pl: PendingLookup) -> bool:
             if pl.deadline is None or pl.deadline > now:
                 return True

@@ -1,0 +1,242 @@
+"""Failures in the pure directory state machine: leases, suspects, lost objects, tree repair."""
+
+from __future__ import annotations
+
+import pytest
+
+from hoplite_gpu.directory.reduce import vertex_object_id
+from hoplite_gpu.directory.state import (
+    MAX_REPAIRS,
+    DirectoryState,
+    Disconnect,
+    LocationState,
+    NodeJoined,
+    NodeLeft,
+    Tick,
+)
+from hoplite_gpu.protocol import (
+    DropObject,
+    Heartbeat,
+    LookupReply,
+    LookupRequest,
+    ReduceChild,
+    ReducedObjectsReply,
+    ReducedObjectsRequest,
+    ReduceTask,
+    TransferDone,
+    VertexDone,
+)
+from tests.test_directory_reduce import NODES, RID, MiB, oid, put, reduce, req, sent
+
+pytestmark = pytest.mark.timeout(30)
+
+BIG = 256 * MiB  # reduce trees of this size are chains (degree 1)
+
+
+def make_state(lease: float = 5.0) -> DirectoryState:
+    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=lease)
+    for i, node in enumerate(NODES):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0))
+    return state
+
+
+def lookup(state, node, i, have=0, now=0.0, request_id=4):
+    ((_, reply),) = sent(
+        req(state, node, LookupRequest(request_id, oid(i), 0.0, have_bytes=have), now), LookupReply
+    )
+    return reply
+
+
+def kinds(state, kind):
+    return [e for e in state.events if e["kind"] == kind]
+
+
+# ---------------------------------------------------------------- leases
+def test_a_silent_node_is_declared_dead_when_its_lease_ends() -> None:
+    state = make_state(lease=5.0)
+    for node in "AB":
+        req(state, node, Heartbeat(), now=3.0)
+    assert state.next_deadline() == 5.0  # C..H were last heard of at 0
+    assert state.handle(Tick(4.99)) == []
+    out = state.handle(Tick(5.0))
+    assert sorted(i.node_id for i in out if isinstance(i, Disconnect)) == list("CDEFGH")
+    assert sorted(state.nodes) == ["A", "B"]
+    assert state.next_deadline() == 8.0
+    # A message from a node declared dead is not acted on.
+    assert req(state, "C", LookupRequest(1, oid(0), 0.0), now=5.5) == []
+
+
+def test_a_stalled_directory_renews_leases_instead_of_declaring_nodes_dead() -> None:
+    state = make_state(lease=5.0)
+    assert state.handle(Tick(9.0, lag=4.0)) == []
+    assert len(state.nodes) == len(NODES) and kinds(state, "directory_stalled")
+    assert state.next_deadline() == 14.0
+
+
+# ---------------------------------------------------------------- broadcast
+def test_a_receiver_whose_sender_failed_gets_another_source_and_resumes() -> None:
+    state = make_state()
+    put(state, "A", 0, BIG)
+    first = lookup(state, "B", 0)
+    assert first.sender_node == "A"
+    req(state, "B", TransferDone(first.transfer_id, True, BIG))  # B holds a complete copy too
+    pulling = lookup(state, "C", 0)
+    assert pulling.sender_node == "A"
+    # A stalls half way: C reports it and asks again with what it holds.
+    req(state, "C", TransferDone(pulling.transfer_id, False, BIG // 2, sender_failed=True), now=1.0)
+    assert state.nodes["A"].suspect_since == 1.0
+    again = lookup(state, "C", 0, have=BIG // 2, now=1.0)
+    assert again.status == "pull" and again.sender_node == "B"
+    start = kinds(state, "transfer_start")[-1]
+    assert start["receiver"] == "C" and start["sender"] == "B"
+    assert state.objects[oid(0)].locations["C"].progress == BIG // 2  # resumes, nothing twice
+    # A heartbeat sent before the stall proves nothing; one well after it restores trust.
+    req(state, "A", Heartbeat(), now=1.1)
+    assert state.nodes["A"].suspect_since == 1.0
+    req(state, "A", Heartbeat(), now=2.0)
+    assert state.nodes["A"].suspect_since is None
+    assert lookup(state, "D", 0, now=2.0).sender_node == "A"
+
+
+def test_after_a_relay_dies_its_downstream_never_pulls_from_its_own_descendants() -> None:
+    state = make_state()
+    put(state, "A", 0, BIG)
+    assert lookup(state, "B", 0).sender_node == "A"
+    assert lookup(state, "C", 0).sender_node == "B"
+    d = lookup(state, "D", 0)
+    assert d.sender_node == "C"
+    state.handle(NodeLeft("B", 1.0))
+    assert state.objects[oid(0)].locations["C"].upstream is None
+    # A is busy (it was serving B: freed now). C gets A, never D (D depends on C).
+    c_again = lookup(state, "C", 0, have=MiB, now=1.0)
+    assert c_again.sender_node == "A"
+    assert state.objects[oid(0)].locations["D"].upstream == "C"
+
+
+def test_an_object_whose_last_complete_copy_died_is_lost_until_put_again() -> None:
+    state = make_state()
+    put(state, "A", 0, BIG)
+    b = lookup(state, "B", 0)
+    assert b.sender_node == "A"
+    assert lookup(state, "C", 0).sender_node == "B"  # a pipelined chain A -> B -> C
+    assert lookup(state, "D", 0).sender_node == "C"
+    out = state.handle(NodeLeft("A", 1.0))
+    assert sorted(sent(out, DropObject)) == [(n, DropObject(oid(0), reason="lost")) for n in "BCD"]
+    assert oid(0) not in state.objects and kinds(state, "object_lost")
+    # A receiver that held bytes learns it at once; a new reader waits for the object to be put.
+    assert lookup(state, "B", 0, have=MiB, now=2.0).error_kind == "ObjectLostError"
+    assert sent(req(state, "H", LookupRequest(8, oid(0), 0.0), 2.0), LookupReply) == []
+    out = put(state, "E", 0, BIG, now=3.0)  # the restarted task puts it again under the same id
+    assert state.objects[oid(0)].owner == "E"
+    assert [(n, m.sender_node) for n, m in sent(out, LookupReply)] == [("H", "E")]
+
+
+def test_a_surviving_complete_copy_keeps_the_object() -> None:
+    state = make_state()
+    put(state, "A", 0, BIG)
+    b = lookup(state, "B", 0)
+    req(state, "B", TransferDone(b.transfer_id, True, BIG))
+    out = state.handle(NodeLeft("A", 1.0))
+    assert sent(out, DropObject) == [] and oid(0) in state.objects
+    assert lookup(state, "C", 0, now=1.0).sender_node == "B"
+
+
+# ---------------------------------------------------------------- reduce
+def chain(state, n=4, k=None):
+    """Reduce inputs 0..n-1, put in order by nodes B, C, D, ... (A requested it)."""
+    reduce(state, ids=tuple(range(n)), k=k)
+    tasks = []
+    for i in range(n):
+        tasks += sent(put(state, NODES[i + 1], i, BIG), ReduceTask)
+    return tasks
+
+
+def test_a_dead_inner_node_rebuilds_the_tree_and_waits_for_its_input_again() -> None:
+    state = make_state()
+    old = chain(state, n=4)
+    assert [m.epoch for _, m in old] == [0, 0, 0]
+    ((_, pulling),) = sent(req(state, "G", LookupRequest(5, RID, 0.0)), LookupReply)
+    assert pulling.status == "pull"
+    out = state.handle(NodeLeft("C", 1.0))  # C held input 1 and computed a vertex
+    drops = sent(out, DropObject)
+    assert ("G", DropObject(RID, reason="reset")) in drops  # the reader's partial result is void
+    assert all(d.reason == "deleted" for _, d in drops if d.object_id != RID)
+    new = sent(out, ReduceTask)
+    assert new and all(m.epoch == 1 for _, m in new)
+    red = state.reductions[RID]
+    assert red.plan.epoch == 1 and red.plan.reduced_objects() == [oid(0), oid(2), oid(3)]
+    assert not red.plan.full and oid(1) in state.awaiting
+    assert kinds(state, "reduce_repair")[0]["epoch"] == 1
+    # The restarted task puts input 1 again (on another node): the tree completes.
+    out = put(state, "F", 1, BIG, now=2.0)
+    assert red.plan.full and red.plan.reduced_objects() == [oid(0), oid(2), oid(3), oid(1)]
+    root = red.plan.by_vertex[0]
+    assert root.output_id == RID
+    # A stale vertex of epoch 0 reporting in changes nothing.
+    assert req(state, root.node_id, VertexDone(RID, 0, True, epoch=0), 3.0) == []
+    assert not red.done
+    # The reader's new lookup (from byte 0) is answered from the new root.
+    ((_, answer),) = sent(req(state, "G", LookupRequest(6, RID, 0.0), 3.0), LookupReply)
+    assert answer.status == "pull" and answer.sender_node == root.node_id
+    out = req(state, root.node_id, VertexDone(RID, 0, True, epoch=1), 4.0)
+    assert red.done
+    ((_, which),) = sent(req(state, "A", ReducedObjectsRequest(3, RID), 4.0), ReducedObjectsReply)
+    assert which.object_ids == [oid(0), oid(2), oid(3), oid(1)]
+    # Intermediate ids of the new tree differ from the old ones.
+    assert vertex_object_id(RID, 1, 1) != vertex_object_id(RID, 1, 0)
+
+
+def test_first_k_replaces_a_dead_input_holder_with_the_next_ready_input() -> None:
+    state = make_state()
+    chain(state, n=4, k=2)  # inputs 0 (B) and 1 (C) are reduced; 2 and 3 are ready spares
+    red = state.reductions[RID]
+    assert red.plan.reduced_objects() == [oid(0), oid(1)]
+    out = state.handle(NodeLeft("C", 1.0))
+    assert red.plan.full and red.plan.reduced_objects() == [oid(0), oid(2)]
+    assert sent(out, ReduceTask)
+    assert oid(1) not in state.awaiting  # full again: nobody waits for the lost input
+
+
+def test_a_reduction_whose_result_a_reader_already_holds_is_done_not_rebuilt() -> None:
+    state = make_state()
+    chain(state, n=2)
+    root = state.reductions[RID].plan.by_vertex[0]
+    ((_, pulling),) = sent(req(state, "G", LookupRequest(5, RID, 0.0)), LookupReply)
+    req(state, "G", TransferDone(pulling.transfer_id, True, BIG))
+    out = state.handle(NodeLeft(root.node_id, 1.0))
+    red = state.reductions[RID]
+    assert red.done and red.plan.epoch == 0 and sent(out, ReduceTask) == []
+    assert state.objects[RID].locations["G"].state is LocationState.COMPLETE
+
+
+def test_a_vertex_that_lost_a_source_rebuilds_and_a_plain_failure_fails() -> None:
+    state = make_state()
+    chain(state, n=3)
+    red = state.reductions[RID]
+    root = red.plan.by_vertex[0]
+    out = req(state, root.node_id, VertexDone(RID, 0, False, "peer lost", epoch=0, retry=True), 1.0)
+    assert red.active and red.plan.epoch == 1 and sent(out, ReduceTask)
+    root = red.plan.by_vertex[0]
+    req(state, root.node_id, VertexDone(RID, 0, False, "store full", epoch=1), 2.0)
+    assert red.error is not None and red.error[0] == "ReductionFailedError"
+
+
+def test_a_reduction_failing_again_and_again_gives_up() -> None:
+    state = make_state()
+    chain(state, n=2)
+    red = state.reductions[RID]
+    for attempt in range(MAX_REPAIRS + 1):
+        root = red.plan.by_vertex[0]
+        req(state, root.node_id, VertexDone(RID, 0, False, "x", epoch=red.plan.epoch, retry=True), attempt)
+    assert red.error is not None and "failed" in red.error[1]
+
+
+def test_a_child_announced_after_a_rebuild_carries_the_new_epoch() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1, 2))
+    put(state, "B", 0, BIG)
+    put(state, "C", 1, BIG)
+    out = state.handle(NodeLeft("B", 1.0))  # input 0 lost; C's input placed first now
+    assert all(m.epoch == 1 for _, m in sent(out, ReduceTask))
+    out = put(state, "D", 2, BIG, now=2.0)
+    assert all(m.epoch == 1 for _, m in sent(out, ReduceChild) + sent(out, ReduceTask))
