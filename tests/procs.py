@@ -71,6 +71,13 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             dtype, shape, seed, oid_hex = args
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
             return node.put(make_array(dtype, shape, seed), oid).hex()
+        if cmd == "arm":
+            from hoplite_gpu import faults
+
+            faults.arm(args[0])
+            return True
+        if cmd == "reduced_objects":
+            return [o.hex() for o in node.reduced_objects(hg.ObjectID.from_hex(args[0]), timeout=args[1])]
         if cmd == "contains":
             return node.contains(hg.ObjectID.from_hex(args[0]))
         if cmd == "delete":
@@ -173,6 +180,12 @@ class Worker:
             name, text, tb = value
             raise RuntimeError(f"{name}: {text}\n{tb}")
         return value
+
+    def kill(self) -> None:
+        """SIGKILL the worker (also one that is stopped) and reap it."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
 
     def stop(self) -> None:
         """Ask the worker to exit; kill it if it does not."""

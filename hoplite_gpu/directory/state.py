@@ -549,6 +549,7 @@ class DirectoryState:
             receiver=pl.node_id,
             sender_complete=sender.state is LocationState.COMPLETE,
             sender_progress=sender.progress,
+            have=own.progress,
         )
         return True
 
