@@ -10,7 +10,8 @@ help:
 	@echo "make demo   - install into .venv and run the demo (broadcast, reduce, allreduce) locally"
 	@echo "make test   - install into .venv and run the whole test suite"
 	@echo "make lint   - ruff + mypy"
-	@echo "make bench  - point-to-point and collective benchmarks"
+	@echo "make bench  - point-to-point, collective and recovery benchmarks"
+	@echo "make soak   - randomized fault soak (1000 runs; HOPLITE_SOAK_RUNS, HOPLITE_SOAK_SEED)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +43,7 @@ bench: $(STAMP)
 	$(VENV)/bin/hoplite-gpu demo --workers 4
 
 soak: $(STAMP)
-	HOPLITE_SOAK=1 $(PY) -m pytest -q tests -m multiprocess
+	HOPLITE_SOAK_RUNS=$${HOPLITE_SOAK_RUNS:-1000} $(PY) -m pytest -q -s tests/test_soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -76,6 +76,11 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
 
             faults.arm(args[0])
             return True
+        if cmd == "disarm":
+            from hoplite_gpu import faults
+
+            faults.clear()
+            return True
         if cmd == "reduced_objects":
             return [o.hex() for o in node.reduced_objects(hg.ObjectID.from_hex(args[0]), timeout=args[1])]
         if cmd == "contains":
