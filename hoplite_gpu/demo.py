@@ -2,7 +2,9 @@
 
 * broadcast from this process to every worker;
 * reduce (SUM) of one array per worker, fetched by this process;
-* allreduce: every worker puts its array and gets the sum.
+* allreduce: every worker puts its array and gets the sum;
+* fault tolerance: a broadcast during which one receiving worker is killed (SIGKILL, injected when
+  its copy is half received) while others stream from it; the survivors still get every byte.
 
 Every byte is verified. Broadcast rows carry the ratio to a plain TCP socket copy and to memcpy
 measured in the same run; reduce and allreduce rows the ratio of their time to the ideal at the
@@ -38,10 +40,11 @@ def sum_of(size: int, seeds: list[int]) -> np.ndarray[Any, Any]:
     return total
 
 
-def _worker(address: str, token: str, conn: Any) -> None:
+def _worker(address: str, token: str, conn: Any, shared_memory: bool | None = None) -> None:
     import hoplite_gpu as hg
 
-    node = hg.connect(address, token=token)
+    extra: dict[str, Any] = {} if shared_memory is None else {"shared_memory": shared_memory}
+    node = hg.connect(address, token=token, **extra)
     conn.send("ready")
     try:
         while True:
@@ -49,6 +52,12 @@ def _worker(address: str, token: str, conn: Any) -> None:
             if msg is None:
                 break
             kind, oid_hex, size, seed, seeds = msg
+            if kind == "arm":
+                from . import faults
+
+                faults.arm(oid_hex)  # the fault spec
+                conn.send((0.0, 0.0, True))
+                continue
             oid = hg.ObjectID.from_hex(oid_hex)
             data = pattern(size, seed) if kind in ("put", "allreduce") else None
             start = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes on one host
@@ -99,6 +108,66 @@ def _broadcast(node: Any, pipes: list[Any], size: int, seed: int) -> tuple[float
     return max(done for _, done, _ in results) - t0, all(ok for _, _, ok in results)
 
 
+def _start_workers(node: Any, n: int, shared_memory: bool | None = None) -> tuple[list[Any], list[Any]]:
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for _ in range(n):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_worker, args=(node.directory_address, node.token, child, shared_memory), daemon=True
+        )
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    for pipe in pipes:
+        if not pipe.poll(60) or pipe.recv() != "ready":
+            raise RuntimeError("a worker did not start")
+    return pipes, procs
+
+
+def _broadcast_with_a_kill(node: Any, workers: int, size: int) -> dict[str, Any]:
+    """Broadcast ``size`` bytes to fresh workers (data plane only, no shared memory) while worker 0
+    is killed half way through its copy."""
+    import hoplite_gpu as hg
+
+    pipes, procs = _start_workers(node, workers, shared_memory=False)
+    try:
+        return _kill_run(node, pipes, procs, size, hg.ObjectID.random())
+    finally:
+        stop_workers(pipes, procs)
+
+
+def _kill_run(node: Any, pipes: list[Any], procs: list[Any], size: int, oid: Any) -> dict[str, Any]:
+    pipes[0].send(("arm", f"receive:{oid.hex()}:0.5:KILL", 0, 0, []))
+    _answers(pipes[:1])
+    node.put(pattern(size, 7), oid)
+    t0 = time.monotonic()
+    for pipe in pipes:
+        pipe.send(("get", oid.hex(), size, 7, [7]))
+    survivors = _answers(pipes[1:])
+    procs[0].join(10)
+    if procs[0].is_alive():  # the fault was not reached: it is an ordinary receiver
+        survivors += _answers(pipes[:1])
+    elapsed = max(done for _, done, _ in survivors) - t0
+    events = node.event_log()
+    resumed = sum(
+        1
+        for e in events
+        if e["kind"] == "transfer_start" and e["object_id"] == oid.hex() and e.get("have", 0) > 0
+    )
+    node.delete(oid)
+    return dict(
+        op="broadcast, 1 worker killed",
+        size=size,
+        receivers=len(pipes),
+        killed=int(not procs[0].is_alive()),
+        survivors=len(survivors),
+        resumed=resumed,
+        seconds=elapsed,
+        verified=all(ok for _, _, ok in survivors) and not procs[0].is_alive(),
+    )
+
+
 def _reduce(node: Any, pipes: list[Any], size: int, everyone: bool) -> tuple[float, bool]:
     """Each worker puts an array; this process (or, for allreduce, every worker) gets their sum.
 
@@ -136,19 +205,11 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
     size_list = [parse_size(s) for s in sizes.split(",")]
     _progress(f"starting an embedded directory and {workers} worker processes ...")
     node = hg.init()
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
+    pipes: list[Any] = []
+    procs: list[Any] = []
     rows: list[dict[str, Any]] = []
     try:
-        for _ in range(workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(node.directory_address, node.token, child), daemon=True)
-            proc.start()
-            pipes.append(parent)
-            procs.append(proc)
-        for pipe in pipes:
-            if not pipe.poll(60) or pipe.recv() != "ready":
-                raise RuntimeError("a worker did not start")
+        pipes, procs = _start_workers(node, workers)
         _progress("warming up: a 1 MiB broadcast and allreduces open the data-plane connections ...")
         _broadcast(node, pipes, 1 << 20, seed=0)
         for _ in range(3):  # reduce trees connect workers to each other, in arrival order
@@ -190,6 +251,10 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
                         verified=verified,
                     )
                 )
+        if workers >= 2:
+            size = min(max(size_list), 64 << 20)
+            _progress(f"broadcasting {format_size(size)} while a worker is killed half way through ...")
+            rows.append(_broadcast_with_a_kill(node, workers, size))
     finally:
         stop_workers(pipes, procs)
         node.close()
@@ -198,11 +263,28 @@ def run_demo(workers: int = 4, sizes: str = DEFAULT_SIZES) -> list[dict[str, Any
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown tables of demo rows: broadcast, then reduce and allreduce."""
-    return (
-        _broadcast_table([r for r in rows if r["op"] == "broadcast"])
-        + "\n\n"
-        + _reduce_table([r for r in rows if r["op"] != "broadcast"])
-    )
+    tables = [
+        _broadcast_table([r for r in rows if r["op"] == "broadcast"]),
+        _reduce_table([r for r in rows if r["op"] in ("reduce", "allreduce")]),
+    ]
+    killed = [r for r in rows if "killed" in r]
+    if killed:
+        tables.append(_fault_table(killed))
+    return "\n\n".join(tables)
+
+
+def _fault_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| op | size | receivers | killed | survivors | resumed mid-object | time (s) "
+        "| completed, verified |",
+        "|---|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['op']} | {format_size(r['size'])} | {r['receivers']} | {r['killed']} | {r['survivors']} | "
+            f"{r['resumed']} | {r['seconds']:.4f} | {'yes' if r['verified'] else 'NO'} |"
+        )
+    return "\n".join(lines)
 
 
 def _reduce_table(rows: list[dict[str, Any]]) -> str:
@@ -246,7 +328,8 @@ def main(workers: int = 4, sizes: str = DEFAULT_SIZES) -> int:
         f"Reduce (SUM) of one array from each of the {workers} workers, fetched by this process, and "
         "allreduce, fetched by every worker (time = last put started to last result received; "
         "x ideal = time / ideal, 1.0 is ideal; ideal = one socket copy of the array for reduce, "
-        "2(N-1)/N copies for allreduce):"
+        "2(N-1)/N copies for allreduce). Last, a broadcast during which worker 0 is SIGKILLed half "
+        "way through its copy (resumed = receivers that continued from the bytes they held):"
     )
     print(format_table(rows))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")

@@ -39,6 +39,7 @@ from .errors import (
     ObjectLostError,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    PeerLostError,
     ProtocolError,
     ReduceMismatchError,
     ReductionFailedError,
@@ -88,7 +89,8 @@ class _ObjectReset(HopliteError):
 
 
 #: Errors of a vertex's sources after which the directory rebuilds the tree instead of failing it.
-_RETRY_VERTEX = (TransportError, ObjectLostError, _ObjectReset)
+#: (ObjectDeletedError: a copy of a source shared with a vertex of the tree being replaced was dropped.)
+_RETRY_VERTEX = (TransportError, ObjectLostError, _ObjectReset, ObjectDeletedError)
 
 
 class IOThread:
@@ -209,6 +211,7 @@ class Node:
             self._on_push, self.config.control_message_limit, on_lost=self._on_directory_lost
         )
         self._vertices: dict[tuple[bytes, int, int], VertexRun] = {}
+        self._aborts: dict[int, asyncio.Future[None]] = {}  # running pulls, by transfer id
         # Copies fetched only for reduce vertices, with how many running vertices use each.
         self._fetched: dict[ObjectID, Fetch] = {}
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget deletes
@@ -564,11 +567,17 @@ class Node:
                 continue  # ``local`` exists now, so the next lookup asks for a data-plane source
             before = local.progress
             try:
-                pull = self._data.pull(reply.sender_host, reply.sender_port, local, reply.transfer_id)
+                abort: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._aborts[reply.transfer_id] = abort
+                pull = self._data.pull(reply.sender_host, reply.sender_port, local, reply.transfer_id, abort)
                 try:
                     await asyncio.wait_for(pull, remaining())
                 except asyncio.TimeoutError:
                     raise timed_out() from None
+                finally:
+                    del self._aborts[reply.transfer_id]
+                    if not abort.cancel() and not abort.cancelled():
+                        abort.exception()  # the pull raised it (or finished first): retrieved
                 if self.config.verify_digest and local.digest and digest_of(local.data) != local.digest:
                     raise TransportError(
                         f"object {oid} arrived corrupted (digest mismatch)", peer="", cause="digest"
@@ -744,6 +753,10 @@ class Node:
                 found.set_child(msg.index, msg.object_id)
         elif isinstance(msg, p.DropObject):
             self._drop(ObjectID(msg.object_id), msg.reason)
+        elif isinstance(msg, p.AbortTransfer):
+            abort = self._aborts.get(msg.transfer_id)
+            if abort is not None and not abort.done():
+                abort.set_exception(PeerLostError(msg.reason, peer="", cause="sender died"))
 
     def _drop(self, oid: ObjectID, reason: str) -> None:
         """The directory dropped this node's copy of ``oid`` (see :class:`protocol.DropObject`)."""
@@ -995,6 +1008,13 @@ class Node:
             fetch = shared.task
             if not fetch.done():
                 fetch.cancel()
+                partial = self._store.get(oid)
+                if partial is not None and not partial.owner and not partial.complete:
+                    # Now, not when the cancelled get unwinds: a vertex starting meanwhile (a
+                    # rebuilt tree's) must fetch afresh, not adopt a copy about to be dropped.
+                    self._store.remove(
+                        oid, ObjectDeletedError(f"fetch of {oid} was stopped", object_id=oid.hex())
+                    )
             elif not fetch.cancelled() and fetch.exception() is None:
                 dropping = asyncio.ensure_future(self._delete(oid))
                 self._background.add(dropping)

@@ -285,6 +285,17 @@ class DropObject(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class AbortTransfer(Message):
+    """Directory -> receiver (push): the sender of transfer ``transfer_id`` died; stop waiting for
+    its bytes (a killed peer's UCX endpoint does not always fail at once) and ask for another
+    source."""
+
+    TYPE: ClassVar[str] = "abort_transfer"
+    transfer_id: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ReduceReply(Message):
     """Directory -> node: the reduction was accepted (``error`` empty) or refused."""
 

@@ -85,18 +85,20 @@ async def _timed(aw: Awaitable[Any], timeout: float, peer: str, what: str) -> An
         raise _wrap(exc, peer, what) from exc
 
 
-async def _landed(fut: asyncio.Future[Any], failed: asyncio.Future[None], timeout: float, peer: str) -> None:
-    """Wait for a posted receive; give up if the object being filled failed (it was lost, reset or
-    deleted: the bytes are void) or nothing arrived for ``timeout`` s."""
-    done, _ = await asyncio.wait({fut, failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+async def _landed(
+    fut: asyncio.Future[Any], stops: list[asyncio.Future[None]], timeout: float, peer: str, what: str
+) -> None:
+    """Wait for a posted receive; give up if a ``stops`` future fails first (the object being
+    filled failed: it was lost, reset or deleted; or the directory aborted the transfer) or nothing
+    arrived for ``timeout`` s."""
+    done, _ = await asyncio.wait({fut, *stops}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     if fut in done:
         fut.result()
-    elif failed in done:
-        failed.result()  # raises the object's error
-    else:
-        raise PeerLostError(
-            f"receive with {peer} made no progress for {timeout} s", peer=peer, cause="stalled"
-        )
+        return
+    for stop in stops:
+        if stop in done:
+            stop.result()  # raises its error
+    raise PeerLostError(f"{what} with {peer} made no progress for {timeout} s", peer=peer, cause="stalled")
 
 
 class _Peer:
@@ -419,12 +421,20 @@ class DataPlane:
         with contextlib.suppress(Exception):
             peer.ep.abort()
 
-    async def pull(self, host: str, port: int, obj: LocalObject, transfer_id: int) -> None:
+    async def pull(
+        self,
+        host: str,
+        port: int,
+        obj: LocalObject,
+        transfer_id: int,
+        abort: asyncio.Future[None] | None = None,
+    ) -> None:
         """Stream ``obj`` from a peer into ``obj.data``, starting at ``obj.progress``.
 
         Advances ``obj.progress`` as chunks land (in order), so this node can serve the bytes it has
         to others while it is still receiving. Raises :class:`TransportError` subclasses on failure
-        (the bytes already received stay valid and a later pull resumes after them).
+        (the bytes already received stay valid and a later pull resumes after them). Failing
+        ``abort`` stops it with that error.
         """
         cfg = self.config
         peer = await self._peer(host, port)
@@ -440,6 +450,7 @@ class DataPlane:
         window: list[tuple[int, asyncio.Future[Any]]] = []
         pos = start
         failed = obj.failure()
+        stops = [failed] if abort is None else [failed, abort]
         if INJECTOR.armed:
             INJECTOR.check("receive", obj.object_id.hex(), start, obj.size)
 
@@ -459,7 +470,7 @@ class DataPlane:
                 address,
                 "pull request",
             )
-            await _timed(resp, cfg.stall_timeout, address, "pull response")
+            await _landed(resp, stops, cfg.stall_timeout, address, "pull response")
             window.clear()
             status, _, size = p.PULL_RESPONSE.unpack(header.tobytes())
             if status == p.PULL_NOT_FOUND:
@@ -481,7 +492,7 @@ class DataPlane:
             data_started = time.monotonic()
             while window:
                 end, fut = window[0]
-                await _landed(fut, failed, cfg.stall_timeout, address)
+                await _landed(fut, stops, cfg.stall_timeout, address, "receive")
                 window.pop(0)
                 obj.advance(end)
                 if INJECTOR.armed:

@@ -16,6 +16,7 @@ from hoplite_gpu.directory.state import (
     Tick,
 )
 from hoplite_gpu.protocol import (
+    AbortTransfer,
     CancelLookup,
     DeleteReply,
     DeleteRequest,
@@ -311,7 +312,10 @@ def test_dead_sole_sender_loses_the_object_and_its_partial_receiver_drops_it():
     put(state, "A")
     t_b = pull(lookup(state, "B", 1), "B", 1, "A").transfer_id
     # B's bytes can never be completed: it is not offered as a source (see test_directory_faults).
-    assert state.handle(NodeLeft("A", 1.0)) == [Send("B", DropObject(object_id=OID, reason="lost"))]
+    assert state.handle(NodeLeft("A", 1.0)) == [
+        Send("B", AbortTransfer(t_b, "sender A left")),  # stop waiting for its bytes at once
+        Send("B", DropObject(object_id=OID, reason="lost")),
+    ]
     assert OID not in state.objects and state.transfers == {}
     assert lookup(state, "C", 1) == []  # waits for the object to be put again
     assert done(state, "B", t_b) == []  # the transfer died with A: a late report changes nothing

@@ -75,8 +75,9 @@ def test_broadcast_chain_survives_a_killed_receiver(owner: Any, victim: str, at:
         assert [r.result() for r in survivors] == [expected] * 7
         evs = events_since(owner, start)
         starts = {e["transfer_id"]: e for e in evs if e["kind"] == "transfer_start"}
-        chain = [starts_for(starts, r)[0]["sender"] for r in receivers]
-        assert chain[1:] == [r.node_id for r in receivers[:-1]]  # it was a chain
+        firsts = [starts_for(starts, r)[0]["sender"] for r in receivers]
+        relays = {r.node_id for r in receivers}
+        assert sum(sender in relays for sender in firsts) >= 5  # pipelined: receivers relayed it
         finals = {
             e["transfer_id"]: e
             for e in evs

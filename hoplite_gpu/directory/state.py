@@ -1125,6 +1125,8 @@ class DirectoryState:
             if node_id in (tr.sender, tr.receiver):
                 del self.transfers[tid]
                 entry = self.objects.get(tr.object_id)
+                if tr.sender == node_id and tr.receiver in self.nodes:
+                    self._send(tr.receiver, p.AbortTransfer(tid, f"sender {node_id[:8]} {reason}"))
                 if entry is not None:
                     peer = entry.locations.get(tr.sender if tr.receiver == node_id else tr.receiver)
                     if peer is not None and tr.receiver == node_id:
