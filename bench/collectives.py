@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import format_size, parse_size, stop_workers
+from bench.common import format_size, markdown_table, parse_size, stop_workers
 
 OPS = ("broadcast", "reduce", "allreduce")
 
@@ -147,17 +147,19 @@ def run(workers: int, sizes: list[int], repeat: int, warmup: int, path: str) -> 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of benchmark rows."""
-    lines = [
-        "| path | op | N | size | median s | p2p s | ideal s | x ideal | algbw GB/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    columns = [("path", "l"), ("op", "l"), ("N", "r"), ("size", "r"), ("median s", "r"), ("p2p s", "r")]
+    columns += [("ideal s", "r"), ("x ideal", "r"), ("algbw GB/s", "r")]
+    cells = [
+        [r["path"], r["op"], str(r["workers"]), format_size(r["size"]), f"{r['seconds']:.4f}"]
+        + [
+            f"{r['p2p_seconds']:.4f}",
+            f"{r['ideal_seconds']:.4f}",
+            f"{r['x_ideal']:.2f}",
+            f"{r['algbw_gbps']:.2f}",
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['path']} | {r['op']} | {r['workers']} | {format_size(r['size'])} | {r['seconds']:.4f} "
-            f"| {r['p2p_seconds']:.4f} | {r['ideal_seconds']:.4f} | {r['x_ideal']:.2f} "
-            f"| {r['algbw_gbps']:.2f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hoplite_gpu.baselines import (
     format_size,
+    markdown_table,
     memcpy_gbps,
     parse_size,
     socket_copy_gbps,
@@ -13,6 +14,7 @@ from hoplite_gpu.baselines import (
 
 __all__ = [
     "format_size",
+    "markdown_table",
     "memcpy_gbps",
     "parse_size",
     "socket_copy_gbps",

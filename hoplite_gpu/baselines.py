@@ -101,6 +101,18 @@ def memcpy_gbps(size: int, repeat: int = 3) -> float:
     return size / best / 1e9
 
 
+def markdown_table(columns: list[tuple[str, str]], rows: list[list[str]]) -> str:
+    """A Markdown table: ``columns`` are (heading, alignment: ``"l"``, ``"r"`` or ``"c"``), each row
+    one formatted cell per column."""
+    rule = {"l": "---", "r": "---:", "c": ":---:"}
+    lines = [
+        "| " + " | ".join(name for name, _ in columns) + " |",
+        "|" + "|".join(rule[align] for _, align in columns) + "|",
+    ]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
 def stop_workers(pipes: list[Any], procs: list[Any], timeout: float = 30.0) -> None:
     """Tell worker processes to exit (``None`` on each pipe), wait up to ``timeout`` seconds for
     each, and kill those still alive."""

@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from .baselines import format_size, memcpy_gbps, parse_size, socket_copy_gbps, stop_workers
+from .baselines import (
+    format_size,
+    markdown_table,
+    memcpy_gbps,
+    parse_size,
+    socket_copy_gbps,
+    stop_workers,
+)
 
 DEFAULT_SIZES = "1KiB,64KiB,1MiB,16MiB,64MiB,256MiB"
 
@@ -273,47 +280,43 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n\n".join(tables)
 
 
+def _verified(row: dict[str, Any]) -> str:
+    return "yes" if row["verified"] else "NO"
+
+
 def _fault_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| op | size | receivers | killed | survivors | resumed mid-object | time (s) "
-        "| completed, verified |",
-        "|---|---:|---:|---:|---:|---:|---:|:---:|",
+    columns = [("op", "l"), ("size", "r"), ("receivers", "r"), ("killed", "r"), ("survivors", "r")]
+    columns += [("resumed mid-object", "r"), ("time (s)", "r"), ("completed, verified", "c")]
+    cells = [
+        [r["op"], format_size(r["size"]), str(r["receivers"]), str(r["killed"]), str(r["survivors"])]
+        + [str(r["resumed"]), f"{r['seconds']:.4f}", _verified(r)]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['op']} | {format_size(r['size'])} | {r['receivers']} | {r['killed']} | {r['survivors']} | "
-            f"{r['resumed']} | {r['seconds']:.4f} | {'yes' if r['verified'] else 'NO'} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def _reduce_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| op | size | workers | time (s) | size/time GB/s | ideal at socket rate (s) | x ideal | verified |",
-        "|---|---:|---:|---:|---:|---:|---:|:---:|",
+    columns = [("op", "l"), ("size", "r"), ("workers", "r"), ("time (s)", "r"), ("size/time GB/s", "r")]
+    columns += [("ideal at socket rate (s)", "r"), ("x ideal", "r"), ("verified", "c")]
+    cells = [
+        [r["op"], format_size(r["size"]), str(r["receivers"]), f"{r['seconds']:.4f}", f"{r['gbps']:.3f}"]
+        + [f"{r['ideal_seconds']:.4f}", f"{r['vs_ideal']:.2f}", _verified(r)]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['op']} | {format_size(r['size'])} | {r['receivers']} | {r['seconds']:.4f} | "
-            f"{r['gbps']:.3f} | {r['ideal_seconds']:.4f} | {r['vs_ideal']:.2f} | "
-            f"{'yes' if r['verified'] else 'NO'} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def _broadcast_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| size | receivers | time (s) | delivered GB/s | socket GB/s | x socket | memcpy GB/s | x memcpy "
-        "| verified |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    columns = [("size", "r"), ("receivers", "r"), ("time (s)", "r"), ("delivered GB/s", "r")]
+    columns += [("socket GB/s", "r"), ("x socket", "r"), ("memcpy GB/s", "r"), ("x memcpy", "r")]
+    columns += [("verified", "c")]
+    cells = [
+        [format_size(r["size"]), str(r["receivers"]), f"{r['seconds']:.4f}", f"{r['gbps']:.3f}"]
+        + [f"{r['socket_gbps']:.2f}", f"{r['vs_socket']:.2f}", f"{r['memcpy_gbps']:.2f}"]
+        + [f"{r['vs_memcpy']:.3f}", _verified(r)]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {format_size(r['size'])} | {r['receivers']} | {r['seconds']:.4f} | {r['gbps']:.3f} | "
-            f"{r['socket_gbps']:.2f} | {r['vs_socket']:.2f} | {r['memcpy_gbps']:.2f} | "
-            f"{r['vs_memcpy']:.3f} | {'yes' if r['verified'] else 'NO'} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def main(workers: int = 4, sizes: str = DEFAULT_SIZES) -> int:

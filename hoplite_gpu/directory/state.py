@@ -694,9 +694,9 @@ class DirectoryState:
             for other in entry.locations.values()
         )
 
-    def _remove_object(self, oid: bytes, now: float, skip: str = "") -> None:
-        """Forget an object everywhere: its transfers end, its holders (but ``skip``) drop it and
-        lookups still waiting for it fail as deleted."""
+    def _remove_object(self, oid: bytes, now: float, skip: str = "", reason: str = "deleted") -> None:
+        """Forget an object everywhere: its transfers end and its holders (but ``skip``) drop it,
+        told ``reason`` (see :class:`~hoplite_gpu.protocol.DropObject`)."""
         entry = self.objects.pop(oid, None)
         if entry is None:
             return
@@ -704,7 +704,7 @@ class DirectoryState:
             del self.transfers[tid]
         for holder in entry.locations:
             if holder != skip and holder in self.nodes:
-                self._send(holder, p.DropObject(object_id=oid))
+                self._send(holder, p.DropObject(object_id=oid, reason=reason))
 
     # ------------------------------------------------------------ reductions
     def _on_reduce(self, node_id: str, msg: p.ReduceRequest, now: float) -> None:
@@ -1062,13 +1062,8 @@ class DirectoryState:
         for pl in old.placed:
             if pl.runs_task and pl.parent is not None:
                 self._remove_object(pl.output_id, now)  # cancels the vertex computing it
-        if result is not None:
-            del self.objects[rid]
-            for tid in [t for t, tr in self.transfers.items() if tr.object_id == rid]:
-                del self.transfers[tid]
-            for holder in result.locations:  # the root's node (cancelled) and partial readers
-                if holder in self.nodes:
-                    self._send(holder, p.DropObject(object_id=rid, reason="reset"))
+        # The root's node (its vertex is cancelled) and partial readers (they start again).
+        self._remove_object(rid, now, reason="reset")
         red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1)
         red.inline = []
         red.deadline = now + red.timeout if red.timeout > 0 else None
@@ -1078,30 +1073,18 @@ class DirectoryState:
             if red.active and oid in self.objects:
                 self._offer(red, oid, now)
 
-    @staticmethod
-    def _lost_lookup(request_id: int, oid: bytes) -> p.LookupReply:
-        return p.LookupReply(
-            request_id=request_id,
-            status="error",
-            object_id=oid,
-            error=(
-                f"object {oid.hex()} was lost: every complete copy died while it was being received; "
-                "put it again"
-            ),
-            error_kind="ObjectLostError",
-            error_object_id=oid,
+    @classmethod
+    def _lost_lookup(cls, request_id: int, oid: bytes) -> p.LookupReply:
+        message = (
+            f"object {oid.hex()} was lost: every complete copy died while it was being received; put it again"
         )
+        return cls._failed_lookup(request_id, oid, ("ObjectLostError", message, oid))
 
     def _lose_object(self, oid: bytes, now: float) -> None:
         """No live complete copy of ``oid`` is left and nobody computes it: partial holders drop
         it and waiting lookups fail. A later put of the same id makes it available again."""
-        entry = self.objects.pop(oid)
-        self._log(now, "object_lost", object_id=oid.hex(), partial_copies=len(entry.locations))
-        for tid in [t for t, tr in self.transfers.items() if tr.object_id == oid]:
-            del self.transfers[tid]
-        for holder in entry.locations:
-            if holder in self.nodes:
-                self._send(holder, p.DropObject(object_id=oid, reason="lost"))
+        self._log(now, "object_lost", object_id=oid.hex(), partial_copies=len(self.objects[oid].locations))
+        self._remove_object(oid, now, reason="lost")
 
         def fail(pl: PendingLookup) -> bool:
             self._send(pl.node_id, self._lost_lookup(pl.request_id, oid))
