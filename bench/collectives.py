@@ -150,8 +150,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     columns = [("path", "l"), ("op", "l"), ("N", "r"), ("size", "r"), ("median s", "r"), ("p2p s", "r")]
     columns += [("ideal s", "r"), ("x ideal", "r"), ("algbw GB/s", "r")]
     cells = [
-        [r["path"], r["op"], str(r["workers"]), format_size(r["size"]), f"{r['seconds']:.4f}"]
-        + [
+        [
+            r["path"],
+            r["op"],
+            str(r["workers"]),
+            format_size(r["size"]),
+            f"{r['seconds']:.4f}",
             f"{r['p2p_seconds']:.4f}",
             f"{r['ideal_seconds']:.4f}",
             f"{r['x_ideal']:.2f}",

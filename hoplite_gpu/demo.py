@@ -288,8 +288,16 @@ def _fault_table(rows: list[dict[str, Any]]) -> str:
     columns = [("op", "l"), ("size", "r"), ("receivers", "r"), ("killed", "r"), ("survivors", "r")]
     columns += [("resumed mid-object", "r"), ("time (s)", "r"), ("completed, verified", "c")]
     cells = [
-        [r["op"], format_size(r["size"]), str(r["receivers"]), str(r["killed"]), str(r["survivors"])]
-        + [str(r["resumed"]), f"{r['seconds']:.4f}", _verified(r)]
+        [
+            r["op"],
+            format_size(r["size"]),
+            str(r["receivers"]),
+            str(r["killed"]),
+            str(r["survivors"]),
+            str(r["resumed"]),
+            f"{r['seconds']:.4f}",
+            _verified(r),
+        ]
         for r in rows
     ]
     return markdown_table(columns, cells)
@@ -299,8 +307,16 @@ def _reduce_table(rows: list[dict[str, Any]]) -> str:
     columns = [("op", "l"), ("size", "r"), ("workers", "r"), ("time (s)", "r"), ("size/time GB/s", "r")]
     columns += [("ideal at socket rate (s)", "r"), ("x ideal", "r"), ("verified", "c")]
     cells = [
-        [r["op"], format_size(r["size"]), str(r["receivers"]), f"{r['seconds']:.4f}", f"{r['gbps']:.3f}"]
-        + [f"{r['ideal_seconds']:.4f}", f"{r['vs_ideal']:.2f}", _verified(r)]
+        [
+            r["op"],
+            format_size(r["size"]),
+            str(r["receivers"]),
+            f"{r['seconds']:.4f}",
+            f"{r['gbps']:.3f}",
+            f"{r['ideal_seconds']:.4f}",
+            f"{r['vs_ideal']:.2f}",
+            _verified(r),
+        ]
         for r in rows
     ]
     return markdown_table(columns, cells)
@@ -311,9 +327,17 @@ def _broadcast_table(rows: list[dict[str, Any]]) -> str:
     columns += [("socket GB/s", "r"), ("x socket", "r"), ("memcpy GB/s", "r"), ("x memcpy", "r")]
     columns += [("verified", "c")]
     cells = [
-        [format_size(r["size"]), str(r["receivers"]), f"{r['seconds']:.4f}", f"{r['gbps']:.3f}"]
-        + [f"{r['socket_gbps']:.2f}", f"{r['vs_socket']:.2f}", f"{r['memcpy_gbps']:.2f}"]
-        + [f"{r['vs_memcpy']:.3f}", _verified(r)]
+        [
+            format_size(r["size"]),
+            str(r["receivers"]),
+            f"{r['seconds']:.4f}",
+            f"{r['gbps']:.3f}",
+            f"{r['socket_gbps']:.2f}",
+            f"{r['vs_socket']:.2f}",
+            f"{r['memcpy_gbps']:.2f}",
+            f"{r['vs_memcpy']:.3f}",
+            _verified(r),
+        ]
         for r in rows
     ]
     return markdown_table(columns, cells)

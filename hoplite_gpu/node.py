@@ -582,10 +582,11 @@ class Node:
                     raise TransportError(
                         f"object {oid} arrived corrupted (digest mismatch)", peer="", cause="digest"
                     )
-            except (TransportError, ObjectNotFoundError) as exc:
-                if isinstance(exc, AuthenticationError) or (
-                    deadline is not None and time.monotonic() >= deadline
-                ):
+            except (TransportError, ObjectNotFoundError, AuthenticationError) as exc:
+                # A peer admitted by our directory that hangs up mid-handshake has most likely died
+                # (a wrong proof is definitive); that is retried like any lost sender.
+                refused = isinstance(exc, AuthenticationError) and exc.fields.get("cause") != "closed"
+                if refused or (deadline is not None and time.monotonic() >= deadline):
                     self._abandon(local, reply.transfer_id, exc)
                     raise
                 self._report(

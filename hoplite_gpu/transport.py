@@ -369,8 +369,9 @@ class DataPlane:
             except PeerLostError as exc:
                 raise AuthenticationError(
                     f"peer {address} closed the connection during authentication: it does not "
-                    "accept our token",
+                    "accept our token (or it died)",
                     peer=address,
+                    cause="closed",
                 ) from exc
             if not auth.verify(self.token, b"server", nonce.tobytes(), mine, theirs.tobytes()):
                 raise AuthenticationError(
