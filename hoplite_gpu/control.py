@@ -33,6 +33,8 @@ class ControlClient:
         on_push: Called on the event loop with every message that is not a reply.
         limit: Largest frame accepted from the directory.
         on_lost: Called on the event loop with the error once the connection is lost or closed.
+        ids: Request-id counter to continue (a reconnection's client shares its predecessor's, so
+            an id taken before the loss never names another request).
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class ControlClient:
         on_push: Callable[[p.Message], None],
         limit: int,
         on_lost: Callable[[HopliteError], None] | None = None,
+        ids: itertools.count[int] | None = None,
     ) -> None:
         self.on_push = on_push
         self.on_lost = on_lost
@@ -50,7 +53,7 @@ class ControlClient:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future[p.Message]] = {}
-        self._ids = itertools.count(1)
+        self.ids = ids or itertools.count(1)
         self._read_task: asyncio.Task[None] | None = None
         self._lost: HopliteError | None = None
 
@@ -63,9 +66,11 @@ class ControlClient:
         data_port: int,
         timeout: float,
         host_key: str = "",
+        previous_directory: str = "",
     ) -> None:
         """Connect, authenticate both ways, and start reading (``host_key``: see
-        :func:`hoplite_gpu.shm.host_key`)."""
+        :func:`hoplite_gpu.shm.host_key`; ``previous_directory``: see
+        :class:`~hoplite_gpu.protocol.Hello`)."""
         self.address = address
         host, port = parse_address(address)
         try:
@@ -91,6 +96,7 @@ class ControlClient:
                         data_host=data_host,
                         data_port=data_port,
                         host_key=host_key,
+                        previous_directory=previous_directory,
                     )
                 )
             )
@@ -115,6 +121,13 @@ class ControlClient:
                 peer=address,
                 cause="timeout",
             ) from exc
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            writer.close()  # e.g. a directory that died (or was restarting) as we connected
+            raise DirectoryUnavailableError(
+                f"the directory at {address} closed the connection during the handshake",
+                peer=address,
+                cause="closed",
+            ) from exc
         except BaseException:
             writer.close()
             raise
@@ -125,7 +138,12 @@ class ControlClient:
 
     def next_id(self) -> int:
         """A fresh request id."""
-        return next(self._ids)
+        return next(self.ids)
+
+    @property
+    def lost(self) -> bool:
+        """Whether the connection was lost or closed."""
+        return self._lost is not None
 
     def send(self, msg: p.Message) -> None:
         """Send a message that expects no reply."""
@@ -196,7 +214,10 @@ class ControlClient:
                 fut.set_exception(error)
         self._pending.clear()
         if self.on_lost is not None:
-            self.on_lost(error)
+            try:
+                self.on_lost(error)
+            except Exception:  # a bug there must not pass silently with this task
+                log.exception("handling the loss of the directory connection failed")
 
     async def close(self) -> None:
         """Close the connection."""

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
@@ -57,6 +57,12 @@ T = TypeVar("T")
 
 #: Consecutive failed pulls without any new byte received before ``get`` gives up.
 MAX_FRUITLESS_PULLS = 8
+
+#: Reductions this node requested that it remembers, to re-send them to a restarted directory.
+REQUESTED_KEPT = 1000
+
+#: Longest pause between two attempts to reach a lost directory again.
+MAX_RECONNECT_BACKOFF = 1.0
 
 #: Shared-memory copies at least this large run on a worker thread (NumPy releases the GIL), so
 #: the event loop keeps serving other transfers meanwhile.
@@ -217,6 +223,13 @@ class Node:
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget deletes
         self._closed = False
         self._beat: asyncio.Future[None] | None = None
+        # Directory reconnection: which connection this is (a pull that began under an earlier one
+        # reports its copy with Restore), the running reconnection (resolved when it ends), the
+        # error once it gave up, and the reductions this node requested (re-sent after a restart).
+        self._generation = 0
+        self._reconnecting: asyncio.Future[None] | None = None
+        self._unreachable: HopliteError | None = None
+        self._requested: dict[bytes, p.ReduceRequest] = {}
         self._active: set[concurrent.futures.Future[Any]] = set()
         if self.config.fault_injection:
             faults.arm(self.config.fault_injection)
@@ -276,10 +289,8 @@ class Node:
         """Tell the directory this node is alive, every ``Config.heartbeat_interval`` seconds."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval)  # a period, not synchronisation
-            try:
+            with contextlib.suppress(HopliteError):  # lost: the next connection's turn comes
                 self._control.send(p.Heartbeat())
-            except HopliteError:
-                return  # the connection is gone
 
     def close(self) -> None:
         """Leave the directory, close every connection and drop local objects. Idempotent."""
@@ -295,6 +306,8 @@ class Node:
         err = NodeClosedError("the node was closed")
         if self._beat is not None:
             self._beat.cancel()
+        if self._reconnecting is not None and not self._reconnecting.done():
+            self._reconnecting.cancel()
         for run in list(self._vertices.values()):
             run.cancel()
         await self._data.close(grace=self.config.close_grace)
@@ -384,10 +397,9 @@ class Node:
         inline = obj.data.tobytes() if obj.size <= self._control.inline_threshold_bytes else None
         self._store.add(obj)
         segment = self._publish(obj)
-        rid = self._control.next_id()
         try:
-            reply = await self._control.request(
-                p.PutRequest(
+            reply = await self._request(
+                lambda rid: p.PutRequest(
                     request_id=rid,
                     object_id=oid.binary(),
                     size=obj.size,
@@ -502,14 +514,17 @@ class Node:
                 object_id=oid.hex(),
             )
 
-        local = self._store.get(oid)
-        if local is not None and not local.owner and local.progress < local.size:
-            # Another get in this process is filling it: wait for that one.
+        async def filled(obj: LocalObject) -> LocalObject:
             try:
-                await local.wait_progress(local.size, remaining())
+                await obj.wait_progress(obj.size, remaining())
             except HopliteTimeoutError:
                 raise timed_out() from None
-            return local
+            return obj
+
+        local = self._store.get(oid)
+        if local is not None and not local.owner and local.progress < local.size:
+            # Another get in this process (or a reduce vertex here) is filling it: wait for that.
+            return await filled(local)
         if local is not None and local.complete:
             return local
         fruitless = 0
@@ -519,6 +534,7 @@ class Node:
                 raise timed_out()
             have = local.progress if local is not None else 0
             reply = await self._lookup(oid, left, have, shared_memory=self._shm and local is None)
+            generation = self._generation  # a copy finished under a later connection is restored
             if local is not None and local.error is not None:
                 # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
                 if reply.transfer_id:
@@ -544,16 +560,27 @@ class Node:
                 return self._store_inline(oid, reply)
             if reply.status == "local":
                 existing = self._store.get(oid)
-                if existing is not None and existing.complete:
-                    return existing
+                if existing is None and any(r.output_id == oid for r in self._vertices.values()):
+                    # A vertex placed here just now is still setting its output up.
+                    wait = self.config.request_timeout if left is None else left
+                    existing = await self._store.wait_for(oid, wait, coming=True)
+                if existing is not None and existing.error is None:
+                    return await filled(existing)  # complete, or a reduce vertex here computes it
                 raise ObjectNotFoundError(f"object {oid} vanished from this node", object_id=oid.hex())
+            appeared = self._store.get(oid) if local is None else None
+            if appeared is not None:
+                # It appeared while we asked: a reduce vertex on this node computes it (it was
+                # placed here meanwhile). Wait for that instead of pulling a second copy.
+                if reply.transfer_id:
+                    self._report(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
+                return await filled(appeared)
             if local is None:
                 local = self._new_partial(oid, reply)
                 if started is not None and not started.done():
                     started.set_result(local)
             if reply.status == "shm":
                 try:
-                    copied = await self._copy_shared(local, reply)
+                    copied = await self._copy_shared(local, reply, generation)
                 except BaseException as exc:
                     self._abandon(local, 0, _as_hoplite_error(exc, oid))
                     raise
@@ -616,14 +643,20 @@ class Node:
                 raise
             if local.error is not None:
                 raise local.error
-            self._report(
-                p.TransferDone(
-                    transfer_id=reply.transfer_id, ok=True, progress=local.size, segment=self._publish(local)
+            if generation != self._generation:
+                self._restore(local)  # the directory restarted meanwhile: it never heard of the pull
+            else:
+                self._report(
+                    p.TransferDone(
+                        transfer_id=reply.transfer_id,
+                        ok=True,
+                        progress=local.size,
+                        segment=self._publish(local),
+                    )
                 )
-            )
             return local
 
-    async def _copy_shared(self, local: LocalObject, reply: p.LookupReply) -> bool:
+    async def _copy_shared(self, local: LocalObject, reply: p.LookupReply, generation: int) -> bool:
         """Fill ``local`` from a same-host holder's shared-memory segment; False if it changed or
         vanished (the caller then pulls over the data plane)."""
         oid = local.object_id.binary()
@@ -638,7 +671,10 @@ class Node:
             log.warning("shared-memory copy of %s did not match its digest", local.object_id)
             return False
         local.advance(local.size)
-        self._report(p.CopyAdded(object_id=oid, segment=self._publish(local)))
+        if generation != self._generation:
+            self._restore(local)
+        else:
+            self._report(p.CopyAdded(object_id=oid, segment=self._publish(local)))
         return True
 
     @staticmethod
@@ -661,10 +697,25 @@ class Node:
     async def _lookup(
         self, oid: ObjectID, timeout: float | None, have: int, shared_memory: bool = False
     ) -> p.LookupReply:
-        rid = self._control.next_id()
-        fut = self._control.expect(rid)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await self._await_directory(left)
+            control = self._control
+            try:
+                return await self._lookup_once(control, oid, left, have, shared_memory)
+            except DirectoryUnavailableError:
+                if not self._will_reconnect(control):
+                    raise
+                # The directory went away while we asked; ask the next one (after it restarts).
+
+    async def _lookup_once(
+        self, control: ControlClient, oid: ObjectID, timeout: float | None, have: int, shared_memory: bool
+    ) -> p.LookupReply:
+        rid = control.next_id()
+        fut = control.expect(rid)
         try:
-            self._control.send(
+            control.send(
                 p.LookupRequest(
                     request_id=rid,
                     object_id=oid.binary(),
@@ -684,10 +735,10 @@ class Node:
             ) from None
         except BaseException:
             with contextlib.suppress(HopliteError):
-                self._control.send(p.CancelLookup(request_id=rid))
+                control.send(p.CancelLookup(request_id=rid))
             raise
         finally:
-            self._control.forget(rid)
+            control.forget(rid)
         if not isinstance(reply, p.LookupReply):
             raise ProtocolError(f"unexpected reply to lookup: {reply.TYPE}")
         return reply
@@ -721,7 +772,17 @@ class Node:
             )
         self._store.reserve(reply.size)
         data = self._store.pool.allocate(reply.size)
-        obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, data, progress=0, pooled=True)
+        obj = LocalObject(
+            oid,
+            reply.size,
+            dtype,
+            shape,
+            reply.digest,
+            data,
+            progress=0,
+            pooled=True,
+            reduction=reply.reduction_id,
+        )
         return self._store.add(obj)
 
     async def _allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
@@ -747,7 +808,9 @@ class Node:
             run = VertexRun(msg)
             self._vertices[run.key] = run
             run.runner = asyncio.ensure_future(self._run_vertex(run))
-            run.runner.add_done_callback(lambda _: self._vertices.pop(run.key, None))
+            run.runner.add_done_callback(
+                lambda _: self._vertices.pop(run.key) if self._vertices.get(run.key) is run else None
+            )
         elif isinstance(msg, p.ReduceChild):
             found = self._vertices.get((msg.reduction_id, msg.epoch, msg.vertex))
             if found is not None:
@@ -783,6 +846,139 @@ class Node:
         # Nobody can tell a vertex any more that its reduction failed: stop them.
         for run in list(self._vertices.values()):
             run.cancel()
+        self._vertices.clear()
+        if self._closed:
+            return
+        if self.config.reconnect_timeout <= 0:
+            self._unreachable = error
+            return
+        log.warning("lost the directory at %s (%s); reconnecting", self._directory_address, error)
+        if self._reconnecting is None or self._reconnecting.done():
+            self._reconnecting = asyncio.ensure_future(self._reconnect(error))
+        # A restarted directory rebuilds every unfinished reduction from scratch: copies of what
+        # the old trees computed are void (pulls of ordinary objects go on meanwhile).
+        for obj in self._store.objects():
+            if obj.reduction and (obj.object_id.binary() != obj.reduction or not obj.complete):
+                self._store.remove(
+                    obj.object_id,
+                    _ObjectReset(
+                        f"{obj.object_id} was being reduced when the directory was lost",
+                        object_id=obj.object_id.hex(),
+                    ),
+                )
+
+    async def _reconnect(self, error: HopliteError) -> None:
+        """Reach the directory again (it may be restarting at the same address), with backoff,
+        for up to ``Config.reconnect_timeout`` s; then restore this node's copies and re-send its
+        reductions. On giving up, every waiting and later request fails with the error."""
+        lost = self._control
+        give_up = time.monotonic() + self.config.reconnect_timeout
+        pause = 0.05
+        while True:
+            client = ControlClient(
+                self._on_push,
+                self.config.control_message_limit,
+                on_lost=self._on_directory_lost,
+                ids=lost.ids,
+            )
+            try:
+                await client.connect(
+                    self._directory_address,
+                    self._token,
+                    self.node_id,
+                    self.config.data_host,
+                    self._data.port,
+                    self.config.connect_timeout,
+                    host_key=shm.host_key() if self._shm else "",
+                    previous_directory=lost.directory_id,
+                )
+                break
+            except HopliteError as exc:
+                # Also an AuthenticationError: a directory dying as it authenticated us looks
+                # like a refusal; a real one (another token) fails when the time is up.
+                error = exc
+            except Exception as exc:  # not expected; retried all the same, and said
+                log.exception("reconnecting to the directory failed unexpectedly")
+                error = DirectoryUnavailableError(str(exc), peer=self._directory_address, cause="error")
+            if time.monotonic() + pause > give_up:
+                break
+            await asyncio.sleep(pause)  # backoff between attempts, not synchronisation
+            pause = min(2 * pause, MAX_RECONNECT_BACKOFF)
+        if client.directory_id == "":
+            self._unreachable = DirectoryUnavailableError(
+                f"the directory at {self._directory_address} did not come back within "
+                f"{self.config.reconnect_timeout} s: {error}",
+                peer=self._directory_address,
+                cause="unreachable",
+            )
+            log.error("%s", self._unreachable)
+            return
+        self._control = client
+        self._generation += 1
+        for obj in self._store.objects():
+            if obj.complete and not obj.reduction:
+                self._restore(obj)
+        for msg in self._requested.values():
+            client.send(dataclasses.replace(msg, request_id=client.next_id(), rejoin=True))
+        log.warning("rejoined the directory at %s (%s)", self._directory_address, client.directory_id[:8])
+
+    def _restore(self, obj: LocalObject) -> None:
+        """Tell a restarted directory about a complete copy this node holds."""
+        inline = obj.data.tobytes() if obj.size <= self._control.inline_threshold_bytes else None
+        self._report(
+            p.Restore(
+                object_id=obj.object_id.binary(),
+                size=obj.size,
+                dtype=obj.dtype,
+                shape=list(obj.shape),
+                digest=obj.digest,
+                owner=obj.owner,
+                inline=inline,
+                segment=self._publish(obj),
+            )
+        )
+
+    def _will_reconnect(self, control: ControlClient) -> bool:
+        """Whether a request that failed on ``control`` should wait for the next connection."""
+        return (
+            control.lost
+            and not self._closed
+            and self._unreachable is None
+            and (control is not self._control or self._reconnecting is not None)
+        )
+
+    async def _await_directory(self, timeout: float | None) -> None:
+        """Return once connected to the directory (at once, normally); wait for a reconnection
+        in progress for up to ``timeout`` s."""
+        if self._unreachable is not None:
+            raise self._unreachable
+        pending = self._reconnecting
+        if pending is None or pending.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), timeout)
+        except asyncio.TimeoutError:
+            raise DirectoryUnavailableError(
+                f"the directory at {self._directory_address} is unreachable (reconnecting)",
+                peer=self._directory_address,
+                cause="timeout",
+            ) from None
+        if self._unreachable is not None:
+            raise self._unreachable
+
+    async def _request(self, make: Callable[[int], p.Message], timeout: float | None) -> p.Message:
+        """Send the request ``make(request_id)`` and return its reply; if the directory is lost
+        meanwhile, send it again to the reconnected one (within ``timeout`` in all)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await self._await_directory(left)
+            control = self._control
+            try:
+                return await control.request(make(control.next_id()), left)
+            except DirectoryUnavailableError as exc:
+                if exc.fields.get("cause") == "timeout" or not self._will_reconnect(control):
+                    raise
 
     # ------------------------------------------------------------ reduce
     def reduce(
@@ -869,8 +1065,9 @@ class Node:
         )
 
     async def _reduce(self, msg: p.ReduceRequest) -> ObjectID:
-        request = dataclasses.replace(msg, request_id=self._control.next_id())
-        reply = await self._control.request(request, self.config.request_timeout)
+        reply = await self._request(
+            lambda rid: dataclasses.replace(msg, request_id=rid), self.config.request_timeout
+        )
         if not isinstance(reply, p.ReduceReply):
             raise ProtocolError(f"unexpected reply to reduce: {reply.TYPE}")
         if reply.error:
@@ -878,6 +1075,10 @@ class Node:
             raise _remote_error(
                 reply.error_kind, reply.error, object_id=culprit, reduction_id=msg.reduction_id.hex()
             )
+        self._requested.pop(msg.reduction_id, None)
+        self._requested[msg.reduction_id] = msg
+        if len(self._requested) > REQUESTED_KEPT:
+            del self._requested[next(iter(self._requested))]
         return ObjectID(msg.reduction_id)
 
     def reduced_objects(self, reduction_id: ObjectID, timeout: float | None = None) -> list[ObjectID]:
@@ -905,10 +1106,12 @@ class Node:
     async def _reduced_objects(self, rid: ObjectID, timeout: float | None) -> list[ObjectID]:
         # The directory enforces ``timeout``; the margin covers a directory that went silent.
         guard = self.config.request_timeout + timeout if timeout else None
-        request = p.ReducedObjectsRequest(
-            request_id=self._control.next_id(), reduction_id=rid.binary(), timeout=timeout or 0.0
+        reply = await self._request(
+            lambda request_id: p.ReducedObjectsRequest(
+                request_id=request_id, reduction_id=rid.binary(), timeout=timeout or 0.0
+            ),
+            guard,
         )
-        reply = await self._control.request(request, guard)
         if not isinstance(reply, p.ReducedObjectsReply):
             raise ProtocolError(f"unexpected reply to reduced_objects: {reply.TYPE}")
         if reply.error:
@@ -937,7 +1140,14 @@ class Node:
                 self._store.reserve(task.size)
                 data = await self._allocate(task.size)
                 out = LocalObject(
-                    run.output_id, task.size, task.dtype, tuple(task.shape), b"", data, pooled=True
+                    run.output_id,
+                    task.size,
+                    task.dtype,
+                    tuple(task.shape),
+                    b"",
+                    data,
+                    pooled=True,
+                    reduction=task.reduction_id,
                 )
                 self._store.add(out)
                 children = await streams
@@ -1044,9 +1254,9 @@ class Node:
         return await self._io.run_async(self._delete(object_id))
 
     async def _delete(self, oid: ObjectID) -> bool:
-        rid = self._control.next_id()
-        reply = await self._control.request(
-            p.DeleteRequest(request_id=rid, object_id=oid.binary()), self.config.request_timeout
+        self._requested.pop(oid.binary(), None)
+        reply = await self._request(
+            lambda rid: p.DeleteRequest(request_id=rid, object_id=oid.binary()), self.config.request_timeout
         )
         if not isinstance(reply, p.DeleteReply):
             raise ProtocolError(f"unexpected reply to delete: {reply.TYPE}")
@@ -1065,9 +1275,8 @@ class Node:
         self._check_open()
 
         async def fetch() -> list[dict[str, Any]]:
-            rid = self._control.next_id()
-            reply = await self._control.request(
-                p.EventLogRequest(request_id=rid, since=since), self.config.request_timeout
+            reply = await self._request(
+                lambda rid: p.EventLogRequest(request_id=rid, since=since), self.config.request_timeout
             )
             assert isinstance(reply, p.EventLogReply)
             return reply.events

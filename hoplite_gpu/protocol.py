@@ -20,8 +20,8 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 5  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
-# 5: heartbeats, failed senders, lost and reset objects
+PROTOCOL_VERSION = 6  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+# 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -64,6 +64,9 @@ class Hello(Message):
     data_host: str
     data_port: int
     host_key: str = ""  # shared-memory namespace (:func:`hoplite_gpu.shm.host_key`); "" for none
+    # Reconnecting after losing its directory: the id of the one it lost (its copies follow as
+    # Restore messages); "" on a first join.
+    previous_directory: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,25 @@ class PutRequest(Message):
     digest: bytes
     inline: bytes | None = None
     segment: str = ""  # shared-memory segment holding the copy ("" if none)
+
+
+@dataclass(frozen=True, slots=True)
+class Restore(Message):
+    """Node -> directory, after rejoining a (restarted) directory: a complete copy this node holds.
+
+    ``owner``: the node put it (it may delete it everywhere). ``inline`` carries the bytes of an
+    object small enough to be kept in the directory. No reply.
+    """
+
+    TYPE: ClassVar[str] = "restore"
+    object_id: bytes
+    size: int
+    dtype: str
+    shape: list[int]
+    digest: bytes
+    owner: bool = False
+    inline: bytes | None = None
+    segment: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +205,7 @@ class ReduceRequest(Message):
     op: str
     num_objects: int
     timeout: float = 0.0
+    rejoin: bool = False  # re-sent to a restarted directory: a complete result already held is it
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +260,8 @@ class LookupReply(Message):
     ``sender_host:sender_port`` under ``transfer_id``), ``"shm"`` (copy from ``sender_node``'s
     shared-memory ``segment`` on the requester's host), ``"local"``, ``"timeout"`` or
     ``"error"`` (the object is a reduction that failed: ``error_kind`` and ``error``).
+    ``reduction_id`` is set when the object is being computed by that reduction (its result while
+    it runs, or one of its intermediates): such a partial copy is void if the directory restarts.
     """
 
     TYPE: ClassVar[str] = "lookup_reply"
@@ -257,6 +282,7 @@ class LookupReply(Message):
     error: str = ""
     error_kind: str = ""
     error_object_id: bytes = b""
+    reduction_id: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

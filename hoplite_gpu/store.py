@@ -71,6 +71,9 @@ class LocalObject:
     owner: bool = False
     pooled: bool = False  # ``data`` came from the store's BufferPool and may go back to it
     error: HopliteError | None = None
+    # The reduction computing it (an intermediate, or a result still being computed): a copy the
+    # directory's restart makes void. Empty for ordinary objects and finished results.
+    reduction: bytes = b""
     _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
 
     @property
@@ -254,6 +257,10 @@ class LocalStore:
         """The local object, or None."""
         return self._objects.get(oid)
 
+    def objects(self) -> list[LocalObject]:
+        """Every local object (a snapshot)."""
+        return list(self._objects.values())
+
     def reserve(self, nbytes: int) -> None:
         """Check that ``nbytes`` more fit in the store."""
         if self.used_bytes + nbytes > self.capacity_bytes:
@@ -292,14 +299,15 @@ class LocalStore:
             self.pool.release(obj.data)
         return obj
 
-    async def wait_for(self, oid: ObjectID, timeout: float) -> LocalObject | None:
+    async def wait_for(self, oid: ObjectID, timeout: float, coming: bool = False) -> LocalObject | None:
         """The object, waiting up to ``timeout`` for it to be added (None if it never is, or if it
         was removed recently: a peer sent here by the directory just before this node's delete
-        reached it must learn at once that the copy is gone, not after ``timeout``)."""
+        reached it must learn at once that the copy is gone, not after ``timeout``; unless the
+        caller knows it is ``coming`` back)."""
         obj = self._objects.get(oid)
         if obj is not None:
             return obj
-        if oid in self._removed:
+        if oid in self._removed and not coming:
             return None
         fut: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
         self._arrivals.setdefault(oid, []).append(fut)

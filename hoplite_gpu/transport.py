@@ -329,21 +329,27 @@ class DataPlane:
         if peer is not None and not peer.ep.closed:
             return peer
         pending = self._connecting.get(address)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[_Peer] = asyncio.get_running_loop().create_future()
-        self._connecting[address] = fut
-        try:
-            peer = await self._connect(host, port, address)
-            self._peers[address] = peer
-            fut.set_result(peer)
-            return peer
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved
-            raise
-        finally:
+        if pending is None:
+            # Its own task: a pull that gives up (cancelled) never interrupts ucxx's endpoint set-up
+            # half way (a cancelled create_endpoint was seen to crash the process later, in the
+            # garbage collector); it ends within connect_timeout either way, and others share it.
+            pending = asyncio.ensure_future(self._connect(host, port, address))
+            self._connecting[address] = pending
+            pending.add_done_callback(lambda done: self._connected(address, done))
+        return await asyncio.shield(pending)
+
+    def _connected(self, address: str, done: asyncio.Future[_Peer]) -> None:
+        if self._connecting.get(address) is done:
             del self._connecting[address]
+        if done.cancelled():
+            return
+        if done.exception() is None:
+            peer = done.result()
+            if self._closed:
+                with contextlib.suppress(Exception):
+                    peer.ep.abort()
+            else:
+                self._peers[address] = peer
 
     async def _connect(self, host: str, port: int, address: str) -> _Peer:
         ucxx = ucxx_module()

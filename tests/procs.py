@@ -29,7 +29,13 @@ def make_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any,
 
 
 def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> None:
+    import faulthandler
+    import signal
+
     import hoplite_gpu as hg
+
+    faulthandler.enable()  # a crash in native code prints its stacks
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for debugging hangs
 
     node = hg.connect(address, token=token, **overrides)
     conn.send(("ok", node.node_id))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from hoplite_gpu.directory.reduce import vertex_object_id
@@ -22,7 +24,10 @@ from hoplite_gpu.protocol import (
     ReduceChild,
     ReducedObjectsReply,
     ReducedObjectsRequest,
+    ReduceReply,
+    ReduceRequest,
     ReduceTask,
+    Restore,
     TransferDone,
     VertexDone,
 )
@@ -240,3 +245,113 @@ def test_a_child_announced_after_a_rebuild_carries_the_new_epoch() -> None:
     assert all(m.epoch == 1 for _, m in sent(out, ReduceTask))
     out = put(state, "D", 2, BIG, now=2.0)
     assert all(m.epoch == 1 for _, m in sent(out, ReduceChild) + sent(out, ReduceTask))
+
+
+# ---------------------------------------------------------------- directory restart
+def restarted(lease: float = 5.0, now: float = 100.0) -> DirectoryState:
+    """A fresh directory (the old one died) that nodes A..H rejoin at ``now``."""
+    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=lease)
+    for i, node in enumerate(NODES):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, now, rejoin=True))
+    return state
+
+
+def restore(state, node, i, size=BIG, owner=False, now=100.0):
+    return req(state, node, Restore(oid(i), size, "<f4", [size // 4], b"d" * 16, owner=owner), now)
+
+
+def test_a_resumed_lookup_waits_for_its_source_to_rejoin_while_the_directory_recovers() -> None:
+    state = restarted()
+    assert kinds(state, "directory_recovering") and state.next_deadline() == 105.0
+    # B was receiving object 0 from A when the old directory died; B asks first.
+    assert sent(req(state, "B", LookupRequest(4, oid(0), 0.0, have_bytes=MiB), 100.1), LookupReply) == []
+    out = restore(state, "A", 0, owner=True, now=100.2)
+    ((node, reply),) = sent(out, LookupReply)
+    assert (node, reply.status, reply.sender_node) == ("B", "pull", "A")
+    assert state.objects[oid(0)].owner == "A" and state.transfers  # resumes from the bytes it holds
+
+
+def test_a_resumed_lookup_of_an_object_nobody_restored_is_lost_when_recovery_ends() -> None:
+    state = restarted()
+    req(state, "B", LookupRequest(4, oid(0), 0.0, have_bytes=MiB), 100.1)
+    req(state, "C", LookupRequest(5, oid(0), 0.0), 100.1)  # a get before the put: keeps waiting
+    for node in NODES:
+        req(state, node, Heartbeat(), 104.0)
+    assert state.handle(Tick(104.9)) == []
+    out = state.handle(Tick(105.0))
+    ((node, reply),) = sent(out, LookupReply)
+    assert (node, reply.status, reply.error_kind) == ("B", "error", "ObjectLostError")
+    assert [pl.node_id for pl in state.pending[oid(0)]] == ["C"]
+    assert state.recovering_until is None and kinds(state, "directory_recovered")
+    # Recovery over: a resumed lookup of an unknown object fails at once again.
+    ((_, reply),) = sent(req(state, "D", LookupRequest(6, oid(1), 0.0, have_bytes=1), 106.0), LookupReply)
+    assert reply.error_kind == "ObjectLostError"
+
+
+def test_a_node_the_directory_declared_dead_rejoining_does_not_start_a_recovery() -> None:
+    state = make_state()
+    state.handle(NodeJoined("Z", "127.0.0.1", 7999, 1.0))  # not a restart: rejoin=False
+    assert state.recovering_until is None
+
+
+def test_a_reduction_resent_after_a_restart_runs_again_from_the_restored_inputs() -> None:
+    state = restarted(lease=math.inf)
+    for i, node in enumerate("ABCD"):
+        restore(state, node, i, owner=True)
+    out = req(state, "A", ReduceRequest(9, RID, [oid(i) for i in range(4)], "sum", 4, rejoin=True), 100.5)
+    assert sent(out, ReduceReply) == [("A", ReduceReply(request_id=9))]
+    assert len(sent(out, ReduceTask)) == 3  # a chain of 4: every vertex but the tail runs a task
+    assert state.objects[RID].reduction == RID  # a copy of the running result is void on a restart
+    ((_, reply),) = sent(req(state, "H", LookupRequest(6, RID, 0.0), 100.6), LookupReply)
+    assert reply.reduction_id == RID
+
+
+def test_a_result_restored_by_a_reader_finishes_the_resent_reduction() -> None:
+    # k = n: the inputs it reduced are known; k < n: which ones is not, and reduced_objects says so.
+    for k, expect_error in ((4, False), (3, True)):
+        state = restarted(lease=math.inf)
+        req(state, "H", Restore(RID, BIG, "<f4", [BIG // 4], b""), 100.0)
+        msg = ReduceRequest(9, RID, [oid(i) for i in range(4)], "sum", k, rejoin=True)
+        assert sent(req(state, "A", msg, 100.1), ReduceReply) == [("A", ReduceReply(request_id=9))]
+        red = state.reductions[RID]
+        assert red.done and red.restored
+        ((_, reply),) = sent(req(state, "A", ReducedObjectsRequest(3, RID), 100.2), ReducedObjectsReply)
+        if expect_error:
+            assert reply.error_kind == "ObjectNotFoundError" and not reply.object_ids
+        else:
+            assert reply.object_ids == [oid(i) for i in range(4)]
+        ((_, lookup_reply),) = sent(req(state, "G", LookupRequest(6, RID, 0.0), 100.3), LookupReply)
+        assert (lookup_reply.sender_node, lookup_reply.reduction_id) == ("H", b"")
+
+
+def test_a_result_restored_after_its_reduction_was_resent_finishes_it() -> None:
+    state = restarted(lease=math.inf)
+    req(state, "A", ReduceRequest(9, RID, [oid(i) for i in range(4)], "sum", 4, rejoin=True), 100.0)
+    for i, node in enumerate("ABC"):
+        restore(state, node, i, owner=True, now=100.1)
+    assert state.reductions[RID].active
+    req(state, "H", Restore(RID, BIG, "<f4", [BIG // 4], b""), 100.2)
+    red = state.reductions[RID]
+    assert red.done and red.restored
+    ((_, reply),) = sent(req(state, "A", ReducedObjectsRequest(3, RID), 100.3), ReducedObjectsReply)
+    assert reply.object_ids == [oid(i) for i in range(4)]
+
+
+def test_a_restored_copy_that_conflicts_with_the_known_object_is_ignored() -> None:
+    state = restarted()
+    restore(state, "A", 0, owner=True)
+    req(state, "B", Restore(oid(0), MiB, "<f4", [MiB // 4], b"x" * 16), 100.0)
+    assert list(state.objects[oid(0)].locations) == ["A"] and kinds(state, "restore_conflict")
+
+
+def test_a_reader_given_the_root_vertex_reads_its_own_output_instead_of_pulling_it() -> None:
+    state = make_state()
+    reduce(state)
+    assert sent(req(state, "H", LookupRequest(6, RID, 0.0)), LookupReply) == []  # a reader waits
+    for i, node in enumerate("ABC"):
+        put(state, node, i, BIG)  # a chain: the root (vertex 0) is placed last
+    out = put(state, "H", 3, BIG)
+    ((node, task),) = sent(out, ReduceTask)
+    assert (node, task.vertex, task.output_id) == ("H", 0, RID)
+    replies = sent(out, LookupReply)
+    assert [(n, r.status) for n, r in replies] == [("H", "local")]  # not a pull from itself

@@ -90,6 +90,7 @@ def broadcast_run(pool: Pool, rng: random.Random, counts: Counter[str]) -> None:
     expected = digest(make_array("float32", SHAPE, seed))
     pool.workers[src].call("put", "float32", SHAPE, seed, oid.hex())
     pool.workers[victim].call("arm", f"{event}:{oid.hex()}:{at}:KILL")
+    victim_pid = pool.workers[victim].proc.pid
     receivers = [i for i in range(WORKERS) if i != src]
     for i in receivers:
         pool.workers[i].send("get", oid.hex(), DEADLINE)
@@ -117,7 +118,7 @@ def broadcast_run(pool: Pool, rng: random.Random, counts: Counter[str]) -> None:
             died = True
         except RuntimeError as exc:
             assert "ObjectLostError" in str(exc), str(exc)[:500]
-    finish(pool, victim, died, counts)
+    finish(pool, victim, died, counts, victim_pid)
 
 
 def reduce_run(pool: Pool, rng: random.Random, counts: Counter[str]) -> None:
@@ -138,6 +139,7 @@ def reduce_run(pool: Pool, rng: random.Random, counts: Counter[str]) -> None:
     event = rng.choice(["serve", "reduce"])
     target = ids[victim].hex() if event == "serve" else rid.hex()
     pool.workers[victim].call("arm", f"{event}:{target}:{at}:KILL")
+    victim_pid = pool.workers[victim].proc.pid
     op = rng.choice(["sum", "max"])
     owner.reduce(ids, op, num_objects=k, reduction_id=rid)
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
@@ -160,11 +162,12 @@ def reduce_run(pool: Pool, rng: random.Random, counts: Counter[str]) -> None:
     assert np.array_equal(got, expected), f"wrong reduction ({event} at {at}, k={k})"
     counts["reduce_exact"] += 1
     owner.delete(rid)
-    finish(pool, victim, reput or not pool.workers[victim].proc.is_alive(), counts)
+    finish(pool, victim, reput or not pool.workers[victim].proc.is_alive(), counts, victim_pid)
 
 
-def finish(pool: Pool, victim: int, died: bool, counts: Counter[str]) -> None:
-    """Count whether the fault fired; disarm the victim, or replace it, for the next run."""
+def finish(pool: Pool, victim: int, died: bool, counts: Counter[str], pid: int) -> None:
+    """Count whether the fault fired; disarm the victim (process ``pid``), or replace it, for the
+    next run."""
     w = pool.workers[victim]
     if not died:
         try:
@@ -173,10 +176,22 @@ def finish(pool: Pool, victim: int, died: bool, counts: Counter[str]) -> None:
             died = True  # it fired after all, late (e.g. serving a copy once the others were done)
     if died:
         counts["killed"] += 1
-        if not w.proc.is_alive():
+        if w.proc.pid == pid:
+            # Not replaced yet. Its pipe may report EOF a moment before the process is reaped, so
+            # replace (kill, join) it now rather than asking is_alive().
             pool.replace(victim)
     else:
         counts["fault_not_reached"] += 1
+
+
+def dump_events(owner: Any, run: int) -> None:
+    """Write the directory's event log of a failed run where HOPLITE_SOAK_LOG points."""
+    path = os.environ.get("HOPLITE_SOAK_LOG")
+    if path:
+        with open(path, "w") as f:
+            f.write(f"run {run}\n")
+            for event in owner.event_log():
+                f.write(f"{event}\n")
 
 
 def test_random_kills_never_hang_or_corrupt(owner: Any) -> None:
@@ -188,10 +203,14 @@ def test_random_kills_never_hang_or_corrupt(owner: Any) -> None:
         for _ in range(RUNS):
             counts["runs"] += 1
             pool.heal(counts)
-            if rng.random() < 0.5:
-                broadcast_run(pool, rng, counts)
-            else:
-                reduce_run(pool, rng, counts)
+            try:
+                if rng.random() < 0.5:
+                    broadcast_run(pool, rng, counts)
+                else:
+                    reduce_run(pool, rng, counts)
+            except BaseException:
+                dump_events(owner, counts["runs"])
+                raise
     finally:
         pool.close()
         print(f"\nsoak (seed {SEED}) in {time.monotonic() - started:.0f} s: {dict(sorted(counts.items()))}")

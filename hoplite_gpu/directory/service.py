@@ -170,7 +170,15 @@ class DirectoryService:
         await writer.drain()
         self._conns[hello.node_id] = _Conn(hello.node_id, writer, peer)
         self._apply(
-            NodeJoined(hello.node_id, hello.data_host, hello.data_port, time.monotonic(), hello.host_key)
+            NodeJoined(
+                hello.node_id,
+                hello.data_host,
+                hello.data_port,
+                time.monotonic(),
+                hello.host_key,
+                # A restart of this directory, not a node it declared dead coming back.
+                rejoin=bool(hello.previous_directory) and hello.previous_directory != self.directory_id,
+            )
         )
         return hello.node_id
 

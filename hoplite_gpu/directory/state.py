@@ -96,6 +96,7 @@ class NodeJoined:
     data_port: int
     now: float
     host_key: str = ""
+    rejoin: bool = False  # it lost its directory (this one restarted): its copies follow as Restore
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +182,7 @@ class ObjectEntry:
     owner: str
     inline: bytes | None
     locations: dict[str, Location] = field(default_factory=dict)
+    reduction: bytes = b""  # the reduction computing it (an intermediate, or its running result)
 
 
 @dataclass(slots=True)
@@ -227,6 +229,7 @@ class Reduction:
     repairs: int = 0
     error: tuple[str, str, bytes] | None = None  # (error kind, message, offending input)
     done: bool = False
+    restored: bool = False  # finished before a directory restart: which inputs it used is unknown
     inline: list[bytes] = field(default_factory=list)  # inputs' bytes, for a directory-side reduce
     queries: list[PendingQuery] = field(default_factory=list)
 
@@ -271,6 +274,9 @@ class DirectoryState:
         self.reductions: dict[bytes, Reduction] = {}
         self.awaiting: dict[bytes, set[bytes]] = {}  # input ObjectID -> reductions waiting for it
         self.link = LinkEstimate()
+        # After a node rejoins (this directory restarted), until when copies are still being
+        # restored: a resumed lookup of an object not known yet waits instead of failing as lost.
+        self.recovering_until: float | None = None
 
     # ------------------------------------------------------------ entry point
     def handle(self, event: Event) -> list[Instruction]:
@@ -282,7 +288,10 @@ class DirectoryState:
             self.nodes[event.node_id] = NodeInfo(
                 event.node_id, event.data_host, event.data_port, event.now, event.host_key, event.now
             )
-            self._log(event.now, "node_joined", node=event.node_id)
+            self._log(event.now, "node_joined", node=event.node_id, rejoin=event.rejoin)
+            if event.rejoin and self.recovering_until is None:
+                self.recovering_until = event.now + self.lease_timeout
+                self._log(event.now, "directory_recovering", until=self.recovering_until)
         elif isinstance(event, NodeLeft):
             self._on_node_left(event.node_id, event.now, "left")
         elif isinstance(event, Tick):
@@ -303,6 +312,8 @@ class DirectoryState:
         deadlines = [pl.deadline for q in self.pending.values() for pl in q if pl.deadline is not None]
         if self.nodes and math.isfinite(self.lease_timeout):
             deadlines.append(min(info.last_seen for info in self.nodes.values()) + self.lease_timeout)
+        if self.recovering_until is not None and math.isfinite(self.recovering_until):
+            deadlines.append(self.recovering_until)
         for red in self.reductions.values():
             if red.deadline is not None and red.active and not red.plan.full:
                 deadlines.append(red.deadline)
@@ -324,6 +335,8 @@ class DirectoryState:
                     self._serve_pending(oid, ev.now)
         elif isinstance(msg, p.PutRequest):
             self._on_put(ev.node_id, msg, ev.now)
+        elif isinstance(msg, p.Restore):
+            self._on_restore(ev.node_id, msg, ev.now)
         elif isinstance(msg, p.LookupRequest):
             self._on_lookup(ev.node_id, msg, ev.now)
         elif isinstance(msg, p.CancelLookup):
@@ -461,13 +474,55 @@ class DirectoryState:
         self._serve_pending(msg.object_id, now)
         self._object_ready(msg.object_id, now)
 
+    def _on_restore(self, node_id: str, msg: p.Restore, now: float) -> None:
+        """A rejoining node's complete copy (this directory restarted and lost its records)."""
+        oid = msg.object_id
+        if len(oid) != 20 or msg.size < 0:
+            return
+        inline = msg.inline if msg.inline is not None and len(msg.inline) == msg.size else None
+        if inline is not None and msg.size > self.inline_threshold_bytes:
+            inline = None
+        entry = self.objects.get(oid)
+        if entry is None:
+            entry = ObjectEntry(
+                oid, msg.size, msg.dtype, list(msg.shape), msg.digest, node_id if msg.owner else "", inline
+            )
+            self.objects[oid] = entry
+        elif (entry.size, entry.dtype, list(entry.shape), entry.digest) != (
+            msg.size,
+            msg.dtype,
+            list(msg.shape),
+            msg.digest,
+        ) and entry.digest:
+            self._log(now, "restore_conflict", node=node_id, object_id=oid.hex())
+            return
+        elif msg.owner:
+            entry.owner = node_id
+        if entry.inline is None:
+            self._add_complete(entry, node_id, msg.segment)
+        self._log(now, "restore", node=node_id, object_id=oid.hex(), owner=msg.owner)
+        red = self.reductions.get(oid)
+        if red is not None and red.active:
+            # The result was complete before the restart; the re-sent request's tree is not needed.
+            red.restored = True
+            entry.reduction = b""
+            self._finish(red, now)
+        self._serve_pending(oid, now)
+        self._object_ready(oid, now)
+
     def _on_lookup(self, node_id: str, msg: p.LookupRequest, now: float) -> None:
         red = self.reductions.get(msg.object_id)
         if red is not None and red.error is not None:
             self._send(node_id, self._failed_lookup(msg.request_id, msg.object_id, red.error))
             return
-        if msg.have_bytes > 0 and msg.object_id not in self.objects and (red is None or not red.active):
+        if (
+            msg.have_bytes > 0
+            and msg.object_id not in self.objects
+            and (red is None or not red.active)
+            and self.recovering_until is None
+        ):
             # It was receiving an object that has since been lost (or deleted): it cannot complete.
+            # (While copies are being restored, it waits: its source may not have rejoined yet.)
             self._send(node_id, self._lost_lookup(msg.request_id, msg.object_id))
             return
         deadline = now + msg.timeout if msg.timeout > 0 else None
@@ -494,6 +549,7 @@ class DirectoryState:
             dtype=entry.dtype,
             shape=list(entry.shape),
             digest=entry.digest,
+            reduction_id=entry.reduction,
         )
         if entry.inline is not None:
             # Recorded as a holder so that the owner's delete drops the reader's copy too.
@@ -502,8 +558,9 @@ class DirectoryState:
             self._log(now, "lookup_inline", node=pl.node_id, object_id=entry.object_id.hex())
             return True
         own = entry.locations.get(pl.node_id)
-        if own is not None and own.state is LocationState.COMPLETE:
-            # The requester already holds it (e.g. a re-put); nothing to transfer.
+        if own is not None and (own.state is LocationState.COMPLETE or own.producing):
+            # The requester already holds it (e.g. a re-put), or a reduce vertex placed on it
+            # computes it (after the lookup was sent): nothing to transfer.
             self._send(pl.node_id, p.LookupReply(status="local", **meta))
             return True
         shared = self._same_host_copy(entry, pl.node_id) if pl.shared_memory else None
@@ -737,6 +794,14 @@ class DirectoryState:
             else:
                 refuse("ObjectExistsError", f"reduction {rid.hex()} already exists with other inputs or op")
             return
+        if rid in self.objects and msg.rejoin:
+            # Re-sent to this restarted directory, and a node restored the finished result.
+            red = Reduction(plan, op, node_id, None, msg.timeout, done=True, restored=True)
+            self.reductions[rid] = red
+            self.objects[rid].reduction = b""
+            self._send(node_id, p.ReduceReply(request_id=msg.request_id))
+            self._log(now, "reduce_restored", node=node_id, object_id=rid.hex())
+            return
         if rid in self.objects:
             refuse("ObjectExistsError", f"object {rid.hex()} already exists; use another reduction id")
             return
@@ -858,6 +923,7 @@ class DirectoryState:
                 owner=red.requester if root else pl.node_id,
                 inline=None,
                 locations={pl.node_id: Location(pl.node_id, LocationState.PARTIAL, 0, producing=True)},
+                reduction=plan.reduction_id,
             )
             self._send(
                 pl.node_id,
@@ -1002,7 +1068,19 @@ class DirectoryState:
             return p.ReducedObjectsReply(
                 request_id=request_id, error=message, error_kind=kind, error_object_id=culprit
             )
-        return p.ReducedObjectsReply(request_id=request_id, object_ids=red.plan.reduced_objects())
+        plan = red.plan
+        if red.restored and plan.num_objects < len(plan.inputs):
+            return p.ReducedObjectsReply(
+                request_id=request_id,
+                error=(
+                    f"reduction {plan.reduction_id.hex()} finished before the directory restarted; "
+                    f"which {plan.num_objects} of its {len(plan.inputs)} inputs it reduced is not known"
+                ),
+                error_kind="ObjectNotFoundError",
+            )
+        if red.restored:
+            return p.ReducedObjectsReply(request_id=request_id, object_ids=list(plan.inputs))
+        return p.ReducedObjectsReply(request_id=request_id, object_ids=plan.reduced_objects())
 
     def _answer_queries(self, red: Reduction) -> None:
         """Answer every waiting ``reduced_objects`` query (the reduction failed or finished)."""
@@ -1030,6 +1108,9 @@ class DirectoryState:
         red.done = True
         for inner in red.plan.intermediates():  # their parents hold everything they need
             self._remove_object(inner.output_id, now)
+        result = self.objects.get(red.plan.reduction_id)
+        if result is not None:
+            result.reduction = b""  # final: a copy of it survives a directory restart
         self._answer_queries(red)
         self._log(now, "reduce_done", object_id=red.plan.reduction_id.hex(), repairs=red.repairs)
 
@@ -1151,6 +1232,8 @@ class DirectoryState:
 
         for oid in list(self.pending):
             self._retain_pending(oid, alive)
+        if self.recovering_until is not None and now >= self.recovering_until:
+            self._end_recovery(now)
         for red in list(self.reductions.values()):
             if red.active and not red.plan.full and red.deadline is not None and red.deadline <= now:
                 plan = red.plan
@@ -1172,6 +1255,24 @@ class DirectoryState:
                         error_kind="HopliteTimeoutError",
                     ),
                 )
+
+    def _end_recovery(self, now: float) -> None:
+        """Every live node had time to rejoin and restore its copies: a resumed lookup of an object
+        still unknown was for a copy that died with the old directory's records (lost)."""
+        self.recovering_until = None
+        self._log(now, "directory_recovered", objects=len(self.objects))
+        for oid in [o for o in self.pending if o not in self.objects]:
+            red = self.reductions.get(oid)
+            if red is not None and red.active:
+                continue
+
+            def fail(pl: PendingLookup, oid: bytes = oid) -> bool:
+                if pl.have_bytes == 0:
+                    return True  # a get before the put: it waits, as always
+                self._send(pl.node_id, self._lost_lookup(pl.request_id, oid))
+                return False
+
+            self._retain_pending(oid, fail)
 
     def _drop_pending(self, node_id: str, request_id: int) -> None:
         for oid in list(self.pending):

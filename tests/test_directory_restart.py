@@ -1,0 +1,175 @@
+"""A standalone directory SIGKILLed and restarted at the same address while nodes work.
+
+Nodes reconnect with backoff, restore the copies they hold and re-send their unfinished
+reductions; a pull that was running goes on over the data plane meanwhile. Real processes, a real
+SIGKILL, and every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu.auth import new_token
+from tests.procs import make_array, start_workers, wait_for_events
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+SLOW = {"send_rate_limit": 16 << 20}  # 32 MiB takes 2 s to send: the restart lands mid-transfer
+
+
+class Directory:
+    """``hoplite-gpu directory`` in its own process, restartable at the same port."""
+
+    def __init__(self, token: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.token = token
+        self.proc: subprocess.Popen[str] | None = None
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        env = {**os.environ, "HOPLITE_TOKEN": self.token, "HOPLITE_LEASE_TIMEOUT": "8"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", str(self.port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if sel.select(deadline - time.monotonic()):
+                    line = self.proc.stdout.readline()
+                    if "listening on" in line:
+                        return
+                    if not line:
+                        break
+            raise AssertionError(f"the directory did not start (exit code {self.proc.poll()})")
+        finally:
+            sel.close()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
+
+@pytest.fixture
+def directory() -> Iterator[Directory]:
+    d = Directory(new_token())
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def owner(directory: Directory) -> Iterator[Any]:
+    node = hg.connect(directory.address, token=directory.token)
+    yield node
+    node.close()
+
+
+def kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == kind]
+
+
+def test_a_broadcast_completes_across_a_directory_restart(directory: Directory, owner: Any) -> None:
+    sender = start_workers(directory.address, directory.token, 1, **SLOW)[0]
+    receivers = start_workers(directory.address, directory.token, 3)
+    try:
+        oid = hg.ObjectID.random()
+        arr = make_array("int64", (4 << 20,), 5)  # 32 MiB
+        sender.call("put_array", arr, oid.hex())
+        for r in receivers:
+            r.send("get_array", oid.hex(), 120)
+        before = wait_for_events(owner, lambda evs: len(kinds(evs, "transfer_start")) >= 3)
+        assert len([e for e in kinds(before, "transfer_done") if e["ok"]]) < 3  # mid-broadcast
+        directory.kill()
+        directory.start()
+        for r in receivers:
+            assert np.array_equal(r.result(120), arr)
+        after = owner.event_log()  # the new directory's: the owner reconnected too
+        assert kinds(after, "directory_recovering")
+        restored = {e["node"]: e["owner"] for e in kinds(after, "restore") if e["object_id"] == oid.hex()}
+        assert restored.get(sender.node_id) is True  # the owner re-registered what it put
+        assert len(restored) >= 2  # and receivers their copies, finished before or after the restart
+        assert np.array_equal(owner.get(oid, timeout=60), arr)  # served by the new directory
+    finally:
+        for w in [sender, *receivers]:
+            w.kill()
+
+
+@pytest.mark.parametrize("k", [4, 3])
+def test_a_reduction_completes_across_a_directory_restart(directory: Directory, owner: Any, k: int) -> None:
+    workers = start_workers(directory.address, directory.token, 4, **SLOW)
+    try:
+        arrays = [make_array("float32", (8 << 20,), 20 + i) for i in range(4)]  # 32 MiB each
+        ids = [w.call("put_array", a, None) for w, a in zip(workers, arrays, strict=True)]
+        rid = hg.ObjectID.random()
+        owner.reduce([hg.ObjectID.from_hex(h) for h in ids], "sum", num_objects=k, reduction_id=rid)
+        for w in workers[1:]:  # the allreduce: members read the result while it is reduced
+            w.send("get_array", rid.hex(), 120)
+        before = wait_for_events(owner, lambda evs: len(kinds(evs, "transfer_start")) >= 2)
+        assert not kinds(before, "reduce_done")  # mid-reduction
+        directory.kill()
+        directory.start()
+        try:
+            got = owner.get(rid, timeout=60)
+        except hg.HopliteTimeoutError:
+            for e in owner.event_log():  # shown by pytest with the failure
+                print(e)
+            raise
+        chosen = [o.hex() for o in owner.reduced_objects(rid, timeout=30)]
+        assert len(chosen) == k
+        expected = np.sum([arrays[ids.index(h)] for h in chosen], axis=0, dtype=np.float32)
+        assert np.array_equal(got, expected)
+        for w in workers[1:]:
+            assert np.array_equal(w.result(120), expected)
+        after = owner.event_log()
+        assert kinds(after, "directory_recovering") and kinds(after, "reduce_done")
+        owner.delete(rid)
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_requests_fail_with_a_typed_error_when_the_directory_never_comes_back(
+    directory: Directory,
+) -> None:
+    node = hg.connect(directory.address, token=directory.token, reconnect_timeout=1.0)
+    try:
+        directory.kill()
+        started = time.monotonic()
+        with pytest.raises(hg.DirectoryUnavailableError, match="did not come back"):
+            node.put(np.arange(10), hg.ObjectID.random())
+        assert time.monotonic() - started < 15.0
+        with pytest.raises(hg.DirectoryUnavailableError):  # and later ones at once
+            node.get(hg.ObjectID.random(), timeout=5)
+    finally:
+        node.close()
