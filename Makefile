@@ -40,6 +40,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/p2p.py
 	$(PY) bench/collectives.py --workers 4 --paths shm,ucx
+	$(PY) bench/recovery.py --size 64MiB --repeat 5 --json bench/results/recovery.json
 	$(VENV)/bin/hoplite-gpu demo --workers 4
 
 soak: $(STAMP)

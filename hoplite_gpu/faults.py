@@ -18,13 +18,20 @@ Arm it with ``Config.fault_injection`` (``HOPLITE_FAULT_INJECTION``) or :func:`a
 at most once per process.
 
 Example: ``serve:3fa2:0.5:KILL`` kills the process half way through serving object ``3fa2...``.
+
+If the environment variable ``HOPLITE_FAULT_LOG`` names a file, a fault appends one JSON line to it
+just before it fires: the event, object, offset, signal, pid and ``time.monotonic()`` (the host's
+CLOCK_MONOTONIC, the clock the directory's event log uses), so a benchmark can measure the time
+from the failure to its detection and repair (``bench/recovery.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
@@ -134,7 +141,30 @@ class FaultInjector:
             for f in due:
                 self._faults.remove(f)
         for f in due:
+            _record(f, object_hex, pos)
             os.kill(os.getpid(), SIGNALS[f.signal_name])
+
+
+def _record(fault: Fault, object_hex: str, pos: int) -> None:
+    """Append the fault about to fire to ``$HOPLITE_FAULT_LOG`` (if set)."""
+    path = os.environ.get("HOPLITE_FAULT_LOG")
+    if not path:
+        return
+    line = json.dumps(
+        {
+            "event": fault.event,
+            "object_id": object_hex,
+            "offset": pos,
+            "signal": fault.signal_name,
+            "pid": os.getpid(),
+            "t": time.monotonic(),
+        }
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())  # one write: whole lines even from several processes
+    finally:
+        os.close(fd)
 
 
 #: The process-wide injector (a process hosts one node).

@@ -796,10 +796,13 @@ class Node:
         with contextlib.suppress(HopliteError):
             self._control.send(msg)
 
-    def _on_served(self, transfer_id: int, sent: int, while_incomplete: int) -> None:
+    def _on_served(self, transfer_id: int, sent: int, while_incomplete: int, failed: bool) -> None:
         self._report(
             p.ServeDone(
-                transfer_id=transfer_id, bytes_sent=sent, bytes_sent_while_incomplete=while_incomplete
+                transfer_id=transfer_id,
+                bytes_sent=sent,
+                bytes_sent_while_incomplete=while_incomplete,
+                failed=failed,
             )
         )
 

@@ -172,12 +172,14 @@ class CopyAdded(Message):
 
 @dataclass(frozen=True, slots=True)
 class ServeDone(Message):
-    """Sender -> directory: it finished serving a transfer (for the event log)."""
+    """Sender -> directory: it finished serving a transfer (for the event log), or gave up on it
+    (``failed``: the receiver stalled or went away), so it may serve others at once."""
 
     TYPE: ClassVar[str] = "serve_done"
     transfer_id: int
     bytes_sent: int
     bytes_sent_while_incomplete: int
+    failed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

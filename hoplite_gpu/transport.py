@@ -110,8 +110,9 @@ class _Peer:
         self.request_lock = asyncio.Lock()
 
 
-#: Called by the sender after serving a transfer: (transfer_id, bytes_sent, bytes_sent_while_incomplete).
-ServeCallback = Callable[[int, int, int], None]
+#: Called by the sender after serving a transfer: (transfer_id, bytes_sent,
+#: bytes_sent_while_incomplete, failed).
+ServeCallback = Callable[[int, int, int, bool], None]
 
 
 class DataPlane:
@@ -261,11 +262,15 @@ class DataPlane:
             if status != p.PULL_OK or obj is None:
                 return
             sent, while_incomplete = await self._stream(ep, obj, transfer_id, offset, chunk)
-        except (HopliteError, asyncio.CancelledError) as exc:
+        except asyncio.CancelledError:
+            return
+        except HopliteError as exc:
             log.debug("serving %s (transfer %d) stopped: %s", oid, transfer_id, exc)
+            if self.on_served is not None and status == p.PULL_OK:
+                self.on_served(transfer_id, 0, 0, True)
             return
         if self.on_served is not None:
-            self.on_served(transfer_id, sent, while_incomplete)
+            self.on_served(transfer_id, sent, while_incomplete, False)
 
     async def _stream(
         self, ep: Any, obj: LocalObject, transfer_id: int, offset: int, chunk: int

@@ -28,6 +28,7 @@ from hoplite_gpu.protocol import (
     ReduceRequest,
     ReduceTask,
     Restore,
+    ServeDone,
     TransferDone,
     VertexDone,
 )
@@ -355,3 +356,13 @@ def test_a_reader_given_the_root_vertex_reads_its_own_output_instead_of_pulling_
     assert (node, task.vertex, task.output_id) == ("H", 0, RID)
     replies = sent(out, LookupReply)
     assert [(n, r.status) for n, r in replies] == [("H", "local")]  # not a pull from itself
+
+
+def test_a_sender_that_gave_up_on_a_stalled_receiver_serves_others_at_once() -> None:
+    state = make_state()
+    put(state, "A", 0, BIG)
+    first = lookup(state, "B", 0)  # B will stop (SIGSTOP): it never reports
+    assert first.sender_node == "A" and state.objects[oid(0)].locations["A"].busy
+    req(state, "A", ServeDone(first.transfer_id, 0, 0, failed=True), now=1.0)
+    assert not state.objects[oid(0)].locations["A"].busy
+    assert lookup(state, "C", 0, now=1.1).sender_node == "A"  # the complete copy, not B's

@@ -353,7 +353,10 @@ class DirectoryState:
                 transfer_id=msg.transfer_id,
                 bytes_sent=msg.bytes_sent,
                 bytes_sent_while_incomplete=msg.bytes_sent_while_incomplete,
+                failed=msg.failed,
             )
+            if msg.failed:
+                self._on_serve_failed(ev.node_id, msg.transfer_id, ev.now)
         elif isinstance(msg, p.DeleteRequest):
             self._on_delete(ev.node_id, msg, ev.now)
         elif isinstance(msg, p.ReduceRequest):
@@ -703,6 +706,18 @@ class DirectoryState:
                 ):
                     del entry.locations[node_id]
         self._serve_pending(transfer.object_id, now)
+
+    def _on_serve_failed(self, node_id: str, transfer_id: int, now: float) -> None:
+        """The sender gave up on a transfer (its receiver stalled, e.g. a stopped process): it is
+        free to serve others now, not only once the receiver reports or is declared dead."""
+        transfer = self.transfers.get(transfer_id)
+        entry = self.objects.get(transfer.object_id) if transfer is not None else None
+        if transfer is None or entry is None or transfer.sender != node_id:
+            return
+        sender = entry.locations.get(node_id)
+        if sender is not None and sender.busy:
+            sender.busy = False
+            self._serve_pending(transfer.object_id, now)
 
     def _on_delete(self, node_id: str, msg: p.DeleteRequest, now: float) -> None:
         red = self.reductions.get(msg.object_id)
