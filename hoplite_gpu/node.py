@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
@@ -697,17 +697,9 @@ class Node:
     async def _lookup(
         self, oid: ObjectID, timeout: float | None, have: int, shared_memory: bool = False
     ) -> p.LookupReply:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            await self._await_directory(left)
-            control = self._control
-            try:
-                return await self._lookup_once(control, oid, left, have, shared_memory)
-            except DirectoryUnavailableError:
-                if not self._will_reconnect(control):
-                    raise
-                # The directory went away while we asked; ask the next one (after it restarts).
+        return await self._with_directory(
+            lambda control, left: self._lookup_once(control, oid, left, have, shared_memory), timeout
+        )
 
     async def _lookup_once(
         self, control: ControlClient, oid: ObjectID, timeout: float | None, have: int, shared_memory: bool
@@ -970,17 +962,25 @@ class Node:
             raise self._unreachable
 
     async def _request(self, make: Callable[[int], p.Message], timeout: float | None) -> p.Message:
-        """Send the request ``make(request_id)`` and return its reply; if the directory is lost
-        meanwhile, send it again to the reconnected one (within ``timeout`` in all)."""
+        """Send the request ``make(request_id)`` and return its reply (see :meth:`_with_directory`)."""
+        return await self._with_directory(
+            lambda control, left: control.request(make(control.next_id()), left), timeout
+        )
+
+    async def _with_directory(
+        self, call: Callable[[ControlClient, float | None], Awaitable[T]], timeout: float | None
+    ) -> T:
+        """``await call(connection, seconds_left)``; if the directory is lost meanwhile, call it
+        again on the reconnected one (a restarted directory), within ``timeout`` in all."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             await self._await_directory(left)
             control = self._control
             try:
-                return await control.request(make(control.next_id()), left)
-            except DirectoryUnavailableError as exc:
-                if exc.fields.get("cause") == "timeout" or not self._will_reconnect(control):
+                return await call(control, left)
+            except DirectoryUnavailableError:
+                if not self._will_reconnect(control):
                     raise
 
     # ------------------------------------------------------------ reduce
