@@ -30,11 +30,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import selectors
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -247,56 +243,15 @@ def vertex(owner: Any, size: int, repeat: int, log: str) -> dict[str, list[float
     return figures
 
 
-class Directory:
-    """``hoplite-gpu directory`` in its own process, restartable at the same port."""
-
-    def __init__(self, token: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.token = token
-        self.proc: subprocess.Popen[str] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", str(self.port)],
-            env={**os.environ, "HOPLITE_TOKEN": self.token},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
-                line = self.proc.stdout.readline()
-                if "listening on" in line:
-                    return
-                if not line:
-                    break
-        raise RuntimeError("the directory did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-            assert self.proc.stdout is not None
-            self.proc.stdout.close()
-
-
 def directory(size: int, repeat: int) -> dict[str, list[float]]:
     """A broadcast during which the standalone directory is killed and restarted."""
     import hoplite_gpu as hg
     from hoplite_gpu.auth import new_token
+    from hoplite_gpu.directory import DirectoryProcess
 
     figures: dict[str, list[float]] = {"base": [], "fault": [], "detect": [], "repair": []}
     for _ in range(repeat):
-        d = Directory(new_token())
+        d = DirectoryProcess(new_token())
         d.start()
         owner = hg.connect(d.address, token=d.token)
         workers = [Worker(d.address, d.token) for _ in range(RECEIVERS + 1)]

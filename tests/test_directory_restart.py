@@ -7,12 +7,7 @@ SIGKILL, and every wait has a deadline.
 
 from __future__ import annotations
 
-import os
-import selectors
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +17,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu.auth import new_token
+from hoplite_gpu.directory import DirectoryProcess
 from tests.procs import make_array, start_workers, wait_for_events
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -29,67 +25,16 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 SLOW = {"send_rate_limit": 16 << 20}  # 32 MiB takes 2 s to send: the restart lands mid-transfer
 
 
-class Directory:
-    """``hoplite-gpu directory`` in its own process, restartable at the same port."""
-
-    def __init__(self, token: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.token = token
-        self.proc: subprocess.Popen[str] | None = None
-        self.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> None:
-        env = {**os.environ, "HOPLITE_TOKEN": self.token, "HOPLITE_LEASE_TIMEOUT": "8"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", str(self.port)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if sel.select(deadline - time.monotonic()):
-                    line = self.proc.stdout.readline()
-                    if "listening on" in line:
-                        return
-                    if not line:
-                        break
-            raise AssertionError(f"the directory did not start (exit code {self.proc.poll()})")
-        finally:
-            sel.close()
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill()
-
-
 @pytest.fixture
-def directory() -> Iterator[Directory]:
-    d = Directory(new_token())
+def directory() -> Iterator[DirectoryProcess]:
+    d = DirectoryProcess(new_token(), env={"HOPLITE_LEASE_TIMEOUT": "8"})
+    d.start()
     yield d
-    d.stop()
+    d.kill()
 
 
 @pytest.fixture
-def owner(directory: Directory) -> Iterator[Any]:
+def owner(directory: DirectoryProcess) -> Iterator[Any]:
     node = hg.connect(directory.address, token=directory.token)
     yield node
     node.close()
@@ -99,7 +44,7 @@ def kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == kind]
 
 
-def test_a_broadcast_completes_across_a_directory_restart(directory: Directory, owner: Any) -> None:
+def test_a_broadcast_completes_across_a_directory_restart(directory: DirectoryProcess, owner: Any) -> None:
     sender = start_workers(directory.address, directory.token, 1, **SLOW)[0]
     receivers = start_workers(directory.address, directory.token, 3)
     try:
@@ -126,7 +71,9 @@ def test_a_broadcast_completes_across_a_directory_restart(directory: Directory, 
 
 
 @pytest.mark.parametrize("k", [4, 3])
-def test_a_reduction_completes_across_a_directory_restart(directory: Directory, owner: Any, k: int) -> None:
+def test_a_reduction_completes_across_a_directory_restart(
+    directory: DirectoryProcess, owner: Any, k: int
+) -> None:
     workers = start_workers(directory.address, directory.token, 4, **SLOW)
     try:
         arrays = [make_array("float32", (8 << 20,), 20 + i) for i in range(4)]  # 32 MiB each
@@ -160,7 +107,7 @@ def test_a_reduction_completes_across_a_directory_restart(directory: Directory, 
 
 
 def test_requests_fail_with_a_typed_error_when_the_directory_never_comes_back(
-    directory: Directory,
+    directory: DirectoryProcess,
 ) -> None:
     node = hg.connect(directory.address, token=directory.token, reconnect_timeout=1.0)
     try:
@@ -173,3 +120,13 @@ def test_requests_fail_with_a_typed_error_when_the_directory_never_comes_back(
             node.get(hg.ObjectID.random(), timeout=5)
     finally:
         node.close()
+
+
+def test_a_directory_process_that_cannot_listen_raises_a_typed_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        d = DirectoryProcess(new_token(), port=taken.getsockname()[1])
+        with pytest.raises(hg.DirectoryUnavailableError, match="did not start"):
+            d.start()
+        assert not d.running
