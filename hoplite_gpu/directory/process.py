@@ -22,9 +22,18 @@ class DirectoryProcess:
         host: Interface to bind.
         port: TCP port; 0 picks a free one now, kept across restarts.
         env: Extra environment variables (e.g. ``HOPLITE_LEASE_TIMEOUT``).
+        wrap: A command prefix, e.g. ``["ip", "netns", "exec", "host0"]`` to run it in a network
+            namespace.
     """
 
-    def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
+    ):
         if not port:
             with socket.socket() as s:
                 s.bind((host, 0))
@@ -33,6 +42,7 @@ class DirectoryProcess:
         self.host = host
         self.port = port
         self.env = dict(env or {})
+        self.wrap = list(wrap or [])
         self.proc: subprocess.Popen[str] | None = None
 
     @property
@@ -51,7 +61,7 @@ class DirectoryProcess:
         Raises:
             DirectoryUnavailableError: it exited or did not listen within ``timeout`` seconds.
         """
-        cmd = [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--host", self.host]
+        cmd = [*self.wrap, sys.executable, "-m", "hoplite_gpu.cli", "directory", "--host", self.host]
         self.proc = subprocess.Popen(
             [*cmd, "--port", str(self.port)],
             env={**os.environ, **self.env, "HOPLITE_TOKEN": self.token},
