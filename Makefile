@@ -4,13 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: help venv demo test test-fast lint bench soak clean
+.PHONY: help venv demo test test-fast lint bench bench-cluster soak clean
 
 help:
 	@echo "make demo   - install into .venv and run the demo (broadcast, reduce, allreduce) locally"
 	@echo "make test   - install into .venv and run the whole test suite"
 	@echo "make lint   - ruff + mypy"
 	@echo "make bench  - point-to-point, collective and recovery benchmarks"
+	@echo "make bench-cluster - collectives vs gloo on an emulated 4-host cluster (root; network namespaces)"
 	@echo "make soak   - randomized fault soak (1000 runs; HOPLITE_SOAK_RUNS, HOPLITE_SOAK_SEED)"
 
 $(PY):
@@ -42,6 +43,11 @@ bench: $(STAMP)
 	$(PY) bench/collectives.py --workers 4 --paths shm,ucx
 	$(PY) bench/recovery.py --size 64MiB --repeat 5 --json bench/results/recovery.json
 	$(VENV)/bin/hoplite-gpu demo --workers 4
+
+bench-cluster: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[peers]"
+	$(PY) bench/netbench.py --hosts 4 --rate 100MB --sizes 1KiB,1MiB,16MiB,64MiB --repeat 3 \
+		--json bench/results/netbench_n4.json
 
 soak: $(STAMP)
 	HOPLITE_SOAK_RUNS=$${HOPLITE_SOAK_RUNS:-1000} $(PY) -m pytest -q -s tests/test_soak.py

@@ -35,8 +35,10 @@ from bench.common import format_size, markdown_table, parse_size
 
 OPS = ("broadcast", "reduce", "allreduce")
 DIRECTORY_PORT = 7070
+GLOO_PORT = 29500
+SYSTEMS = ("hoplite_gpu", "gloo")
 #: Every hoplite process on the cluster: TCP only, no shared memory between "hosts".
-HOST_ENV = {"UCX_TLS": "tcp", "HOPLITE_SHARED_MEMORY": "0"}
+HOST_ENV = {"UCX_TLS": "tcp", "HOPLITE_SHARED_MEMORY": "0", "GLOO_SOCKET_IFNAME": "eth0"}
 
 
 class _Stdio:
@@ -52,18 +54,65 @@ class _Stdio:
         return json.loads(line) if line else None
 
 
-def _member_main(address: str, token: str, rank: int, world: int) -> None:
-    from bench.collectives import _member
+def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
+    """The same protocol as :func:`bench.collectives._member`, with ``torch.distributed``'s gloo."""
+    import datetime
 
-    _member(address, token, rank, world, False, _Stdio())
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{master}:{GLOO_PORT}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    conn.send("ready")
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            op, size, rounds = msg
+            t = torch.ones(size // 4, dtype=torch.float32)
+            spans = []
+            for _ in range(rounds):
+                dist.barrier()
+                start = time.monotonic()
+                if op == "broadcast":
+                    dist.broadcast(t, src=0)
+                elif op == "reduce":
+                    dist.reduce(t, dst=0)
+                elif op == "allreduce":
+                    dist.all_reduce(t)
+                else:
+                    raise ValueError(op)
+                spans.append((start, time.monotonic()))
+                t.fill_(1)
+            conn.send(spans)
+    finally:
+        dist.destroy_process_group()
+
+
+def _member_main(system: str, address: str, rank: int, world: int) -> None:
+    if system == "hoplite_gpu":
+        from bench.collectives import _member
+
+        _member(address, os.environ["HOPLITE_TOKEN"], rank, world, False, _Stdio())
+    elif system == "gloo":
+        _gloo_member(address, rank, world, _Stdio())
+    else:
+        raise ValueError(system)
 
 
 class Member:
     """A hoplite process on one host of the cluster, driven over its stdin/stdout."""
 
-    def __init__(self, cluster: Cluster, rank: int, address: str, token: str) -> None:
+    def __init__(self, cluster: Cluster, system: str, rank: int, address: str, token: str) -> None:
         env = {**HOST_ENV, "HOPLITE_LISTEN_HOST": cluster.address(rank), "HOPLITE_TOKEN": token}
-        argv = [sys.executable, os.path.abspath(__file__), "--member", address, str(rank), str(cluster.hosts)]
+        argv = [sys.executable, os.path.abspath(__file__), "--member", system, address]
+        argv += [str(rank), str(cluster.hosts)]
         self.proc = cluster.popen(
             rank, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -90,55 +139,73 @@ class Member:
                 self.proc.wait(10)
 
 
-def run(hosts: int, rate: float, sizes: list[int], repeat: int, warmup: int) -> dict[str, Any]:
-    """Every op at every size on a fresh cluster; rows with the median time and its ratio to the ideal."""
-    from hoplite_gpu.auth import new_token
-    from hoplite_gpu.directory import DirectoryProcess
-
+def run(
+    hosts: int, rate: float, sizes: list[int], repeat: int, warmup: int, systems: list[str]
+) -> dict[str, Any]:
+    """Every op at every size, for every system, on one cluster; rows with the median time and its
+    ratio to the ideal."""
     rows: list[dict[str, Any]] = []
     with Cluster(hosts, rate) as cluster:
         measured = link_throughput(cluster)
         print(f"link: {measured / 1e6:.1f} MB/s measured ({rate / 1e6:.0f} MB/s set)", file=sys.stderr)
-        token = new_token()
+        for system in systems:
+            rows += _run_system(cluster, system, sizes, repeat, warmup)
+    return {"hosts": hosts, "rate_bytes": rate, "link_measured_bytes": measured, "rows": rows}
+
+
+def _run_system(
+    cluster: Cluster, system: str, sizes: list[int], repeat: int, warmup: int
+) -> list[dict[str, Any]]:
+    from hoplite_gpu.auth import new_token
+    from hoplite_gpu.directory import DirectoryProcess
+
+    hosts, rate = cluster.hosts, cluster.rate_bytes
+    rows: list[dict[str, Any]] = []
+    token = new_token()
+    directory: DirectoryProcess | None = None
+    address = cluster.address(0)
+    if system == "hoplite_gpu":
         directory = DirectoryProcess(
-            token, host=cluster.address(0), port=DIRECTORY_PORT, env=HOST_ENV, wrap=cluster.command(0, [])
+            token, host=address, port=DIRECTORY_PORT, env=HOST_ENV, wrap=cluster.command(0, [])
         )
         directory.start()
-        members: list[Member] = []
-        try:
-            members = [Member(cluster, r, directory.address, token) for r in range(hosts)]
-            for m in members:
-                if m.recv() != "ready":
-                    raise RuntimeError("a member did not start")
-            for size in sizes:
-                print(f"{format_size(size)} ...", file=sys.stderr, flush=True)
-                ideal = {"broadcast": size / rate, "reduce": size / rate}
-                ideal["allreduce"] = 2 * (hosts - 1) / hosts * size / rate
-                for op in OPS:
-                    for m in members:
-                        m.send([op, size, warmup + repeat])
-                    spans = [m.recv() for m in members]
-                    per_round = [
-                        max(s[i][1] for s in spans) - min(s[i][0] for s in spans)
-                        for i in range(warmup, warmup + repeat)
-                    ]
-                    seconds = statistics.median(per_round)
-                    rows.append(
-                        {
-                            "system": "hoplite_gpu",
-                            "op": op,
-                            "hosts": hosts,
-                            "size": size,
-                            "seconds": seconds,
-                            "ideal_seconds": ideal[op],
-                            "x_ideal": seconds / ideal[op],
-                        }
-                    )
-        finally:
-            for m in members:
-                m.stop()
+        address = directory.address
+    members: list[Member] = []
+    try:
+        members = [Member(cluster, system, r, address, token) for r in range(hosts)]
+        for m in members:
+            if m.recv() != "ready":
+                raise RuntimeError(f"a {system} member did not start")
+        for size in sizes:
+            print(f"{system} {format_size(size)} ...", file=sys.stderr, flush=True)
+            ideal = {"broadcast": size / rate, "reduce": size / rate}
+            ideal["allreduce"] = 2 * (hosts - 1) / hosts * size / rate
+            for op in OPS:
+                for m in members:
+                    m.send([op, size, warmup + repeat])
+                spans = [m.recv() for m in members]
+                per_round = [
+                    max(s[i][1] for s in spans) - min(s[i][0] for s in spans)
+                    for i in range(warmup, warmup + repeat)
+                ]
+                seconds = statistics.median(per_round)
+                rows.append(
+                    {
+                        "system": system,
+                        "op": op,
+                        "hosts": hosts,
+                        "size": size,
+                        "seconds": seconds,
+                        "ideal_seconds": ideal[op],
+                        "x_ideal": seconds / ideal[op],
+                    }
+                )
+    finally:
+        for m in members:
+            m.stop()
+        if directory is not None:
             directory.stop()
-    return {"hosts": hosts, "rate_bytes": rate, "link_measured_bytes": measured, "rows": rows}
+    return rows
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -163,8 +230,7 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--member"]:
-        address, rank, world = argv[1], int(argv[2]), int(argv[3])
-        _member_main(address, os.environ["HOPLITE_TOKEN"], rank, world)
+        _member_main(argv[1], argv[2], int(argv[3]), int(argv[4]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
@@ -172,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1KiB,1MiB,16MiB,64MiB")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     rate = float(args.rate.upper().replace("GB", "e9").replace("MB", "e6"))
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     started = time.monotonic()
     try:
-        result = run(args.hosts, rate, sizes, args.repeat, args.warmup)
+        result = run(args.hosts, rate, sizes, args.repeat, args.warmup, args.systems.split(","))
     except ClusterUnavailable as exc:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
         return 2
