@@ -183,8 +183,8 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
 
     async def run() -> Any:
         await g._put(seq, array, inputs[g.rank])
-        out = array if g.rank == dst_rank else None
-        await g._reduce_into(seq, inputs, g.object_id(seq, "reduce-result"), reduce_op, out)
+        if g.rank == dst_rank:  # the one requester: the directory computes the root on its node
+            await g._reduce_into(seq, inputs, g.object_id(seq, "reduce-result"), reduce_op, array)
         return array
 
     return g._run(run())

@@ -347,7 +347,7 @@ def test_a_restored_copy_that_conflicts_with_the_known_object_is_ignored() -> No
 
 def test_a_reader_given_the_root_vertex_reads_its_own_output_instead_of_pulling_it() -> None:
     state = make_state()
-    reduce(state)
+    reduce(state, node="G")  # G holds no input: in-order placement, the root last
     assert sent(req(state, "H", LookupRequest(6, RID, 0.0)), LookupReply) == []  # a reader waits
     for i, node in enumerate("ABC"):
         put(state, node, i, BIG)  # a chain: the root (vertex 0) is placed last

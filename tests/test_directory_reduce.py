@@ -100,7 +100,7 @@ def test_a_chain_places_arrivals_and_streams_outputs_to_parents() -> None:
 
 def test_children_placed_after_their_parent_are_announced_to_it() -> None:
     state = make_state()
-    reduce(state, ids=tuple(range(7)))
+    reduce(state, node="H", ids=tuple(range(7)))  # H holds no input: in-order placement throughout
     tasks: dict[int, tuple[str, ReduceTask]] = {}
     announced = []
     for i in range(7):  # 1 MiB each: a binary tree; in-order 3 1 4 0 5 2 6
@@ -161,7 +161,7 @@ def test_a_mismatch_known_at_request_time_is_refused() -> None:
 
 def test_a_late_mismatch_fails_the_reduction_and_cancels_its_tasks() -> None:
     state = make_state()
-    reduce(state, ids=(0, 1, 2, 3))
+    reduce(state, node="H", ids=(0, 1, 2, 3))
     put(state, "A", 0, 256 * MiB)
     put(state, "B", 1, 256 * MiB)  # vertex 2 runs on B
     sent(req(state, "H", LookupRequest(6, RID, 0.0)), LookupReply)  # waits for the result
@@ -206,13 +206,13 @@ def test_requests_are_idempotent_and_ids_are_not_reused() -> None:
 
 def test_the_requester_deletes_a_reduction_before_or_after_it_is_placed() -> None:
     state = make_state()
-    reduce(state, ids=(0, 1))
-    ((_, deleted),) = sent(req(state, "A", DeleteRequest(2, RID)), DeleteReply)
+    reduce(state, node="H", ids=(0, 1))
+    ((_, deleted),) = sent(req(state, "H", DeleteRequest(2, RID)), DeleteReply)
     assert deleted.deleted and RID not in state.reductions and state.awaiting == {}
-    reduce(state, ids=(0, 1))
+    reduce(state, node="H", ids=(0, 1))
     put(state, "A", 0, 256 * MiB)
     put(state, "B", 1, 256 * MiB)
-    out = req(state, "A", DeleteRequest(2, RID))
+    out = req(state, "H", DeleteRequest(2, RID))
     assert ("B", DropObject(RID)) in sent(out, DropObject) and RID not in state.objects
 
 
@@ -231,3 +231,15 @@ def test_the_node_holding_the_only_copy_of_a_result_keeps_it_until_the_owner_del
     assert not dropped.kept and "C" not in state.objects[RID].locations  # D has a copy now
     out = req(state, "A", DeleteRequest(5, RID))
     assert sent(out, DropObject) == [("D", DropObject(RID))] and RID not in state.objects
+
+
+def test_the_requesters_own_input_computes_the_root_whenever_it_arrives() -> None:
+    # The requester reads the result: computing the root there saves its link one copy of it.
+    for order in ([3, 0, 1, 2], [0, 1, 3, 2], [0, 1, 2, 3]):  # D's input first, third, last
+        state = make_state()
+        reduce(state, node="D", ids=(0, 1, 2, 3))  # D holds input 3
+        tasks = {}
+        for i in order:
+            tasks.update({m.vertex: n for n, m in sent(put(state, NODES[i], i, 256 * MiB), ReduceTask)})
+        assert tasks[0] == "D", (order, tasks)
+        assert sorted(state.reductions[RID].plan.reduced_objects()) == [oid(i) for i in range(4)]

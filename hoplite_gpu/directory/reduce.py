@@ -265,8 +265,11 @@ class ReducePlan:
         shape: tuple[int, ...],
         link: LinkEstimate,
         chunk: int = DEFAULT_CHUNK_BYTES,
+        at_root: bool = False,
     ) -> Placement:
-        """Place the next arriving input at the next vertex in in-order.
+        """Place the next arriving input at the next free vertex in in-order, or at the root (vertex
+        0) if ``at_root`` and it is free: the node that reads the result then computes it, and its
+        link carries the result's last hop only once.
 
         Raises:
             MismatchError: dtype or shape differs from the inputs placed before.
@@ -280,7 +283,10 @@ class ReducePlan:
             self.degree, self.reason = choose_degree(self.num_objects, size, link, chunk)
             self._tree = TreeShape(self.num_objects, self.degree)
         tree = self._tree
-        vertex = tree.inorder[len(self.placed)]
+        if at_root and 0 not in self.by_vertex:
+            vertex = 0
+        else:
+            vertex = next(v for v in tree.inorder if v not in self.by_vertex)
         parent = tree.parent(vertex)
         children = tuple(tree.children(vertex))
         leaf = not children and parent is not None

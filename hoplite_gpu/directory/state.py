@@ -896,7 +896,11 @@ class DirectoryState:
             self._fail_reduction(red, problem[0], problem[1], now, culprit=oid)
             return
         try:
-            pl = plan.place(oid, holder, entry.size, entry.dtype, tuple(entry.shape), self.link)
+            # The requester reads the result: its own input, if it has one, computes the root.
+            at_root = holder == red.requester
+            pl = plan.place(
+                oid, holder, entry.size, entry.dtype, tuple(entry.shape), self.link, at_root=at_root
+            )
         except MismatchError as exc:  # pragma: no cover - _input_problem checked the same
             self._fail_reduction(red, "ReduceMismatchError", str(exc), now, culprit=oid)
             return
