@@ -84,6 +84,13 @@ def _member(address: str, token: str, rank: int, world: int, shared: bool, conn:
         node.close()
 
 
+def round_times(spans: list[list[Any]], warmup: int, repeat: int) -> list[float]:
+    """Seconds of each timed round: from the last member entering the collective (every member has
+    left the barrier, so its release skew does not count) to the last member leaving it.
+    ``spans[member][round]`` is that member's (start, end)."""
+    return [max(s[i][1] for s in spans) - max(s[i][0] for s in spans) for i in range(warmup, warmup + repeat)]
+
+
 def run(workers: int, sizes: list[int], repeat: int, warmup: int, path: str) -> list[dict[str, Any]]:
     """One row per (size, collective): median seconds and the ratio to the ideal."""
     import hoplite_gpu as hg
@@ -114,11 +121,7 @@ def run(workers: int, sizes: list[int], repeat: int, warmup: int, path: str) -> 
                 if not pipe.poll(900):
                     raise TimeoutError(f"{op} of {size} bytes did not finish")
                 spans.append(pipe.recv())
-            per_round = [
-                max(s[i][1] for s in spans) - min(s[i][0] for s in spans)
-                for i in range(warmup, warmup + repeat)
-            ]
-            return statistics.median(per_round)
+            return statistics.median(round_times(spans, warmup, repeat))
 
         for size in sizes:
             print(f"{format_size(size)} ...", file=sys.stderr, flush=True)
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["format_table", "main", "run"]
+__all__ = ["format_table", "main", "round_times", "run"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable, link_throughput
+from bench.collectives import round_times
 from bench.common import format_size, markdown_table, parse_size
 
 OPS = ("broadcast", "reduce", "allreduce")
@@ -184,11 +185,7 @@ def _run_system(
                 for m in members:
                     m.send([op, size, warmup + repeat])
                 spans = [m.recv() for m in members]
-                per_round = [
-                    max(s[i][1] for s in spans) - min(s[i][0] for s in spans)
-                    for i in range(warmup, warmup + repeat)
-                ]
-                seconds = statistics.median(per_round)
+                seconds = statistics.median(round_times(spans, warmup, repeat))
                 rows.append(
                     {
                         "system": system,
