@@ -12,6 +12,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -213,9 +214,7 @@ class Node:
             shared_min_bytes=self.config.inline_threshold_bytes + 1 if self._shm else 0,
         )
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
-        self._control = ControlClient(
-            self._on_push, self.config.control_message_limit, on_lost=self._on_directory_lost
-        )
+        self._control = self._new_control()
         self._vertices: dict[tuple[bytes, int, int], VertexRun] = {}
         self._aborts: dict[int, asyncio.Future[None]] = {}  # running pulls, by transfer id
         # Copies fetched only for reduce vertices, with how many running vertices use each.
@@ -268,18 +267,29 @@ class Node:
         return f"<hoplite_gpu.Node {self.node_id[:8]} directory={self._directory_address} {state}>"
 
     # ------------------------------------------------------------ lifecycle
+    def _new_control(self, ids: itertools.count[int] | None = None) -> ControlClient:
+        """A directory client (not connected yet) that hands pushes and its loss to this node."""
+        return ControlClient(
+            self._on_push, self.config.control_message_limit, on_lost=self._on_directory_lost, ids=ids
+        )
+
+    async def _join(self, client: ControlClient, previous_directory: str = "") -> None:
+        """Connect ``client`` to the directory and introduce this node (see ``Hello``)."""
+        await client.connect(
+            self._directory_address,
+            self._token,
+            self.node_id,
+            self.config.data_host,
+            self._data.port,
+            self.config.connect_timeout,
+            host_key=shm.host_key() if self._shm else "",
+            previous_directory=previous_directory,
+        )
+
     async def _start(self) -> None:
-        port = await self._data.start()
+        await self._data.start()
         try:
-            await self._control.connect(
-                self._directory_address,
-                self._token,
-                self.node_id,
-                self.config.data_host,
-                port,
-                self.config.connect_timeout,
-                host_key=shm.host_key() if self._shm else "",
-            )
+            await self._join(self._control)
         except BaseException:
             await self._data.close()
             raise
@@ -870,23 +880,9 @@ class Node:
         give_up = time.monotonic() + self.config.reconnect_timeout
         pause = 0.05
         while True:
-            client = ControlClient(
-                self._on_push,
-                self.config.control_message_limit,
-                on_lost=self._on_directory_lost,
-                ids=lost.ids,
-            )
+            client = self._new_control(ids=lost.ids)
             try:
-                await client.connect(
-                    self._directory_address,
-                    self._token,
-                    self.node_id,
-                    self.config.data_host,
-                    self._data.port,
-                    self.config.connect_timeout,
-                    host_key=shm.host_key() if self._shm else "",
-                    previous_directory=lost.directory_id,
-                )
+                await self._join(client, previous_directory=lost.directory_id)
                 break
             except HopliteError as exc:
                 # Also an AuthenticationError: a directory dying as it authenticated us looks

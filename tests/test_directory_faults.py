@@ -32,6 +32,7 @@ from hoplite_gpu.protocol import (
     TransferDone,
     VertexDone,
 )
+from tests import test_directory_reduce as reduce_tests
 from tests.test_directory_reduce import NODES, RID, MiB, oid, put, reduce, req, sent
 
 pytestmark = pytest.mark.timeout(30)
@@ -40,10 +41,7 @@ BIG = 256 * MiB  # reduce trees of this size are chains (degree 1)
 
 
 def make_state(lease: float = 5.0) -> DirectoryState:
-    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=lease)
-    for i, node in enumerate(NODES):
-        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0))
-    return state
+    return reduce_tests.make_state(lease)
 
 
 def lookup(state, node, i, have=0, now=0.0, request_id=4):
@@ -251,10 +249,7 @@ def test_a_child_announced_after_a_rebuild_carries_the_new_epoch() -> None:
 # ---------------------------------------------------------------- directory restart
 def restarted(lease: float = 5.0, now: float = 100.0) -> DirectoryState:
     """A fresh directory (the old one died) that nodes A..H rejoin at ``now``."""
-    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=lease)
-    for i, node in enumerate(NODES):
-        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, now, rejoin=True))
-    return state
+    return reduce_tests.make_state(lease, now, rejoin=True)
 
 
 def restore(state, node, i, size=BIG, owner=False, now=100.0):

@@ -38,12 +38,12 @@ def oid(i: int) -> bytes:
     return bytes([i]) * 20
 
 
-def make_state() -> DirectoryState:
-    state = DirectoryState(
-        inline_threshold_bytes=64 * 1024, lease_timeout=math.inf
-    )  # leases: test_directory_faults
+def make_state(lease: float = math.inf, now: float = 0.0, rejoin: bool = False) -> DirectoryState:
+    """A directory that nodes A..H joined at ``now`` (``rejoin``: after losing another directory).
+    No leases by default (leases: test_directory_faults)."""
+    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=lease)
     for i, node in enumerate(NODES):
-        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0))
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, now, rejoin=rejoin))
     return state
 
 

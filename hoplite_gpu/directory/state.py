@@ -508,8 +508,7 @@ class DirectoryState:
         if red is not None and red.active:
             # The result was complete before the restart; the re-sent request's tree is not needed.
             red.restored = True
-            entry.reduction = b""
-            self._finish(red, now)
+            self._finish(red, now)  # which also marks the result final (not void on a restart)
         self._serve_pending(oid, now)
         self._object_ready(oid, now)
 
