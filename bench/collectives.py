@@ -51,6 +51,9 @@ def _member(address: str, token: str, rank: int, world: int, shared: bool, conn:
             msg = conn.recv()
             if msg is None:
                 break
+            if msg == "events":  # the directory's event log, for profiling (bench/profile.py)
+                conn.send(node.event_log())
+                continue
             op, size, rounds = msg
             arr = np.ones(size // 4, np.float32)
             spans = []

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -141,7 +142,13 @@ class Member:
 
 
 def run(
-    hosts: int, rate: float, sizes: list[int], repeat: int, warmup: int, systems: list[str]
+    hosts: int,
+    rate: float,
+    sizes: list[int],
+    repeat: int,
+    warmup: int,
+    systems: list[str],
+    ops: Sequence[str] = OPS,
 ) -> dict[str, Any]:
     """Every op at every size, for every system, on one cluster; rows with the median time and its
     ratio to the ideal."""
@@ -150,12 +157,12 @@ def run(
         measured = link_throughput(cluster)
         print(f"link: {measured / 1e6:.1f} MB/s measured ({rate / 1e6:.0f} MB/s set)", file=sys.stderr)
         for system in systems:
-            rows += _run_system(cluster, system, sizes, repeat, warmup)
+            rows += _run_system(cluster, system, sizes, repeat, warmup, ops)
     return {"hosts": hosts, "rate_bytes": rate, "link_measured_bytes": measured, "rows": rows}
 
 
 def _run_system(
-    cluster: Cluster, system: str, sizes: list[int], repeat: int, warmup: int
+    cluster: Cluster, system: str, sizes: list[int], repeat: int, warmup: int, ops: Sequence[str]
 ) -> list[dict[str, Any]]:
     from hoplite_gpu.auth import new_token
     from hoplite_gpu.directory import DirectoryProcess
@@ -181,7 +188,7 @@ def _run_system(
             print(f"{system} {format_size(size)} ...", file=sys.stderr, flush=True)
             ideal = {"broadcast": size / rate, "reduce": size / rate}
             ideal["allreduce"] = 2 * (hosts - 1) / hosts * size / rate
-            for op in OPS:
+            for op in ops:
                 for m in members:
                     m.send([op, size, warmup + repeat])
                 spans = [m.recv() for m in members]
@@ -236,13 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     rate = float(args.rate.upper().replace("GB", "e9").replace("MB", "e6"))
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     started = time.monotonic()
     try:
-        result = run(args.hosts, rate, sizes, args.repeat, args.warmup, args.systems.split(","))
+        result = run(
+            args.hosts, rate, sizes, args.repeat, args.warmup, args.systems.split(","), args.ops.split(",")
+        )
     except ClusterUnavailable as exc:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
         return 2

@@ -190,12 +190,33 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     return g._run(run())
 
 
+#: Arrays of at least this many bytes are allreduced in shards (see :func:`allreduce`); smaller
+#: ones, whose time is latency rather than bandwidth, as one reduce pipelined into a broadcast.
+SHARD_MIN_BYTES = 1 << 20
+
+
 def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
-    """Reduce every member's ``array`` and write the result into ``array`` everywhere (in place)."""
+    """Reduce every member's ``array`` and write the result into ``array`` everywhere (in place).
+
+    A small array (under :data:`SHARD_MIN_BYTES`) is reduced once, on a tree the directory shapes,
+    and the result read by every member as it is being reduced. A large C-contiguous array is cut
+    into one shard per member: member ``j`` requests the reduction of everyone's shard ``j`` as a
+    star (every other member's shard streams straight into ``j``'s vertex) and every member reads
+    every shard's result straight from the member computing it (``get(direct=True)``), while it is
+    being computed. Each member's link then carries ``2 (N-1)/N`` times the array's bytes each
+    way, the bandwidth-optimal amount, whatever the order in which members arrive; a single tree's
+    inner vertices carry twice the array, and chains of readers load their first members' links
+    more than their last's. The
+    shards are ordinary reductions: a member that dies is repaired around like in any other.
+    """
     g = _check_group(group)
     reduce_op = as_op(op)
     seq = g._next()
-    inputs = [g.object_id(seq, "allreduce", r) for r in range(g.world_size)]
+    flat = _flat_view(array)
+    n = g.world_size
+    if n > 1 and flat is not None and flat.nbytes >= SHARD_MIN_BYTES and flat.size >= n:
+        return g._run(_sharded_allreduce(g, seq, array, flat, reduce_op))
+    inputs = [g.object_id(seq, "allreduce", r) for r in range(n)]
 
     async def run() -> Any:
         await g._put(seq, array, inputs[g.rank])
@@ -204,6 +225,38 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
         return array
 
     return g._run(run())
+
+
+async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any:
+    n, me = g.world_size, g.rank
+    cuts = [flat.size * j // n for j in range(n + 1)]
+    shards = [flat[cuts[j] : cuts[j + 1]] for j in range(n)]
+    inputs = [[g.object_id(seq, "allreduce-shard", j, r) for r in range(n)] for j in range(n)]
+    results = [g.object_id(seq, "allreduce-shard-result", j) for j in range(n)]
+    # Each member starts with the shard after its own, so the shards' first inputs come from
+    # different members; its own shard last, as every other member reduces into it.
+    order = [(me + 1 + i) % n for i in range(n)]
+    await asyncio.gather(*(g._put(seq, shards[j], inputs[j][me]) for j in order))
+    g._owned.append((seq, results[me]))
+    await g.node.reduce_async(
+        inputs[me], op, reduction_id=results[me], timeout=g.timeout, degree=n - 1
+    )
+    await asyncio.gather(
+        *(g.node.get_async(results[j], timeout=g.timeout, out=shards[j], direct=True) for j in order)
+    )
+    await g._delete_before(seq)
+    return array
+
+
+def _flat_view(array: Any) -> Any:
+    """A one-dimensional view of a C-contiguous NumPy or CuPy ``array`` (None for anything else)."""
+    flags = getattr(array, "flags", None)
+    if flags is None or not flags["C_CONTIGUOUS"] or not hasattr(array, "reshape"):
+        return None
+    module = type(array).__module__.split(".")[0]
+    if module not in ("numpy", "cupy"):
+        return None
+    return array.reshape(-1)
 
 
 def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:

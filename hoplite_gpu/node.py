@@ -440,7 +440,9 @@ class Node:
             raise InvalidArgumentError("timeout must be >= 0 seconds or None", argument="timeout")
         return timeout
 
-    def get(self, object_id: ObjectID, timeout: float | None = None, out: Any = None) -> Any:
+    def get(
+        self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
+    ) -> Any:
         """Return the object's array, waiting until it exists (a ``get`` before the ``put`` works).
 
         Args:
@@ -449,6 +451,11 @@ class Node:
             out: Optional array (NumPy or CuPy) of the same dtype and shape to copy the result into;
                 it is returned. Without ``out`` the result is a read-only NumPy array that shares
                 memory with the local store.
+            direct: Pull from the object's owner (for a reduction's result: the node computing it)
+                even while it serves other readers, instead of joining the pipelined chain of
+                readers. For collectives whose traffic pattern leaves the owner's link room for
+                every reader, such as the gather phase of a sharded allreduce, where a chain would
+                load some links more than others. Falls back to any source if the owner is gone.
 
         Raises:
             HopliteTimeoutError: not available within ``timeout``.
@@ -458,15 +465,17 @@ class Node:
         self._check_open()
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
-        obj = self._io.run(self._get(object_id, timeout))
+        obj = self._io.run(self._get(object_id, timeout, direct=direct))
         return self._deliver(obj, out)
 
-    async def get_async(self, object_id: ObjectID, timeout: float | None = None, out: Any = None) -> Any:
+    async def get_async(
+        self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
+    ) -> Any:
         """Async twin of :meth:`get`."""
         self._check_open()
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
-        obj = await self._io.run_async(self._get(object_id, timeout))
+        obj = await self._io.run_async(self._get(object_id, timeout, direct=direct))
         return self._deliver(obj, out)
 
     @staticmethod
@@ -493,14 +502,18 @@ class Node:
         return out
 
     async def _get(
-        self, oid: ObjectID, timeout: float | None, started: asyncio.Future[LocalObject] | None = None
+        self,
+        oid: ObjectID,
+        timeout: float | None,
+        started: asyncio.Future[LocalObject] | None = None,
+        direct: bool = False,
     ) -> LocalObject:
         """Fetch ``oid`` into the local store; ``started`` (if given) is resolved with the local
         object as soon as it exists, while it is still filling."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return await self._fetch(oid, deadline, timeout, started)
+                return await self._fetch(oid, deadline, timeout, started, direct)
             except _ObjectReset:
                 log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)
 
@@ -510,6 +523,7 @@ class Node:
         deadline: float | None,
         timeout: float | None,
         started: asyncio.Future[LocalObject] | None,
+        direct: bool = False,
     ) -> LocalObject:
         """One attempt of :meth:`_get` (raises :class:`_ObjectReset` if its copy was voided)."""
 
@@ -543,7 +557,7 @@ class Node:
             if left is not None and left <= 0:
                 raise timed_out()
             have = local.progress if local is not None else 0
-            reply = await self._lookup(oid, left, have, shared_memory=self._shm and local is None)
+            reply = await self._lookup(oid, left, have, self._shm and local is None, direct)
             generation = self._generation  # a copy finished under a later connection is restored
             if local is not None and local.error is not None:
                 # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
@@ -705,14 +719,25 @@ class Node:
             self._store.remove(local.object_id, exc)
 
     async def _lookup(
-        self, oid: ObjectID, timeout: float | None, have: int, shared_memory: bool = False
+        self,
+        oid: ObjectID,
+        timeout: float | None,
+        have: int,
+        shared_memory: bool = False,
+        direct: bool = False,
     ) -> p.LookupReply:
         return await self._with_directory(
-            lambda control, left: self._lookup_once(control, oid, left, have, shared_memory), timeout
+            lambda control, left: self._lookup_once(control, oid, left, have, shared_memory, direct), timeout
         )
 
     async def _lookup_once(
-        self, control: ControlClient, oid: ObjectID, timeout: float | None, have: int, shared_memory: bool
+        self,
+        control: ControlClient,
+        oid: ObjectID,
+        timeout: float | None,
+        have: int,
+        shared_memory: bool,
+        direct: bool = False,
     ) -> p.LookupReply:
         rid = control.next_id()
         fut = control.expect(rid)
@@ -724,6 +749,7 @@ class Node:
                     timeout=timeout or 0.0,
                     have_bytes=have,
                     shared_memory=shared_memory,
+                    direct=direct,
                 )
             )
             # The directory enforces the deadline; the margin covers a directory that went silent.
@@ -987,6 +1013,7 @@ class Node:
         num_objects: int | None = None,
         reduction_id: ObjectID | None = None,
         timeout: float | None = None,
+        degree: int | None = None,
     ) -> ObjectID:
         """Reduce the first ``num_objects`` of ``object_ids`` to become ready; return the result's id.
 
@@ -1005,6 +1032,10 @@ class Node:
             timeout: Seconds the directory waits for ``num_objects`` inputs before failing the
                 reduction with :class:`HopliteTimeoutError` (None: ``Config.default_get_timeout``,
                 0 there: forever).
+            degree: Fan-in of the reduce tree: 1 is a chain, ``num_objects - 1`` a star (one vertex
+                reduces every other input). None lets the directory choose from its cost model,
+                which suits one reduction using the whole network; a caller running several
+                reductions at once that should share the links evenly (a sharded allreduce) asks.
 
         Raises:
             InvalidArgumentError: bad ids, ``num_objects`` or op, or an unsupported dtype.
@@ -1012,7 +1043,7 @@ class Node:
             ObjectExistsError: ``reduction_id`` exists as an object or another reduction.
         """
         self._check_open()
-        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout)
+        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout, degree)
         return self._io.run(self._reduce(msg))
 
     async def reduce_async(
@@ -1022,10 +1053,11 @@ class Node:
         num_objects: int | None = None,
         reduction_id: ObjectID | None = None,
         timeout: float | None = None,
+        degree: int | None = None,
     ) -> ObjectID:
         """Async twin of :meth:`reduce`."""
         self._check_open()
-        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout)
+        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout, degree)
         return await self._io.run_async(self._reduce(msg))
 
     def _reduce_request(
@@ -1035,6 +1067,7 @@ class Node:
         num_objects: int | None,
         reduction_id: ObjectID | None,
         timeout: float | None,
+        degree: int | None = None,
     ) -> p.ReduceRequest:
         ids = list(object_ids) if not isinstance(object_ids, (str, bytes, ObjectID)) else None
         if not ids or not all(isinstance(o, ObjectID) for o in ids):
@@ -1050,6 +1083,10 @@ class Node:
             )
         if reduction_id is not None and not isinstance(reduction_id, ObjectID):
             raise InvalidArgumentError("reduction_id must be an ObjectID or None", argument="reduction_id")
+        if degree is not None and (not isinstance(degree, int) or isinstance(degree, bool) or degree < 1):
+            raise InvalidArgumentError(
+                f"degree must be an int >= 1 or None, got {degree!r}", argument="degree"
+            )
         rid = reduction_id or ObjectID.random()
         if rid in ids:
             raise InvalidArgumentError("reduction_id must not be one of the inputs", argument="reduction_id")
@@ -1061,6 +1098,7 @@ class Node:
             op=as_op(op).value,
             num_objects=k,
             timeout=wait or 0.0,
+            degree=degree or 0,
         )
 
     async def _reduce(self, msg: p.ReduceRequest) -> ObjectID:

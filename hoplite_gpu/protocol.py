@@ -20,8 +20,9 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 6  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
-# 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory
+PROTOCOL_VERSION = 7  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+# 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
+# 7: a reduction's requested tree degree, direct lookups
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -120,7 +121,8 @@ class LookupRequest(Message):
 
     ``timeout`` 0 waits until cancelled. ``have_bytes`` is how much of the object the requester
     already holds (a resumed transfer). ``shared_memory``: the requester can copy from a
-    complete copy's shared-memory segment on its own host.
+    complete copy's shared-memory segment on its own host. ``direct``: pull from the owner (or the
+    node computing the object) even while it serves others, rather than from the chain of readers.
     """
 
     TYPE: ClassVar[str] = "lookup"
@@ -129,6 +131,7 @@ class LookupRequest(Message):
     timeout: float
     have_bytes: int = 0
     shared_memory: bool = False
+    direct: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +199,9 @@ class ReduceRequest(Message):
     """Reduce the first ``num_objects`` of ``object_ids`` to become ready into ``reduction_id``.
 
     ``op`` is a :class:`~hoplite_gpu.reduce_ops.ReduceOp` value; ``timeout`` (0: none) is how long
-    the directory waits for enough inputs before failing the reduction. Repeating a request with
-    the same id and arguments is accepted (every rank of a group may issue it).
+    the directory waits for enough inputs before failing the reduction. ``degree`` is the tree's
+    fan-in (0: the directory chooses from its cost model). Repeating a request with the same id and
+    arguments is accepted (every rank of a group may issue it).
     """
 
     TYPE: ClassVar[str] = "reduce"
@@ -208,6 +212,7 @@ class ReduceRequest(Message):
     num_objects: int
     timeout: float = 0.0
     rejoin: bool = False  # re-sent to a restarted directory: a complete result already held is it
+    degree: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from hoplite_gpu.protocol import (
     DeleteReply,
     DeleteRequest,
     DropObject,
+    Heartbeat,
     LookupReply,
     LookupRequest,
     PutReply,
@@ -243,3 +244,46 @@ def test_the_requesters_own_input_computes_the_root_whenever_it_arrives() -> Non
             tasks.update({m.vertex: n for n, m in sent(put(state, NODES[i], i, 256 * MiB), ReduceTask)})
         assert tasks[0] == "D", (order, tasks)
         assert sorted(state.reductions[RID].plan.reduced_objects()) == [oid(i) for i in range(4)]
+
+
+def test_a_requested_degree_shapes_the_tree_and_the_requester_computes_the_root() -> None:
+    # A sharded allreduce: D asks for a star over four shards, after putting its own (listed last).
+    state = make_state()
+    put(state, "A", 0, 64 * MiB)  # present before the request, listed first
+    put(state, "D", 3, 64 * MiB)
+    req(state, "D", ReduceRequest(9, RID, [oid(i) for i in range(4)], "sum", 4, 0.0, degree=3))
+    tasks = {m.vertex: (n, m) for n, m in sent(put(state, "B", 1, 64 * MiB), ReduceTask)}
+    tasks.update({m.vertex: (n, m) for n, m in sent(put(state, "C", 2, 64 * MiB), ReduceTask)})
+    plan = state.reductions[RID].plan
+    assert (plan.degree, plan.reason) == (3, "degree 3 requested")
+    assert {pl.object_id: pl.vertex for pl in plan.placed}[oid(3)] == 0  # the root, on D
+    assert all(pl.parent == 0 for pl in plan.placed if pl.vertex)  # a star: every leaf streams into it
+    assert not [v for v in tasks if v != 0]  # leaves cost their nodes nothing
+    # The cost model would have chosen a chain for 64 MiB inputs.
+    state = make_state()
+    put(state, "D", 3, 64 * MiB)
+    reduce(state, node="D")
+    for i in range(3):
+        put(state, NODES[i], i, 64 * MiB)
+    assert state.reductions[RID].plan.degree == 1
+
+
+def test_a_requested_degree_is_capped_and_survives_a_repair() -> None:
+    state = make_state(lease=5.0)
+    req(state, "A", ReduceRequest(9, RID, [oid(i) for i in range(3)], "sum", 3, 0.0, degree=7))
+    for i in range(3):
+        put(state, NODES[i], i, 64 * MiB)
+    assert state.reductions[RID].plan.degree == 2
+    for node in "ACDEFGH":  # B misses its lease: its input is lost and must be put again
+        req(state, node, Heartbeat(), 4.0)
+    state.handle(Tick(6.0))
+    put(state, "E", 1, 64 * MiB, now=6.0)
+    plan = state.reductions[RID].plan
+    assert plan.epoch == 1 and plan.degree == 2 and len(plan.placed) == 3
+
+
+def test_a_negative_degree_is_refused() -> None:
+    state = make_state()
+    out = req(state, "A", ReduceRequest(9, RID, [oid(0), oid(1)], "sum", 2, 0.0, degree=-1))
+    ((_, reply),) = sent(out, ReduceReply)
+    assert reply.error_kind == "InvalidArgumentError" and "degree" in reply.error

@@ -114,6 +114,24 @@ def test_concurrent_lookups_form_a_pipelined_chain():
     assert_one_receiver_per_sender(state)
 
 
+def test_direct_lookups_pull_from_the_owner_while_it_serves_others():
+    state = make_state("A", "B", "C", "D", "E")
+    put(state, "A")
+    for i, node in enumerate("BCD", start=1):  # each would have joined a chain
+        pull(req(state, node, LookupRequest(i, OID, 0.0, direct=True)), node, i, sender="A")
+    # A plain lookup still joins a chain (an idle partial copy), not the busy owner.
+    assert pull(lookup(state, "E", 4), "E", 4, sender="B").sender_complete is False
+
+
+def test_a_direct_lookup_falls_back_to_another_copy_when_the_owner_is_suspect():
+    state = make_state("A", "B", "C")
+    put(state, "A")
+    done(state, "B", pull(lookup(state, "B", 1), "B", 1, sender="A").transfer_id)  # B: complete
+    tid = pull(req(state, "C", LookupRequest(2, OID, 0.0, direct=True)), "C", 2, sender="A").transfer_id
+    req(state, "C", TransferDone(tid, False, 0, sender_failed=True))  # A stalled: suspect
+    pull(req(state, "C", LookupRequest(3, OID, 0.0, direct=True)), "C", 3, sender="B")
+
+
 def test_idle_complete_copy_preferred_over_idle_partial_copy():
     state = make_state("A", "B", "C", "D", "E", "F")
     put(state, "A")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
+from hoplite_gpu import collective as coll
 from tests.procs import digest, make_array, start_workers, wait_for_events
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -198,12 +199,14 @@ def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
             w.send(cmd, name, *args)
         return [w.result() for w in workers]
 
-    shape = (64, 1024)  # 256 KiB of float32
     seeds = list(range(world))
-    for op in ("sum", "avg", "max"):
-        results = everyone("allreduce", "float32", shape, 0, op)
-        want = _expected("float32", shape, seeds, op)
-        assert all(np.array_equal(r, want) for r in results), op
+    # 256 KiB: one tree; 3 MiB: one shard per member (777777 elements: the shards differ in size)
+    for shape in [(64, 1024), (777, 1001)]:
+        assert (np.prod(shape) * 4 >= coll.SHARD_MIN_BYTES) == (shape[0] == 777)
+        for op in ("sum", "avg", "max"):
+            results = everyone("allreduce", "float32", shape, 0, op)
+            want = _expected("float32", shape, seeds, op)
+            assert all(np.array_equal(r, want) for r in results), (shape, op)
     small = everyone("allreduce", "int32", (4,), 0, "sum")  # inline
     assert all(np.array_equal(r, _expected("int32", (4,), seeds)) for r in small)
     gathered = everyone("allgather", "float64", (8, 1024), 9)
@@ -233,6 +236,9 @@ def test_reduce_argument_errors_are_typed(owner: Any) -> None:
         owner.reduce([oid], op="median")
     with pytest.raises(hg.InvalidArgumentError):
         owner.reduce([oid], reduction_id=oid)
+    for degree in (0, 1.5, True):
+        with pytest.raises(hg.InvalidArgumentError, match="degree"):
+            owner.reduce([oid], degree=degree)
     with pytest.raises(hg.InvalidArgumentError):
         owner.reduce([oid.hex()])
     with pytest.raises(hg.ObjectExistsError):

@@ -204,12 +204,15 @@ class ReducePlan:
         inputs: The candidate inputs, in the caller's order (distinct).
         num_objects: How many of them to reduce (the first to become ready).
         epoch: How many times the tree was rebuilt after a failure (part of intermediate ids).
+        fan_in: The tree's degree asked for by the requester (0: :func:`choose_degree` picks it
+            when the first input fixes the size; capped at ``num_objects - 1``).
     """
 
     reduction_id: bytes
     inputs: tuple[bytes, ...]
     num_objects: int
     epoch: int = 0
+    fan_in: int = 0
     degree: int = 0
     reason: str = ""
     dtype: str = ""
@@ -224,6 +227,8 @@ class ReducePlan:
             raise ValueError("a reduction's inputs must be distinct")
         if not 1 <= self.num_objects <= len(self.inputs):
             raise ValueError(f"num_objects must be in 1..{len(self.inputs)}")
+        if self.fan_in < 0:
+            raise ValueError("a reduce tree's degree must be >= 1 (or 0 to let the directory choose)")
 
     @property
     def full(self) -> bool:
@@ -280,7 +285,11 @@ class ReducePlan:
         self.check(object_id, size, dtype, shape)
         if self._tree is None:
             self.size, self.dtype, self.shape = size, dtype, tuple(shape)
-            self.degree, self.reason = choose_degree(self.num_objects, size, link, chunk)
+            if self.fan_in:
+                self.degree = min(self.fan_in, max(1, self.num_objects - 1))
+                self.reason = f"degree {self.fan_in} requested"
+            else:
+                self.degree, self.reason = choose_degree(self.num_objects, size, link, chunk)
             self._tree = TreeShape(self.num_objects, self.degree)
         tree = self._tree
         if at_root and 0 not in self.by_vertex:

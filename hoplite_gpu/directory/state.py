@@ -195,6 +195,7 @@ class PendingLookup:
     have_bytes: int
     deadline: float | None
     shared_memory: bool = False
+    direct: bool = False  # from the owner even while it serves others (see LookupRequest)
 
 
 @dataclass(slots=True)
@@ -529,7 +530,13 @@ class DirectoryState:
             return
         deadline = now + msg.timeout if msg.timeout > 0 else None
         pl = PendingLookup(
-            node_id, msg.request_id, msg.object_id, max(0, msg.have_bytes), deadline, msg.shared_memory
+            node_id,
+            msg.request_id,
+            msg.object_id,
+            max(0, msg.have_bytes),
+            deadline,
+            msg.shared_memory,
+            msg.direct,
         )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
         self._log(now, "lookup", node=node_id, object_id=msg.object_id.hex(), request_id=msg.request_id)
@@ -575,7 +582,7 @@ class DirectoryState:
                 now, "lookup_shm", node=pl.node_id, object_id=entry.object_id.hex(), sender=shared.node_id
             )
             return True
-        sender = self._choose_sender(entry, pl.node_id)
+        sender = self._choose_sender(entry, pl.node_id, pl.direct)
         if sender is None:
             return False
         info = self.nodes[sender.node_id]
@@ -633,8 +640,19 @@ class DirectoryState:
                 found = found or loc
         return found
 
-    def _choose_sender(self, entry: ObjectEntry, receiver: str) -> Location | None:
-        """Idle complete copy first, else the idle partial copy with most bytes; never a cycle."""
+    def _choose_sender(self, entry: ObjectEntry, receiver: str, direct: bool = False) -> Location | None:
+        """Idle complete copy first, else the idle partial copy with most bytes; never a cycle.
+        ``direct``: the owner's copy (complete, or being computed there), busy or not, while its node
+        is alive and not suspect; else as without."""
+        owner = entry.locations.get(entry.owner) if direct else None
+        if (
+            owner is not None
+            and owner.node_id != receiver
+            and (owner.state is LocationState.COMPLETE or owner.producing)
+        ):
+            info = self.nodes.get(owner.node_id)
+            if info is not None and info.suspect_since is None:
+                return owner
         best: Location | None = None
         for loc in entry.locations.values():
             info = self.nodes.get(loc.node_id)
@@ -796,7 +814,7 @@ class DirectoryState:
             return
         try:
             op = as_op(msg.op).value
-            plan = ReducePlan(rid, inputs, msg.num_objects)
+            plan = ReducePlan(rid, inputs, msg.num_objects, fan_in=msg.degree)
         except (InvalidArgumentError, ValueError) as exc:
             refuse("InvalidArgumentError", str(exc))
             return
@@ -834,9 +852,14 @@ class DirectoryState:
         )
         for oid in inputs:
             self.awaiting.setdefault(oid, set()).add(rid)
-        for oid in inputs:
-            if oid in self.objects:
-                self._offer(red, oid, now)
+        # The requester's own inputs first: one of them computes the root (see _offer), whatever
+        # the others' position in the list.
+        ready = sorted(
+            (oid for oid in inputs if oid in self.objects),
+            key=lambda oid: self._input_holder(self.objects[oid]) != node_id,
+        )
+        for oid in ready:
+            self._offer(red, oid, now)
 
     @staticmethod
     def _input_problem(plan: ReducePlan, entry: ObjectEntry, first: ObjectEntry) -> tuple[str, str] | None:
@@ -1163,7 +1186,7 @@ class DirectoryState:
                 self._remove_object(pl.output_id, now)  # cancels the vertex computing it
         # The root's node (its vertex is cancelled) and partial readers (they start again).
         self._remove_object(rid, now, reason="reset")
-        red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1)
+        red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1, fan_in=old.fan_in)
         red.inline = []
         red.deadline = now + red.timeout if red.timeout > 0 else None
         for oid in old.inputs:
