@@ -39,6 +39,23 @@ from bench.common import format_size, markdown_table, parse_size, stop_workers
 OPS = ("broadcast", "reduce", "allreduce")
 
 
+def check_result(op: str, rank: int, world: int, arr: Any, outs: list[Any]) -> None:
+    """Raise if a benchmark round's result is wrong: member ``r`` entered it with ``r + 1``
+    everywhere (its ``arr``, and its piece for gather and allgather)."""
+    total = world * (world + 1) / 2
+    if op == "broadcast":
+        want = [(arr, 1.0)]
+    elif op in ("reduce", "allreduce"):
+        want = [(arr, total)] if op == "allreduce" or rank == 0 else []
+    elif op in ("gather", "allgather"):
+        want = [(out, r + 1.0) for r, out in enumerate(outs)] if op == "allgather" or rank == 0 else []
+    else:
+        want = []
+    for got, value in want:
+        if len(got) and not (float(got.min()) == float(got.max()) == value):
+            raise AssertionError(f"{op}: member {rank} got values in [{got.min()}, {got.max()}], not {value}")
+
+
 def _member(address: str, token: str, rank: int, world: int, shared: bool, conn: Any) -> None:
     import hoplite_gpu as hg
     from hoplite_gpu import collective as coll
@@ -55,10 +72,13 @@ def _member(address: str, token: str, rank: int, world: int, shared: bool, conn:
                 conn.send(node.event_log())
                 continue
             op, size, rounds = msg
-            arr = np.ones(size // 4, np.float32)
+            arr = np.empty(size // 4, np.float32)
+            piece = np.full(size // 4 // world, rank + 1, np.float32)  # gather: size is the total
+            outs = [np.empty_like(piece) for _ in range(world)]
             spans = []
             sent: list[Any] = []
             for _ in range(rounds):
+                arr.fill(rank + 1)
                 coll.barrier(group)
                 for oid in sent:  # every member is past the barrier: the receiver has it
                     node.delete(oid)
@@ -70,6 +90,10 @@ def _member(address: str, token: str, rank: int, world: int, shared: bool, conn:
                     coll.reduce(arr, 0, group)
                 elif op == "allreduce":
                     coll.allreduce(arr, group)
+                elif op == "gather":
+                    coll.gather(outs, piece, 0, group)
+                elif op == "allgather":
+                    coll.allgather(outs, piece, group)
                 elif op == "p2p":  # member 0 puts, member 1 gets; the others idle
                     oid = hg.ObjectID.from_name(f"{group.name}/p2p/{group.seq}")
                     if rank == 0:
@@ -77,7 +101,7 @@ def _member(address: str, token: str, rank: int, world: int, shared: bool, conn:
                     elif rank == 1:
                         node.get(oid, timeout=300)
                 spans.append((start, time.monotonic()))
-                arr[...] = 1  # keep values small: allreduce multiplies them by N each round
+                check_result(op, rank, world, arr, outs)
             coll.barrier(group)
             for oid in sent:
                 node.delete(oid)

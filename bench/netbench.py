@@ -1,25 +1,39 @@
 """Collectives on an emulated cluster (:mod:`bench.cluster`): N hosts as network namespaces whose
-links are shaped to a chosen bandwidth, against the physical limit of those links.
+links are shaped to a chosen bandwidth, hoplite_gpu beside the systems it replaces, against the
+physical limit of those links.
 
-One directory runs on host 0 and one hoplite_gpu process on every host, all over UCX on TCP
-(``UCX_TLS=tcp``, ``HOPLITE_SHARED_MEMORY=0``: namespaces share ``/dev/shm``, and a real cluster
-has no shared memory between hosts). Members time each collective as in
-:mod:`bench.collectives` (from the last member entering to the last leaving, CLOCK_MONOTONIC is
-shared by every namespace of the machine). The ideal of each operation, for link bandwidth ``B``
-and ``S`` bytes:
+Systems, each with one process per host talking only over the cluster's links:
+
+* ``hoplite_gpu``: one directory on host 0, one node per host, UCX on TCP (``UCX_TLS=tcp``,
+  ``HOPLITE_SHARED_MEMORY=0``: namespaces share ``/dev/shm``, and a real cluster has no shared
+  memory between hosts);
+* ``mpi``: Open MPI + mpi4py, ``--mca btl tcp,self`` (:mod:`bench.peers.mpi`);
+* ``gloo``: ``torch.distributed`` with the gloo backend;
+* ``ray``: a Ray node per host, object-store put/get as the Hoplite paper's Ray baseline
+  (:mod:`bench.peers.ray_peer`).
+
+Each collective is timed from the last member entering it to the last leaving it (members pass a
+barrier first; CLOCK_MONOTONIC is shared by every namespace of the machine), as in
+:mod:`bench.collectives`; the median of ``--repeat`` rounds after ``--warmup`` is reported, and
+every round's result is checked. For link bandwidth ``B`` and ``S`` bytes, the ideal
+(:func:`ideal_seconds`) is:
 
 * broadcast and reduce: ``S / B`` (each byte crosses the root's link once, pipelined);
-* allreduce: ``2 (N-1)/N * S / B`` (the bandwidth-optimal bound).
+* allreduce: ``2 (N-1)/N * S / B`` (the bandwidth-optimal bound);
+* gather and allgather, where ``S`` is the gathered total (``S/N`` per member):
+  ``(N-1)/N * S / B`` (what the root's, or every member's, download must carry).
 
-The link bandwidth is also measured in the same run (one TCP stream between two hosts) and shown.
-Needs root (``sudo``) and iproute2.
+The link bandwidth is also measured in each run (one TCP stream between two hosts) and shown.
+Needs root and iproute2; the peers need ``make bench-cluster``'s installs.
 
-    python bench/netbench.py --hosts 4 --rate 100MB --sizes 1KiB,1MiB,64MiB --repeat 3
+    python bench/netbench.py --hosts 4,8 --rate 100MB --sizes 1KiB,1MiB,64MiB --repeat 3 \
+        --json bench/results/netbench.json --plots bench/results
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -32,13 +46,15 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable, link_throughput
-from bench.collectives import round_times
+from bench.collectives import check_result, round_times
 from bench.common import format_size, markdown_table, parse_size
 
-OPS = ("broadcast", "reduce", "allreduce")
+OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather")
 DIRECTORY_PORT = 7070
 GLOO_PORT = 29500
-SYSTEMS = ("hoplite_gpu", "gloo")
+SYSTEMS = ("hoplite_gpu", "mpi", "gloo", "ray")
+#: Peers run by a module of bench/peers (``run(cluster, sizes, ops, repeat, warmup) -> rows``).
+PEER_MODULES = {"mpi": "bench.peers.mpi", "ray": "bench.peers.ray_peer"}
 #: Every hoplite process on the cluster: TCP only, no shared memory between "hosts".
 HOST_ENV = {"UCX_TLS": "tcp", "HOPLITE_SHARED_MEMORY": "0", "GLOO_SOCKET_IFNAME": "eth0"}
 
@@ -77,9 +93,12 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
             if msg is None:
                 break
             op, size, rounds = msg
-            t = torch.ones(size // 4, dtype=torch.float32)
+            t = torch.empty(size // 4, dtype=torch.float32)
+            piece = torch.full((size // 4 // world,), rank + 1.0)  # gather: size is the total
+            outs = [torch.empty_like(piece) for _ in range(world)]
             spans = []
             for _ in range(rounds):
+                t.fill_(rank + 1)
                 dist.barrier()
                 start = time.monotonic()
                 if op == "broadcast":
@@ -88,10 +107,14 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
                     dist.reduce(t, dst=0)
                 elif op == "allreduce":
                     dist.all_reduce(t)
+                elif op == "gather":
+                    dist.gather(piece, outs if rank == 0 else None, dst=0)
+                elif op == "allgather":
+                    dist.all_gather(outs, piece)
                 else:
                     raise ValueError(op)
                 spans.append((start, time.monotonic()))
-                t.fill_(1)
+                check_result(op, rank, world, t.numpy(), [o.numpy() for o in outs])
             conn.send(spans)
     finally:
         dist.destroy_process_group()
@@ -141,13 +164,23 @@ class Member:
                 self.proc.wait(10)
 
 
+def ideal_seconds(op: str, size: int, hosts: int, rate: float) -> float:
+    """The physical limit of ``op`` on ``size`` bytes over links of ``rate`` bytes/s (see the module
+    docstring): every byte crosses the busiest link's direction once (broadcast, reduce), or
+    ``(N-1)/N`` of the data does (gather, allgather: ``size`` is the gathered total), or twice that
+    (allreduce)."""
+    share = (hosts - 1) / hosts
+    factor = {"broadcast": 1.0, "reduce": 1.0, "allreduce": 2 * share, "gather": share, "allgather": share}
+    return factor[op] * size / rate
+
+
 def run(
     hosts: int,
     rate: float,
     sizes: list[int],
     repeat: int,
     warmup: int,
-    systems: list[str],
+    systems: Sequence[str],
     ops: Sequence[str] = OPS,
 ) -> dict[str, Any]:
     """Every op at every size, for every system, on one cluster; rows with the median time and its
@@ -155,9 +188,20 @@ def run(
     rows: list[dict[str, Any]] = []
     with Cluster(hosts, rate) as cluster:
         measured = link_throughput(cluster)
-        print(f"link: {measured / 1e6:.1f} MB/s measured ({rate / 1e6:.0f} MB/s set)", file=sys.stderr)
+        note = f"N={hosts} link: {measured / 1e6:.1f} MB/s measured ({rate / 1e6:.0f} MB/s set)"
+        print(note, file=sys.stderr, flush=True)
         for system in systems:
-            rows += _run_system(cluster, system, sizes, repeat, warmup, ops)
+            started = time.monotonic()
+            if system in PEER_MODULES:
+                peer = importlib.import_module(PEER_MODULES[system])
+                found = peer.run(cluster, sizes, list(ops), repeat, warmup)
+            else:
+                found = _run_system(cluster, system, sizes, repeat, warmup, ops)
+            for row in found:
+                ideal = ideal_seconds(row["op"], row["size"], hosts, rate)
+                row.update(hosts=hosts, ideal_seconds=ideal, x_ideal=row["seconds"] / ideal)
+            rows += found
+            print(f"N={hosts} {system}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return {"hosts": hosts, "rate_bytes": rate, "link_measured_bytes": measured, "rows": rows}
 
 
@@ -167,7 +211,6 @@ def _run_system(
     from hoplite_gpu.auth import new_token
     from hoplite_gpu.directory import DirectoryProcess
 
-    hosts, rate = cluster.hosts, cluster.rate_bytes
     rows: list[dict[str, Any]] = []
     token = new_token()
     directory: DirectoryProcess | None = None
@@ -180,30 +223,18 @@ def _run_system(
         address = directory.address
     members: list[Member] = []
     try:
-        members = [Member(cluster, system, r, address, token) for r in range(hosts)]
+        members = [Member(cluster, system, r, address, token) for r in range(cluster.hosts)]
         for m in members:
             if m.recv() != "ready":
                 raise RuntimeError(f"a {system} member did not start")
         for size in sizes:
-            print(f"{system} {format_size(size)} ...", file=sys.stderr, flush=True)
-            ideal = {"broadcast": size / rate, "reduce": size / rate}
-            ideal["allreduce"] = 2 * (hosts - 1) / hosts * size / rate
             for op in ops:
+                print(f"N={cluster.hosts} {system} {op} {format_size(size)} ...", file=sys.stderr, flush=True)
                 for m in members:
                     m.send([op, size, warmup + repeat])
                 spans = [m.recv() for m in members]
                 seconds = statistics.median(round_times(spans, warmup, repeat))
-                rows.append(
-                    {
-                        "system": system,
-                        "op": op,
-                        "hosts": hosts,
-                        "size": size,
-                        "seconds": seconds,
-                        "ideal_seconds": ideal[op],
-                        "x_ideal": seconds / ideal[op],
-                    }
-                )
+                rows.append({"system": system, "op": op, "size": size, "seconds": seconds})
     finally:
         for m in members:
             m.stop()
@@ -212,22 +243,22 @@ def _run_system(
     return rows
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """Markdown table of a run."""
-    columns = [("system", "l"), ("op", "l"), ("N", "r"), ("size", "r"), ("median s", "r")]
-    columns += [("ideal s", "r"), ("x ideal", "r")]
-    cells = [
-        [
-            r["system"],
-            r["op"],
-            str(r["hosts"]),
-            format_size(r["size"]),
-            f"{r['seconds']:.4f}",
-            f"{r['ideal_seconds']:.4f}",
-            f"{r['x_ideal']:.2f}",
-        ]
-        for r in result["rows"]
-    ]
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table: one row per (N, op, size), each system's median seconds and its ratio to
+    the ideal."""
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    keys = sorted({(r["hosts"], OPS.index(r["op"]), r["size"]) for r in rows})
+    by_key = {(r["hosts"], OPS.index(r["op"]), r["size"], r["system"]): r for r in rows}
+    columns = [("N", "r"), ("op", "l"), ("size", "r"), ("ideal s", "r")]
+    columns += [(f"{s} s (x ideal)", "r") for s in systems]
+    cells = []
+    for hosts, op, size in keys:
+        line = [str(hosts), OPS[op], format_size(size)]
+        line.append(f"{ideal_seconds(OPS[op], size, hosts, rows[0]['rate_bytes']):.4f}")
+        for system in systems:
+            r = by_key.get((hosts, op, size, system))
+            line.append("-" if r is None else f"{r['seconds']:.4f} ({r['x_ideal']:.2f})")
+        cells.append(line)
     return markdown_table(columns, cells)
 
 
@@ -237,30 +268,45 @@ def main(argv: list[str] | None = None) -> int:
         _member_main(argv[1], argv[2], int(argv[3]), int(argv[4]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--hosts", default="4", help="comma-separated host counts (2-8), one cluster each")
     ap.add_argument("--rate", default="100MB", help="link bandwidth per direction (bytes/s: 100MB, 1GB)")
-    ap.add_argument("--sizes", default="1KiB,1MiB,16MiB,64MiB")
+    ap.add_argument("--sizes", default="1KiB,1MiB,16MiB,64MiB,256MiB")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
-    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--json", help="also write the results to this file (and the table beside it, .md)")
+    ap.add_argument("--plots", help="also draw one PNG per (N, op) into this directory (bench/plot.py)")
     args = ap.parse_args(argv)
     rate = float(args.rate.upper().replace("GB", "e9").replace("MB", "e6"))
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    systems, ops = args.systems.split(","), args.ops.split(",")
+    unknown = [x for x in systems if x not in SYSTEMS] + [x for x in ops if x not in OPS]
+    if unknown:
+        ap.error(f"unknown system or op: {', '.join(unknown)}")
     started = time.monotonic()
+    runs = []
     try:
-        result = run(
-            args.hosts, rate, sizes, args.repeat, args.warmup, args.systems.split(","), args.ops.split(",")
-        )
+        for hosts in [int(h) for h in args.hosts.split(",")]:
+            runs.append(run(hosts, rate, sizes, args.repeat, args.warmup, systems, ops))
     except ClusterUnavailable as exc:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
         return 2
-    print(format_table(result))
+    rows = [dict(r, rate_bytes=rate) for result in runs for r in result["rows"]]
+    table = format_table(rows)
+    print(table)
     print(f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    result = {"rate_bytes": rate, "runs": runs, "rows": rows, "seconds": time.monotonic() - started}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
+        with open(os.path.splitext(args.json)[0] + ".md", "w") as fh:
+            fh.write(table + "\n")
+    if args.plots:
+        from bench.plot import plot
+
+        for path in plot(result, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -35,7 +35,7 @@ from .reduce_ops import ReduceOp, as_op
 
 T = TypeVar("T")
 
-__all__ = ["Group", "allgather", "allreduce", "barrier", "broadcast", "reduce", "reducescatter"]
+__all__ = ["Group", "allgather", "allreduce", "barrier", "broadcast", "gather", "reduce", "reducescatter"]
 
 
 class Group:
@@ -206,8 +206,8 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     being computed. Each member's link then carries ``2 (N-1)/N`` times the array's bytes each
     way, the bandwidth-optimal amount, whatever the order in which members arrive; a single tree's
     inner vertices carry twice the array, and chains of readers load their first members' links
-    more than their last's. The
-    shards are ordinary reductions: a member that dies is repaired around like in any other.
+    more than their last's. The shards are ordinary reductions: a member that dies is repaired
+    around like in any other.
     """
     g = _check_group(group)
     reduce_op = as_op(op)
@@ -260,17 +260,23 @@ def _flat_view(array: Any) -> Any:
 
 
 def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
-    """Fill ``list_out[r]`` with member ``r``'s ``array`` on every member; returns ``list_out``."""
+    """Fill ``list_out[r]`` with member ``r``'s ``array`` on every member; returns ``list_out``.
+
+    Every member reads each other member's array straight from it (``get(direct=True)``): each
+    link carries ``N-1`` arrays each way, the least possible, where chains of readers would load
+    some links more than others.
+    """
     g = _check_group(group)
-    if not isinstance(list_out, list) or len(list_out) != g.world_size:
-        raise InvalidArgumentError(f"list_out must be a list of {g.world_size} arrays", argument="list_out")
+    _check_list(g, list_out, "list_out")
     seq = g._next()
     ids = [g.object_id(seq, "allgather", r) for r in range(g.world_size)]
 
     async def run() -> list[Any]:
         await g._put(seq, array, ids[g.rank])
-        others = [r for r in range(g.world_size) if r != g.rank]
-        await asyncio.gather(*(g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r]) for r in others))
+        others = [(g.rank + 1 + i) % g.world_size for i in range(g.world_size - 1)]
+        await asyncio.gather(
+            *(g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others)
+        )
         _copy(list_out[g.rank], array)
         await g._delete_before(seq)
         return list_out
@@ -278,11 +284,42 @@ def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
     return g._run(run())
 
 
+def gather(list_out: list[Any] | None, array: Any, dst_rank: int, group: Group) -> list[Any] | None:
+    """Fill ``list_out[r]`` on ``dst_rank`` with member ``r``'s ``array``; returns ``list_out``.
+
+    Only ``dst_rank``'s ``list_out`` is used (others may pass None); the others return as soon as
+    their array is registered, like :func:`reduce`.
+    """
+    g = _check_group(group)
+    _check_rank(g, dst_rank, "dst_rank")
+    if g.rank == dst_rank:
+        _check_list(g, list_out, "list_out")
+    seq = g._next()
+    ids = [g.object_id(seq, "gather", r) for r in range(g.world_size)]
+
+    async def run() -> list[Any] | None:
+        await g._put(seq, array, ids[g.rank])
+        if g.rank != dst_rank or list_out is None:
+            return list_out
+        others = [r for r in range(g.world_size) if r != g.rank]
+        await asyncio.gather(
+            *(g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others)
+        )
+        _copy(list_out[g.rank], array)
+        return list_out
+
+    return g._run(run())
+
+
+def _check_list(g: Group, arrays: Any, argument: str) -> None:
+    if not isinstance(arrays, list) or len(arrays) != g.world_size:
+        raise InvalidArgumentError(f"{argument} must be a list of {g.world_size} arrays", argument=argument)
+
+
 def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
     """Member ``r`` gets, in ``out``, the reduction over members of their ``list_in[r]``."""
     g = _check_group(group)
-    if not isinstance(list_in, list) or len(list_in) != g.world_size:
-        raise InvalidArgumentError(f"list_in must be a list of {g.world_size} arrays", argument="list_in")
+    _check_list(g, list_in, "list_in")
     reduce_op = as_op(op)
     seq = g._next()
 

@@ -120,6 +120,7 @@ COLLECTIVES = (
     "group",
     "allreduce",
     "allgather",
+    "gather",
     "reducescatter",
     "broadcast",
     "reduce_to",
@@ -151,6 +152,9 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
     if cmd == "allgather":
         out = [np.empty_like(arr) for _ in range(group.world_size)]
         return coll.allgather(out, arr, group)
+    if cmd == "gather":
+        out = [np.empty_like(arr) for _ in range(group.world_size)] if group.rank == args[4] else None
+        return coll.gather(out, arr, args[4], group)
     pieces = [make_array(dtype, shape, seed + group.rank * 100 + dst) for dst in range(group.world_size)]
     out = np.empty_like(arr)
     return coll.reducescatter(out, pieces, group, args[4])

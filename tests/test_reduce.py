@@ -212,6 +212,10 @@ def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
     gathered = everyone("allgather", "float64", (8, 1024), 9)
     rows = [make_array("float64", (8, 1024), 9 + r) for r in range(world)]
     assert all(all(np.array_equal(a, b) for a, b in zip(g, rows, strict=True)) for g in gathered)
+    gathered = everyone("gather", "float32", (3, 1000), 6, 2)
+    rows = [make_array("float32", (3, 1000), 6 + r) for r in range(world)]
+    assert all(np.array_equal(a, b) for a, b in zip(gathered[2], rows, strict=True))
+    assert gathered[:2] + gathered[3:] == [None] * (world - 1)
     scattered = everyone("reducescatter", "int64", (1000, 33), 2, "sum")
     for rank, got in enumerate(scattered):
         parts = [make_array("int64", (1000, 33), 2 + src * 100 + rank) for src in range(world)]
