@@ -129,13 +129,41 @@ class Group:
             deleting.add_done_callback(self._deleting.discard)
 
     async def _reduce_into(
-        self, seq: int, inputs: list[ObjectID], result: ObjectID, op: ReduceOp, out: Any
+        self,
+        seq: int,
+        inputs: list[ObjectID],
+        result: ObjectID,
+        op: ReduceOp,
+        out: Any,
+        contribution: Coroutine[Any, Any, Any] | None = None,
+        degree: int | None = None,
     ) -> Any:
+        """Request the reduction of ``inputs`` into ``result`` and read it into ``out`` (unless
+        None), after awaiting ``contribution`` (this member's put) if given: the three requests go
+        out back to back, without waiting for each other's replies (the directory handles them in
+        order), so a small collective costs one round trip to the directory, not three."""
         self._owned.append((seq, result))
-        await self.node.reduce_async(inputs, op, reduction_id=result, timeout=self.timeout)
-        if out is None:
-            return None
-        return await self.node.get_async(result, timeout=self.timeout, out=out)
+        steps = [] if contribution is None else [contribution]
+        steps.append(
+            self.node.reduce_async(inputs, op, reduction_id=result, timeout=self.timeout, degree=degree)
+        )
+        if out is not None:
+            steps.append(self.node.get_async(result, timeout=self.timeout, out=out))
+        done = await _pipelined(steps)
+        return done[-1] if out is not None else None
+
+
+async def _pipelined(steps: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Run ``steps`` concurrently, started in order (each sends its request before the next
+    starts); if one fails, cancel the others and raise its error."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _check_group(group: Any) -> Group:
@@ -182,9 +210,11 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
 
     async def run() -> Any:
-        await g._put(seq, array, inputs[g.rank])
-        if g.rank == dst_rank:  # the one requester: the directory computes the root on its node
-            await g._reduce_into(seq, inputs, g.object_id(seq, "reduce-result"), reduce_op, array)
+        mine = g._put(seq, array, inputs[g.rank])
+        if g.rank != dst_rank:
+            await mine
+        else:  # the one requester: the directory computes the root on its node
+            await g._reduce_into(seq, inputs, g.object_id(seq, "reduce-result"), reduce_op, array, mine)
         return array
 
     return g._run(run())
@@ -219,8 +249,8 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     inputs = [g.object_id(seq, "allreduce", r) for r in range(n)]
 
     async def run() -> Any:
-        await g._put(seq, array, inputs[g.rank])
-        await g._reduce_into(seq, inputs, g.object_id(seq, "allreduce-result"), reduce_op, array)
+        mine = g._put(seq, array, inputs[g.rank])
+        await g._reduce_into(seq, inputs, g.object_id(seq, "allreduce-result"), reduce_op, array, mine)
         await g._delete_before(seq)
         return array
 
@@ -233,16 +263,15 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     shards = [flat[cuts[j] : cuts[j + 1]] for j in range(n)]
     inputs = [[g.object_id(seq, "allreduce-shard", j, r) for r in range(n)] for j in range(n)]
     results = [g.object_id(seq, "allreduce-shard-result", j) for j in range(n)]
-    # Each member starts with the shard after its own, so the shards' first inputs come from
-    # different members; its own shard last, as every other member reduces into it.
-    order = [(me + 1 + i) % n for i in range(n)]
-    await asyncio.gather(*(g._put(seq, shards[j], inputs[j][me]) for j in order))
-    g._owned.append((seq, results[me]))
-    await g.node.reduce_async(
-        inputs[me], op, reduction_id=results[me], timeout=g.timeout, degree=n - 1
-    )
-    await asyncio.gather(
-        *(g.node.get_async(results[j], timeout=g.timeout, out=shards[j], direct=True) for j in order)
+    # Its own shard first: the reduction it requests then has its root here (the directory places
+    # the requester's input there) and is set up while the others are put. Then the others, each
+    # member starting after its own, so that every reduction soon has inputs to stream.
+    mine = g._put(seq, shards[me], inputs[me][me])
+    await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
+    order = [(me + 1 + i) % n for i in range(n - 1)]
+    await _pipelined([g._put(seq, shards[j], inputs[j][me]) for j in order])
+    await _pipelined(
+        [g.node.get_async(results[j], timeout=g.timeout, out=shards[j], direct=True) for j in [*order, me]]
     )
     await g._delete_before(seq)
     return array
@@ -272,11 +301,9 @@ def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
     ids = [g.object_id(seq, "allgather", r) for r in range(g.world_size)]
 
     async def run() -> list[Any]:
-        await g._put(seq, array, ids[g.rank])
         others = [(g.rank + 1 + i) % g.world_size for i in range(g.world_size - 1)]
-        await asyncio.gather(
-            *(g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others)
-        )
+        gets = [g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others]
+        await _pipelined([g._put(seq, array, ids[g.rank]), *gets])
         _copy(list_out[g.rank], array)
         await g._delete_before(seq)
         return list_out
@@ -298,13 +325,13 @@ def gather(list_out: list[Any] | None, array: Any, dst_rank: int, group: Group) 
     ids = [g.object_id(seq, "gather", r) for r in range(g.world_size)]
 
     async def run() -> list[Any] | None:
-        await g._put(seq, array, ids[g.rank])
+        mine = g._put(seq, array, ids[g.rank])
         if g.rank != dst_rank or list_out is None:
+            await mine
             return list_out
         others = [r for r in range(g.world_size) if r != g.rank]
-        await asyncio.gather(
-            *(g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others)
-        )
+        gets = [g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others]
+        await _pipelined([mine, *gets])
         _copy(list_out[g.rank], array)
         return list_out
 
@@ -324,14 +351,11 @@ def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str
     seq = g._next()
 
     async def run() -> Any:
-        await asyncio.gather(
-            *(
-                g._put(seq, piece, g.object_id(seq, "reducescatter", dst, g.rank))
-                for dst, piece in enumerate(list_in)
-            )
-        )
+        ids = [g.object_id(seq, "reducescatter", dst, g.rank) for dst in range(g.world_size)]
+        puts = [g._put(seq, piece, oid) for piece, oid in zip(list_in, ids, strict=True)]
         inputs = [g.object_id(seq, "reducescatter", g.rank, src) for src in range(g.world_size)]
-        await g._reduce_into(seq, inputs, g.object_id(seq, "reducescatter-result", g.rank), reduce_op, out)
+        result = g.object_id(seq, "reducescatter-result", g.rank)
+        await g._reduce_into(seq, inputs, result, reduce_op, out, _pipelined(puts))
         await g._delete_before(seq)
         return out
 
