@@ -158,6 +158,33 @@ class IOThread:
         return await asyncio.wrap_future(self.submit(coro))
 
 
+#: Bytes a ``get`` into ``out`` copies at a time while the object arrives.
+STREAM_COPY_BYTES = 4 << 20
+
+
+def _streamable(out: Any) -> bool:
+    """Whether ``get`` can copy into ``out`` while the object arrives (a writable C-contiguous
+    NumPy array of at least a few chunks; others get one copy at the end)."""
+    return (
+        isinstance(out, np.ndarray)
+        and out.flags.c_contiguous
+        and out.flags.writeable
+        and out.nbytes >= 2 * STREAM_COPY_BYTES
+    )
+
+
+async def _follow(source: LocalObject, dst: np.ndarray[Any, Any]) -> LocalObject:
+    """Copy ``source``'s bytes into ``dst`` as they arrive; return ``source`` once all are copied
+    (raises if the copy is dropped or reset meanwhile: the caller then copies the final object)."""
+    copied = 0
+    while copied < source.size:
+        await source.wait_progress(min(copied + STREAM_COPY_BYTES, source.size), None)
+        end = source.progress
+        dst[copied:end] = source.data[copied:end]
+        copied = end
+    return source
+
+
 def _to_host(array: Any) -> np.ndarray[Any, Any]:
     """A NumPy view/copy of ``array`` (NumPy, CuPy, or anything exposing ``__array__``)."""
     if isinstance(array, np.ndarray):
@@ -465,6 +492,8 @@ class Node:
         self._check_open()
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
+        if _streamable(out):
+            return self._io.run(self._get_into(object_id, timeout, out, direct))
         obj = self._io.run(self._get(object_id, timeout, direct=direct))
         return self._deliver(obj, out)
 
@@ -475,6 +504,8 @@ class Node:
         self._check_open()
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
+        if _streamable(out):
+            return await self._io.run_async(self._get_into(object_id, timeout, out, direct))
         obj = await self._io.run_async(self._get(object_id, timeout, direct=direct))
         return self._deliver(obj, out)
 
@@ -484,6 +515,32 @@ class Node:
             raise InvalidArgumentError(
                 f"expected an ObjectID, got {type(object_id).__name__}", argument="object_id"
             )
+
+    async def _get_into(self, oid: ObjectID, timeout: float | None, out: Any, direct: bool) -> Any:
+        """:meth:`_get` into a NumPy ``out``, copying the bytes into it as they arrive rather than
+        all at the end (for a large object the last copy would otherwise add to its latency)."""
+        started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
+        fetch = asyncio.ensure_future(self._get(oid, timeout, started=started, direct=direct))
+        follower: asyncio.Future[LocalObject] | None = None
+        try:
+            await asyncio.wait([fetch, started], return_when=asyncio.FIRST_COMPLETED)
+            if started.done() and not fetch.done():
+                source = started.result()
+                dtype = dtype_from_wire(source.dtype)
+                if tuple(out.shape) == tuple(source.shape) and np.dtype(out.dtype) == dtype:
+                    follower = asyncio.ensure_future(_follow(source, out.reshape(-1).view(np.uint8)))
+            obj = await fetch
+            if follower is not None and started.result() is obj:
+                # obj is complete: the follower copies what is left at once (or failed earlier, if
+                # the copy was reset; obj is then another object, copied whole below)
+                with contextlib.suppress(HopliteError):
+                    if await follower is obj:
+                        return out  # every byte was copied as it came
+        finally:
+            fetch.cancel()
+            if follower is not None and not follower.done():
+                follower.cancel()
+        return self._deliver(obj, out)
 
     def _deliver(self, obj: LocalObject, out: Any) -> Any:
         arr = obj.array()

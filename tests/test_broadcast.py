@@ -33,6 +33,22 @@ def test_one_put_eight_gets_bit_exact(owner: Any, workers: Any, dtype: str, shap
     owner.delete(oid)
 
 
+def test_gets_into_out_arrays_copy_as_the_bytes_arrive(owner: Any, workers: Any) -> None:
+    # 24 MiB: streamed into out chunk by chunk along a chain of readers issued before the put
+    arr = make_array("float32", (6, 1 << 20), seed=5)
+    oid = hg.ObjectID.random()
+    for w in workers[:4]:
+        w.send("get_into", oid.hex(), 120, "float32", (6, 1 << 20))
+    owner.put(arr, oid)
+    assert [w.result() for w in workers[:4]] == [digest(arr)] * 4
+    # a mismatched out is refused, as before, whether the object is local or not
+    with pytest.raises(RuntimeError, match="InvalidArgumentError: out has dtype"):
+        workers[4].call("get_into", oid.hex(), 120, "float64", (3, 1 << 20))
+    with pytest.raises(RuntimeError, match="InvalidArgumentError: out has dtype"):
+        workers[0].call("get_into", oid.hex(), 120, "float32", (1 << 20, 6))
+    owner.delete(oid)
+
+
 def test_gets_issued_before_the_put(owner: Any, workers: Any) -> None:
     oid = hg.ObjectID.random()
     arr = make_array("float32", (512, 1024), seed=3)  # 2 MiB
