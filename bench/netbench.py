@@ -55,6 +55,8 @@ GLOO_PORT = 29500
 SYSTEMS = ("hoplite_gpu", "mpi", "gloo", "ray")
 #: Peers run by a module of bench/peers (``run(cluster, sizes, ops, repeat, warmup) -> rows``).
 PEER_MODULES = {"mpi": "bench.peers.mpi", "ray": "bench.peers.ray_peer"}
+#: Sizes below this are "small": more rounds (latency-bound, noisy, cheap).
+SMALL_BYTES = 4 << 20
 #: Every hoplite process on the cluster: TCP only, no shared memory between "hosts".
 HOST_ENV = {"UCX_TLS": "tcp", "HOPLITE_SHARED_MEMORY": "0", "GLOO_SOCKET_IFNAME": "eth0"}
 
@@ -182,9 +184,11 @@ def run(
     warmup: int,
     systems: Sequence[str],
     ops: Sequence[str] = OPS,
+    small_rounds: tuple[int, int] = (20, 5),
 ) -> dict[str, Any]:
     """Every op at every size, for every system, on one cluster; rows with the median time and its
-    ratio to the ideal."""
+    ratio to the ideal. Sizes under :data:`SMALL_BYTES` run ``small_rounds`` (repeat, warm-up)
+    rounds instead: they are cheap, and their median needs more samples."""
     rows: list[dict[str, Any]] = []
     with Cluster(hosts, rate) as cluster:
         measured = link_throughput(cluster)
@@ -192,11 +196,17 @@ def run(
         print(note, file=sys.stderr, flush=True)
         for system in systems:
             started = time.monotonic()
-            if system in PEER_MODULES:
-                peer = importlib.import_module(PEER_MODULES[system])
-                found = peer.run(cluster, sizes, list(ops), repeat, warmup)
-            else:
-                found = _run_system(cluster, system, sizes, repeat, warmup, ops)
+            found = []
+            small = [s for s in sizes if s < SMALL_BYTES]
+            large = [s for s in sizes if s >= SMALL_BYTES]
+            for group, (reps, warm) in ((small, small_rounds), (large, (repeat, warmup))):
+                if not group:
+                    continue
+                if system in PEER_MODULES:
+                    peer = importlib.import_module(PEER_MODULES[system])
+                    found += peer.run(cluster, group, list(ops), reps, warm)
+                else:
+                    found += _run_system(cluster, system, group, reps, warm, ops)
             for row in found:
                 ideal = ideal_seconds(row["op"], row["size"], hosts, rate)
                 row.update(hosts=hosts, ideal_seconds=ideal, x_ideal=row["seconds"] / ideal)
@@ -273,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1KiB,1MiB,16MiB,64MiB,256MiB")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--small-repeat", type=int, default=20, help="timed rounds of sizes under 4 MiB")
+    ap.add_argument("--small-warmup", type=int, default=5, help="untimed rounds of sizes under 4 MiB")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
     ap.add_argument("--json", help="also write the results to this file (and the table beside it, .md)")
@@ -288,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         for hosts in [int(h) for h in args.hosts.split(",")]:
-            runs.append(run(hosts, rate, sizes, args.repeat, args.warmup, systems, ops))
+            small = (args.small_repeat, args.small_warmup)
+            runs.append(run(hosts, rate, sizes, args.repeat, args.warmup, systems, ops, small))
     except ClusterUnavailable as exc:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""Other collective-communication systems, run on the emulated cluster for comparison."""
