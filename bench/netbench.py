@@ -264,10 +264,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     cells = []
     for hosts, op, size in keys:
         line = [str(hosts), OPS[op], format_size(size)]
-        line.append(f"{ideal_seconds(OPS[op], size, hosts, rows[0]['rate_bytes']):.4f}")
+        line.append(f"{ideal_seconds(OPS[op], size, hosts, rows[0]['rate_bytes']):.3g}")
         for system in systems:
             r = by_key.get((hosts, op, size, system))
-            line.append("-" if r is None else f"{r['seconds']:.4f} ({r['x_ideal']:.2f})")
+            line.append("-" if r is None else f"{r['seconds']:.3g} ({r['x_ideal']:.3g})")
         cells.append(line)
     return markdown_table(columns, cells)
 
