@@ -340,6 +340,20 @@ def test_a_restored_copy_that_conflicts_with_the_known_object_is_ignored() -> No
     assert list(state.objects[oid(0)].locations) == ["A"] and kinds(state, "restore_conflict")
 
 
+def test_a_restored_copy_without_a_digest_still_conflicts_on_its_size_or_shape() -> None:
+    # A reduction's result carries no digest: its size, dtype and shape are still checked.
+    state = restarted()
+    req(state, "H", Restore(RID, BIG, "<f4", [BIG // 4], b""), 100.0)
+    req(state, "G", Restore(RID, MiB, "<f4", [MiB // 4], b""), 100.0)
+    req(state, "F", Restore(RID, BIG, "<f4", [BIG // 8, 2], b""), 100.0)
+    req(state, "D", Restore(RID, BIG, "<i4", [BIG // 4], b""), 100.0)
+    assert list(state.objects[RID].locations) == ["H"] and len(kinds(state, "restore_conflict")) == 3
+    req(state, "E", Restore(RID, BIG, "<f4", [BIG // 4], b"e" * 16), 100.0)  # its digest is adopted
+    assert state.objects[RID].digest == b"e" * 16 and list(state.objects[RID].locations) == ["H", "E"]
+    req(state, "C", Restore(RID, BIG, "<f4", [BIG // 4], b"c" * 16), 100.0)
+    assert "C" not in state.objects[RID].locations and len(kinds(state, "restore_conflict")) == 4
+
+
 def test_a_reader_given_the_root_vertex_reads_its_own_output_instead_of_pulling_it() -> None:
     state = make_state()
     reduce(state, node="G")  # G holds no input: in-order placement, the root last

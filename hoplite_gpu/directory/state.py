@@ -492,16 +492,17 @@ class DirectoryState:
                 oid, msg.size, msg.dtype, list(msg.shape), msg.digest, node_id if msg.owner else "", inline
             )
             self.objects[oid] = entry
-        elif (entry.size, entry.dtype, list(entry.shape), entry.digest) != (
-            msg.size,
-            msg.dtype,
-            list(msg.shape),
-            msg.digest,
-        ) and entry.digest:
+        elif (entry.size, entry.dtype, list(entry.shape)) != (msg.size, msg.dtype, list(msg.shape)) or (
+            entry.digest and msg.digest and entry.digest != msg.digest
+        ):
+            # Size, dtype and shape always; the content when both sides know its digest (a
+            # reduction's result has none).
             self._log(now, "restore_conflict", node=node_id, object_id=oid.hex())
             return
-        elif msg.owner:
-            entry.owner = node_id
+        else:
+            entry.digest = entry.digest or msg.digest
+            if msg.owner:
+                entry.owner = node_id
         if entry.inline is None:
             self._add_complete(entry, node_id, msg.segment)
         self._log(now, "restore", node=node_id, object_id=oid.hex(), owner=msg.owner)
