@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from hoplite_gpu.baselines import (
     format_size,
     markdown_table,
@@ -13,11 +15,31 @@ from hoplite_gpu.baselines import (
 )
 
 __all__ = [
+    "cluster_arguments",
     "format_size",
     "markdown_table",
     "memcpy_gbps",
+    "parse_rate",
     "parse_size",
     "socket_copy_gbps",
     "socket_copy_times",
     "stop_workers",
 ]
+
+
+def parse_rate(text: str) -> float:
+    """A link rate in bytes/s from ``"100MB"``, ``"1GB"`` or a plain number."""
+    return float(text.upper().replace("GB", "e9").replace("MB", "e6"))
+
+
+def cluster_arguments(description: str, sizes: str, prefix: str) -> argparse.ArgumentParser:
+    """The command-line options shared by the emulated-cluster benchmarks run on their own."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--rate", default="100MB", help="link bandwidth per direction (bytes/s: 100MB, 1GB)")
+    ap.add_argument("--sizes", default=sizes)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--prefix", default=prefix, help="namespace prefix of the emulated cluster")
+    return ap

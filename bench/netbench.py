@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable, link_throughput
 from bench.collectives import check_result, round_times
-from bench.common import format_size, markdown_table, parse_size
+from bench.common import format_size, markdown_table, parse_rate, parse_size
 
 OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather")
 DIRECTORY_PORT = 7070
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the results to this file (and the table beside it, .md)")
     ap.add_argument("--plots", help="also draw one PNG per (N, op) into this directory (bench/plot.py)")
     args = ap.parse_args(argv)
-    rate = float(args.rate.upper().replace("GB", "e9").replace("MB", "e6"))
+    rate = parse_rate(args.rate)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     systems, ops = args.systems.split(","), args.ops.split(",")
     unknown = [x for x in systems if x not in SYSTEMS] + [x for x in ops if x not in OPS]

@@ -20,7 +20,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable
-from bench.common import parse_size
+from bench.common import parse_rate, parse_size
 from bench.netbench import DIRECTORY_PORT, HOST_ENV, OPS, Member
 
 #: Event kinds shown in the timeline.
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from hoplite_gpu.auth import new_token
     from hoplite_gpu.directory import DirectoryProcess
 
-    rate = float(args.rate.upper().replace("GB", "e9").replace("MB", "e6"))
+    rate = parse_rate(args.rate)
     size = parse_size(args.size)
     try:
         with Cluster(args.hosts, rate) as cluster:

@@ -25,7 +25,6 @@ built against it (``pip install --no-binary mpi4py mpi4py==4.1.2``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -317,21 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         _rank_main(argv[1].split(","), [int(s) for s in argv[2].split(",")], int(argv[3]))
         return 0
     from bench.cluster import Cluster, ClusterUnavailable
-    from bench.common import format_size, parse_size
+    from bench.common import cluster_arguments, format_size, parse_rate, parse_size
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--rate", default="100MB", help="link bandwidth per direction (bytes/s: 100MB, 1GB)")
-    ap.add_argument("--sizes", default="1KiB,1MiB,64MiB")
+    ap = cluster_arguments(__doc__ or "", "1KiB,1MiB,64MiB", "hgm")
     ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--prefix", default="hgm")
     ap.add_argument("--spin", action="store_true", help="ranks spin while they wait (Open MPI's default)")
     args = ap.parse_args(argv)
     global YIELD_WHEN_IDLE
     YIELD_WHEN_IDLE = not args.spin
-    rate = float(args.rate.upper().replace("GB", "e9").replace("MB", "e6"))
+    rate = parse_rate(args.rate)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     started = time.monotonic()
     try:

@@ -35,7 +35,6 @@ Needs root, iproute2 and ``pip install ray==2.60.0``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -503,18 +502,12 @@ def main(argv: list[str] | None = None) -> int:
         _driver(json.loads(argv[1]))
         return 0
     from bench.cluster import Cluster
-    from bench.common import format_size, parse_size
+    from bench.common import cluster_arguments, format_size, parse_rate, parse_size
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--rate", default="100MB", help="link bandwidth per direction (bytes/s: 100MB, 1GB)")
-    ap.add_argument("--sizes", default="1KiB,1MiB,64MiB")
+    ap = cluster_arguments(__doc__ or "", "1KiB,1MiB,64MiB", "hgr")
     ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--prefix", default="hgr", help="namespace prefix of the emulated cluster")
     args = ap.parse_args(argv)
-    rate = float(args.rate.upper().replace("GB", "e9").replace("MB", "e6"))
+    rate = parse_rate(args.rate)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     started = time.monotonic()
     with Cluster(args.hosts, rate, prefix=args.prefix) as cluster:
