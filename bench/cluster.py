@@ -17,6 +17,7 @@ Needs root and ``ip``/``tc`` (Debian's iproute2); :func:`check` says what is mis
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -63,6 +64,7 @@ class Cluster:
         self.rate_bytes = rate_bytes
         self.prefix = prefix
         self._made: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []  # started by popen, killed by close
         self._old_handlers: dict[int, Any] = {}
 
     # ------------------------------------------------------------ addresses and names
@@ -150,7 +152,14 @@ class Cluster:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
     def close(self) -> None:
-        """Delete everything this cluster created (idempotent)."""
+        """Kill the processes :meth:`popen` started that still run, and delete everything this
+        cluster created (idempotent)."""
+        while self._procs:
+            proc = self._procs.pop()
+            if proc.poll() is None:
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
         while self._made:
             subprocess.run(["ip", "netns", "del", self._made.pop()], capture_output=True)
         for sig, handler in self._old_handlers.items():
@@ -171,7 +180,9 @@ class Cluster:
         self, i: int, argv: list[str], env: dict[str, str] | None = None, **kwargs: Any
     ) -> subprocess.Popen[Any]:
         """Start ``argv`` on host ``i`` (the environment: this process's, updated with ``env``)."""
-        return subprocess.Popen(self.command(i, argv), env={**os.environ, **(env or {})}, **kwargs)
+        proc = subprocess.Popen(self.command(i, argv), env={**os.environ, **(env or {})}, **kwargs)
+        self._procs = [p for p in self._procs if p.poll() is None] + [proc]
+        return proc
 
     def run(self, i: int, argv: list[str], timeout: float = 60.0) -> str:
         """Run ``argv`` on host ``i`` and return its output (raises on a non-zero exit)."""

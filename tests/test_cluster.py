@@ -38,3 +38,12 @@ def test_a_failure_while_building_removes_what_was_made(monkeypatch: pytest.Monk
     with pytest.raises(ClusterUnavailable, match="failed"):
         Cluster(hosts=2, prefix="hgt").open()
     assert not {"hgt0", "hgt1", "hgtsw"} & namespaces()
+
+
+def test_closing_kills_the_processes_started_on_its_hosts() -> None:
+    with Cluster(hosts=2, rate_bytes=50e6, prefix="hgt") as cluster:
+        sleeper = cluster.popen(1, ["sleep", "300"])
+        done = cluster.popen(0, ["true"])
+        assert done.wait(30) == 0 and sleeper.poll() is None
+    assert sleeper.wait(10) == -9  # SIGKILLed by close, not left running without its network
+    assert not {"hgt0", "hgt1", "hgtsw"} & namespaces()
