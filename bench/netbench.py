@@ -151,10 +151,14 @@ class Member:
 
     def recv(self) -> Any:
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"member {self.proc.pid} exited (code {self.proc.poll()})")
-        return json.loads(line)
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"member {self.proc.pid} exited (code {self.proc.poll()})")
+            try:
+                return json.loads(line)
+            except ValueError:  # a library's log line on stdout (ucxx's C++ warnings go there)
+                sys.stderr.write(f"member {self.proc.pid}: {line}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
