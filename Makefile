@@ -55,7 +55,7 @@ $(PEERS_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-binary mpi4py mpi4py==4.1.2
 	touch $@
 
-# The whole comparison on an emulated cluster (root; about 25 minutes): N = 4 up to 256 MiB, N = 8 up
+# The whole comparison on an emulated cluster (root; 29 minutes on the 2-core machine): N = 4 up to 256 MiB, N = 8 up
 # to 64 MiB; JSON, Markdown tables and PNG plots under bench/results.
 bench-cluster: $(PEERS_STAMP)
 	$(PY) bench/netbench.py --hosts 4 --rate 100MB --sizes 1KiB,1MiB,16MiB,64MiB,256MiB --repeat 3 \

@@ -42,7 +42,7 @@ def plot(result: dict[str, Any], directory: str) -> list[str]:
                 ax.plot(*zip(*points, strict=True), STYLE.get(system, "x-"), label=system)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xticks(sizes, [format_size(s) for s in sizes])
+            ax.set_xticks(sizes, [format_size(s) for s in sizes], rotation=30)
             ax.set_xlabel("size" + (" (gathered total)" if "gather" in op else ""))
             ax.set_ylabel("seconds (median)")
             ax.set_title(f"{op}, N = {hosts}, {rate / 1e6:.0f} MB/s links")
