@@ -261,14 +261,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table: one row per (N, op, size), each system's median seconds and its ratio to
     the ideal."""
     systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
-    keys = sorted({(r["hosts"], OPS.index(r["op"]), r["size"]) for r in rows})
+    ideals = {(r["hosts"], OPS.index(r["op"]), r["size"]): r["ideal_seconds"] for r in rows}
     by_key = {(r["hosts"], OPS.index(r["op"]), r["size"], r["system"]): r for r in rows}
     columns = [("N", "r"), ("op", "l"), ("size", "r"), ("ideal s", "r")]
     columns += [(f"{s} s (x ideal)", "r") for s in systems]
     cells = []
-    for hosts, op, size in keys:
-        line = [str(hosts), OPS[op], format_size(size)]
-        line.append(f"{ideal_seconds(OPS[op], size, hosts, rows[0]['rate_bytes']):.3g}")
+    for (hosts, op, size), ideal in sorted(ideals.items()):
+        line = [str(hosts), OPS[op], format_size(size), f"{ideal:.3g}"]
         for system in systems:
             r = by_key.get((hosts, op, size, system))
             line.append("-" if r is None else f"{r['seconds']:.3g} ({r['x_ideal']:.3g})")
@@ -309,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterUnavailable as exc:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
         return 2
-    rows = [dict(r, rate_bytes=rate) for result in runs for r in result["rows"]]
+    rows = [r for result in runs for r in result["rows"]]
     table = format_table(rows)
     print(table)
     print(f"({time.monotonic() - started:.0f} s)", file=sys.stderr)

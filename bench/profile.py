@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable
 from bench.common import parse_rate, parse_size
-from bench.netbench import DIRECTORY_PORT, HOST_ENV, OPS, Member
+from bench.netbench import DIRECTORY_PORT, HOST_ENV, OPS, Member, ideal_seconds
 
 #: Event kinds shown in the timeline.
 SHOWN = ("put", "reduce", "reduce_place", "transfer_start", "transfer_done", "vertex_done", "reduce_done")
@@ -44,7 +44,7 @@ def _labels(name: str, hosts: int, last_seq: int) -> dict[str, str]:
 
     for seq in range(max(0, last_seq - 4), last_seq + 2):
         for r in range(hosts):
-            for kind in ("allreduce", "reduce", "allgather"):
+            for kind in ("allreduce", "reduce", "gather", "allgather"):
                 add(f"{kind} {r}", seq, kind, r)
             add(f"shard-result {r}", seq, "allreduce-shard-result", r)
             for j in range(hosts):
@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterUnavailable as exc:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
         return 2
-    # bench.collectives._member: one barrier (an allreduce) before each round, one after the last.
-    last_seq = 2 * (args.warmup + 1) - 1
+    # bench.collectives._member: a connecting allgather (collective 0), then a barrier before each
+    # round, so the timed round (the last) is collective 2 * (warmup + 1).
+    last_seq = 2 * (args.warmup + 1)
     labels = _labels("bench-" + directory.address, args.hosts, last_seq)
     print("\n".join(timeline(events, start, labels)))
-    ideal = size / rate * (2 * (args.hosts - 1) / args.hosts if args.op == "allreduce" else 1)
+    ideal = ideal_seconds(args.op, size, args.hosts, rate)
     print(f"round: {(end - start) * 1e3:.1f} ms (ideal {ideal * 1e3:.1f} ms)")
     return 0
 
