@@ -52,14 +52,14 @@ class Cluster:
     """The namespaces, links and shaping of an emulated cluster (see the module docstring).
 
     Args:
-        hosts: Number of hosts (2 to 8).
+        hosts: Number of hosts (2 to 16).
         rate_bytes: Bandwidth of each host's link, bytes per second, each direction.
         prefix: Namespace name prefix (another one lets two clusters coexist).
     """
 
     def __init__(self, hosts: int = 4, rate_bytes: float = 100e6, prefix: str = "hgb") -> None:
-        if not 2 <= hosts <= 8:
-            raise ValueError("hosts must be in 2..8")
+        if not 2 <= hosts <= 16:
+            raise ValueError("hosts must be in 2..16")
         self.hosts = hosts
         self.rate_bytes = rate_bytes
         self.prefix = prefix

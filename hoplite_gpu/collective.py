@@ -35,7 +35,18 @@ from .reduce_ops import ReduceOp, as_op
 
 T = TypeVar("T")
 
-__all__ = ["Group", "allgather", "allreduce", "barrier", "broadcast", "gather", "reduce", "reducescatter"]
+__all__ = [
+    "Group",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "gather",
+    "recv",
+    "reduce",
+    "reducescatter",
+    "send",
+]
 
 
 class Group:
@@ -73,6 +84,9 @@ class Group:
         self.seq = 0  # collectives started so far
         self._owned: list[tuple[int, ObjectID]] = []  # (sequence number, object) this member created
         self._deleting: set[asyncio.Future[Any]] = set()  # background deletes in flight
+        self._sent = [0] * world_size  # point-to-point messages sent to each rank
+        self._received = [0] * world_size  # and received from each rank
+        self._acks: dict[int, ObjectID] = {}  # the last acknowledgement this member put, per sender
 
     def __repr__(self) -> str:
         return (
@@ -90,6 +104,10 @@ class Group:
         tail = "/".join(str(x) for x in parts)
         return ObjectID.from_name(f"hoplite-group/{self.name}/{seq}/{kind}/{tail}")
 
+    def p2p_id(self, src: int, dst: int, n: int, kind: str = "p2p") -> ObjectID:
+        """The ObjectID of the ``n``-th message from ``src`` to ``dst`` (or of its acknowledgement)."""
+        return ObjectID.from_name(f"hoplite-group/{self.name}/{kind}/{src}/{dst}/{n}")
+
     def destroy(self) -> None:
         """Wait for every member (a barrier), then delete the objects this member created (but
         the final barrier's one-byte result, which a slower member may still be reading)."""
@@ -99,6 +117,8 @@ class Group:
         last = self.seq - 1
         result = self.object_id(last, "allreduce-result")
         self._owned = [(s, oid) for s, oid in self._owned if oid != result]
+        self._owned += [(last, ack) for ack in self._acks.values()]  # every sender has read them
+        self._acks.clear()
         self._run(self._delete_before(self.seq, wait=True))
 
     # ------------------------------------------------------------ plumbing
@@ -360,6 +380,58 @@ def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str
         return out
 
     return g._run(run())
+
+
+def send(array: Any, dst_rank: int, group: Group) -> None:
+    """Send ``array`` to ``dst_rank``, which receives it with :func:`recv`; returns once it has.
+
+    Only the two members take part (the others' sequence of collectives is unaffected); messages
+    between a pair arrive in the order they were sent. The array is copied when the call starts,
+    so the caller may change it as soon as ``send`` returns.
+    """
+    g = _check_group(group)
+    _check_peer(g, dst_rank, "dst_rank")
+    n = g._sent[dst_rank]
+    g._sent[dst_rank] += 1
+    oid, ack = g.p2p_id(g.rank, dst_rank, n), g.p2p_id(g.rank, dst_rank, n, "p2p-ack")
+
+    async def run() -> None:
+        await g.node.put_async(array, oid)
+        try:
+            await g.node.get_async(ack, timeout=g.timeout)
+        finally:
+            await g.node.delete_async(oid)
+
+    g._run(run())
+
+
+def recv(array: Any, src_rank: int, group: Group) -> Any:
+    """Receive the next message ``src_rank`` sends to this member into ``array`` (in place: same
+    dtype and shape); returns it."""
+    g = _check_group(group)
+    _check_peer(g, src_rank, "src_rank")
+    n = g._received[src_rank]
+    oid, ack = g.p2p_id(src_rank, g.rank, n), g.p2p_id(src_rank, g.rank, n, "p2p-ack")
+
+    async def run() -> Any:
+        await g.node.get_async(oid, timeout=g.timeout, out=array)
+        g._received[src_rank] += 1
+        await g.node.put_async(np.zeros(1, np.uint8), ack)
+        # The sender read the previous acknowledgement before it sent this message.
+        previous = g._acks.get(src_rank)
+        g._acks[src_rank] = ack
+        if previous is not None:
+            await g.node.delete_async(previous)
+        return array
+
+    return g._run(run())
+
+
+def _check_peer(group: Group, rank: Any, argument: str) -> int:
+    _check_rank(group, rank, argument)
+    if rank == group.rank:
+        raise InvalidArgumentError(f"{argument} is this member's own rank ({rank})", argument=argument)
+    return int(rank)
 
 
 def barrier(group: Group) -> None:

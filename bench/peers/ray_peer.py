@@ -301,8 +301,10 @@ class RayCluster:
             time.sleep(0.2)
         raise TimeoutError(f"ray node {i} did not start within {timeout:.0f} s (see {path})")
 
-    def start(self, config: dict[str, Any]) -> None:
-        """Start the head, the other nodes, then the driver with ``config``."""
+    def start(self, config: dict[str, Any], driver: list[str] | None = None) -> None:
+        """Start the head, the other nodes, then the driver: this module's with ``config``, or the
+        command ``driver`` (run in host 0's namespace; its stdout lines that start with
+        :data:`MARK` are its reports, read with :meth:`recv`)."""
         shutil.rmtree(self.root, ignore_errors=True)
         os.makedirs(self.root)
         self.nodes.append(self._ray_start(0))
@@ -311,7 +313,7 @@ class RayCluster:
             self.nodes.append(self._ray_start(i))
         for i in range(1, self.cluster.hosts):
             self._wait_started(i, 180)
-        argv = [sys.executable, os.path.abspath(__file__), "--driver", json.dumps(config)]
+        argv = driver or [sys.executable, os.path.abspath(__file__), "--driver", json.dumps(config)]
         self.driver = self.cluster.popen(
             0,
             argv,

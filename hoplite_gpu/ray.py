@@ -1,0 +1,457 @@
+"""Ray integration: the directory in a named Ray actor, one node per Ray worker process, and a
+``ray.util.collective`` backend named ``"hoplite"``.
+
+In the driver::
+
+    import ray, hoplite_gpu.ray as hgray
+    ray.init()
+    hgray.start_directory()              # a named actor, "hoplite"; again: the same one
+
+In any task or actor::
+
+    node = hgray.node()                  # this process's node, connected on first use
+    oid = node.put(array)                # ObjectIDs pass through task arguments and results
+
+Collective groups: call :func:`register_collective_backend` in every process that creates a group
+(or let Ray call it in every worker: ``ray.init(runtime_env={"worker_process_setup_hook":
+"hoplite_gpu.ray.register_collective_backend"})``), then code written for Ray's gloo backend changes
+one string::
+
+    col.init_collective_group(world_size, rank, backend="hoplite", group_name="trainers")
+    col.allreduce(tensor, group_name="trainers")
+
+The backend works on NumPy arrays, CuPy arrays and torch tensors (CPU and CUDA), in place where
+Ray's API is: the result is written into the caller's tensor. ``ray.util.collective``'s
+``ReduceOp`` (SUM, PRODUCT, MIN, MAX) and :class:`hoplite_gpu.ReduceOp` (which adds AVG) are both
+accepted. Ray is an optional dependency (``pip install hoplite_gpu[ray]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from . import collective
+from .config import Config
+from .errors import DirectoryUnavailableError, HopliteError, InvalidArgumentError
+from .node import Node
+from .reduce_ops import ReduceOp, as_op
+
+__all__ = [
+    "BACKEND",
+    "DEFAULT_NAME",
+    "DEFAULT_TIMEOUT",
+    "HopliteGroup",  # noqa: F822  (module __getattr__: built on first use)
+    "as_buffer",
+    "directory_info",
+    "node",
+    "register_collective_backend",
+    "start_directory",
+    "stop_directory",
+]
+
+#: Name of the directory actor (and of the default directory everywhere in this module).
+DEFAULT_NAME = "hoplite"
+#: Name of the ``ray.util.collective`` backend.
+BACKEND = "HOPLITE"
+#: Seconds a collective of a :class:`HopliteGroup` waits for the other members when the call's
+#: options set no timeout.
+DEFAULT_TIMEOUT = 300.0
+#: Seconds to wait for the directory actor to start and answer.
+ACTOR_TIMEOUT = 120.0
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - ray is installed with the test extra
+        raise ImportError("hoplite_gpu.ray needs Ray: pip install 'hoplite_gpu[ray]'") from exc
+    return ray
+
+
+def _node_ip() -> str:
+    ray = _ray()
+    return str(ray.util.get_node_ip_address())
+
+
+class _DirectoryActor:
+    """The directory service, hosted by a Ray actor process (on its I/O thread, so actor calls and
+    directory traffic do not wait for each other). Also hands out group generations."""
+
+    def __init__(self, host: str | None, config: Config | None) -> None:
+        from . import start_directory as start
+
+        self._service = start(host=host or _node_ip(), config=config)
+        self._groups: dict[str, tuple[int, int, set[int]]] = {}  # name -> generation, size, ranks
+
+    def info(self) -> tuple[str, str]:
+        return self._service.address, self._service.token
+
+    def join_group(self, name: str, rank: int, world_size: int) -> int:
+        """The generation of group ``name`` that member ``rank`` joins: the current one, unless
+        this rank already joined it or the size differs (the group was destroyed and created
+        again), in which case a new one starts. Member objects' names include it, so that a group
+        created again under the same name does not find the previous one's objects."""
+        generation, size, ranks = self._groups.get(name, (-1, world_size, {rank}))
+        if generation < 0 or rank in ranks or size != world_size:
+            generation, size, ranks = generation + 1, world_size, set()
+        ranks.add(rank)
+        self._groups[name] = (generation, size, ranks)
+        return generation
+
+    def stop(self) -> None:
+        from .node import IOThread
+
+        IOThread.get().run(self._service.stop(), timeout=10.0)
+
+
+_actor_lock = threading.Lock()
+_actor_cls: Any = None
+
+
+def _actor_class() -> Any:
+    global _actor_cls
+    with _actor_lock:
+        if _actor_cls is None:
+            _actor_cls = _ray().remote(num_cpus=0)(_DirectoryActor)
+        return _actor_cls
+
+
+def _actor(name: str, namespace: str | None) -> Any:
+    ray = _ray()
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise DirectoryUnavailableError(
+            f"no hoplite directory actor named {name!r}: call hoplite_gpu.ray.start_directory() "
+            "in the driver first",
+            peer=name,
+            cause="missing",
+        ) from None
+
+
+def start_directory(
+    name: str = DEFAULT_NAME,
+    *,
+    namespace: str | None = None,
+    detached: bool = False,
+    host: str | None = None,
+    config: Config | None = None,
+    actor_options: dict[str, Any] | None = None,
+) -> str:
+    """Start the directory inside a named Ray actor and return its ``host:port``; if an actor of
+    that name exists, return its address (the other arguments are then ignored).
+
+    Args:
+        name: The actor's name (nodes find the directory by it).
+        namespace: Ray namespace of the actor (None: the job's).
+        detached: Let the actor outlive the job that started it (stop it with
+            :func:`stop_directory`); otherwise it ends with the driver.
+        host: Address the directory binds to (None: the Ray node's IP address).
+        config: Directory tunables (None: ``Config.from_env()`` in the actor).
+        actor_options: More options of the actor (Ray's ``.options()``), for instance
+            ``{"resources": {"head": 1}}`` to place it.
+    """
+    ray = _ray()
+    options: dict[str, Any] = {**(actor_options or {}), "name": name, "get_if_exists": True}
+    if namespace is not None:
+        options["namespace"] = namespace
+    if detached:
+        options["lifetime"] = "detached"
+    actor = _actor_class().options(**options).remote(host, config)
+    address, _token = ray.get(actor.info.remote(), timeout=ACTOR_TIMEOUT)
+    # A non-detached actor lives while its creator's handle does: keep the first one.
+    _started.setdefault((name, namespace), actor)
+    return str(address)
+
+
+_started: dict[tuple[str, str | None], Any] = {}  # handles of the directory actors started here
+
+
+def directory_info(name: str = DEFAULT_NAME, namespace: str | None = None) -> tuple[str, str]:
+    """``(address, token)`` of the directory actor ``name``.
+
+    Raises:
+        DirectoryUnavailableError: no such actor (``start_directory`` was not called).
+    """
+    address, token = _ray().get(_actor(name, namespace).info.remote(), timeout=ACTOR_TIMEOUT)
+    return str(address), str(token)
+
+
+def stop_directory(name: str = DEFAULT_NAME, namespace: str | None = None) -> None:
+    """Stop the directory actor ``name`` (and close this process's node connected to it)."""
+    ray = _ray()
+    with _nodes_lock:
+        own = _nodes.pop((name, namespace), None)
+    if own is not None:
+        own.close()
+    try:
+        actor = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return
+    with contextlib.suppress(Exception):
+        ray.get(actor.stop.remote(), timeout=ACTOR_TIMEOUT)
+    ray.kill(actor)
+    _started.pop((name, namespace), None)
+
+
+_nodes_lock = threading.Lock()
+_nodes: dict[tuple[str, str | None], Node] = {}
+
+
+def node(name: str = DEFAULT_NAME, namespace: str | None = None, config: Config | None = None) -> Node:
+    """This process's node of the directory actor ``name``, connected on first use (one per
+    process and directory, reused by every later call; a closed one is replaced).
+
+    Its data plane listens on the Ray node's IP address unless ``config`` says otherwise.
+
+    Raises:
+        DirectoryUnavailableError: no directory actor of that name.
+    """
+    key = (name, namespace)
+    with _nodes_lock:
+        existing = _nodes.get(key)
+        if existing is not None and not existing.closed:
+            return existing
+        address, token = directory_info(name, namespace)
+        if config is None:
+            config = Config.from_env().replace(listen_host=_node_ip())
+        made = Node(address, token, config)
+        _nodes[key] = made
+        return made
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def as_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
+    """A C-contiguous NumPy or CuPy array sharing memory with ``tensor`` where it can, and a
+    function that copies it back into ``tensor`` (None when they share memory).
+
+    Accepts NumPy and CuPy arrays and torch tensors (CPU: a NumPy view, bfloat16 through
+    ``ml_dtypes``; CUDA: a CuPy view).
+    """
+    module = type(tensor).__module__.split(".")[0]
+    if module == "torch":
+        return _torch_buffer(tensor)
+    if module not in ("numpy", "cupy") or not hasattr(tensor, "flags"):
+        raise InvalidArgumentError(
+            f"expected a NumPy or CuPy array or a torch tensor, got {type(tensor).__name__}",
+            argument="tensor",
+        )
+    if tensor.flags["C_CONTIGUOUS"] and (module == "cupy" or tensor.flags["WRITEABLE"]):
+        return tensor, None
+    if module == "numpy" and not tensor.flags["WRITEABLE"]:
+        raise InvalidArgumentError("the array is read-only", argument="tensor")
+    xp = np if module == "numpy" else __import__("cupy")
+    copy = xp.ascontiguousarray(tensor)
+
+    def back() -> None:
+        tensor[...] = copy
+
+    return copy, back
+
+
+def _torch_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
+    import torch
+
+    t = tensor.detach()
+    contiguous = t if t.is_contiguous() else t.contiguous()
+    if contiguous.is_cuda:
+        import cupy
+
+        array = cupy.asarray(contiguous)
+    elif contiguous.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        array = contiguous.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        array = contiguous.numpy()
+    if contiguous is t:
+        return array, None
+
+    def back() -> None:
+        t.copy_(contiguous)
+
+    return array, back
+
+
+def _op(op: Any) -> ReduceOp:
+    name = getattr(op, "name", None)
+    if type(op).__module__.startswith("ray.") and isinstance(name, str):
+        return {"SUM": ReduceOp.SUM, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}[
+            name
+        ]
+    return as_op(op)
+
+
+def _seconds(options: Any) -> float | None:
+    value = getattr(options, "timeout_ms", None)
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float):
+        seconds = value / 1000.0
+    else:
+        return None
+    return seconds if seconds >= 0 else None
+
+
+def _single(tensors: Any, argument: str) -> Any:
+    if isinstance(tensors, list | tuple):
+        if len(tensors) != 1:
+            raise InvalidArgumentError(
+                f"{argument}: the hoplite backend takes one tensor per process, got {len(tensors)}",
+                argument=argument,
+            )
+        return tensors[0]
+    return tensors
+
+
+# ----------------------------------------------------------------------------- the backend
+
+
+def _base_group() -> type:
+    from ray.util.collective.collective_group.base_collective_group import BaseGroup
+
+    return BaseGroup  # type: ignore[no-any-return]
+
+
+def _make_group_class() -> type:
+    base = _base_group()
+
+    class HopliteGroup(base):  # type: ignore[valid-type,misc]
+        """A ``ray.util.collective`` group whose collectives run on hoplite_gpu (see
+        :mod:`hoplite_gpu.collective`); created by ``init_collective_group(...,
+        backend="hoplite")``. Its :attr:`group` is the underlying
+        :class:`hoplite_gpu.collective.Group`."""
+
+        def __init__(self, world_size: int, rank: int, group_name: str) -> None:
+            super().__init__(world_size, rank, group_name)
+            ray = _ray()
+            generation = ray.get(
+                _actor(DEFAULT_NAME, None).join_group.remote(group_name, rank, world_size),
+                timeout=ACTOR_TIMEOUT,
+            )
+            self.group = collective.Group(
+                node(), rank, world_size, f"ray/{group_name}/{generation}", timeout=DEFAULT_TIMEOUT
+            )
+
+        @classmethod
+        def backend(cls) -> str:
+            return BACKEND
+
+        @classmethod
+        def check_backend_availability(cls) -> bool:
+            return True
+
+        def destroy_group(self) -> None:
+            """Wait for every member, then delete this member's objects (a member that is gone
+            only makes the wait time out)."""
+            try:
+                self.group.destroy()
+            except HopliteError:
+                pass
+
+        def _call(self, options: Any, fn: Callable[[], Any]) -> Any:
+            seconds = _seconds(options)
+            if seconds is None:
+                return fn()
+            saved = self.group.timeout
+            self.group.timeout = seconds
+            try:
+                return fn()
+            finally:
+                self.group.timeout = saved
+
+        def _inplace(self, tensors: Any, argument: str, options: Any, fn: Callable[[Any], Any]) -> None:
+            buf, back = as_buffer(_single(tensors, argument))
+            self._call(options, lambda: fn(buf))
+            if back is not None:
+                back()
+
+        def allreduce(self, tensor: Any, allreduce_options: Any = None) -> None:
+            op = _op(getattr(allreduce_options, "reduceOp", ReduceOp.SUM))
+            self._inplace(
+                tensor, "tensor", allreduce_options, lambda b: collective.allreduce(b, self.group, op)
+            )
+
+        def barrier(self, barrier_options: Any = None) -> None:
+            self._call(barrier_options, lambda: collective.barrier(self.group))
+
+        def reduce(self, tensor: Any, reduce_options: Any = None) -> None:
+            op = _op(getattr(reduce_options, "reduceOp", ReduceOp.SUM))
+            root = int(getattr(reduce_options, "root_rank", 0))
+            self._inplace(
+                tensor, "tensor", reduce_options, lambda b: collective.reduce(b, root, self.group, op)
+            )
+
+        def broadcast(self, tensor: Any, broadcast_options: Any = None) -> None:
+            root = int(getattr(broadcast_options, "root_rank", 0))
+            self._inplace(
+                tensor, "tensor", broadcast_options, lambda b: collective.broadcast(b, root, self.group)
+            )
+
+        def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = None) -> None:
+            outs = _single(tensor_list, "tensor_list")
+            bufs = [as_buffer(t) for t in outs]
+            src, _ = as_buffer(_single(tensor, "tensor"))
+            self._call(
+                allgather_options, lambda: collective.allgather([b for b, _ in bufs], src, self.group)
+            )
+            for _, back in bufs:
+                if back is not None:
+                    back()
+
+        def reducescatter(self, tensor: Any, tensor_list: Any, reducescatter_options: Any = None) -> None:
+            op = _op(getattr(reducescatter_options, "reduceOp", ReduceOp.SUM))
+            inputs = [as_buffer(t)[0] for t in _single(tensor_list, "tensor_list")]
+            self._inplace(
+                tensor,
+                "tensor",
+                reducescatter_options,
+                lambda b: collective.reducescatter(b, inputs, self.group, op),
+            )
+
+        def send(self, tensor: Any, send_options: Any) -> None:
+            dst = int(send_options.dst_rank)
+            buf, _ = as_buffer(_single(tensor, "tensor"))
+            self._call(send_options, lambda: collective.send(buf, dst, self.group))
+
+        def recv(self, tensor: Any, recv_options: Any) -> None:
+            src = int(recv_options.src_rank)
+            self._inplace(tensor, "tensor", recv_options, lambda b: collective.recv(b, src, self.group))
+
+    HopliteGroup.__module__ = __name__
+    HopliteGroup.__qualname__ = "HopliteGroup"
+    return HopliteGroup
+
+
+_group_cls: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HopliteGroup":  # built on first use: its base class comes from Ray
+        global _group_cls
+        with _actor_lock:
+            if _group_cls is None:
+                _group_cls = _make_group_class()
+        return _group_cls
+    raise AttributeError(name)
+
+
+def register_collective_backend() -> None:
+    """Register the ``"hoplite"`` backend with ``ray.util.collective`` in this process (again: no-op).
+
+    Every process that creates a group needs it (the driver and each actor), like any backend
+    registered through Ray's registry (Ray >= 2.56).
+    """
+    from ray.util.collective.backend_registry import _global_registry
+    from ray.util.collective.backend_registry import register_collective_backend as register
+
+    if not _global_registry.is_registered(BACKEND):
+        register(BACKEND, __getattr__("HopliteGroup"))
