@@ -32,3 +32,31 @@ def workers(owner: Any) -> Iterator[list[Worker]]:
     yield ws
     for w in ws:
         w.stop()
+
+
+#: Environment of every Ray process the tests start: no usage report, no waiting on shutdown.
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """A local Ray instance (this process is its driver) with the hoplite directory actor started
+    and the "hoplite" collective backend registered in every worker; shut down after the session.
+    Skips where Ray is not installed."""
+    ray = pytest.importorskip("ray")
+    import hoplite_gpu.ray as hgray
+
+    os.environ.update(RAY_ENV)
+    ray.init(
+        num_cpus=8,  # actors and tasks of the tests are mostly waiting; 2 real cores suffice
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="WARNING",
+        runtime_env={"worker_process_setup_hook": "hoplite_gpu.ray.register_collective_backend"},
+    )
+    try:
+        hgray.register_collective_backend()
+        hgray.start_directory()
+        yield ray
+    finally:
+        ray.shutdown()
