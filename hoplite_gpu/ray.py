@@ -284,9 +284,7 @@ def _torch_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
 def _op(op: Any) -> ReduceOp:
     name = getattr(op, "name", None)
     if type(op).__module__.startswith("ray.") and isinstance(name, str):
-        return {"SUM": ReduceOp.SUM, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}[
-            name
-        ]
+        return {"SUM": ReduceOp.SUM, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}[name]
     return as_op(op)
 
 
@@ -400,9 +398,7 @@ def _make_group_class() -> type:
             outs = _single(tensor_list, "tensor_list")
             bufs = [as_buffer(t) for t in outs]
             src, _ = as_buffer(_single(tensor, "tensor"))
-            self._call(
-                allgather_options, lambda: collective.allgather([b for b, _ in bufs], src, self.group)
-            )
+            self._call(allgather_options, lambda: collective.allgather([b for b, _ in bufs], src, self.group))
             for _, back in bufs:
                 if back is not None:
                     back()

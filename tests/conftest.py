@@ -47,12 +47,17 @@ def ray_session() -> Iterator[Any]:
     import hoplite_gpu.ray as hgray
 
     os.environ.update(RAY_ENV)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         num_cpus=8,  # actors and tasks of the tests are mostly waiting; 2 real cores suffice
         include_dashboard=False,
         log_to_driver=False,
         logging_level="WARNING",
-        runtime_env={"worker_process_setup_hook": "hoplite_gpu.ray.register_collective_backend"},
+        runtime_env={  # workers import the tests' and examples' modules from the checkout
+            "worker_process_setup_hook": "hoplite_gpu.ray.register_collective_backend",
+            "env_vars": {"PYTHONPATH": path},
+        },
     )
     try:
         hgray.register_collective_backend()
