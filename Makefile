@@ -35,7 +35,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not multiprocess"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hoplite_gpu tests bench
+	$(VENV)/bin/ruff check hoplite_gpu tests bench examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
