@@ -17,6 +17,7 @@ pytest.importorskip("ray")
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hgray  # noqa: E402
 import hoplite_gpu.torch as hgt  # noqa: E402
+from hoplite_gpu import gpu  # noqa: E402
 
 WORLD = 3
 
@@ -151,11 +152,31 @@ def _gradients(rank: int, world: int, group: str) -> dict[str, Any]:
     return {"grads": grads, "weight": start.weight.detach().numpy().copy(), "frozen_grad": frozen.grad}
 
 
-SCENARIOS = {"collectives": _collectives, "recv_timeout": _recv_timeout, "gradients": _gradients}
+def _gpu_tensors(rank: int, world: int, group: str) -> dict[str, Any]:
+    """CuPy arrays and CUDA torch tensors through the backend (GPU machines only)."""
+    import cupy
+    import ray.util.collective as col
+
+    a = cupy.asarray(_value(rank, (1000,)))
+    col.allreduce(a, group)
+    t = torch.from_numpy(_value(rank, (700_000,))).cuda()  # sharded
+    col.allreduce(t, group)
+    b = torch.from_numpy(_value(rank, (16,))).cuda()
+    col.broadcast(b, 1, group)
+    return {"cupy": cupy.asnumpy(a), "torch": t.cpu().numpy(), "broadcast": b.cpu().numpy()}
 
 
-def _run(ray: Any, scenario: str, group: str, world: int = WORLD) -> list[Any]:
-    actor = ray.remote(num_cpus=0)(Member)
+SCENARIOS = {
+    "collectives": _collectives,
+    "recv_timeout": _recv_timeout,
+    "gradients": _gradients,
+    "gpu_tensors": _gpu_tensors,
+}
+
+
+def _run(ray: Any, scenario: str, group: str, world: int = WORLD, gpus: float = 0) -> list[Any]:
+    """Run ``scenario`` on ``world`` member actors (Ray hides the GPUs of actors that ask for none)."""
+    actor = ray.remote(num_cpus=0, num_gpus=gpus)(Member)
     members = [actor.remote(r, world) for r in range(world)]
     try:
         return list(ray.get([m.run.remote(scenario, group) for m in members], timeout=150))
@@ -280,6 +301,17 @@ def test_gradient_helpers(ray_session: Any) -> None:
         # every member started from rank 2's weights (2.0), stepped by the mean gradient (1.0)
         np.testing.assert_allclose(out["weight"], np.full((2, 4), 2.0 - np.mean(range(WORLD))))
         assert out["frozen_grad"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.timeout(180)
+def test_gpu_tensors_through_the_backend(ray_session: Any) -> None:
+    results = _run(ray_session, "gpu_tensors", "gpu-tensors", world=2, gpus=0.5)
+    for out in results:
+        np.testing.assert_array_equal(out["cupy"], _value(0, (1000,)) + _value(1, (1000,)))
+        np.testing.assert_array_equal(out["torch"], _value(0, (700_000,)) + _value(1, (700_000,)))
+        np.testing.assert_array_equal(out["broadcast"], _value(1, (16,)))
 
 
 def test_buckets_fuse_by_device_and_dtype_within_the_size() -> None:
