@@ -43,10 +43,14 @@ class Member:
         finally:
             col.destroy_collective_group(group)
 
-    def pid(self) -> int:
-        import os
+    def run_declared(self, group: str) -> Any:
+        """An allreduce in a group the driver declared with ``create_collective_group``."""
+        import ray.util.collective as col
 
-        return os.getpid()
+        a = _value(self.rank, (6,))
+        col.allreduce(a, group)
+        col.destroy_collective_group(group)
+        return a
 
 
 def _collectives(rank: int, world: int, group: str) -> dict[str, Any]:
@@ -271,6 +275,21 @@ def test_every_collective_call_matches_numpy(ray_session: Any) -> None:
     np.testing.assert_array_equal(results[1]["recv"], sent)
     np.testing.assert_array_equal(results[0]["recv"], sent.sum(axis=0))
     assert "recv" not in results[2]
+
+
+@pytest.mark.timeout(120)
+def test_group_declared_by_the_driver(ray_session: Any) -> None:
+    import ray.util.collective as col
+
+    members = [ray_session.remote(num_cpus=0)(Member).remote(r, 2) for r in range(2)]
+    try:
+        col.create_collective_group(members, 2, [0, 1], backend="hoplite", group_name="declared")
+        results = ray_session.get([m.run_declared.remote("declared") for m in members], timeout=60)
+    finally:
+        for m in members:
+            ray_session.kill(m)
+    for out in results:
+        np.testing.assert_array_equal(out, _value(0, (6,)) + _value(1, (6,)))
 
 
 @pytest.mark.timeout(180)
