@@ -64,6 +64,10 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "PYTHONUNBUFFERED": "1",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    # hoplite_gpu in Ray workers (bench/asgd.py, bench/serving.py): as bench/netbench.py's hosts,
+    # TCP only and no shared memory (the namespaces share /dev/shm; a real cluster does not).
+    "UCX_TLS": "tcp",
+    "HOPLITE_SHARED_MEMORY": "0",
 }
 #: Before each round the links count as quiet once all ports together carry less than this in 0.1 s,
 #: twice in a row (Ray's own control traffic is a few kB/s per node).
