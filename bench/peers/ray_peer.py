@@ -68,6 +68,9 @@ RAY_ENV = {
     # TCP only and no shared memory (the namespaces share /dev/shm; a real cluster does not).
     "UCX_TLS": "tcp",
     "HOPLITE_SHARED_MEMORY": "0",
+    # Once any local ray.init has written ~/.ray/auth_token, `ray start --head` turns token
+    # authentication on but joining nodes do not, and the head refuses them.
+    "RAY_AUTH_MODE": "disabled",
 }
 #: Before each round the links count as quiet once all ports together carry less than this in 0.1 s,
 #: twice in a row (Ray's own control traffic is a few kB/s per node).
@@ -187,24 +190,33 @@ def _settle() -> None:
         raise SystemExit("the benchmark went away")
 
 
-def _driver(config: dict[str, Any]) -> None:
-    """Runs in host 0's namespace: connects to the head, places one actor per host, runs the rounds
-    and reports ``{"op", "size", "spans"}`` per (op, size) on stdout."""
+def connect_driver(address: str, hosts: int, timeout: float = 120.0) -> None:
+    """``ray.init`` a driver in host 0's namespace (``address``) and wait until the ``hosts`` Ray
+    nodes of the cluster have joined."""
     import ray
 
-    world, address = config["hosts"], config["address"]
     ray.init(
         address=f"{address}:{GCS_PORT}",
         _node_ip_address=address,
         log_to_driver=False,
         logging_level=logging.WARNING,
     )
+    deadline = time.monotonic() + timeout
+    while (alive := sum(1 for n in ray.nodes() if n["Alive"])) < hosts:
+        if time.monotonic() > deadline:
+            ray.shutdown()
+            raise TimeoutError(f"only {alive} of {hosts} ray nodes joined")
+        time.sleep(0.2)
+
+
+def _driver(config: dict[str, Any]) -> None:
+    """Runs in host 0's namespace: connects to the head, places one actor per host, runs the rounds
+    and reports ``{"op", "size", "spans"}`` per (op, size) on stdout."""
+    import ray
+
+    world, address = config["hosts"], config["address"]
+    connect_driver(address, world)
     try:
-        deadline = time.monotonic() + 120
-        while (alive := sum(1 for n in ray.nodes() if n["Alive"])) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {alive} of {world} ray nodes joined")
-            time.sleep(0.2)
         actor = ray.remote(Member)
         members: list[Any] = [  # actor handles
             actor.options(num_cpus=0, resources={f"host{i}": 1}).remote(i, world) for i in range(world)
