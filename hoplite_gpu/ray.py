@@ -373,15 +373,18 @@ def _make_group_class() -> type:
                 back()
 
         def allreduce(self, tensor: Any, allreduce_options: Any = None) -> None:
+            """Reduce every member's tensor into it, in place (``allreduce_options.reduceOp``)."""
             op = _op(getattr(allreduce_options, "reduceOp", ReduceOp.SUM))
             self._inplace(
                 tensor, "tensor", allreduce_options, lambda b: collective.allreduce(b, self.group, op)
             )
 
         def barrier(self, barrier_options: Any = None) -> None:
+            """Return once every member has called ``barrier``."""
             self._call(barrier_options, lambda: collective.barrier(self.group))
 
         def reduce(self, tensor: Any, reduce_options: Any = None) -> None:
+            """Reduce every member's tensor into ``reduce_options.root_rank``'s, in place."""
             op = _op(getattr(reduce_options, "reduceOp", ReduceOp.SUM))
             root = int(getattr(reduce_options, "root_rank", 0))
             self._inplace(
@@ -389,12 +392,14 @@ def _make_group_class() -> type:
             )
 
         def broadcast(self, tensor: Any, broadcast_options: Any = None) -> None:
+            """Copy ``broadcast_options.root_rank``'s tensor into every member's, in place."""
             root = int(getattr(broadcast_options, "root_rank", 0))
             self._inplace(
                 tensor, "tensor", broadcast_options, lambda b: collective.broadcast(b, root, self.group)
             )
 
         def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = None) -> None:
+            """Fill ``tensor_list[r]`` with member ``r``'s ``tensor`` on every member."""
             outs = _single(tensor_list, "tensor_list")
             bufs = [as_buffer(t) for t in outs]
             src, _ = as_buffer(_single(tensor, "tensor"))
@@ -404,6 +409,7 @@ def _make_group_class() -> type:
                     back()
 
         def reducescatter(self, tensor: Any, tensor_list: Any, reducescatter_options: Any = None) -> None:
+            """Member ``r`` gets the reduction over members of their ``tensor_list[r]``, in ``tensor``."""
             op = _op(getattr(reducescatter_options, "reduceOp", ReduceOp.SUM))
             inputs = [as_buffer(t)[0] for t in _single(tensor_list, "tensor_list")]
             self._inplace(
@@ -414,11 +420,13 @@ def _make_group_class() -> type:
             )
 
         def send(self, tensor: Any, send_options: Any) -> None:
+            """Send ``tensor`` to ``send_options.dst_rank``; returns once it has received it."""
             dst = int(send_options.dst_rank)
             buf, _ = as_buffer(_single(tensor, "tensor"))
             self._call(send_options, lambda: collective.send(buf, dst, self.group))
 
         def recv(self, tensor: Any, recv_options: Any) -> None:
+            """Receive the next tensor ``recv_options.src_rank`` sends, into ``tensor``."""
             src = int(recv_options.src_rank)
             self._inplace(tensor, "tensor", recv_options, lambda b: collective.recv(b, src, self.group))
 
