@@ -1370,15 +1370,24 @@ class Node:
         return obj is not None and obj.complete
 
     def event_log(self, since: int = 0) -> list[dict[str, Any]]:
-        """The directory's event log from sequence number ``since`` (diagnostics, tests)."""
+        """The directory's event log from sequence number ``since`` (diagnostics, tests); fetched
+        in pages of :data:`~hoplite_gpu.protocol.EVENT_LOG_PAGE` events."""
         self._check_open()
 
         async def fetch() -> list[dict[str, Any]]:
-            reply = await self._request(
-                lambda rid: p.EventLogRequest(request_id=rid, since=since), self.config.request_timeout
-            )
-            assert isinstance(reply, p.EventLogReply)
-            return reply.events
+            events: list[dict[str, Any]] = []
+            start = since
+            while True:
+                reply = await self._request(
+                    lambda rid, start=start: p.EventLogRequest(request_id=rid, since=start),  # type: ignore[misc]
+                    self.config.request_timeout,
+                )
+                if not isinstance(reply, p.EventLogReply):
+                    raise ProtocolError(f"unexpected reply to event_log: {reply.TYPE}")
+                events += reply.events
+                if len(reply.events) < p.EVENT_LOG_PAGE:
+                    return events
+                start = reply.events[-1]["seq"] + 1
 
         return self._io.run(fetch())
 

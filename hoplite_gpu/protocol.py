@@ -239,9 +239,15 @@ class VertexDone(Message):
     retry: bool = False  # failed because a source died or was reset: rebuild, do not fail
 
 
+#: Most events one :class:`EventLogReply` carries, so that a reply stays well under the control
+#: message limit (a whole log of 100 000 events is several megabytes).
+EVENT_LOG_PAGE = 1000
+
+
 @dataclass(frozen=True, slots=True)
 class EventLogRequest(Message):
-    """Fetch directory events with sequence number >= ``since`` (diagnostics and tests)."""
+    """Fetch directory events with sequence number >= ``since`` (diagnostics and tests); a reply
+    holds at most :data:`EVENT_LOG_PAGE` of them (ask again from after the last for more)."""
 
     TYPE: ClassVar[str] = "event_log"
     request_id: int

@@ -194,3 +194,14 @@ def test_standalone_directory_command() -> None:
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+def test_event_log_longer_than_a_page_arrives_whole(owner: Any) -> None:
+    from hoplite_gpu.protocol import EVENT_LOG_PAGE
+
+    start = owner.event_log()[-1]["seq"]
+    for i in range(EVENT_LOG_PAGE // 2 + 10):  # a put and a delete each log an event at least
+        owner.delete(owner.put(np.full(2, i)))
+    events = owner.event_log(start)
+    assert len(events) > EVENT_LOG_PAGE
+    assert [e["seq"] for e in events] == list(range(start, start + len(events)))

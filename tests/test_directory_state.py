@@ -16,6 +16,7 @@ from hoplite_gpu.directory.state import (
     Tick,
 )
 from hoplite_gpu.protocol import (
+    EVENT_LOG_PAGE,
     AbortTransfer,
     CancelLookup,
     DeleteReply,
@@ -464,3 +465,15 @@ def test_failed_empty_receiver_still_serving_is_not_handed_a_second_receiver():
     lookup(state, "E", 1)
     lookup(state, "F", 1)
     assert_one_receiver_per_sender(state)
+
+
+def test_event_log_replies_are_pages():
+    state = make_state("A")
+    for i in range(EVENT_LOG_PAGE + 300):
+        put(state, "A", rid=1000 + i, oid=bytes([i % 256, i // 256]) * 10)
+    total = len(state.events)
+    assert total > EVENT_LOG_PAGE
+    first = req(state, "A", EventLogRequest(1))[0].message.events
+    assert [e["seq"] for e in first] == list(range(EVENT_LOG_PAGE))
+    rest = req(state, "A", EventLogRequest(2, since=EVENT_LOG_PAGE))[0].message.events
+    assert [e["seq"] for e in rest] == list(range(EVENT_LOG_PAGE, total))

@@ -367,7 +367,8 @@ class DirectoryState:
         elif isinstance(msg, p.ReducedObjectsRequest):
             self._on_reduced_objects(ev.node_id, msg, ev.now)
         elif isinstance(msg, p.EventLogRequest):
-            events = [e for e in self.events if e["seq"] >= msg.since]
+            wanted = (e for e in self.events if e["seq"] >= msg.since)
+            events = list(itertools.islice(wanted, p.EVENT_LOG_PAGE))
             self._send(ev.node_id, p.EventLogReply(request_id=msg.request_id, events=events))
         else:
             request_id = getattr(msg, "request_id", 0)
