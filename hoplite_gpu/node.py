@@ -199,6 +199,14 @@ def _to_host(array: Any) -> np.ndarray[Any, Any]:
     )
 
 
+def _lookup_error(oid: ObjectID, reply: p.LookupReply) -> HopliteError:
+    """The error a lookup of ``oid`` answered with (status ``"error"``)."""
+    culprit = reply.error_object_id.hex() if reply.error_object_id else None
+    return _remote_error(
+        reply.error_kind, reply.error, object_id=culprit, reduction_id=oid.hex(), cause=reply.error
+    )
+
+
 def _as_hoplite_error(exc: BaseException, oid: ObjectID) -> HopliteError:
     """The error waiters of an abandoned get see: ``exc`` itself if typed, else a cancellation."""
     if isinstance(exc, HopliteError):
@@ -620,20 +628,17 @@ class Node:
                 # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
                 if reply.transfer_id:
                     self._report(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
+                if isinstance(local.error, _ObjectReset) and reply.status == "error":
+                    # Reset by a repair, then failed or deleted: starting again would wait for an
+                    # object that will never come.
+                    raise _lookup_error(oid, reply)
                 raise local.error
             if reply.status == "timeout":
                 if local is not None:
                     self._abandon(local, 0, timed_out())
                 raise timed_out()
             if reply.status == "error":
-                culprit = reply.error_object_id.hex() if reply.error_object_id else None
-                error = _remote_error(
-                    reply.error_kind,
-                    reply.error,
-                    object_id=culprit,
-                    reduction_id=oid.hex(),
-                    cause=reply.error,
-                )
+                error = _lookup_error(oid, reply)
                 if local is not None:
                     self._abandon(local, 0, error)
                 raise error
