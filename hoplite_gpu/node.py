@@ -12,6 +12,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -1383,10 +1384,8 @@ class Node:
             events: list[dict[str, Any]] = []
             start = since
             while True:
-                reply = await self._request(
-                    lambda rid, start=start: p.EventLogRequest(request_id=rid, since=start),  # type: ignore[misc]
-                    self.config.request_timeout,
-                )
+                request = functools.partial(p.EventLogRequest, since=start)
+                reply = await self._request(request, self.config.request_timeout)
                 if not isinstance(reply, p.EventLogReply):
                     raise ProtocolError(f"unexpected reply to event_log: {reply.TYPE}")
                 events += reply.events

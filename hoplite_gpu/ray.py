@@ -97,12 +97,12 @@ class _DirectoryActor:
         this rank already joined it or the size differs (the group was destroyed and created
         again), in which case a new one starts. Member objects' names include it, so that a group
         created again under the same name does not find the previous one's objects."""
-        generation, size, ranks = self._groups.get(name, (-1, world_size, {rank}))
-        if generation < 0 or rank in ranks or size != world_size:
-            generation, size, ranks = generation + 1, world_size, set()
-        ranks.add(rank)
-        self._groups[name] = (generation, size, ranks)
-        return generation
+        current = self._groups.get(name)
+        if current is None or rank in current[2] or current[1] != world_size:
+            current = (0 if current is None else current[0] + 1, world_size, set())
+            self._groups[name] = current
+        current[2].add(rank)
+        return current[0]
 
     def stop(self) -> None:
         from .node import IOThread

@@ -83,14 +83,17 @@ def _buckets(tensors: list[Any], bucket_bytes: int) -> list[list[Any]]:
     """``tensors`` grouped by (device, dtype), in order, cut into runs of at most ``bucket_bytes``
     (a larger tensor is a bucket of its own)."""
     kinds: dict[tuple[str, Any], list[list[Any]]] = {}
+    used: dict[tuple[str, Any], int] = {}  # bytes in each kind's last run
     for t in tensors:
-        runs = kinds.setdefault((str(t.device), t.dtype), [[]])
+        kind = (str(t.device), t.dtype)
+        runs = kinds.setdefault(kind, [[]])
         size = t.numel() * t.element_size()
-        used = sum(x.numel() * x.element_size() for x in runs[-1])
-        if runs[-1] and used + size > bucket_bytes:
+        if runs[-1] and used[kind] + size > bucket_bytes:
             runs.append([])
+            used[kind] = 0
         runs[-1].append(t)
-    return [run for runs in kinds.values() for run in runs if run]
+        used[kind] = used.get(kind, 0) + size
+    return [run for runs in kinds.values() for run in runs]
 
 
 def _fused(tensors: list[Any], bucket_bytes: int, run: Callable[[Any], Any]) -> None:
