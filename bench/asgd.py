@@ -316,13 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--driver"]:
         _driver(json.loads(argv[1]))
         return 0
+    from bench.common import cluster_options
     from examples.async_sgd import parse_bytes
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cluster_options(
+        __doc__ or "", "hga", hosts=9, hosts_help="cluster hosts: the PS's and one per worker"
+    )
     ap.add_argument("--local", action="store_true", help="one machine, local Ray (no root needed)")
-    ap.add_argument("--hosts", type=int, default=9, help="cluster hosts: the PS's and one per worker")
     ap.add_argument("--workers", type=int, default=None, help="workers (default: hosts - 1)")
-    ap.add_argument("--rate", default="100MB", help="link bandwidth per direction (bytes/s: 100MB, 1GB)")
     ap.add_argument("-k", type=int, default=4, help="gradients summed per update")
     ap.add_argument("--grad-bytes", default="100MB", help="gradient size (100MB, 64MiB, ...)")
     ap.add_argument("--steps", type=int, default=20, help="updates per variant")
@@ -332,7 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, default=8, help="kill variants: updates before the kill")
     ap.add_argument("--kill-worker", type=int, default=0)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
-    ap.add_argument("--prefix", default="hga", help="namespace prefix of the emulated cluster")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one variant may take")
     ap.add_argument("--json", default=None, help="write the results here (and a .md beside)")
     ap.add_argument("--report", default=None, metavar="JSON", help="only rewrite the .md of a results file")

@@ -44,7 +44,6 @@ Markdown table of every setting to PATH with ``.md``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -62,7 +61,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import format_size, markdown_table, parse_rate
+from bench.common import cluster_options, format_size, markdown_table, parse_rate
 
 CHANNELS = 3
 #: Model outputs are multiples of this, so that sums of up to 256 of them (each at most 1) are exact
@@ -597,11 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--driver"]:
         _driver(json.loads(argv[1]))
         return 0
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cluster_options(
+        __doc__ or "", "hgs", hosts=9, hosts_help="hosts of the emulated cluster (front end + models)"
+    )
     ap.add_argument("--local", action="store_true", help="one machine, a local Ray instance")
-    ap.add_argument("--hosts", type=int, default=9, help="hosts of the emulated cluster (front end + models)")
-    ap.add_argument("--rate", default="100MB", help="link bandwidth per direction (bytes/s: 100MB, 1GB)")
-    ap.add_argument("--prefix", default="hgs", help="namespace prefix of the emulated cluster")
     ap.add_argument("--models", type=int, help="model actors (default: 8 locally, hosts - 1 on the cluster)")
     ap.add_argument("--batch", type=int, default=64, help="images per query (3 x image x image float32)")
     ap.add_argument("--image", type=int, default=256)
