@@ -132,7 +132,7 @@ def init(
     )
     if directory is not None:
         return connect(directory, token=token, config=config)
-    service = start_directory(token, host=config.listen_host, config=config)
+    service = start_directory(token, host=config.directory_host, config=config)
     try:
         return Node(service.address, service.token, config, embedded=service)
     except BaseException:

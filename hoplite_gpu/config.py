@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import InvalidArgumentError
+from .errors import DirectoryUnavailableError, InvalidArgumentError
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -105,8 +106,14 @@ class Config:
             ``0`` means wait forever.
         send_rate_limit: Bytes per second a node serves at most (0 = unlimited); for traffic shaping
             and for tests that need a slow sender.
-        listen_host: Interface the data-plane listener and the embedded directory bind to.
-        advertise_host: Address peers use to reach this node (defaults to ``listen_host``).
+        listen_host: Interface the embedded directory binds to, and the address a node advertises
+            when ``advertise_host`` is empty. Empty (the default): an embedded directory listens on
+            127.0.0.1, and a node advertises the address of its interface that routes to its
+            directory (127.0.0.1 for a directory on loopback, the host's address on that network
+            otherwise; see :func:`route_address`). The data-plane listener accepts connections on
+            every interface either way.
+        advertise_host: Address peers use to reach this node's data plane (overrides the above;
+            set it behind NAT, or where the route to the directory is not the one peers use).
         verify_digest: Check a received object's digest against the one recorded at ``put``.
         close_grace: Seconds ``Node.close`` lets transfers it is serving finish.
         reduce_chunk_bytes: Bytes a reduce-tree vertex reduces (and forwards) at a time.
@@ -139,7 +146,7 @@ class Config:
     stall_timeout: float = 30.0
     default_get_timeout: float = 0.0
     send_rate_limit: float = 0.0
-    listen_host: str = "127.0.0.1"
+    listen_host: str = ""
     advertise_host: str = ""
     verify_digest: bool = False
     close_grace: float = 10.0
@@ -193,9 +200,19 @@ class Config:
         return self.inline_threshold_bytes + 1 * MiB
 
     @property
-    def data_host(self) -> str:
-        """Address advertised to peers for the data plane."""
-        return self.advertise_host or self.listen_host
+    def directory_host(self) -> str:
+        """Interface an embedded directory binds to (``listen_host``, else 127.0.0.1)."""
+        return self.listen_host or "127.0.0.1"
+
+    def data_host(self, directory_address: str) -> str:
+        """Address advertised to peers for the data plane of a node whose directory is at
+        ``directory_address``: ``advertise_host``, else ``listen_host`` unless it is a wildcard,
+        else :func:`route_address` of the directory's host."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.listen_host and self.listen_host not in WILDCARD_HOSTS:
+            return self.listen_host
+        return route_address(host_of(directory_address))
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Config:
@@ -225,6 +242,44 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         """Return a copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
+
+
+#: ``listen_host`` values that name every interface rather than one address peers can use.
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+
+
+def route_address(host: str) -> str:
+    """The address of this machine's interface that routes to ``host`` (what peers that reach
+    ``host`` can reach us on). Opens a UDP socket and connects it, which sends nothing.
+
+    Raises:
+        DirectoryUnavailableError: ``host`` does not resolve or no interface routes to it; the
+            message says to check the directory address or set ``HOPLITE_ADVERTISE_HOST``.
+    """
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(sockaddr)
+            return str(sock.getsockname()[0])
+    except (OSError, IndexError) as exc:
+        raise DirectoryUnavailableError(
+            f"no route from this machine to the directory host {host!r} ({exc}): check the "
+            "directory address, or set HOPLITE_ADVERTISE_HOST (Config.advertise_host) to an address "
+            "of this machine that the other nodes can reach",
+            peer=host,
+            cause=f"{type(exc).__name__}: {exc}",
+        ) from exc
+
+
+def host_of(address: str) -> str:
+    """The host part of a ``host:port`` address (brackets of an IPv6 literal removed)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost``."""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 def apply_ucx_defaults() -> None:

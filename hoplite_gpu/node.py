@@ -26,7 +26,7 @@ import numpy as np
 
 from . import faults, shm
 from . import protocol as p
-from .config import Config
+from .config import Config, host_of, is_loopback
 from .control import ControlClient
 from .directory.service import DirectoryService
 from .errors import (
@@ -240,6 +240,14 @@ class Node:
         self._directory_address = directory_address
         self._embedded = embedded
         self.node_id = uuid.uuid4().hex
+        self._data_host = self.config.data_host(directory_address)
+        if is_loopback(self._data_host) and not is_loopback(host_of(directory_address)):
+            log.warning(
+                "this node advertises %s to a directory at %s: nodes on other hosts cannot reach it; "
+                "unset HOPLITE_LISTEN_HOST or set HOPLITE_ADVERTISE_HOST to a reachable address",
+                self._data_host,
+                directory_address,
+            )
         self._io = IOThread.get()
         self._shm = self.config.shared_memory and shm.available()
         if self._shm:
@@ -285,7 +293,7 @@ class Node:
     @property
     def data_address(self) -> str:
         """``host:port`` of this node's data-plane (UCX) listener."""
-        return f"{self.config.data_host}:{self._data.port}"
+        return f"{self._data_host}:{self._data.port}"
 
     @property
     def closed(self) -> bool:
@@ -315,7 +323,7 @@ class Node:
             self._directory_address,
             self._token,
             self.node_id,
-            self.config.data_host,
+            self._data_host,
             self._data.port,
             self.config.connect_timeout,
             host_key=shm.host_key() if self._shm else "",

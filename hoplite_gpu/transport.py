@@ -392,7 +392,9 @@ class DataPlane:
             ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
         except Exception as exc:
             raise TransportError(
-                f"cannot connect to data-plane peer {address}: {type(exc).__name__}: {exc}",
+                f"cannot connect to data-plane peer {address}: {type(exc).__name__}: {exc} (the "
+                "address is the one that node advertised: if it is not reachable from here, set "
+                "HOPLITE_ADVERTISE_HOST on that node to one that is)",
                 peer=address,
                 cause=f"{type(exc).__name__}: {exc}",
             ) from exc

@@ -170,6 +170,16 @@ def test_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         Config(chunk_bytes=0)
 
 
+def test_advertised_data_address_follows_the_route_to_the_directory() -> None:
+    assert Config().data_host("127.0.0.1:7070") == "127.0.0.1"  # loopback directory: loopback
+    assert Config(listen_host="0.0.0.0").data_host("127.0.0.1:7070") == "127.0.0.1"  # wildcard: route
+    assert Config(listen_host="10.9.9.9").data_host("127.0.0.1:7070") == "10.9.9.9"
+    assert Config(listen_host="10.9.9.9", advertise_host="node7").data_host("127.0.0.1:7070") == "node7"
+    assert Config().directory_host == "127.0.0.1"  # an embedded directory stays on loopback
+    with pytest.raises(hg.DirectoryUnavailableError, match="HOPLITE_ADVERTISE_HOST"):
+        hg.connect("no such host:7070", token="x" * 32)
+
+
 def test_standalone_directory_command() -> None:
     env = dict(os.environ, HOPLITE_TOKEN="cli-token")
     proc = subprocess.Popen(

@@ -47,3 +47,56 @@ def test_closing_kills_the_processes_started_on_its_hosts() -> None:
         assert done.wait(30) == 0 and sleeper.poll() is None
     assert sleeper.wait(10) == -9  # SIGKILLed by close, not left running without its network
     assert not {"hgt0", "hgt1", "hgtsw"} & namespaces()
+
+
+# A node on another host, told nothing but the directory's address: it must advertise the address
+# of its interface on the cluster network (not 127.0.0.1), so a node on a third host can pull from it.
+_PEER = r"""
+import sys, numpy as np, hoplite_gpu as hg
+node = hg.connect(sys.argv[1], token=sys.argv[2], shared_memory=False)
+print("ADDRESS", node.data_address, flush=True)
+if sys.argv[3] == "put":
+    oid = node.put(np.arange(1 << 20, dtype=np.int64), hg.ObjectID.from_hex(sys.argv[4]))
+    sys.stdin.readline()  # hold the object until the test says the reader has it
+else:
+    arr = node.get(hg.ObjectID.from_hex(sys.argv[4]), timeout=60)
+    print("SUM", int(arr.sum()), flush=True)
+node.close()
+"""
+
+
+def test_nodes_on_other_hosts_advertise_their_address_on_the_route_to_the_directory() -> None:
+    import os
+    import sys
+
+    import hoplite_gpu as hg
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HOPLITE_LISTEN_HOST", "HOPLITE_ADVERTISE_HOST")}
+    with Cluster(hosts=3, rate_bytes=500e6, prefix="hga") as cluster:
+        token = "test-token-" + "a" * 20
+        host0 = cluster.address(0)
+        directory = cluster.popen(
+            0,
+            [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", "7071", "--host", host0],
+            env={**env, "HOPLITE_TOKEN": token},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert directory.stdout is not None
+        assert "listening on" in directory.stdout.readline()
+        address = f"{cluster.address(0)}:7071"
+        oid = hg.ObjectID.random().hex()
+        common = {"env": env, "stdout": subprocess.PIPE, "text": True}
+        writer = cluster.popen(
+            1, [sys.executable, "-c", _PEER, address, token, "put", oid], stdin=subprocess.PIPE, **common
+        )
+        assert writer.stdout is not None and writer.stdin is not None
+        line = writer.stdout.readline()
+        assert line.startswith(f"ADDRESS {cluster.address(1)}:"), line  # not 127.0.0.1
+        reader = cluster.popen(2, [sys.executable, "-c", _PEER, address, token, "get", oid], **common)
+        out, _ = reader.communicate(timeout=90)
+        assert f"ADDRESS {cluster.address(2)}:" in out, out
+        assert f"SUM {sum(range(1 << 20))}" in out, out
+        writer.stdin.close()
+        assert writer.wait(30) == 0
+    assert not {"hga0", "hga1", "hga2", "hgasw"} & namespaces()
