@@ -186,6 +186,23 @@ async def _follow(source: LocalObject, dst: np.ndarray[Any, Any]) -> LocalObject
     return source
 
 
+#: Bytes a put copies at a time when it copies after publishing (see :meth:`Node._prepare`).
+PUT_COPY_BYTES = 2 << 20
+
+
+def _copy_advancing(
+    loop: asyncio.AbstractEventLoop, src: np.ndarray[Any, Any], obj: LocalObject, stop: threading.Event
+) -> None:
+    """Copy ``src`` into ``obj.data`` chunk by chunk (on a worker thread), advancing ``obj``'s
+    progress on ``loop`` after each chunk; stops early once ``stop`` is set."""
+    pos = 0
+    while pos < obj.size and not stop.is_set():
+        end = min(pos + PUT_COPY_BYTES, obj.size)
+        np.copyto(obj.data[pos:end], src[pos:end])
+        loop.call_soon_threadsafe(obj.advance, end)
+        pos = end
+
+
 def _to_host(array: Any) -> np.ndarray[Any, Any]:
     """A NumPy view/copy of ``array`` (NumPy, CuPy, or anything exposing ``__array__``)."""
     if isinstance(array, np.ndarray):
@@ -376,7 +393,14 @@ class Node:
             raise NodeClosedError("this node was closed; create a new one with hoplite_gpu.init()")
 
     # ------------------------------------------------------------ put
-    def _prepare(self, array: Any, object_id: ObjectID | None, copy: bool) -> LocalObject:
+    def _prepare(
+        self, array: Any, object_id: ObjectID | None, copy: bool
+    ) -> tuple[LocalObject, np.ndarray[Any, Any] | None]:
+        """The local object for a put, and the bytes still to copy into it (None: copied already).
+
+        A large contiguous array is copied after the put is published (:meth:`_put`), so receivers
+        start while the copy runs; its digest is taken from the caller's array first.
+        """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(
                 f"object_id must be an ObjectID, got {type(object_id).__name__}", argument="object_id"
@@ -392,24 +416,28 @@ class Node:
             )
         contiguous = host.flags.c_contiguous
         pooled = copy or not contiguous
+        pending: np.ndarray[Any, Any] | None = None
         if pooled:
             data = self._store.pool.allocate(nbytes)
-            if nbytes:
+            if contiguous and nbytes >= 2 * PUT_COPY_BYTES:
+                pending = host.reshape(-1).view(np.uint8)
+            elif nbytes:
                 data.view(host.dtype).reshape(host.shape)[...] = host
         else:
             data = host.reshape(-1).view(np.uint8)
         oid = object_id or ObjectID.random()
-        return LocalObject(
+        obj = LocalObject(
             object_id=oid,
             size=nbytes,
             dtype=dtype,
             shape=tuple(int(s) for s in host.shape),
-            digest=digest_of(data),
+            digest=digest_of(data if pending is None else pending),
             data=data,
-            progress=nbytes,
+            progress=nbytes if pending is None else 0,
             owner=True,
             pooled=pooled,
         )
+        return obj, pending
 
     def put(self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True) -> ObjectID:
         """Store ``array`` under ``object_id`` (a new random id if None) and return the id.
@@ -425,22 +453,27 @@ class Node:
             InvalidArgumentError: not an array, or an object dtype.
         """
         self._check_open()
-        obj = self._prepare(array, object_id, copy)
-        return self._io.run(self._put(obj))
+        obj, pending = self._prepare(array, object_id, copy)
+        return self._io.run(self._put(obj, pending))
 
     async def put_async(
         self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True
     ) -> ObjectID:
         """Async twin of :meth:`put`."""
         self._check_open()
-        obj = self._prepare(array, object_id, copy)
-        return await self._io.run_async(self._put(obj))
+        obj, pending = self._prepare(array, object_id, copy)
+        return await self._io.run_async(self._put(obj, pending))
 
-    async def _put(self, obj: LocalObject) -> ObjectID:
+    async def _put(self, obj: LocalObject, pending: np.ndarray[Any, Any] | None = None) -> ObjectID:
+        """Publish ``obj``; with ``pending``, copy those bytes into it meanwhile (on a worker
+        thread, advancing its progress chunk by chunk, so pulls of it stream behind the copy) and
+        return once both are done. Its shared-memory segment is announced once the copy is."""
         oid = obj.object_id
         existing = self._store.get(oid)
         if existing is not None:
             if existing.digest == obj.digest and existing.dtype == obj.dtype and existing.shape == obj.shape:
+                if existing.owner and not existing.complete:  # the same put, still copying
+                    await existing.wait_progress(existing.size, self.config.request_timeout)
                 if existing.complete:
                     return oid
             raise ObjectExistsError(
@@ -450,7 +483,14 @@ class Node:
             )
         inline = obj.data.tobytes() if obj.size <= self._control.inline_threshold_bytes else None
         self._store.add(obj)
-        segment = self._publish(obj)
+        stop = threading.Event()
+        copying = None
+        segment = ""
+        if pending is not None:
+            loop = asyncio.get_running_loop()
+            copying = loop.run_in_executor(None, _copy_advancing, loop, pending, obj, stop)
+        else:
+            segment = self._publish(obj)
         try:
             reply = await self._request(
                 lambda rid: p.PutRequest(
@@ -465,18 +505,26 @@ class Node:
                 ),
                 self.config.request_timeout,
             )
-        except BaseException:
-            self._store.remove(oid)
+            if not isinstance(reply, p.PutReply):
+                raise ProtocolError(f"unexpected reply to put: {reply.TYPE}")
+            if reply.error:
+                raise _remote_error(reply.error_kind, reply.error, object_id=oid.hex())
+            if copying is not None:
+                await asyncio.shield(copying)  # the caller may reuse its array once put returns
+        except BaseException as exc:
+            stop.set()
+            if copying is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(copying)
+            if self._store.get(oid) is obj:
+                self._store.remove(oid, _as_hoplite_error(exc, oid))
             raise
-        if not isinstance(reply, p.PutReply):
-            self._store.remove(oid)
-            raise ProtocolError(f"unexpected reply to put: {reply.TYPE}")
-        if reply.error:
-            self._store.remove(oid)
-            raise _remote_error(reply.error_kind, reply.error, object_id=oid.hex())
+        if copying is not None and obj.error is None:
+            segment = self._publish(obj)
+            if segment:
+                self._report(p.CopyAdded(object_id=oid.binary(), segment=segment))
         return oid
 
-    # ------------------------------------------------------------ get
     def _resolve_timeout(self, timeout: float | None) -> float | None:
         if timeout is None:
             timeout = self.config.default_get_timeout or None
@@ -620,8 +668,9 @@ class Node:
             return obj
 
         local = self._store.get(oid)
-        if local is not None and not local.owner and local.progress < local.size:
-            # Another get in this process (or a reduce vertex here) is filling it: wait for that.
+        if local is not None and local.progress < local.size:
+            # Another get in this process (or a reduce vertex here, or a put still copying) is
+            # filling it: wait for that.
             return await filled(local)
         if local is not None and local.complete:
             return local
