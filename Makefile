@@ -62,6 +62,7 @@ bench-cluster: $(PEERS_STAMP)
 		--json bench/results/netbench_n4.json --plots bench/results
 	$(PY) bench/netbench.py --hosts 8 --rate 100MB --sizes 1KiB,1MiB,64MiB --repeat 3 \
 		--json bench/results/netbench_n8.json --plots bench/results
+	$(PY) bench/rawapi.py --hosts 4 --rate 100MB,1GB --sizes 64MiB --repeat 5 --json bench/results/rawapi.json
 
 soak: $(STAMP)
 	HOPLITE_SOAK_RUNS=$${HOPLITE_SOAK_RUNS:-1000} $(PY) -m pytest -q -s tests/test_soak.py

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, link_throughput
 from bench.common import cluster_options, format_size, markdown_table, parse_rate, parse_size
+from bench.netbench import Member
 
 DIRECTORY_PORT = 7072
 #: Every process on the cluster: TCP only, no shared memory between "hosts", no address given.
@@ -99,29 +100,15 @@ def _member(address: str, rank: int) -> None:
         node.close()
 
 
-class _Host:
+class _Host(Member):
+    """A host's process, driven over its stdin/stdout like a netbench member."""
+
     def __init__(self, cluster: Cluster, rank: int, address: str, token: str) -> None:
         env = {**HOST_ENV, "HOPLITE_TOKEN": token, "HOSTS": str(cluster.hosts)}
         argv = [sys.executable, os.path.abspath(__file__), "--member", address, str(rank)]
         self.proc = cluster.popen(
             rank, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-
-    def send(self, obj: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-
-    def recv(self) -> Any:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"host process {self.proc.pid} exited (code {self.proc.poll()})")
-            try:
-                return json.loads(line)
-            except ValueError:  # a library's log line on stdout
-                sys.stderr.write(line)
 
 
 def _broadcast_round(hosts: list[_Host], size: int) -> float:
