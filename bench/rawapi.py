@@ -71,6 +71,8 @@ def _member(address: str, rank: int) -> None:
                     if len(lookups) >= int(os.environ["HOSTS"]) - 1:
                         break
                     time.sleep(0.002)
+                else:
+                    raise TimeoutError("the receivers' lookups did not reach the directory within 60 s")
                 start = time.monotonic()
                 node.put(arr, oid)
                 send(start)

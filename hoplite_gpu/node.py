@@ -525,6 +525,7 @@ class Node:
                 self._report(p.CopyAdded(object_id=oid.binary(), segment=segment))
         return oid
 
+    # ------------------------------------------------------------ get
     def _resolve_timeout(self, timeout: float | None) -> float | None:
         if timeout is None:
             timeout = self.config.default_get_timeout or None
