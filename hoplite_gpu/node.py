@@ -66,8 +66,8 @@ REQUESTED_KEPT = 1000
 #: Longest pause between two attempts to reach a lost directory again.
 MAX_RECONNECT_BACKOFF = 1.0
 
-#: Shared-memory copies at least this large run on a worker thread (NumPy releases the GIL), so
-#: the event loop keeps serving other transfers meanwhile.
+#: Buffers at least this large are set up (allocated, or mapped from another process's segment,
+#: page faults included) on a worker thread, so the event loop keeps serving transfers meanwhile.
 THREAD_COPY_BYTES = 1 << 20
 
 _ERROR_KINDS: dict[str, type[HopliteError]] = {
@@ -383,7 +383,6 @@ class Node:
             run.cancel()
         await self._data.close(grace=self.config.close_grace)
         self._store.clear(err)
-        shm.forget_mappings()
         await self._control.close()
         if self._embedded is not None:
             await self._embedded.stop()
@@ -485,10 +484,12 @@ class Node:
         self._store.add(obj)
         stop = threading.Event()
         copying = None
-        segment = ""
+        registered = False
         if pending is not None:
             loop = asyncio.get_running_loop()
             copying = loop.run_in_executor(None, _copy_advancing, loop, pending, obj, stop)
+            seg = shm.segment_of(obj.data) if obj.pooled else None
+            segment = "" if seg is None else seg.name  # published once the copy is done
         else:
             segment = self._publish(obj)
         try:
@@ -502,6 +503,7 @@ class Node:
                     digest=obj.digest,
                     inline=inline,
                     segment=segment,
+                    copying=copying is not None and bool(segment),
                 ),
                 self.config.request_timeout,
             )
@@ -509,6 +511,7 @@ class Node:
                 raise ProtocolError(f"unexpected reply to put: {reply.TYPE}")
             if reply.error:
                 raise _remote_error(reply.error_kind, reply.error, object_id=oid.hex())
+            registered = True
             if copying is not None:
                 await asyncio.shield(copying)  # the caller may reuse its array once put returns
         except BaseException as exc:
@@ -518,6 +521,8 @@ class Node:
                     await asyncio.shield(copying)
             if self._store.get(oid) is obj:
                 self._store.remove(oid, _as_hoplite_error(exc, oid))
+            if registered:  # published, then the copy failed (or the put was cancelled): withdraw it
+                self._in_background(self._delete(oid))
             raise
         if copying is not None and obj.error is None:
             segment = self._publish(obj)
@@ -719,23 +724,16 @@ class Node:
                 if reply.transfer_id:
                     self._report(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
                 return await filled(appeared)
+            if reply.status == "shm" and local is None:
+                mapped = await self._map_shared(oid, reply, generation)
+                if mapped is not None:
+                    return await filled(mapped)
+                log.debug("segment of %s from %s is gone; pulling instead", oid, reply.sender_node[:8])
             if local is None:
                 local = self._new_partial(oid, reply)
                 if started is not None and not started.done():
                     started.set_result(local)
             if reply.status == "shm":
-                try:
-                    copied = await self._copy_shared(local, reply, generation)
-                except BaseException as exc:
-                    self._abandon(local, 0, _as_hoplite_error(exc, oid))
-                    raise
-                if copied:
-                    return local
-                if local.error is not None:
-                    raise local.error
-                log.debug(
-                    "shared-memory copy of %s from %s failed; pulling instead", oid, reply.sender_node[:8]
-                )
                 continue  # ``local`` exists now, so the next lookup asks for a data-plane source
             before = local.progress
             try:
@@ -801,26 +799,40 @@ class Node:
                 )
             return local
 
-    async def _copy_shared(self, local: LocalObject, reply: p.LookupReply, generation: int) -> bool:
-        """Fill ``local`` from a same-host holder's shared-memory segment; False if it changed or
+    async def _map_shared(self, oid: ObjectID, reply: p.LookupReply, generation: int) -> LocalObject | None:
+        """Map a same-host holder's segment of ``oid`` read-only and store the mapping as this node's
+        complete copy (no bytes copied; see :func:`shm.map_view`); None if the segment changed or
         vanished (the caller then pulls over the data plane)."""
-        oid = local.object_id.binary()
-        if local.size >= THREAD_COPY_BYTES:
-            loop = asyncio.get_running_loop()
-            ok = await loop.run_in_executor(None, shm.read_into, reply.segment, oid, local.data)
+        dtype, shape = self._meta_checked(oid, reply)
+        args = (reply.segment, oid.binary(), reply.size)
+        if reply.size >= THREAD_COPY_BYTES:  # mapping pre-faults every page
+            view = await asyncio.get_running_loop().run_in_executor(None, shm.map_view, *args)
         else:
-            ok = shm.read_into(reply.segment, oid, local.data)
-        if not ok or local.error is not None:  # removed meanwhile: an incomplete copy is failed
-            return False
-        if self.config.verify_digest and local.digest and digest_of(local.data) != local.digest:
-            log.warning("shared-memory copy of %s did not match its digest", local.object_id)
-            return False
-        local.advance(local.size)
+            view = shm.map_view(*args)
+        if view is None:
+            return None
+        if self.config.verify_digest and reply.digest and digest_of(view) != reply.digest:
+            log.warning("shared-memory segment of %s did not match its digest", oid)
+            return None
+        existing = self._store.get(oid)
+        if existing is not None:  # arrived meanwhile (a vertex here, another get): use that
+            return existing
+        obj = LocalObject(
+            oid,
+            reply.size,
+            dtype,
+            shape,
+            reply.digest,
+            view,
+            progress=reply.size,
+            reduction=reply.reduction_id,
+        )
+        self._store.add(obj)
         if generation != self._generation:
-            self._restore(local)
+            self._restore(obj)
         else:
-            self._report(p.CopyAdded(object_id=oid, segment=self._publish(local)))
-        return True
+            self._report(p.CopyAdded(object_id=oid.binary(), segment=""))
+        return obj
 
     @staticmethod
     def _publish(obj: LocalObject) -> str:
@@ -992,7 +1004,6 @@ class Node:
         else:
             error = ObjectDeletedError(f"object {oid} was deleted by its owner", object_id=oid.hex())
         self._store.remove(oid, error)
-        shm.forget_mappings(unlinked_only=True)
 
     def _on_directory_lost(self, error: HopliteError) -> None:
         # Nobody can tell a vertex any more that its reduction failed: stop them.
@@ -1390,10 +1401,14 @@ class Node:
                         oid, ObjectDeletedError(f"fetch of {oid} was stopped", object_id=oid.hex())
                     )
             elif not fetch.cancelled() and fetch.exception() is None:
-                dropping = asyncio.ensure_future(self._delete(oid))
-                self._background.add(dropping)
-                dropping.add_done_callback(self._background_done)
+                self._in_background(self._delete(oid))
         run.fetches.clear()
+
+    def _in_background(self, delete: Coroutine[Any, Any, bool]) -> None:
+        """Run a delete nobody waits for (its failure is only logged)."""
+        task = asyncio.ensure_future(delete)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
 
     def _background_done(self, task: asyncio.Future[Any]) -> None:
         self._background.discard(task)
@@ -1425,7 +1440,6 @@ class Node:
             raise ProtocolError(f"unexpected reply to delete: {reply.TYPE}")
         if not reply.kept:
             self._store.remove(oid)
-            shm.forget_mappings(unlinked_only=True)
         return reply.deleted
 
     def contains(self, object_id: ObjectID) -> bool:

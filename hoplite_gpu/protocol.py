@@ -94,6 +94,9 @@ class PutRequest(Message):
     digest: bytes
     inline: bytes | None = None
     segment: str = ""  # shared-memory segment holding the copy ("" if none)
+    # The sender is still copying the bytes into ``segment`` (it serves them as they come, and
+    # sends CopyAdded once done): same-host readers wait for that rather than pull.
+    copying: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,9 @@
-"""Same-host fast path: object buffers in POSIX shared memory that peers on the host copy directly.
+"""Same-host fast path: object buffers in POSIX shared memory that peers on the host map directly.
 
-A node on the same host as a complete copy does not need the data plane at all: it maps the
-holder's segment (a file under ``/dev/shm``) read-only and copies the bytes, with no round trip to
-the holder. Measured on the 2-core development machine, process to process: attach + copy moved
-5-8 GB/s (16-256 MiB), a plain Python TCP socket 2.8 GB/s, UCX over its own shared-memory
-transport 4-5 GB/s after a request/response round trip of about 1 ms in thread progress mode.
+A node on the same host as a complete copy does not need the data plane at all, nor a copy: it
+maps the holder's segment (a file under ``/dev/shm``) read-only and uses the bytes in place, with
+no round trip to the holder (:func:`map_view`). A ``get`` of such an object returns a view of the
+holder's segment.
 
 Each segment starts with a 64-byte header written only by the holder:
 
@@ -16,11 +15,12 @@ offset bytes  field
 16     20     ObjectID of the published payload
 ====== ====== =====================================================================
 
-A reader checks, seqlock style, that the sequence number is even and the ObjectID is the one it
-wants, copies, and checks that neither changed; otherwise it falls back to the data plane. The
-holder makes the number odd before it reuses or drops the buffer, so a reader never accepts bytes
-of another object. (Python on x86-64 and ARM64 orders these stores as written: the GIL release and
-acquire between the copy and the re-check are full barriers.)
+A reader takes a shared ``flock`` on the segment, checks that the sequence number is even and
+the ObjectID is the one it wants, and keeps the lock for as long as it maps the payload (the
+lock belongs to the mapping's file descriptor, so the kernel drops it when the reader dies). The
+holder makes the number odd when it drops the object, and reuses the buffer for another object
+only if it can take the lock exclusively: a reader never sees bytes of another object, and the
+holder never reuses memory under a reader.
 
 Segments are named ``hoplite-<pid namespace>-<pid>-<n>-<random>``; a file is unlinked when its
 buffer leaves the store's pool, when its last mapping in the holder goes away, and, for processes
@@ -30,6 +30,7 @@ that were killed, by :func:`sweep_orphans` in the next node that starts on the h
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import mmap
@@ -37,9 +38,7 @@ import os
 import re
 import secrets
 import struct
-import threading
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -115,6 +114,22 @@ class Segment(mmap.mmap):
         """Remove the file now (mappings, ours and readers', stay valid until closed)."""
         self._finalizer()
 
+    def mapped_elsewhere(self) -> bool:
+        """Whether a reader still maps the payload (:func:`map_view`): then it must not be reused."""
+        try:
+            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False  # unlinked: it is never reused
+        except OSError:
+            return True  # cannot tell: do not reuse it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)  # releases the lock, if taken
+        return False
+
     @property
     def published(self) -> bool:
         """Whether the payload is published (sequence number even)."""
@@ -161,103 +176,43 @@ def valid_name(name: str) -> bool:
     return bool(_NAME.match(name))
 
 
-class _Mappings:
-    """Read-only mappings of other processes' segments, kept for reuse.
+def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] | None:
+    """A read-only view of the payload published as ``object_id`` in segment ``name`` (flat uint8,
+    ``nbytes`` long), or None when the segment is gone, has another size, does not hold
+    ``object_id``, or is being rewritten.
 
-    Holders recycle their segments (the store's buffer pool), so the same segment is read again
-    for later objects; a kept mapping saves a page fault per 4 KiB page (copying 16 MiB took
-    3 ms through a fresh mapping, 2 ms through a kept one). A kept mapping would also keep a
-    segment's memory alive after its holder unlinked it, so every use first drops the mappings
-    of unlinked files, and at most ``MAX_KEPT`` are kept. Thread-safe.
-    """
-
-    MAX_KEPT = 32
-
-    def __init__(self) -> None:
-        self._kept: OrderedDict[str, tuple[int, mmap.mmap]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def purge(self) -> None:
-        """Drop the mappings of segments their holders have unlinked."""
-        with self._lock:
-            self._purge()
-
-    def _purge(self) -> None:
-        for kept, (fd, _) in list(self._kept.items()):
-            try:
-                gone = os.fstat(fd).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:
-                self._drop(kept)
-
-    def get(self, name: str, length: int) -> mmap.mmap | None:
-        with self._lock:
-            self._purge()
-            entry = self._kept.get(name)
-            if entry is not None:
-                self._kept.move_to_end(name)
-                return entry[1] if len(entry[1]) == length else None
-        try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            if os.fstat(fd).st_size != length:
-                os.close(fd)
-                return None
-            mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        except OSError:
-            os.close(fd)
-            return None
-        with self._lock:
-            if name in self._kept:
-                self._drop(name)
-            self._kept[name] = (fd, mm)
-            while len(self._kept) > self.MAX_KEPT:
-                self._drop(next(iter(self._kept)))
-        return mm
-
-    def _drop(self, name: str) -> None:
-        fd, _ = self._kept.pop(name)
-        os.close(fd)  # the mapping itself goes once no copy in progress uses it
-
-    def clear(self) -> None:
-        """Drop every kept mapping."""
-        with self._lock:
-            for name in list(self._kept):
-                self._drop(name)
-
-
-_mappings = _Mappings()
-
-
-def forget_mappings(unlinked_only: bool = False) -> None:
-    """Drop the kept read-only mappings of other processes' segments (only those of segments
-    their holders have unlinked, with ``unlinked_only``)."""
-    if unlinked_only:
-        _mappings.purge()
-    else:
-        _mappings.clear()
-
-
-def read_into(name: str, object_id: bytes, out: np.ndarray[Any, Any]) -> bool:
-    """Copy the payload published as ``object_id`` in segment ``name`` into ``out`` (flat uint8).
-
-    Returns False, leaving ``out`` in any state, when the segment is gone, has another size, or
-    does not hold ``object_id`` from start to end of the copy.
+    The view holds a shared lock on the segment for as long as any array uses it (the lock goes
+    with the mapping's file descriptor, so also when this process dies): the holder does not reuse
+    a segment a reader still maps (:meth:`Segment.mapped_elsewhere`), and a view outlives the
+    holder's unlink or death (the memory stays until the last mapping goes).
     """
     if not valid_name(name):
-        return False
-    nbytes = out.nbytes
-    mm = _mappings.get(name, HEADER_BYTES + nbytes)
-    if mm is None:
-        return False
+        return None
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        # Lock before reading the header: a holder that reuses the segment first takes the lock
+        # exclusively, and it marked the payload retired before that, so a reader that sees a
+        # published header under the lock keeps valid bytes until it lets go.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        if os.fstat(fd).st_size != HEADER_BYTES + nbytes:
+            return None
+        mm = mmap.mmap(
+            fd, HEADER_BYTES + nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
+        )
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # the mapping keeps a duplicate of it, and with it the lock
     seq, size = _HEADER.unpack_from(mm, 0)
     if seq % 2 or size != nbytes or mm[_OID] != object_id:
-        return False
-    np.copyto(out, np.ndarray((nbytes,), np.uint8, buffer=mm, offset=HEADER_BYTES))
-    return bool(_WORD.unpack_from(mm, 0)[0] == seq and mm[_OID] == object_id)
+        mm.close()
+        return None
+    view = np.ndarray((nbytes,), np.uint8, buffer=mm, offset=HEADER_BYTES)
+    view.flags.writeable = False
+    return view
 
 
 def _alive(pid: int) -> bool:

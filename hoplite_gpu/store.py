@@ -170,8 +170,8 @@ class BufferPool:
 
     With ``shared_min_bytes`` > 0, buffers of at least that many bytes live in shared-memory
     segments (:mod:`hoplite_gpu.shm`) that processes on the same host copy from directly; a
-    segment is retired (readers reject it) as soon as it is released and unlinked when the pool
-    lets go of it.
+    segment is retired (readers reject it) as soon as it is released, reused only once no other
+    process maps it (:func:`hoplite_gpu.shm.map_view`), and unlinked when the pool lets go of it.
     """
 
     def __init__(self, max_bytes: int, shared_min_bytes: int = 0) -> None:
@@ -187,10 +187,12 @@ class BufferPool:
         shared = 0 < self.shared_min_bytes <= nbytes
         with self._lock:
             for i, buf in enumerate(self._free):
+                seg = shm.segment_of(buf)
                 if (
                     buf.nbytes == nbytes
                     and sys.getrefcount(buf) <= _UNSHARED_REFS
-                    and (shm.segment_of(buf) is not None) == shared
+                    and (seg is not None) == shared
+                    and (seg is None or not seg.mapped_elsewhere())
                 ):
                     del self._free[i]
                     self.held_bytes -= nbytes

@@ -40,6 +40,7 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
     node = hg.connect(address, token=token, **overrides)
     conn.send(("ok", node.node_id))
     groups: dict[str, Any] = {}
+    held: dict[str, Any] = {}  # arrays returned by get, kept alive ("hold")
 
     def run(cmd: str, args: tuple[Any, ...]) -> Any:
         if cmd in COLLECTIVES:
@@ -68,6 +69,12 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
         if cmd == "get":
             oid_hex, timeout = args
             return digest(node.get(hg.ObjectID.from_hex(oid_hex), timeout=timeout))
+        if cmd == "hold":  # get and keep the returned array; its digest and whether it is writable
+            oid_hex, timeout = args
+            held[oid_hex] = node.get(hg.ObjectID.from_hex(oid_hex), timeout=timeout)
+            return digest(held[oid_hex]), bool(held[oid_hex].flags.writeable)
+        if cmd == "held":  # digest of an array kept by "hold"
+            return digest(held[args[0]])
         if cmd == "get_many":
             oids, timeout = args
 

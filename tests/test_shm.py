@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -33,32 +34,59 @@ def _ours() -> set[str]:
 
 
 # ---------------------------------------------------------------- segments
-def test_published_payload_is_read_back_and_anything_else_is_refused() -> None:
+def test_published_payload_is_mapped_and_anything_else_is_refused() -> None:
     buf = shm.create(1000)
     assert buf is not None
     seg = shm.segment_of(buf)
     assert seg is not None and os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
     buf[:] = np.arange(1000) % 251
-    out = np.zeros(1000, np.uint8)
-    assert not shm.read_into(seg.name, OID, out)  # not published yet
+    assert shm.map_view(seg.name, OID, 1000) is None  # not published yet
     seg.publish(OID)
-    assert shm.read_into(seg.name, OID, out) and np.array_equal(out, buf)
-    assert not shm.read_into(seg.name, b"x" * 20, out)  # another object
-    assert not shm.read_into(seg.name, OID, np.zeros(999, np.uint8))  # another size
+    view = shm.map_view(seg.name, OID, 1000)
+    assert view is not None and np.array_equal(view, buf) and not view.flags.writeable
+    assert shm.map_view(seg.name, b"x" * 20, 1000) is None  # another object
+    assert shm.map_view(seg.name, OID, 999) is None  # another size
     seg.retire()
-    assert not shm.read_into(seg.name, OID, out)
+    assert shm.map_view(seg.name, OID, 1000) is None
     seg.publish(b"y" * 20)  # reused for another object
-    assert not shm.read_into(seg.name, OID, out)
+    assert shm.map_view(seg.name, OID, 1000) is None
     seg.unlink()
     assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
-    shm.forget_mappings()
-    assert not shm.read_into(seg.name, b"y" * 20, out)
+    assert shm.map_view(seg.name, b"y" * 20, 1000) is None
+
+
+def test_a_mapped_segment_is_not_reused_and_outlives_its_file() -> None:
+    pool = BufferPool(1 << 20, shared_min_bytes=4096)
+    buf = pool.allocate(8192)
+    seg = shm.segment_of(buf)
+    assert seg is not None
+    buf[:] = 7
+    seg.publish(OID)
+    assert not seg.mapped_elsewhere()
+    probe = shm.map_view(seg.name, OID, 8192)
+    assert probe is not None and seg.mapped_elsewhere()
+    del probe
+    assert not seg.mapped_elsewhere()  # the view went: its lock with it
+    view = shm.map_view(seg.name, OID, 8192)
+    assert view is not None and seg.mapped_elsewhere()
+    part = view[100:200]  # a slice keeps the mapping (and its lock) as well
+    del view
+    pool.release(buf)
+    del buf
+    other = pool.allocate(8192)  # the held segment is skipped: a fresh one
+    assert shm.segment_of(other) is not seg and pool.reused == 0
+    pool.clear()  # unlinks the file of the segment still mapped
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+    assert (part == 7).all()  # the reader's memory stays valid
+    del part
+    pool.release(other)
+    pool.clear()
 
 
 @pytest.mark.parametrize("name", ["../../etc/passwd", "hoplite-1-2-3-zz", "", "hoplite-1-2-3-ab/../x"])
 def test_names_from_the_network_are_checked(name: str) -> None:
     assert not shm.valid_name(name)
-    assert not shm.read_into(name, OID, np.zeros(8, np.uint8))
+    assert shm.map_view(name, OID, 8) is None
 
 
 def test_pool_puts_large_buffers_in_segments_and_unlinks_them_when_dropped() -> None:
@@ -139,6 +167,42 @@ def test_otherwise_the_requester_pulls(hosts: dict[str, str], segment: str, shar
     assert _lookup(state, "B", shared).status == "pull"
 
 
+def test_a_same_host_reader_waits_for_a_segment_still_being_copied_and_others_pull() -> None:
+    state = _state(A="h1", B="h1", C="h2")
+    put = p.PutRequest(1, OID, 1 << 20, "|u1", [1 << 20], b"d", None, "hoplite-1-2-3-ab", copying=True)
+    state.handle(Request("A", put, 0.0))
+    assert state.handle(Request("B", p.LookupRequest(7, OID, 0.0, 0, True), 0.0)) == []  # waits
+    assert _lookup(state, "C").status == "pull"  # another host streams behind the copy
+    (send,) = state.handle(Request("A", p.CopyAdded(OID, "hoplite-1-2-3-ab"), 0.1))
+    assert send.node_id == "B" and isinstance(send.message, p.LookupReply)
+    assert (send.message.status, send.message.segment) == ("shm", "hoplite-1-2-3-ab")
+    # Not waiting for it: a reader that cannot map segments, and a copy without a segment.
+    state = _state(A="h1", B="h1")
+    state.handle(Request("A", put, 0.0))
+    assert _lookup(state, "B", shared=False).status == "pull"
+    state = _state(A="h1", B="h1")
+    state.handle(Request("A", dataclasses.replace(put, segment=""), 0.0))
+    assert _lookup(state, "B").status == "pull"
+
+
+@pytest.mark.parametrize(
+    ("hosts", "degree"),
+    [
+        ({"A": "h1", "B": "h1", "C": "h1", "D": "h1"}, 3),
+        ({"A": "h1", "B": "h1", "C": "h1", "D": "h2"}, 1),
+        ({"A": "", "B": "", "C": "", "D": ""}, 1),
+    ],
+)
+def test_a_reduction_on_one_host_is_a_star(hosts: dict[str, str], degree: int) -> None:
+    state = _state(**hosts)
+    ids = [bytes([i]) * 20 for i in range(4)]
+    state.handle(Request("A", p.ReduceRequest(9, b"r" * 20, ids, "sum", 4), 0.0))
+    size = 64 << 20
+    state.handle(Request("B", p.PutRequest(1, ids[0], size, "|u1", [size], b"d", None, ""), 0.0))
+    (tree,) = [e for e in state.events if e["kind"] == "reduce_tree"]
+    assert tree["degree"] == degree
+
+
 def test_copy_added_registers_a_complete_copy_or_drops_a_deleted_one() -> None:
     state = _state(A="h1", B="h1", C="h2")
     _put(state, "A", "hoplite-1-2-3-ab")
@@ -177,7 +241,7 @@ def _kinds(
     ]
 
 
-def test_same_host_gets_copy_from_shared_memory(shm_owner: Any, shm_workers: list[Worker]) -> None:
+def test_same_host_gets_map_shared_memory(shm_owner: Any, shm_workers: list[Worker]) -> None:
     arr = make_array("float32", (1024, 1024), seed=11)  # 4 MiB
     start = shm_owner.event_log()[-1]["seq"]
     oid = shm_owner.put(arr)
@@ -193,6 +257,36 @@ def test_same_host_gets_copy_from_shared_memory(shm_owner: Any, shm_workers: lis
     kinds = _kinds(events, oid, start, besides=owner)
     assert kinds.count("lookup_shm") == 3 and "transfer_start" not in kinds
     shm_owner.delete(oid)
+
+
+def test_a_mapped_object_stays_intact_while_its_holder_deletes_reuses_and_dies(
+    shm_owner: Any, shm_workers: list[Worker]
+) -> None:
+    arr = make_array("float64", (512, 1024), seed=14)  # 4 MiB
+    oid = shm_owner.put(arr)
+    segment = shm.segment_of(shm_owner._store.get(oid).data)
+    assert segment is not None
+    assert shm_workers[0].call("hold", oid.hex(), 60) == (digest(arr), False)
+    assert segment.mapped_elsewhere()  # a view of the owner's segment, not a copy
+    shm_owner.delete(oid)
+    other = shm_owner.put(make_array("float64", (512, 1024), seed=15))  # same size: a pool candidate
+    assert shm.segment_of(shm_owner._store.get(other).data) is not segment
+    assert shm_workers[0].call("held", oid.hex()) == digest(arr)
+    shm_owner.delete(other)
+    # A holder that dies (SIGKILL) leaves its readers' views valid.
+    holder = Worker(shm_owner.directory_address, shm_owner.token, shared_memory=True)
+    try:
+        holder.wait_ready()
+        held = hg.ObjectID.from_hex(holder.call("put", "int32", (1 << 20,), 16, ""))
+        assert shm_workers[1].call("hold", held.hex(), 60) == (
+            digest(make_array("int32", (1 << 20,), 16)),
+            False,
+        )
+        holder.kill()
+        assert shm_workers[1].call("held", held.hex()) == digest(make_array("int32", (1 << 20,), 16))
+    finally:
+        holder.stop()
+        shm.sweep_orphans()  # the killed holder's segment file
 
 
 def test_a_vanished_segment_falls_back_to_the_data_plane(shm_owner: Any, shm_workers: list[Worker]) -> None:

@@ -271,10 +271,16 @@ class ReducePlan:
         link: LinkEstimate,
         chunk: int = DEFAULT_CHUNK_BYTES,
         at_root: bool = False,
+        one_host: bool = False,
     ) -> Placement:
         """Place the next arriving input at the next free vertex in in-order, or at the root (vertex
         0) if ``at_root`` and it is free: the node that reads the result then computes it, and its
         link carries the result's last hop only once.
+
+        ``one_host``: every node shares one host's shared memory. The first placement then makes
+        the tree a star (unless the requester asked for a degree): the root maps every input from
+        its holder's segment and reduces them in one pass, where a chain would move each partial
+        result between processes.
 
         Raises:
             MismatchError: dtype or shape differs from the inputs placed before.
@@ -288,6 +294,9 @@ class ReducePlan:
             if self.fan_in:
                 self.degree = min(self.fan_in, max(1, self.num_objects - 1))
                 self.reason = f"degree {self.fan_in} requested"
+            elif one_host:
+                self.degree = max(1, self.num_objects - 1)
+                self.reason = "every node on one host: the root maps each input from shared memory"
             else:
                 self.degree, self.reason = choose_degree(self.num_objects, size, link, chunk)
             self._tree = TreeShape(self.num_objects, self.degree)

@@ -168,6 +168,7 @@ class Location:
     upstream: str | None = None  # node this copy is being filled from
     segment: str = ""  # shared-memory segment of a complete copy ("" if none)
     producing: bool = False  # the node computes this object (a reduce-tree vertex's output)
+    copying: bool = False  # the owner is still copying its put into ``segment`` (CopyAdded ends it)
 
 
 @dataclass(slots=True)
@@ -433,7 +434,7 @@ class DirectoryState:
                 )
                 return
             if entry.inline is None:
-                self._add_complete(entry, node_id, msg.segment)
+                self._add_complete(entry, node_id, msg.segment, copying=msg.copying)
             self._send(node_id, p.PutReply(request_id=msg.request_id))
             self._log(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, again=True)
             self._serve_pending(oid, now)
@@ -449,23 +450,24 @@ class DirectoryState:
             inline=msg.inline,
         )
         if msg.inline is None:
-            self._add_complete(entry, node_id, msg.segment)
+            self._add_complete(entry, node_id, msg.segment, copying=msg.copying)
         self.objects[oid] = entry
         self._send(node_id, p.PutReply(request_id=msg.request_id))
         self._log(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, inline=msg.inline is not None)
         self._serve_pending(oid, now)
         self._object_ready(oid, now)
 
-    def _add_complete(self, entry: ObjectEntry, node_id: str, segment: str) -> None:
+    def _add_complete(self, entry: ObjectEntry, node_id: str, segment: str, copying: bool = False) -> None:
         loc = entry.locations.get(node_id)
         if loc is None:
-            entry.locations[node_id] = Location(node_id, LocationState.COMPLETE, entry.size, segment=segment)
-        else:
-            loc.state = LocationState.COMPLETE
-            loc.progress = entry.size
-            loc.upstream = None
-            loc.segment = segment
-            loc.producing = False
+            loc = Location(node_id, LocationState.COMPLETE, entry.size)
+            entry.locations[node_id] = loc
+        loc.state = LocationState.COMPLETE
+        loc.progress = entry.size
+        loc.upstream = None
+        loc.segment = segment
+        loc.producing = False
+        loc.copying = copying and bool(segment)
 
     def _on_copy_added(self, node_id: str, msg: p.CopyAdded, now: float) -> None:
         entry = self.objects.get(msg.object_id)
@@ -575,6 +577,8 @@ class DirectoryState:
             self._send(pl.node_id, p.LookupReply(status="local", **meta))
             return True
         shared = self._same_host_copy(entry, pl.node_id) if pl.shared_memory else None
+        if shared is not None and shared.copying:
+            return False  # its segment is being filled: mapping it then beats pulling it now
         if shared is not None:
             self._send(
                 pl.node_id,
@@ -621,8 +625,14 @@ class DirectoryState:
         )
         return True
 
+    def _one_host(self) -> bool:
+        """Whether every node shares one host's shared memory (see :meth:`ReducePlan.place`)."""
+        keys = {info.host_key for info in self.nodes.values()}
+        return len(keys) == 1 and "" not in keys
+
     def _same_host_copy(self, entry: ObjectEntry, receiver: str) -> Location | None:
-        """A complete copy in a shared-memory segment on ``receiver``'s host (the owner's first)."""
+        """A complete copy in a shared-memory segment on ``receiver``'s host (the owner's first;
+        one still being copied into its segment, see :attr:`Location.copying`, only if no other)."""
         key = self.nodes[receiver].host_key
         if not key:
             return None
@@ -637,9 +647,10 @@ class DirectoryState:
                 and info.host_key == key
                 and info.suspect_since is None
             ):
-                if loc.node_id == entry.owner:
+                if loc.node_id == entry.owner and not loc.copying:
                     return loc
-                found = found or loc
+                if found is None or (found.copying and not loc.copying):
+                    found = loc
         return found
 
     def _choose_sender(self, entry: ObjectEntry, receiver: str, direct: bool = False) -> Location | None:
@@ -923,7 +934,14 @@ class DirectoryState:
             # The requester reads the result: its own input, if it has one, computes the root.
             at_root = holder == red.requester
             pl = plan.place(
-                oid, holder, entry.size, entry.dtype, tuple(entry.shape), self.link, at_root=at_root
+                oid,
+                holder,
+                entry.size,
+                entry.dtype,
+                tuple(entry.shape),
+                self.link,
+                at_root=at_root,
+                one_host=self._one_host(),
             )
         except MismatchError as exc:  # pragma: no cover - _input_problem checked the same
             self._fail_reduction(red, "ReduceMismatchError", str(exc), now, culprit=oid)
