@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import buffers
 from .errors import InvalidArgumentError
 from .node import Node
 from .object_id import ObjectID
@@ -262,7 +263,7 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     g = _check_group(group)
     reduce_op = as_op(op)
     seq = g._next()
-    flat = _flat_view(array)
+    flat = buffers.flat_view(array)
     n = g.world_size
     if n > 1 and flat is not None and flat.nbytes >= SHARD_MIN_BYTES and flat.size >= n:
         return g._run(_sharded_allreduce(g, seq, array, flat, reduce_op))
@@ -295,17 +296,6 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     )
     await g._delete_before(seq)
     return array
-
-
-def _flat_view(array: Any) -> Any:
-    """A one-dimensional view of a C-contiguous NumPy or CuPy ``array`` (None for anything else)."""
-    flags = getattr(array, "flags", None)
-    if flags is None or not flags["C_CONTIGUOUS"] or not hasattr(array, "reshape"):
-        return None
-    module = type(array).__module__.split(".")[0]
-    if module not in ("numpy", "cupy"):
-        return None
-    return array.reshape(-1)
 
 
 def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:

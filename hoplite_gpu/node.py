@@ -24,8 +24,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import faults, shm
+from . import buffers, faults, shm
 from . import protocol as p
+from .buffers import digest_of, dtype_from_wire, dtype_to_wire
 from .config import Config, host_of, is_loopback
 from .control import ControlClient
 from .directory.service import DirectoryService
@@ -49,7 +50,7 @@ from .errors import (
 )
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
-from .store import LocalObject, LocalStore, digest_of, dtype_from_wire, dtype_to_wire
+from .store import LocalObject, LocalStore
 from .transport import DataPlane
 from .vertex import Fetch, VertexRun, reduce_stream
 
@@ -201,20 +202,6 @@ def _copy_advancing(
         np.copyto(obj.data[pos:end], src[pos:end])
         loop.call_soon_threadsafe(obj.advance, end)
         pos = end
-
-
-def _to_host(array: Any) -> np.ndarray[Any, Any]:
-    """A NumPy view/copy of ``array`` (NumPy, CuPy, or anything exposing ``__array__``)."""
-    if isinstance(array, np.ndarray):
-        return array
-    module = type(array).__module__.split(".")[0]
-    if module == "cupy":
-        return array.get()  # type: ignore[no-any-return]
-    if module == "torch":
-        return array.detach().cpu().numpy()  # type: ignore[no-any-return]
-    raise InvalidArgumentError(
-        f"put needs a NumPy or CuPy array, got {type(array).__name__}", argument="array"
-    )
 
 
 def _lookup_error(oid: ObjectID, reply: p.LookupReply) -> HopliteError:
@@ -404,7 +391,7 @@ class Node:
             raise InvalidArgumentError(
                 f"object_id must be an ObjectID, got {type(object_id).__name__}", argument="object_id"
             )
-        host = _to_host(array)
+        host = buffers.to_host(array)
         dtype = dtype_to_wire(host.dtype)
         nbytes = int(host.nbytes)
         if nbytes > self.config.max_object_bytes:
@@ -623,10 +610,7 @@ class Node:
                 f"{obj.object_id} has dtype {arr.dtype} and shape {arr.shape}",
                 argument="out",
             )
-        if isinstance(out, np.ndarray):
-            np.copyto(out, arr)
-        else:
-            out.set(arr)  # CuPy
+        buffers.copy_into(out, arr)
         return out
 
     async def _get(

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from . import collective
+from . import buffers, collective
 from .config import Config
 from .errors import DirectoryUnavailableError, HopliteError, InvalidArgumentError
 from .node import Node
@@ -236,10 +236,11 @@ def as_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
     Accepts NumPy and CuPy arrays and torch tensors (CPU: a NumPy view, bfloat16 through
     ``ml_dtypes``; CUDA: a CuPy view).
     """
-    module = type(tensor).__module__.split(".")[0]
-    if module == "torch":
+    kind = buffers.kind_of(tensor)
+    if kind is buffers.ArrayKind.TORCH:
         return _torch_buffer(tensor)
-    if module not in ("numpy", "cupy") or not hasattr(tensor, "flags"):
+    module = kind.value
+    if kind not in (buffers.ArrayKind.NUMPY, buffers.ArrayKind.CUPY):
         raise InvalidArgumentError(
             f"expected a NumPy or CuPy array or a torch tensor, got {type(tensor).__name__}",
             argument="tensor",

@@ -7,54 +7,15 @@ it is still receiving. The store is used only from the node's event-loop thread.
 from __future__ import annotations
 
 import asyncio
-import sys
-import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from . import shm
-from .errors import (
-    HopliteError,
-    HopliteTimeoutError,
-    InvalidArgumentError,
-    ObjectDeletedError,
-    StoreFullError,
-)
+from .buffers import BufferPool, dtype_from_wire
+from .errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
 from .object_id import ObjectID
-
-_SPECIAL_DTYPES = ("bfloat16",)
-
-
-def dtype_to_wire(dtype: np.dtype[Any]) -> str:
-    """Text form of a dtype that :func:`dtype_from_wire` turns back into it."""
-    if dtype.hasobject:
-        raise InvalidArgumentError(
-            "object arrays cannot be stored (their bytes are pointers); convert to a numeric dtype",
-            argument="array",
-        )
-    if dtype.name in _SPECIAL_DTYPES:
-        return dtype.name
-    return dtype.str if dtype.fields is None else np.lib.format.dtype_to_descr(dtype).__repr__()
-
-
-def dtype_from_wire(text: str) -> np.dtype[Any]:
-    """Inverse of :func:`dtype_to_wire`."""
-    if text in _SPECIAL_DTYPES:
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
-    if text.startswith("["):
-        import ast
-
-        return np.dtype(ast.literal_eval(text))
-    return np.dtype(text)
-
-
-def digest_of(buf: np.ndarray[Any, Any]) -> bytes:
-    """128-bit xxh3 digest of a contiguous byte buffer (about 10 GB/s)."""
-    return xxhash.xxh3_128_digest(memoryview(buf).cast("B"))  # type: ignore[arg-type]
 
 
 @dataclass(eq=False, slots=True)
@@ -145,93 +106,6 @@ class LocalObject:
             ) from None
         finally:
             self._waiters = [(n, f) for n, f in self._waiters if f is not fut]
-
-
-def _baseline_refcount() -> int:
-    """``sys.getrefcount`` of a buffer referenced only by a pool's list, seen from its scan loop."""
-    free = deque([np.empty(1, np.uint8)])
-    for _, buf in enumerate(free):  # the same loop shape as BufferPool.allocate
-        return sys.getrefcount(buf)
-    raise AssertionError("unreachable")
-
-
-_UNSHARED_REFS = _baseline_refcount()
-
-
-class BufferPool:
-    """Recycles the byte buffers of removed objects for new objects of the same size.
-
-    Writing into freshly allocated memory costs a page fault per page: a 64 MiB receive into a
-    new buffer took 20 ms, into a recycled one 12 ms (``bench/p2p.py``). A removed object's
-    buffer is kept (oldest dropped first beyond ``max_bytes``) and handed out again only once
-    nothing else refers to it: an array returned by ``get`` is a view that keeps its buffer
-    referenced, as does a transfer still using it, and such a buffer is never reused under them.
-    Thread-safe (``put`` copies on the caller's thread).
-
-    With ``shared_min_bytes`` > 0, buffers of at least that many bytes live in shared-memory
-    segments (:mod:`hoplite_gpu.shm`) that processes on the same host copy from directly; a
-    segment is retired (readers reject it) as soon as it is released, reused only once no other
-    process maps it (:func:`hoplite_gpu.shm.map_view`), and unlinked when the pool lets go of it.
-    """
-
-    def __init__(self, max_bytes: int, shared_min_bytes: int = 0) -> None:
-        self.max_bytes = max_bytes
-        self.shared_min_bytes = shared_min_bytes
-        self.held_bytes = 0
-        self.reused = 0
-        self._free: deque[np.ndarray[Any, Any]] = deque()
-        self._lock = threading.Lock()
-
-    def allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
-        """A flat uint8 buffer of ``nbytes`` (recycled when an unreferenced one fits exactly)."""
-        shared = 0 < self.shared_min_bytes <= nbytes
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                seg = shm.segment_of(buf)
-                if (
-                    buf.nbytes == nbytes
-                    and sys.getrefcount(buf) <= _UNSHARED_REFS
-                    and (seg is not None) == shared
-                    and (seg is None or not seg.mapped_elsewhere())
-                ):
-                    del self._free[i]
-                    self.held_bytes -= nbytes
-                    self.reused += 1
-                    return buf
-        created = shm.create(nbytes) if shared else None
-        return created if created is not None else np.empty(nbytes, np.uint8)
-
-    def release(self, buf: np.ndarray[Any, Any]) -> None:
-        """Offer a buffer the store no longer uses (it may still be referenced elsewhere)."""
-        seg = shm.segment_of(buf)
-        if seg is not None:
-            seg.retire()
-        if buf.nbytes == 0 or buf.nbytes > self.max_bytes:
-            _drop(buf)
-            return
-        with self._lock:
-            self._free.append(buf)
-            self.held_bytes += buf.nbytes
-            while self.held_bytes > self.max_bytes:
-                old = self._free.popleft()
-                self.held_bytes -= old.nbytes
-                _drop(old)
-
-    def clear(self) -> None:
-        """Drop every held buffer."""
-        with self._lock:
-            for buf in self._free:
-                _drop(buf)
-            self._free.clear()
-            self.held_bytes = 0
-
-
-def _drop(buf: np.ndarray[Any, Any]) -> None:
-    """Let go of a buffer: a shared-memory segment's file is unlinked now (its memory is freed
-    once no array uses it any more)."""
-    seg = shm.segment_of(buf)
-    if seg is not None:
-        seg.unlink()
 
 
 #: How many removed ObjectIDs a store remembers (to refuse pulls of them at once).

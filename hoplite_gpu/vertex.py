@@ -14,11 +14,12 @@ import asyncio
 from dataclasses import dataclass
 
 from . import protocol as p
+from .buffers import dtype_from_wire
 from .errors import HopliteError
 from .faults import INJECTOR
 from .object_id import ObjectID
 from .reduce_ops import as_op, reduce_chunk
-from .store import LocalObject, dtype_from_wire
+from .store import LocalObject
 
 
 class VertexRun:

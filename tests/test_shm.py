@@ -15,8 +15,8 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
 from hoplite_gpu import shm
+from hoplite_gpu.buffers import BufferPool
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request, Send
-from hoplite_gpu.store import BufferPool
 from tests.procs import Worker, digest, make_array, start_workers, wait_for_events
 
 pytestmark = [

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hoplite_gpu.store import BufferPool
+from hoplite_gpu.buffers import BufferPool
 from tests.procs import digest, make_array
 
 pytestmark = pytest.mark.timeout(60)
