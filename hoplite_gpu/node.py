@@ -52,7 +52,7 @@ from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
 from .store import LocalObject, LocalStore
 from .transport import DataPlane
-from .vertex import Fetch, VertexRun, reduce_stream
+from .vertex import ObjectReset, VertexRunner
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -90,16 +90,6 @@ _ERROR_KINDS: dict[str, type[HopliteError]] = {
 def _remote_error(kind: str, message: str, **fields: Any) -> HopliteError:
     """The typed error for an error the directory reported as ``kind``."""
     return _ERROR_KINDS.get(kind, HopliteError)(message, **fields)
-
-
-class _ObjectReset(HopliteError):
-    """A partial copy of a reduction's result was voided (the tree is being rebuilt after a
-    failure); the get starts again from byte 0. Never raised to callers."""
-
-
-#: Errors of a vertex's sources after which the directory rebuilds the tree instead of failing it.
-#: (ObjectDeletedError: a copy of a source shared with a vertex of the tree being replaced was dropped.)
-_RETRY_VERTEX = (TransportError, ObjectLostError, _ObjectReset, ObjectDeletedError)
 
 
 class IOThread:
@@ -263,10 +253,16 @@ class Node:
         )
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
         self._control = self._new_control()
-        self._vertices: dict[tuple[bytes, int, int], VertexRun] = {}
+        self._vertices = VertexRunner(
+            self._store,
+            lambda oid, started: self._get(oid, None, started=started),
+            self._allocate,
+            self._report,
+            self._publish,
+            lambda oid: self._in_background(self._delete(oid)),
+            self.config.reduce_chunk_bytes,
+        )
         self._aborts: dict[int, asyncio.Future[None]] = {}  # running pulls, by transfer id
-        # Copies fetched only for reduce vertices, with how many running vertices use each.
-        self._fetched: dict[ObjectID, Fetch] = {}
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget deletes
         self._closed = False
         self._beat: asyncio.Future[None] | None = None
@@ -366,8 +362,7 @@ class Node:
             self._beat.cancel()
         if self._reconnecting is not None and not self._reconnecting.done():
             self._reconnecting.cancel()
-        for run in list(self._vertices.values()):
-            run.cancel()
+        self._vertices.cancel()
         await self._data.close(grace=self.config.close_grace)
         self._store.clear(err)
         await self._control.close()
@@ -626,7 +621,7 @@ class Node:
         while True:
             try:
                 return await self._fetch(oid, deadline, timeout, started, direct)
-            except _ObjectReset:
+            except ObjectReset:
                 log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)
 
     async def _fetch(
@@ -637,7 +632,7 @@ class Node:
         started: asyncio.Future[LocalObject] | None,
         direct: bool = False,
     ) -> LocalObject:
-        """One attempt of :meth:`_get` (raises :class:`_ObjectReset` if its copy was voided)."""
+        """One attempt of :meth:`_get` (raises :class:`ObjectReset` if its copy was voided)."""
 
         def remaining() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -676,7 +671,7 @@ class Node:
                 # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
                 if reply.transfer_id:
                     self._report(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
-                if isinstance(local.error, _ObjectReset) and reply.status == "error":
+                if isinstance(local.error, ObjectReset) and reply.status == "error":
                     # Reset by a repair, then failed or deleted: starting again would wait for an
                     # object that will never come.
                     raise _lookup_error(oid, reply)
@@ -694,7 +689,7 @@ class Node:
                 return self._store_inline(oid, reply)
             if reply.status == "local":
                 existing = self._store.get(oid)
-                if existing is None and any(r.output_id == oid for r in self._vertices.values()):
+                if existing is None and self._vertices.computes(oid):
                     # A vertex placed here just now is still setting its output up.
                     wait = self.config.request_timeout if left is None else left
                     existing = await self._store.wait_for(oid, wait, coming=True)
@@ -953,16 +948,9 @@ class Node:
 
     def _on_push(self, msg: p.Message) -> None:
         if isinstance(msg, p.ReduceTask):
-            run = VertexRun(msg)
-            self._vertices[run.key] = run
-            run.runner = asyncio.ensure_future(self._run_vertex(run))
-            run.runner.add_done_callback(
-                lambda _: self._vertices.pop(run.key) if self._vertices.get(run.key) is run else None
-            )
+            self._vertices.start(msg)
         elif isinstance(msg, p.ReduceChild):
-            found = self._vertices.get((msg.reduction_id, msg.epoch, msg.vertex))
-            if found is not None:
-                found.set_child(msg.index, msg.object_id)
+            self._vertices.set_child(msg)
         elif isinstance(msg, p.DropObject):
             self._drop(ObjectID(msg.object_id), msg.reason)
         elif isinstance(msg, p.AbortTransfer):
@@ -972,14 +960,13 @@ class Node:
 
     def _drop(self, oid: ObjectID, reason: str) -> None:
         """The directory dropped this node's copy of ``oid`` (see :class:`protocol.DropObject`)."""
-        for run in [r for r in self._vertices.values() if r.output_id == oid]:
-            run.cancel()  # the reduction failed, was deleted, or its tree is rebuilt
+        self._vertices.cancel(oid)  # the reduction failed, was deleted, or its tree is rebuilt
         local = self._store.get(oid)
         error: HopliteError
         if reason == "reset":
             if local is not None and local.complete:
                 return  # finished before the failure: exact for the inputs it reduced; keep it
-            error = _ObjectReset(f"partial copy of {oid} was reset", object_id=oid.hex())
+            error = ObjectReset(f"partial copy of {oid} was reset", object_id=oid.hex())
         elif reason == "lost":
             error = ObjectLostError(
                 f"object {oid} was lost: every complete copy died while it was being received; put it again",
@@ -991,9 +978,7 @@ class Node:
 
     def _on_directory_lost(self, error: HopliteError) -> None:
         # Nobody can tell a vertex any more that its reduction failed: stop them.
-        for run in list(self._vertices.values()):
-            run.cancel()
-        self._vertices.clear()
+        self._vertices.cancel()
         if self._closed:
             return
         if self.config.reconnect_timeout <= 0:
@@ -1008,7 +993,7 @@ class Node:
             if obj.reduction and (obj.object_id.binary() != obj.reduction or not obj.complete):
                 self._store.remove(
                     obj.object_id,
-                    _ObjectReset(
+                    ObjectReset(
                         f"{obj.object_id} was being reduced when the directory was lost",
                         object_id=obj.object_id.hex(),
                     ),
@@ -1271,122 +1256,6 @@ class Node:
             culprit = reply.error_object_id.hex() if reply.error_object_id else None
             raise _remote_error(reply.error_kind, reply.error, object_id=culprit, reduction_id=rid.hex())
         return [ObjectID(o) for o in reply.object_ids]
-
-    async def _run_vertex(self, run: VertexRun) -> None:
-        """Execute a :class:`~hoplite_gpu.protocol.ReduceTask` and report how it went."""
-        task = run.task
-        out: LocalObject | None = None
-        try:
-            own = self._store.get(ObjectID(task.input_id))
-            if own is None:
-                raise ObjectNotFoundError(
-                    f"input {task.input_id.hex()} of reduction {task.reduction_id.hex()} is no longer "
-                    "on this node",
-                    object_id=task.input_id.hex(),
-                )
-            # Children start streaming while the output buffer is being set up.
-            streams = asyncio.gather(*(self._stream_child(run, i) for i in range(len(task.children))))
-            try:
-                stale = self._store.get(run.output_id)
-                if stale is not None and stale.complete and not stale.owner:
-                    self._store.remove(run.output_id)  # the result of a tree rebuilt since
-                self._store.reserve(task.size)
-                data = await self._allocate(task.size)
-                out = LocalObject(
-                    run.output_id,
-                    task.size,
-                    task.dtype,
-                    tuple(task.shape),
-                    b"",
-                    data,
-                    pooled=True,
-                    reduction=task.reduction_id,
-                )
-                self._store.add(out)
-                children = await streams
-            except BaseException:
-                streams.cancel()
-                raise
-            await reduce_stream(task, own, list(children), out, self.config.reduce_chunk_bytes)
-            self._report(
-                p.VertexDone(
-                    reduction_id=task.reduction_id,
-                    vertex=task.vertex,
-                    ok=True,
-                    segment=self._publish(out),
-                    epoch=task.epoch,
-                )
-            )
-        except asyncio.CancelledError:
-            if out is not None and self._store.get(out.object_id) is out and not out.complete:
-                self._store.remove(out.object_id)
-            raise
-        except HopliteError as exc:
-            log.info("reduce vertex %d of %s failed: %s", task.vertex, task.reduction_id.hex()[:8], exc)
-            self._report(
-                p.VertexDone(
-                    reduction_id=task.reduction_id,
-                    vertex=task.vertex,
-                    ok=False,
-                    reason=str(exc),
-                    epoch=task.epoch,
-                    retry=isinstance(exc, _RETRY_VERTEX),
-                )
-            )
-            if out is not None and self._store.get(out.object_id) is out:
-                error: HopliteError = exc
-                if isinstance(exc, _RETRY_VERTEX):
-                    # The directory rebuilds the tree: a get here waiting for this output starts
-                    # again (with the error itself it failed, 1 run in ~10 of a repair test).
-                    error = _ObjectReset(f"partial result voided: {exc}", object_id=out.object_id.hex())
-                self._store.remove(out.object_id, error)
-        finally:
-            self._release_fetched(run)
-
-    async def _stream_child(self, run: VertexRun, index: int) -> LocalObject:
-        """The local object of a vertex's child: already here, or being fetched (still filling).
-
-        A copy fetched for vertices is shared by every vertex on this node that needs it, and
-        dropped when the last of them finishes (:meth:`_release_fetched`).
-        """
-        oid = await run.child(index)
-        fetch = self._fetched.get(oid)
-        if fetch is None:
-            local = self._store.get(oid)
-            if local is not None:
-                return local  # this node's own object (or a vertex output computed here)
-            started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
-            fetch = Fetch(asyncio.ensure_future(self._get(oid, None, started=started)), started)
-            fetch.task.add_done_callback(fetch.failed)
-            self._fetched[oid] = fetch
-        fetch.users += 1
-        run.fetches.append(oid)
-        return await fetch.local()
-
-    def _release_fetched(self, run: VertexRun) -> None:
-        """A vertex stopped using the copies it fetched: drop (or stop fetching) those no other
-        running vertex uses."""
-        for oid in run.fetches:
-            shared = self._fetched.get(oid)
-            if shared is None:
-                continue
-            shared.users -= 1
-            if shared.users > 0:
-                continue
-            del self._fetched[oid]
-            fetch = shared.task
-            if not fetch.done():
-                fetch.cancel()
-                partial = self._store.get(oid)
-                if partial is not None and not partial.owner and not partial.complete:
-                    # Now, not when the cancelled get unwinds: a vertex starting meanwhile (a
-                    # rebuilt tree's) must fetch afresh, not adopt a copy about to be dropped.
-                    self._store.remove(
-                        oid, ObjectDeletedError(f"fetch of {oid} was stopped", object_id=oid.hex())
-                    )
-            elif not fetch.cancelled() and fetch.exception() is None:
-                self._in_background(self._delete(oid))
-        run.fetches.clear()
 
     def _in_background(self, delete: Coroutine[Any, Any, bool]) -> None:
         """Run a delete nobody waits for (its failure is only logged)."""

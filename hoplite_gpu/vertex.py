@@ -11,15 +11,211 @@ parent (or a ``get`` of the result) streams reduced chunks while later ones are 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from . import protocol as p
 from .buffers import dtype_from_wire
-from .errors import HopliteError
+from .errors import HopliteError, ObjectDeletedError, ObjectLostError, ObjectNotFoundError, TransportError
 from .faults import INJECTOR
 from .object_id import ObjectID
 from .reduce_ops import as_op, reduce_chunk
-from .store import LocalObject
+from .store import LocalObject, LocalStore
+
+log = logging.getLogger("hoplite_gpu")
+
+
+class ObjectReset(HopliteError):
+    """A partial copy of a reduction's result was voided (the tree is being rebuilt after a
+    failure); a get of it starts again from byte 0. Never raised to callers."""
+
+
+#: Errors of a vertex's sources after which the directory rebuilds the tree instead of failing it.
+#: (ObjectDeletedError: a copy of a source shared with a vertex of the tree being replaced was dropped.)
+RETRY_VERTEX = (TransportError, ObjectLostError, ObjectReset, ObjectDeletedError)
+
+
+class VertexRunner:
+    """Runs the reduce-tree vertices the directory places on one node (on its event loop).
+
+    Args:
+        store: The node's local store (inputs are found, outputs written there).
+        fetch: ``fetch(oid, started)`` gets another node's object into the store, resolving
+            ``started`` with the local copy as soon as it exists (still filling).
+        allocate: A store buffer of the given size.
+        report: Sends a message to the directory (best effort).
+        publish: Publishes a complete output in its shared-memory segment; the segment's name.
+        drop_copy: Deletes a copy fetched only for vertices (in the background).
+        chunk_bytes: Bytes reduced per step.
+    """
+
+    def __init__(
+        self,
+        store: LocalStore,
+        fetch: Callable[[ObjectID, asyncio.Future[LocalObject]], Awaitable[LocalObject]],
+        allocate: Callable[[int], Awaitable[np.ndarray[Any, Any]]],
+        report: Callable[[p.Message], None],
+        publish: Callable[[LocalObject], str],
+        drop_copy: Callable[[ObjectID], None],
+        chunk_bytes: int,
+    ) -> None:
+        self.store = store
+        self._fetch = fetch
+        self._allocate = allocate
+        self._report = report
+        self._publish = publish
+        self._drop_copy = drop_copy
+        self.chunk_bytes = chunk_bytes
+        self._runs: dict[tuple[bytes, int, int], VertexRun] = {}
+        # Copies fetched only for reduce vertices, with how many running vertices use each.
+        self._fetched: dict[ObjectID, Fetch] = {}
+
+    def start(self, task: p.ReduceTask) -> None:
+        """Run the vertex ``task`` describes."""
+        run = VertexRun(task)
+        self._runs[run.key] = run
+        run.runner = asyncio.ensure_future(self._run(run))
+        run.runner.add_done_callback(
+            lambda _: self._runs.pop(run.key) if self._runs.get(run.key) is run else None
+        )
+
+    def set_child(self, msg: p.ReduceChild) -> None:
+        """A child of a running vertex was placed."""
+        found = self._runs.get((msg.reduction_id, msg.epoch, msg.vertex))
+        if found is not None:
+            found.set_child(msg.index, msg.object_id)
+
+    def computes(self, oid: ObjectID) -> bool:
+        """Whether a running vertex here writes ``oid``."""
+        return any(r.output_id == oid for r in self._runs.values())
+
+    def cancel(self, oid: ObjectID | None = None) -> None:
+        """Stop the vertices writing ``oid`` (every vertex if None)."""
+        for run in list(self._runs.values()):
+            if oid is None or run.output_id == oid:
+                run.cancel()
+        if oid is None:
+            self._runs.clear()
+
+    async def _run(self, run: VertexRun) -> None:
+        """Execute a :class:`~hoplite_gpu.protocol.ReduceTask` and report how it went."""
+        task = run.task
+        out: LocalObject | None = None
+        try:
+            own = self.store.get(ObjectID(task.input_id))
+            if own is None:
+                raise ObjectNotFoundError(
+                    f"input {task.input_id.hex()} of reduction {task.reduction_id.hex()} is no longer "
+                    "on this node",
+                    object_id=task.input_id.hex(),
+                )
+            # Children start streaming while the output buffer is being set up.
+            streams = asyncio.gather(*(self._stream_child(run, i) for i in range(len(task.children))))
+            try:
+                stale = self.store.get(run.output_id)
+                if stale is not None and stale.complete and not stale.owner:
+                    self.store.remove(run.output_id)  # the result of a tree rebuilt since
+                self.store.reserve(task.size)
+                data = await self._allocate(task.size)
+                out = LocalObject(
+                    run.output_id,
+                    task.size,
+                    task.dtype,
+                    tuple(task.shape),
+                    b"",
+                    data,
+                    pooled=True,
+                    reduction=task.reduction_id,
+                )
+                self.store.add(out)
+                children = await streams
+            except BaseException:
+                streams.cancel()
+                raise
+            await reduce_stream(task, own, list(children), out, self.chunk_bytes)
+            self._report(
+                p.VertexDone(
+                    reduction_id=task.reduction_id,
+                    vertex=task.vertex,
+                    ok=True,
+                    segment=self._publish(out),
+                    epoch=task.epoch,
+                )
+            )
+        except asyncio.CancelledError:
+            if out is not None and self.store.get(out.object_id) is out and not out.complete:
+                self.store.remove(out.object_id)
+            raise
+        except HopliteError as exc:
+            log.info("reduce vertex %d of %s failed: %s", task.vertex, task.reduction_id.hex()[:8], exc)
+            self._report(
+                p.VertexDone(
+                    reduction_id=task.reduction_id,
+                    vertex=task.vertex,
+                    ok=False,
+                    reason=str(exc),
+                    epoch=task.epoch,
+                    retry=isinstance(exc, RETRY_VERTEX),
+                )
+            )
+            if out is not None and self.store.get(out.object_id) is out:
+                error: HopliteError = exc
+                if isinstance(exc, RETRY_VERTEX):
+                    # The directory rebuilds the tree: a get here waiting for this output starts
+                    # again (with the error itself it failed, 1 run in ~10 of a repair test).
+                    error = ObjectReset(f"partial result voided: {exc}", object_id=out.object_id.hex())
+                self.store.remove(out.object_id, error)
+        finally:
+            self._release_fetched(run)
+
+    async def _stream_child(self, run: VertexRun, index: int) -> LocalObject:
+        """The local object of a vertex's child: already here, or being fetched (still filling).
+
+        A copy fetched for vertices is shared by every vertex on this node that needs it, and
+        dropped when the last of them finishes (:meth:`_release_fetched`).
+        """
+        oid = await run.child(index)
+        fetch = self._fetched.get(oid)
+        if fetch is None:
+            local = self.store.get(oid)
+            if local is not None:
+                return local  # this node's own object (or a vertex output computed here)
+            started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
+            fetch = Fetch(asyncio.ensure_future(self._fetch(oid, started)), started)
+            fetch.task.add_done_callback(fetch.failed)
+            self._fetched[oid] = fetch
+        fetch.users += 1
+        run.fetches.append(oid)
+        return await fetch.local()
+
+    def _release_fetched(self, run: VertexRun) -> None:
+        """A vertex stopped using the copies it fetched: drop (or stop fetching) those no other
+        running vertex uses."""
+        for oid in run.fetches:
+            shared = self._fetched.get(oid)
+            if shared is None:
+                continue
+            shared.users -= 1
+            if shared.users > 0:
+                continue
+            del self._fetched[oid]
+            fetch = shared.task
+            if not fetch.done():
+                fetch.cancel()
+                partial = self.store.get(oid)
+                if partial is not None and not partial.owner and not partial.complete:
+                    # Now, not when the cancelled get unwinds: a vertex starting meanwhile (a
+                    # rebuilt tree's) must fetch afresh, not adopt a copy about to be dropped.
+                    self.store.remove(
+                        oid, ObjectDeletedError(f"fetch of {oid} was stopped", object_id=oid.hex())
+                    )
+            elif not fetch.cancelled() and fetch.exception() is None:
+                self._drop_copy(oid)
+        run.fetches.clear()
 
 
 class VertexRun:
