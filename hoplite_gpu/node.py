@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import buffers, faults, shm
+from . import buffers, faults, shm, sources
 from . import protocol as p
 from .buffers import digest_of, dtype_from_wire, dtype_to_wire
 from .config import Config, host_of, is_loopback
@@ -46,10 +46,10 @@ from .errors import (
     ProtocolError,
     ReduceMismatchError,
     ReductionFailedError,
-    TransportError,
 )
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
+from .sources import as_hoplite_error
 from .store import LocalObject, LocalStore
 from .transport import DataPlane
 from .vertex import ObjectReset, VertexRunner
@@ -58,18 +58,11 @@ log = logging.getLogger("hoplite_gpu")
 
 T = TypeVar("T")
 
-#: Consecutive failed pulls without any new byte received before ``get`` gives up.
-MAX_FRUITLESS_PULLS = 8
-
 #: Reductions this node requested that it remembers, to re-send them to a restarted directory.
 REQUESTED_KEPT = 1000
 
 #: Longest pause between two attempts to reach a lost directory again.
 MAX_RECONNECT_BACKOFF = 1.0
-
-#: Buffers at least this large are set up (allocated, or mapped from another process's segment,
-#: page faults included) on a worker thread, so the event loop keeps serving transfers meanwhile.
-THREAD_COPY_BYTES = 1 << 20
 
 _ERROR_KINDS: dict[str, type[HopliteError]] = {
     cls.__name__: cls
@@ -202,13 +195,6 @@ def _lookup_error(oid: ObjectID, reply: p.LookupReply) -> HopliteError:
     )
 
 
-def _as_hoplite_error(exc: BaseException, oid: ObjectID) -> HopliteError:
-    """The error waiters of an abandoned get see: ``exc`` itself if typed, else a cancellation."""
-    if isinstance(exc, HopliteError):
-        return exc
-    return ObjectDeletedError(f"get of {oid} was cancelled", object_id=oid.hex())
-
-
 class Node:
     """A process's handle on the object store. Create it with :func:`hoplite_gpu.init` or
     :func:`hoplite_gpu.connect`.
@@ -252,6 +238,12 @@ class Node:
             shared_min_bytes=self.config.inline_threshold_bytes + 1 if self._shm else 0,
         )
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
+        ctx = sources.Context(
+            self._store, self._data, self.config, self._report, self._completed, self._abandon
+        )
+        self._inline = sources.InlineSource(ctx)
+        self._mapped = sources.SharedMemorySource(ctx)
+        self._pull = sources.PullSource(ctx)
         self._control = self._new_control()
         self._vertices = VertexRunner(
             self._store,
@@ -262,7 +254,6 @@ class Node:
             lambda oid: self._in_background(self._delete(oid)),
             self.config.reduce_chunk_bytes,
         )
-        self._aborts: dict[int, asyncio.Future[None]] = {}  # running pulls, by transfer id
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget deletes
         self._closed = False
         self._beat: asyncio.Future[None] | None = None
@@ -502,7 +493,7 @@ class Node:
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(copying)
             if self._store.get(oid) is obj:
-                self._store.remove(oid, _as_hoplite_error(exc, oid))
+                self._store.remove(oid, as_hoplite_error(exc, oid))
             if registered:  # published, then the copy failed (or the put was cancelled): withdraw it
                 self._in_background(self._delete(oid))
             raise
@@ -634,22 +625,13 @@ class Node:
     ) -> LocalObject:
         """One attempt of :meth:`_get` (raises :class:`ObjectReset` if its copy was voided)."""
 
-        def remaining() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-        def timed_out() -> HopliteTimeoutError:
-            return HopliteTimeoutError(
-                f"object {oid} was not available within {timeout} s",
-                operation="get",
-                timeout=timeout,
-                object_id=oid.hex(),
-            )
+        attempt = sources.Attempt(oid, timeout, deadline)
 
         async def filled(obj: LocalObject) -> LocalObject:
             try:
-                await obj.wait_progress(obj.size, remaining())
+                await obj.wait_progress(obj.size, attempt.remaining())
             except HopliteTimeoutError:
-                raise timed_out() from None
+                raise attempt.timed_out() from None
             return obj
 
         local = self._store.get(oid)
@@ -659,11 +641,10 @@ class Node:
             return await filled(local)
         if local is not None and local.complete:
             return local
-        fruitless = 0
         while True:
-            left = remaining()
+            left = attempt.remaining()
             if left is not None and left <= 0:
-                raise timed_out()
+                raise attempt.timed_out()
             have = local.progress if local is not None else 0
             reply = await self._lookup(oid, left, have, self._shm and local is None, direct)
             generation = self._generation  # a copy finished under a later connection is restored
@@ -678,15 +659,17 @@ class Node:
                 raise local.error
             if reply.status == "timeout":
                 if local is not None:
-                    self._abandon(local, 0, timed_out())
-                raise timed_out()
+                    self._abandon(local, 0, attempt.timed_out())
+                raise attempt.timed_out()
             if reply.status == "error":
                 error = _lookup_error(oid, reply)
                 if local is not None:
                     self._abandon(local, 0, error)
                 raise error
             if reply.status == "inline":
-                return self._store_inline(oid, reply)
+                stored = await self._inline.fill(local, reply, attempt, generation)
+                assert stored is not None  # inline data always fills the copy
+                return await filled(stored)
             if reply.status == "local":
                 existing = self._store.get(oid)
                 if existing is None and self._vertices.computes(oid):
@@ -704,114 +687,31 @@ class Node:
                     self._report(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
                 return await filled(appeared)
             if reply.status == "shm" and local is None:
-                mapped = await self._map_shared(oid, reply, generation)
+                mapped = await self._mapped.fill(None, reply, attempt, generation)
                 if mapped is not None:
                     return await filled(mapped)
-                log.debug("segment of %s from %s is gone; pulling instead", oid, reply.sender_node[:8])
             if local is None:
                 local = self._new_partial(oid, reply)
                 if started is not None and not started.done():
                     started.set_result(local)
             if reply.status == "shm":
                 continue  # ``local`` exists now, so the next lookup asks for a data-plane source
-            before = local.progress
-            try:
-                abort: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                self._aborts[reply.transfer_id] = abort
-                pull = self._data.pull(reply.sender_host, reply.sender_port, local, reply.transfer_id, abort)
-                try:
-                    await asyncio.wait_for(pull, remaining())
-                except asyncio.TimeoutError:
-                    raise timed_out() from None
-                finally:
-                    del self._aborts[reply.transfer_id]
-                    if not abort.cancel() and not abort.cancelled():
-                        abort.exception()  # the pull raised it (or finished first): retrieved
-                if self.config.verify_digest and local.digest and digest_of(local.data) != local.digest:
-                    raise TransportError(
-                        f"object {oid} arrived corrupted (digest mismatch)", peer="", cause="digest"
-                    )
-            except (TransportError, ObjectNotFoundError, AuthenticationError) as exc:
-                # A peer admitted by our directory that hangs up mid-handshake has most likely died
-                # (a wrong proof is definitive); that is retried like any lost sender.
-                refused = isinstance(exc, AuthenticationError) and exc.fields.get("cause") != "closed"
-                if refused or (deadline is not None and time.monotonic() >= deadline):
-                    self._abandon(local, reply.transfer_id, exc)
-                    raise
-                self._report(
-                    p.TransferDone(
-                        transfer_id=reply.transfer_id,
-                        ok=False,
-                        progress=local.progress,
-                        reason=str(exc),
-                        sender_failed=not isinstance(exc, ObjectNotFoundError),
-                    )
-                )
-                fruitless = 0 if local.progress > before else fruitless + 1
-                if fruitless >= MAX_FRUITLESS_PULLS:
-                    self._abandon(local, 0, exc)
-                    raise
-                # A copy deleted just as the directory chose it is routine; a lost peer is news.
-                log.log(
-                    logging.DEBUG if isinstance(exc, ObjectNotFoundError) else logging.INFO,
-                    "pull of %s from %s failed (%s); asking for another source",
-                    oid,
-                    reply.sender_node[:8],
-                    exc,
-                )
-                continue
-            except BaseException as exc:
-                self._abandon(local, reply.transfer_id, _as_hoplite_error(exc, oid))
-                raise
-            if local.error is not None:
-                raise local.error
-            if generation != self._generation:
-                self._restore(local)  # the directory restarted meanwhile: it never heard of the pull
-            else:
-                self._report(
-                    p.TransferDone(
-                        transfer_id=reply.transfer_id,
-                        ok=True,
-                        progress=local.size,
-                        segment=self._publish(local),
-                    )
-                )
-            return local
+            pulled = await self._pull.fill(local, reply, attempt, generation)
+            if pulled is not None:
+                return pulled
 
-    async def _map_shared(self, oid: ObjectID, reply: p.LookupReply, generation: int) -> LocalObject | None:
-        """Map a same-host holder's segment of ``oid`` read-only and store the mapping as this node's
-        complete copy (no bytes copied; see :func:`shm.map_view`); None if the segment changed or
-        vanished (the caller then pulls over the data plane)."""
-        dtype, shape = self._meta_checked(oid, reply)
-        args = (reply.segment, oid.binary(), reply.size)
-        if reply.size >= THREAD_COPY_BYTES:  # mapping pre-faults every page
-            view = await asyncio.get_running_loop().run_in_executor(None, shm.map_view, *args)
-        else:
-            view = shm.map_view(*args)
-        if view is None:
-            return None
-        if self.config.verify_digest and reply.digest and digest_of(view) != reply.digest:
-            log.warning("shared-memory segment of %s did not match its digest", oid)
-            return None
-        existing = self._store.get(oid)
-        if existing is not None:  # arrived meanwhile (a vertex here, another get): use that
-            return existing
-        obj = LocalObject(
-            oid,
-            reply.size,
-            dtype,
-            shape,
-            reply.digest,
-            view,
-            progress=reply.size,
-            reduction=reply.reduction_id,
-        )
-        self._store.add(obj)
+    def _completed(self, local: LocalObject, generation: int, transfer_id: int) -> None:
+        """Tell the directory about a complete copy this node now holds (see :class:`sources.Context`)."""
         if generation != self._generation:
-            self._restore(obj)
+            self._restore(local)  # the directory restarted meanwhile: it never heard of the copy
+        elif transfer_id:
+            self._report(
+                p.TransferDone(
+                    transfer_id=transfer_id, ok=True, progress=local.size, segment=self._publish(local)
+                )
+            )
         else:
-            self._report(p.CopyAdded(object_id=oid.binary(), segment=""))
-        return obj
+            self._report(p.CopyAdded(object_id=local.object_id.binary(), segment=self._publish(local)))
 
     @staticmethod
     def _publish(obj: LocalObject) -> str:
@@ -883,27 +783,8 @@ class Node:
             raise ProtocolError(f"unexpected reply to lookup: {reply.TYPE}")
         return reply
 
-    def _meta_checked(self, oid: ObjectID, reply: p.LookupReply) -> tuple[str, tuple[int, ...]]:
-        shape = tuple(int(s) for s in reply.shape)
-        dtype = dtype_from_wire(reply.dtype)
-        if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != reply.size:
-            raise ProtocolError(f"directory metadata of {oid} is inconsistent", object_id=oid.hex())
-        return reply.dtype, shape
-
-    def _store_inline(self, oid: ObjectID, reply: p.LookupReply) -> LocalObject:
-        dtype, shape = self._meta_checked(oid, reply)
-        assert reply.inline is not None
-        data = np.frombuffer(reply.inline, np.uint8).copy()
-        if data.size != reply.size:
-            raise ProtocolError(f"inline data of {oid} has the wrong size", object_id=oid.hex())
-        existing = self._store.get(oid)
-        if existing is not None:
-            return existing
-        obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, data, progress=reply.size)
-        return self._store.add(obj)
-
     def _new_partial(self, oid: ObjectID, reply: p.LookupReply) -> LocalObject:
-        dtype, shape = self._meta_checked(oid, reply)
+        dtype, shape = sources.checked_meta(oid, reply)
         if reply.size > self.config.max_object_bytes:
             raise ObjectTooLargeError(
                 f"object {oid} of {reply.size} bytes exceeds Config.max_object_bytes",
@@ -928,7 +809,7 @@ class Node:
     async def _allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
         """A store buffer; large fresh ones are set up (page faults) on a worker thread, so the
         event loop keeps serving transfers meanwhile."""
-        if nbytes < THREAD_COPY_BYTES:
+        if nbytes < sources.THREAD_COPY_BYTES:
             return self._store.pool.allocate(nbytes)
         return await asyncio.get_running_loop().run_in_executor(None, self._store.pool.allocate, nbytes)
 
@@ -954,9 +835,7 @@ class Node:
         elif isinstance(msg, p.DropObject):
             self._drop(ObjectID(msg.object_id), msg.reason)
         elif isinstance(msg, p.AbortTransfer):
-            abort = self._aborts.get(msg.transfer_id)
-            if abort is not None and not abort.done():
-                abort.set_exception(PeerLostError(msg.reason, peer="", cause="sender died"))
+            self._pull.abort(msg.transfer_id, PeerLostError(msg.reason, peer="", cause="sender died"))
 
     def _drop(self, oid: ObjectID, reason: str) -> None:
         """The directory dropped this node's copy of ``oid`` (see :class:`protocol.DropObject`)."""

@@ -1,0 +1,261 @@
+"""How an object's bytes arrive at a node: one class per way in, chosen by the directory's reply.
+
+A ``get`` asks the directory where the object is (:meth:`Node._fetch`); the reply's status picks
+the source that fills the local copy:
+
+* ``inline``: small objects come with the reply (:class:`InlineSource`);
+* ``shm``: a complete copy in a shared-memory segment on this host is mapped, not copied
+  (:class:`SharedMemorySource`);
+* ``pull``: the bytes stream over the data plane from the node the directory chose, possibly a
+  node still receiving them itself (:class:`PullSource`).
+
+A source's :meth:`Source.fill` returns the local object (complete, or being completed by someone
+else on this node), or None to ask the directory for another source; a copy voided by a reduce
+tree's repair raises :class:`~hoplite_gpu.vertex.ObjectReset`. A new way in (CUDA IPC) is a new
+class here, not a branch in the node.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import protocol as p
+from . import shm
+from .buffers import digest_of, dtype_from_wire
+from .config import Config
+from .errors import (
+    AuthenticationError,
+    HopliteError,
+    HopliteTimeoutError,
+    ObjectDeletedError,
+    ObjectNotFoundError,
+    ProtocolError,
+    TransportError,
+)
+from .object_id import ObjectID
+from .store import LocalObject, LocalStore
+from .transport import DataPlane
+
+log = logging.getLogger("hoplite_gpu")
+
+#: Consecutive failed pulls without any new byte received before ``get`` gives up.
+MAX_FRUITLESS_PULLS = 8
+
+#: Buffers at least this large are set up (allocated, or mapped from another process's segment,
+#: page faults included) on a worker thread, so the event loop keeps serving transfers meanwhile.
+THREAD_COPY_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One ``get``: its object, its deadline, and how many pulls in a row brought nothing."""
+
+    object_id: ObjectID
+    timeout: float | None
+    deadline: float | None
+    fruitless: int = 0
+
+    def remaining(self) -> float | None:
+        """Seconds left (None: no deadline)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def timed_out(self) -> HopliteTimeoutError:
+        """The error of a get that ran out of time."""
+        return HopliteTimeoutError(
+            f"object {self.object_id} was not available within {self.timeout} s",
+            operation="get",
+            timeout=self.timeout,
+            object_id=self.object_id.hex(),
+        )
+
+
+def as_hoplite_error(exc: BaseException, oid: ObjectID) -> HopliteError:
+    """The error waiters of an abandoned get see: ``exc`` itself if typed, else a cancellation."""
+    if isinstance(exc, HopliteError):
+        return exc
+    return ObjectDeletedError(f"get of {oid} was cancelled", object_id=oid.hex())
+
+
+def checked_meta(oid: ObjectID, reply: p.LookupReply) -> tuple[str, tuple[int, ...]]:
+    """The dtype (wire form) and shape a lookup reply gives, checked against its size."""
+    shape = tuple(int(s) for s in reply.shape)
+    dtype = dtype_from_wire(reply.dtype)
+    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != reply.size:
+        raise ProtocolError(f"directory metadata of {oid} is inconsistent", object_id=oid.hex())
+    return reply.dtype, shape
+
+
+@dataclass(slots=True)
+class Context:
+    """What sources use of their node.
+
+    ``completed(local, generation, transfer_id)`` tells the directory that ``local`` is complete
+    (a fresh copy from a transfer, or ``transfer_id`` 0 for a mapping), or restores it if the
+    directory restarted since ``generation``; ``abandon(local, transfer_id, error)`` gives up a
+    partial copy.
+    """
+
+    store: LocalStore
+    data: DataPlane
+    config: Config
+    report: Callable[[p.Message], None]
+    completed: Callable[[LocalObject, int, int], None]
+    abandon: Callable[[LocalObject, int, HopliteError], None]
+
+
+class Source(abc.ABC):
+    """One way for an object's bytes to arrive."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    async def fill(
+        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
+    ) -> LocalObject | None:
+        """Fill the local copy (``local``: the partial copy so far, if any) as ``reply`` says.
+
+        Returns the local object, or None to ask the directory for another source.
+        """
+
+
+class InlineSource(Source):
+    """The bytes came with the directory's reply."""
+
+    async def fill(
+        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
+    ) -> LocalObject | None:
+        oid = attempt.object_id
+        dtype, shape = checked_meta(oid, reply)
+        if reply.inline is None:
+            raise ProtocolError(f"inline reply for {oid} without data", object_id=oid.hex())
+        data = np.frombuffer(reply.inline, np.uint8).copy()
+        if data.size != reply.size:
+            raise ProtocolError(f"inline data of {oid} has the wrong size", object_id=oid.hex())
+        existing = self.ctx.store.get(oid)
+        if existing is not None:
+            return existing
+        obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, data, progress=reply.size)
+        return self.ctx.store.add(obj)
+
+
+class SharedMemorySource(Source):
+    """A same-host holder's segment, mapped read-only as this node's complete copy (no bytes
+    copied; see :func:`shm.map_view`). None if the segment changed or vanished."""
+
+    async def fill(
+        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
+    ) -> LocalObject | None:
+        oid = attempt.object_id
+        dtype, shape = checked_meta(oid, reply)
+        args = (reply.segment, oid.binary(), reply.size)
+        if reply.size >= THREAD_COPY_BYTES:  # mapping pre-faults every page
+            view = await asyncio.get_running_loop().run_in_executor(None, shm.map_view, *args)
+        else:
+            view = shm.map_view(*args)
+        if view is None:
+            log.debug("segment of %s from %s is gone; pulling instead", oid, reply.sender_node[:8])
+            return None
+        if self.ctx.config.verify_digest and reply.digest and digest_of(view) != reply.digest:
+            log.warning("shared-memory segment of %s did not match its digest", oid)
+            return None
+        existing = self.ctx.store.get(oid)
+        if existing is not None:  # arrived meanwhile (a vertex here, another get): use that
+            return existing
+        obj = LocalObject(
+            oid,
+            reply.size,
+            dtype,
+            shape,
+            reply.digest,
+            view,
+            progress=reply.size,
+            reduction=reply.reduction_id,
+        )
+        self.ctx.store.add(obj)
+        self.ctx.completed(obj, generation, 0)
+        return obj
+
+
+class PullSource(Source):
+    """A stream over the data plane from the node the directory chose (complete or partial).
+
+    ``aborts`` holds the running pulls by transfer id: the directory's AbortTransfer (the sender
+    died) fails the one it names.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.aborts: dict[int, asyncio.Future[None]] = {}
+
+    def abort(self, transfer_id: int, error: HopliteError) -> None:
+        """Fail the running pull ``transfer_id`` with ``error`` (if it still runs)."""
+        abort = self.aborts.get(transfer_id)
+        if abort is not None and not abort.done():
+            abort.set_exception(error)
+
+    async def fill(
+        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
+    ) -> LocalObject | None:
+        assert local is not None, "a pull fills a partial copy the caller created"
+        oid = attempt.object_id
+        before = local.progress
+        try:
+            abort: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.aborts[reply.transfer_id] = abort
+            pull = self.ctx.data.pull(reply.sender_host, reply.sender_port, local, reply.transfer_id, abort)
+            try:
+                await asyncio.wait_for(pull, attempt.remaining())
+            except asyncio.TimeoutError:
+                raise attempt.timed_out() from None
+            finally:
+                del self.aborts[reply.transfer_id]
+                if not abort.cancel() and not abort.cancelled():
+                    abort.exception()  # the pull raised it (or finished first): retrieved
+            if self.ctx.config.verify_digest and local.digest and digest_of(local.data) != local.digest:
+                raise TransportError(
+                    f"object {oid} arrived corrupted (digest mismatch)", peer="", cause="digest"
+                )
+        except (TransportError, ObjectNotFoundError, AuthenticationError) as exc:
+            # A peer admitted by our directory that hangs up mid-handshake has most likely died
+            # (a wrong proof is definitive); that is retried like any lost sender.
+            refused = isinstance(exc, AuthenticationError) and exc.fields.get("cause") != "closed"
+            if refused or (attempt.deadline is not None and time.monotonic() >= attempt.deadline):
+                self.ctx.abandon(local, reply.transfer_id, exc)
+                raise
+            self.ctx.report(
+                p.TransferDone(
+                    transfer_id=reply.transfer_id,
+                    ok=False,
+                    progress=local.progress,
+                    reason=str(exc),
+                    sender_failed=not isinstance(exc, ObjectNotFoundError),
+                )
+            )
+            attempt.fruitless = 0 if local.progress > before else attempt.fruitless + 1
+            if attempt.fruitless >= MAX_FRUITLESS_PULLS:
+                self.ctx.abandon(local, 0, exc)
+                raise
+            # A copy deleted just as the directory chose it is routine; a lost peer is news.
+            log.log(
+                logging.DEBUG if isinstance(exc, ObjectNotFoundError) else logging.INFO,
+                "pull of %s from %s failed (%s); asking for another source",
+                oid,
+                reply.sender_node[:8],
+                exc,
+            )
+            return None
+        except BaseException as exc:
+            self.ctx.abandon(local, reply.transfer_id, as_hoplite_error(exc, oid))
+            raise
+        if local.error is not None:
+            raise local.error
+        self.ctx.completed(local, generation, reply.transfer_id)
+        return local
