@@ -521,7 +521,8 @@ class Node:
             timeout: Seconds to wait in total; None uses ``Config.default_get_timeout`` (0: forever).
             out: Optional array (NumPy or CuPy) of the same dtype and shape to copy the result into;
                 it is returned. Without ``out`` the result is a read-only NumPy array that shares
-                memory with the local store.
+                memory with the local store (for an object held by another process on this host,
+                with that process's shared-memory segment, which stays valid while you use it).
             direct: Pull from the object's owner (for a reduction's result: the node computing it)
                 even while it serves other readers, instead of joining the pipelined chain of
                 readers. For collectives whose traffic pattern leaves the owner's link room for

@@ -186,19 +186,22 @@ def test_a_same_host_reader_waits_for_a_segment_still_being_copied_and_others_pu
 
 
 @pytest.mark.parametrize(
-    ("hosts", "degree"),
+    ("hosts", "segment", "degree"),
     [
-        ({"A": "h1", "B": "h1", "C": "h1", "D": "h1"}, 3),
-        ({"A": "h1", "B": "h1", "C": "h1", "D": "h2"}, 1),
-        ({"A": "", "B": "", "C": "", "D": ""}, 1),
+        ({"A": "h1", "B": "h1", "C": "h1", "D": "h1"}, "hoplite-1-2-3-ab", 3),
+        ({"A": "h1", "B": "h1", "C": "h1", "D": "h1"}, "", 1),  # put(copy=False): not mappable
+        ({"A": "h1", "B": "h1", "C": "h1", "D": "h2"}, "hoplite-1-2-3-ab", 1),
+        ({"A": "", "B": "", "C": "", "D": ""}, "hoplite-1-2-3-ab", 1),
     ],
 )
-def test_a_reduction_on_one_host_is_a_star(hosts: dict[str, str], degree: int) -> None:
+def test_a_reduction_of_mappable_inputs_on_one_host_is_a_star(
+    hosts: dict[str, str], segment: str, degree: int
+) -> None:
     state = _state(**hosts)
     ids = [bytes([i]) * 20 for i in range(4)]
     state.handle(Request("A", p.ReduceRequest(9, b"r" * 20, ids, "sum", 4), 0.0))
     size = 64 << 20
-    state.handle(Request("B", p.PutRequest(1, ids[0], size, "|u1", [size], b"d", None, ""), 0.0))
+    state.handle(Request("B", p.PutRequest(1, ids[0], size, "|u1", [size], b"d", None, segment), 0.0))
     (tree,) = [e for e in state.events if e["kind"] == "reduce_tree"]
     assert tree["degree"] == degree
 

@@ -630,6 +630,14 @@ class DirectoryState:
         keys = {info.host_key for info in self.nodes.values()}
         return len(keys) == 1 and "" not in keys
 
+    @staticmethod
+    def _in_segment(entry: ObjectEntry, node_id: str) -> bool:
+        """Whether ``node_id``'s copy of ``entry`` lives in a shared-memory segment (a put with
+        ``copy=False`` keeps the caller's memory: readers on the host then pull it, and a star's
+        root would pull every input through its one connection)."""
+        loc = entry.locations.get(node_id)
+        return loc is not None and bool(loc.segment)
+
     def _same_host_copy(self, entry: ObjectEntry, receiver: str) -> Location | None:
         """A complete copy in a shared-memory segment on ``receiver``'s host (the owner's first;
         one still being copied into its segment, see :attr:`Location.copying`, only if no other)."""
@@ -941,7 +949,7 @@ class DirectoryState:
                 tuple(entry.shape),
                 self.link,
                 at_root=at_root,
-                one_host=self._one_host(),
+                one_host=self._one_host() and self._in_segment(entry, holder),
             )
         except MismatchError as exc:  # pragma: no cover - _input_problem checked the same
             self._fail_reduction(red, "ReduceMismatchError", str(exc), now, culprit=oid)
