@@ -785,7 +785,7 @@ class Node:
         return reply
 
     def _new_partial(self, oid: ObjectID, reply: p.LookupReply) -> LocalObject:
-        dtype, shape = sources.checked_meta(oid, reply)
+        meta = sources.checked_meta(oid, reply)
         if reply.size > self.config.max_object_bytes:
             raise ObjectTooLargeError(
                 f"object {oid} of {reply.size} bytes exceeds Config.max_object_bytes",
@@ -794,18 +794,7 @@ class Node:
             )
         self._store.reserve(reply.size)
         data = self._store.pool.allocate(reply.size)
-        obj = LocalObject(
-            oid,
-            reply.size,
-            dtype,
-            shape,
-            reply.digest,
-            data,
-            progress=0,
-            pooled=True,
-            reduction=reply.reduction_id,
-        )
-        return self._store.add(obj)
+        return self._store.add(sources.from_reply(oid, reply, meta, data, progress=0, pooled=True))
 
     async def _allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
         """A store buffer; large fresh ones are set up (page faults) on a worker thread, so the

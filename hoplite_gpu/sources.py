@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +93,31 @@ def checked_meta(oid: ObjectID, reply: p.LookupReply) -> tuple[str, tuple[int, .
     return reply.dtype, shape
 
 
+def from_reply(
+    oid: ObjectID,
+    reply: p.LookupReply,
+    meta: tuple[str, tuple[int, ...]],
+    data: np.ndarray[Any, Any],
+    *,
+    progress: int,
+    pooled: bool = False,
+) -> LocalObject:
+    """The local object of ``oid`` as a lookup ``reply`` describes it (``meta``: its dtype and shape
+    from :func:`checked_meta`), holding ``data`` with ``progress`` bytes present."""
+    dtype, shape = meta
+    return LocalObject(
+        oid,
+        reply.size,
+        dtype,
+        shape,
+        reply.digest,
+        data,
+        progress=progress,
+        pooled=pooled,
+        reduction=reply.reduction_id,
+    )
+
+
 @dataclass(slots=True)
 class Context:
     """What sources use of their node.
@@ -154,7 +180,7 @@ class SharedMemorySource(Source):
         self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
     ) -> LocalObject | None:
         oid = attempt.object_id
-        dtype, shape = checked_meta(oid, reply)
+        meta = checked_meta(oid, reply)
         args = (reply.segment, oid.binary(), reply.size)
         if reply.size >= THREAD_COPY_BYTES:  # mapping pre-faults every page
             view = await asyncio.get_running_loop().run_in_executor(None, shm.map_view, *args)
@@ -169,17 +195,7 @@ class SharedMemorySource(Source):
         existing = self.ctx.store.get(oid)
         if existing is not None:  # arrived meanwhile (a vertex here, another get): use that
             return existing
-        obj = LocalObject(
-            oid,
-            reply.size,
-            dtype,
-            shape,
-            reply.digest,
-            view,
-            progress=reply.size,
-            reduction=reply.reduction_id,
-        )
-        self.ctx.store.add(obj)
+        obj = self.ctx.store.add(from_reply(oid, reply, meta, view, progress=reply.size))
         self.ctx.completed(obj, generation, 0)
         return obj
 

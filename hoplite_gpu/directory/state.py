@@ -949,7 +949,8 @@ class DirectoryState:
                 tuple(entry.shape),
                 self.link,
                 at_root=at_root,
-                one_host=self._one_host() and self._in_segment(entry, holder),
+                # Only the first placement fixes the shape: the scan of every node is done once.
+                one_host=plan.tree is None and self._in_segment(entry, holder) and self._one_host(),
             )
         except MismatchError as exc:  # pragma: no cover - _input_problem checked the same
             self._fail_reduction(red, "ReduceMismatchError", str(exc), now, culprit=oid)
