@@ -98,14 +98,7 @@ def start_directory(
     from .node import IOThread
 
     config = config or Config.from_env()
-    service = DirectoryService(
-        token or new_token(),
-        host=host,
-        port=port,
-        inline_threshold_bytes=config.inline_threshold_bytes,
-        max_message_bytes=config.control_message_limit,
-        lease_timeout=config.lease_timeout,
-    )
+    service = DirectoryService.from_config(token or new_token(), host, port, config)
     IOThread.get().run(service.start(), timeout=config.connect_timeout)
     return service
 

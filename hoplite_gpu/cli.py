@@ -26,14 +26,7 @@ def _directory(args: argparse.Namespace) -> int:
     config = Config.from_env()
 
     async def serve() -> None:
-        service = DirectoryService(
-            token,
-            host=args.host,
-            port=args.port,
-            inline_threshold_bytes=config.inline_threshold_bytes,
-            max_message_bytes=config.control_message_limit,
-            lease_timeout=config.lease_timeout,
-        )
+        service = DirectoryService.from_config(token, args.host, args.port, config)
         await service.start()
         print(f"hoplite-gpu directory listening on {service.address}", flush=True)
         if generated:

@@ -127,6 +127,10 @@ class Config:
             re-sends its unfinished reductions. ``0``: give up at once.
         fault_injection: Faults to inject, for tests and benchmarks (see
             :mod:`hoplite_gpu.faults`); empty: none.
+        validate_directory: A directory started with this config checks every invariant of its
+            state after each event and logs what broke as an ``invariant_violated`` event
+            (:meth:`~hoplite_gpu.directory.state.DirectoryState.problems`); the test suite and
+            the soak turn it on. It costs a pass over the whole state per event.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -155,6 +159,7 @@ class Config:
     lease_timeout: float = 5.0
     reconnect_timeout: float = 30.0
     fault_injection: str = ""
+    validate_directory: bool = False
 
     def __post_init__(self) -> None:
         positive = (

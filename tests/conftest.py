@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -11,8 +12,35 @@ import pytest
 # Same-host copies through shared memory would bypass the data plane that most multi-process tests
 # exercise (chains, pipelining, auth); tests/test_shm.py turns it on explicitly.
 os.environ.setdefault("HOPLITE_SHARED_MEMORY", "0")
+# Every directory the tests start (embedded, standalone, in a Ray actor) checks its invariants
+# after each event (Config.validate_directory); see broken_invariants below.
+os.environ.setdefault("HOPLITE_VALIDATE_DIRECTORY", "1")
 
 from tests.procs import Worker, start_workers
+
+
+class _Broken(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.found: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "invariants broken" in record.getMessage():
+            self.found.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def broken_invariants() -> Iterator[list[str]]:
+    """Fail any test during which a directory in this process broke an invariant (directories in
+    other processes log it and record an ``invariant_violated`` event; the soak checks those)."""
+    handler = _Broken()
+    logger = logging.getLogger("hoplite_gpu.directory")
+    logger.addHandler(handler)
+    try:
+        yield handler.found
+    finally:
+        logger.removeHandler(handler)
+    assert not handler.found, handler.found[0]
 
 
 @pytest.fixture(scope="module")

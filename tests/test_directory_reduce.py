@@ -42,7 +42,7 @@ def oid(i: int) -> bytes:
 def make_state(lease: float = math.inf, now: float = 0.0, rejoin: bool = False) -> DirectoryState:
     """A directory that nodes A..H joined at ``now`` (``rejoin``: after losing another directory).
     No leases by default (leases: test_directory_faults)."""
-    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=lease)
+    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=lease, validate=True)
     for i, node in enumerate(NODES):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, now, rejoin=rejoin))
     return state

@@ -8,6 +8,7 @@ import pytest
 
 from hoplite_gpu.directory.state import (
     DirectoryState,
+    InvariantError,
     LocationState,
     NodeJoined,
     NodeLeft,
@@ -43,9 +44,8 @@ PORTS = {name: 7000 + i for i, name in enumerate("ABCDEFG")}
 
 
 def make_state(*nodes: str) -> DirectoryState:
-    state = DirectoryState(
-        inline_threshold_bytes=64 * 1024, lease_timeout=math.inf
-    )  # leases: test_directory_faults
+    # Leases: test_directory_faults. Every invariant is checked after every event.
+    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf, validate=True)
     for node in nodes:
         assert state.handle(NodeJoined(node, HOST, PORTS[node], 0.0)) == []
     return state
@@ -477,3 +477,46 @@ def test_event_log_replies_are_pages():
     assert [e["seq"] for e in first] == list(range(EVENT_LOG_PAGE))
     rest = req(state, "A", EventLogRequest(2, since=EVENT_LOG_PAGE))[0].message.events
     assert [e["seq"] for e in rest] == list(range(EVENT_LOG_PAGE, total))
+
+
+# ---------------------------------------------------------------- invariants
+def test_validate_names_each_broken_invariant():
+    state = make_state("A", "B", "C")
+    put(state, "A")
+    lookup(state, "B", 1)
+    lookup(state, "C", 2)  # a chain A -> B -> C
+    assert state.problems() == []
+    loc(state, "B").upstream = "C"  # C is fed by B: a cycle
+    loc(state, "A").busy = False
+    loc(state, "A").progress = MiB + 1
+    state.objects[OID].locations["Z"] = state.objects[OID].locations.pop("A")
+    state.awaiting[b"x" * 20] = {b"r" * 20}
+    with pytest.raises(InvariantError) as info:
+        state.validate()
+    text = str(info.value)
+    for part in (
+        "upstream chain is a cycle",
+        "recorded as A",
+        "node is not joined",
+        "progress 1048577 outside",
+        "awaiting does not list",
+    ):
+        assert part in text
+    # With validate=True, handle() checks after every event.
+    with pytest.raises(InvariantError):
+        state.handle(Tick(1.0))
+
+
+def test_a_service_with_validation_logs_and_records_a_broken_invariant(broken_invariants):
+    from hoplite_gpu.directory.service import DirectoryService
+
+    service = DirectoryService("t", validate=True)
+    service.state.handle(NodeJoined("A", HOST, 1, 0.0))
+    service._apply(Tick(1.0))
+    assert service.violations == 0
+    service.state.nodes["A"].node_id = "B"
+    service._apply(Tick(2.0))
+    assert service.violations == 1 and len(broken_invariants) == 1
+    (event,) = [e for e in service.state.events if e["kind"] == "invariant_violated"]
+    assert event["after"] == "Tick" and "node A is recorded as B" in event["problems"][0]
+    broken_invariants.clear()  # expected here: the fixture fails any other test that logs one

@@ -126,7 +126,7 @@ def test_orphaned_segments_of_a_killed_process_are_swept() -> None:
 
 # ---------------------------------------------------------------- directory decisions
 def _state(**hosts: str) -> DirectoryState:
-    state = DirectoryState(lease_timeout=math.inf)
+    state = DirectoryState(lease_timeout=math.inf, validate=True)
     for i, (node, key) in enumerate(hosts.items()):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, key))
     return state

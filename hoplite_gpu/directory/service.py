@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import auth
 from .. import protocol as p
+from ..config import Config
 from ..errors import HopliteError, ProtocolError
 from .state import AuthFailed, DirectoryState, Disconnect, Event, NodeJoined, NodeLeft, Request, Send, Tick
 
@@ -51,6 +52,8 @@ class DirectoryService:
         inline_threshold_bytes: Objects up to this size are stored in the directory.
         max_message_bytes: Larger control frames are refused and the connection closed.
         lease_timeout: Seconds without any message from a node before it is declared dead.
+        validate: Check the state's invariants after every event; a broken one is logged as an
+            error and as an ``invariant_violated`` event (see :attr:`Config.validate_directory`).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class DirectoryService:
         inline_threshold_bytes: int = 64 * 1024,
         max_message_bytes: int = 64 * 1024 + 1024 * 1024,
         lease_timeout: float = 5.0,
+        validate: bool = False,
     ) -> None:
         if not token:
             raise HopliteError("the directory needs a non-empty token")
@@ -71,6 +75,8 @@ class DirectoryService:
         self.state = DirectoryState(
             inline_threshold_bytes=inline_threshold_bytes, lease_timeout=lease_timeout
         )
+        self.validate = validate
+        self.violations = 0
         self.directory_id = uuid.uuid4().hex
         self.auth_failures = 0
         self._conns: dict[str, _Conn] = {}
@@ -78,6 +84,20 @@ class DirectoryService:
         self._ticker: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._handlers: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    def from_config(cls, token: str, host: str, port: int, config: Config) -> DirectoryService:
+        """A service with ``config``'s directory settings (inline threshold, message limit, lease,
+        validation)."""
+        return cls(
+            token,
+            host=host,
+            port=port,
+            inline_threshold_bytes=config.inline_threshold_bytes,
+            max_message_bytes=config.control_message_limit,
+            lease_timeout=config.lease_timeout,
+            validate=config.validate_directory,
+        )
 
     @property
     def address(self) -> str:
@@ -184,7 +204,10 @@ class DirectoryService:
 
     # ------------------------------------------------------------ state machine glue
     def _apply(self, event: Event) -> None:
-        for instr in self.state.handle(event):
+        instructions = self.state.handle(event)
+        if self.validate:
+            self._check(event)
+        for instr in instructions:
             conn = self._conns.get(instr.node_id)
             if conn is None or conn.writer.is_closing():
                 continue
@@ -195,6 +218,13 @@ class DirectoryService:
                 del self._conns[instr.node_id]
                 conn.writer.close()
         self._wake.set()
+
+    def _check(self, event: Event) -> None:
+        problems = self.state.problems()
+        if problems:
+            self.violations += 1
+            log.error("directory invariants broken after %s: %s", type(event).__name__, "; ".join(problems))
+            self.state.record(event.now, "invariant_violated", after=type(event).__name__, problems=problems)
 
     async def _tick_loop(self) -> None:
         while True:

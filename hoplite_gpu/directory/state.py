@@ -79,6 +79,10 @@ SUSPECT_GRACE = 0.25
 MAX_REPAIRS = 64
 
 
+class InvariantError(AssertionError):
+    """The directory's state broke one of its invariants (a bug; see :meth:`DirectoryState.problems`)."""
+
+
 class LocationState(enum.Enum):
     """What a node holds of an object."""
 
@@ -260,11 +264,16 @@ class DirectoryState:
     Args:
         inline_threshold_bytes: Objects up to this size are stored inline.
         lease_timeout: Seconds of silence after which a node is declared dead.
+        validate: Check every invariant after each event (:meth:`validate`; for tests: it costs
+            a pass over the whole state per event).
     """
 
-    def __init__(self, inline_threshold_bytes: int = 64 * 1024, lease_timeout: float = 5.0) -> None:
+    def __init__(
+        self, inline_threshold_bytes: int = 64 * 1024, lease_timeout: float = 5.0, validate: bool = False
+    ) -> None:
         self.inline_threshold_bytes = inline_threshold_bytes
         self.lease_timeout = lease_timeout
+        self.check_invariants = validate
         self.nodes: dict[str, NodeInfo] = {}
         self.objects: dict[bytes, ObjectEntry] = {}
         self.pending: dict[bytes, deque[PendingLookup]] = {}
@@ -307,6 +316,8 @@ class DirectoryState:
         else:  # pragma: no cover - exhaustive over Event
             raise TypeError(f"unknown event {event!r}")
         out, self._out = self._out, []
+        if self.check_invariants:
+            self.validate()
         return out
 
     def next_deadline(self) -> float | None:
@@ -1176,6 +1187,8 @@ class DirectoryState:
     def _finish(self, red: Reduction, now: float) -> None:
         """The root's output is complete: the reduction is done."""
         red.done = True
+        for oid in red.plan.inputs:  # finished early (restored, or just before a repair)
+            self._unawait(oid, red.plan.reduction_id)
         for inner in red.plan.intermediates():  # their parents hold everything they need
             self._remove_object(inner.output_id, now)
         result = self.objects.get(red.plan.reduction_id)
@@ -1357,9 +1370,115 @@ class DirectoryState:
         else:
             self.pending.pop(oid, None)
 
+    # ------------------------------------------------------------ invariants
+    def problems(self) -> list[str]:
+        """Every broken invariant of the state, described (empty when it is consistent).
+
+        What must hold after every event: records are keyed by their own ids; every location,
+        transfer, pending lookup and live reduction vertex names a node that is joined; progress
+        stays within the object's size; a complete copy has no upstream; no upstream chain is a
+        cycle (the scheduling rule of the module docstring); a busy sender serves a recorded
+        transfer; ``awaiting`` lists exactly the unplaced inputs of active, unfilled reductions.
+        """
+        out: list[str] = []
+        for nid, info in self.nodes.items():
+            if info.node_id != nid:
+                out.append(f"node {nid[:8]} is recorded as {info.node_id[:8]}")
+        serving = {(tr.object_id, tr.sender) for tr in self.transfers.values()}
+        for oid, entry in self.objects.items():
+            name = oid.hex()[:12]
+            if entry.object_id != oid or len(oid) != 20 or entry.size < 0:
+                out.append(f"object {name}: bad key, id or size {entry.size}")
+            if entry.inline is not None and len(entry.inline) != entry.size:
+                out.append(f"object {name}: {len(entry.inline)} inline bytes for size {entry.size}")
+            for nid, loc in entry.locations.items():
+                where = f"object {name} at {nid[:8]}"
+                if loc.node_id != nid:
+                    out.append(f"{where}: recorded as {loc.node_id[:8]}")
+                if nid not in self.nodes:
+                    out.append(f"{where}: the node is not joined")
+                if not 0 <= loc.progress <= entry.size:
+                    out.append(f"{where}: progress {loc.progress} outside 0..{entry.size}")
+                complete = loc.state is LocationState.COMPLETE
+                if complete and (loc.progress != entry.size or loc.upstream is not None or loc.producing):
+                    out.append(f"{where}: complete but short, fed or still produced")
+                if loc.copying and not (complete and loc.segment):
+                    out.append(f"{where}: copying without a complete copy's segment")
+                if entry.inline is not None and (not complete or loc.segment or loc.busy):
+                    out.append(f"{where}: an inline object's holder is partial, in a segment or busy")
+                if loc.busy and (oid, nid) not in serving:
+                    out.append(f"{where}: busy without a transfer")
+                if self._upstream_cycle(entry, loc):
+                    out.append(f"{where}: its upstream chain is a cycle")
+        for tid, tr in self.transfers.items():
+            if tr.transfer_id != tid or tr.object_id not in self.objects or tr.sender == tr.receiver:
+                out.append(f"transfer {tid}: bad key, unknown object or sender = receiver")
+            if tr.sender not in self.nodes or tr.receiver not in self.nodes:
+                out.append(f"transfer {tid}: between nodes not joined")
+        for oid, queue in self.pending.items():
+            if not queue:
+                out.append(f"pending {oid.hex()[:12]}: an empty queue is kept")
+            for pl in queue:
+                if pl.object_id != oid or pl.node_id not in self.nodes or pl.have_bytes < 0:
+                    out.append(f"pending {oid.hex()[:12]} of {pl.node_id[:8]}: bad key, node or progress")
+        out.extend(self._reduction_problems())
+        return out
+
+    def _reduction_problems(self) -> list[str]:
+        out: list[str] = []
+        expected: dict[bytes, set[bytes]] = {}
+        for rid, red in self.reductions.items():
+            plan, name = red.plan, f"reduction {rid.hex()[:12]}"
+            if plan.reduction_id != rid or len(plan.placed) > plan.num_objects:
+                out.append(f"{name}: bad key, or more inputs placed than asked for")
+            if [pl.vertex for pl in plan.placed] != [v for v in plan.by_vertex] or any(
+                plan.by_vertex[pl.vertex] is not pl or pl.object_id not in plan.inputs for pl in plan.placed
+            ):
+                out.append(f"{name}: its placements and vertices disagree")
+            if not red.active:
+                continue
+            for pl in plan.placed:
+                if pl.node_id and pl.node_id not in self.nodes:
+                    out.append(f"{name}: vertex {pl.vertex} on {pl.node_id[:8]}, not joined")
+                if pl.runs_task and pl.node_id and pl.output_id not in self.objects:
+                    out.append(f"{name}: vertex {pl.vertex}'s output is not registered")
+            if not plan.full:
+                placed = {pl.object_id for pl in plan.placed}
+                for oid in plan.inputs:
+                    if oid not in placed:
+                        expected.setdefault(oid, set()).add(rid)
+        if {o: set(r) for o, r in self.awaiting.items()} != expected:
+            out.append("awaiting does not list exactly the unplaced inputs of active reductions")
+        return out
+
+    @staticmethod
+    def _upstream_cycle(entry: ObjectEntry, loc: Location) -> bool:
+        seen = {loc.node_id}
+        current: Location | None = loc
+        while current is not None and current.upstream is not None:
+            if current.upstream in seen:
+                return True
+            seen.add(current.upstream)
+            current = entry.locations.get(current.upstream)
+        return False
+
+    def validate(self) -> None:
+        """Raise :class:`InvariantError` listing every broken invariant (see :meth:`problems`).
+
+        The state machine's tests run it after every event (``DirectoryState(validate=True)``), the
+        service after every event when ``HOPLITE_VALIDATE_DIRECTORY=1`` (the test suite and the
+        soak set it)."""
+        found = self.problems()
+        if found:
+            raise InvariantError("; ".join(found))
+
     # ------------------------------------------------------------ helpers
     def _send(self, node_id: str, message: p.Message) -> None:
         self._out.append(Send(node_id, message))
+
+    def record(self, now: float, kind: str, **details: Any) -> None:
+        """Append an event of ``kind`` to the event log (for the hosting service's own events)."""
+        self._log(now, kind, **details)
 
     def _log(self, now: float, kind: str, **details: Any) -> None:
         self.events.append({"seq": next(self._seq), "t": now, "kind": kind, **details})
