@@ -95,7 +95,7 @@ def start_directory(
     """
     from .auth import new_token
     from .directory.service import DirectoryService
-    from .node import IOThread
+    from .iothread import IOThread
 
     config = config or Config.from_env()
     service = DirectoryService.from_config(token or new_token(), host, port, config)
@@ -129,7 +129,7 @@ def init(
     try:
         return Node(service.address, service.token, config, embedded=service)
     except BaseException:
-        from .node import IOThread
+        from .iothread import IOThread
 
         IOThread.get().run(service.stop(), timeout=10.0)
         raise

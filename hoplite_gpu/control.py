@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 from . import auth
 from . import protocol as p
-from .directory.service import read_frame
 from .errors import AuthenticationError, DirectoryUnavailableError, HopliteError, ProtocolError
 
 log = logging.getLogger("hoplite_gpu.control")
@@ -82,7 +81,7 @@ class ControlClient:
                 cause=type(exc).__name__,
             ) from exc
         try:
-            challenge = await asyncio.wait_for(read_frame(reader, 4096), timeout)
+            challenge = await asyncio.wait_for(p.read_frame(reader, 4096), timeout)
             if not isinstance(challenge, p.Challenge):
                 raise ProtocolError(f"expected a challenge from {address}, got {challenge.TYPE}")
             mine = auth.new_nonce()
@@ -102,7 +101,7 @@ class ControlClient:
             )
             await writer.drain()
             try:
-                welcome = await asyncio.wait_for(read_frame(reader, 4096), timeout)
+                welcome = await asyncio.wait_for(p.read_frame(reader, 4096), timeout)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 raise AuthenticationError(
                     f"the directory at {address} refused our token (connection closed during authentication)",
@@ -186,7 +185,7 @@ class ControlClient:
         error: HopliteError
         try:
             while True:
-                msg = await read_frame(self._reader, self.limit)
+                msg = await p.read_frame(self._reader, self.limit)
                 request_id = getattr(msg, "request_id", None)
                 fut = self._pending.pop(request_id, None) if request_id is not None else None
                 if fut is not None:

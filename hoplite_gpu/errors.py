@@ -121,6 +121,29 @@ class NodeClosedError(HopliteError, RuntimeError):
     """The node was closed; create a new one with ``hoplite_gpu.init`` or ``hoplite_gpu.connect``."""
 
 
+#: Errors the directory reports by name (``error_kind`` of a reply), and the class of each.
+_REMOTE_KINDS: dict[str, type[HopliteError]] = {
+    cls.__name__: cls
+    for cls in (
+        HopliteTimeoutError,
+        InvalidArgumentError,
+        ObjectDeletedError,
+        ObjectExistsError,
+        ObjectLostError,
+        ObjectNotFoundError,
+        ProtocolError,
+        ReduceMismatchError,
+        ReductionFailedError,
+    )
+}
+
+
+def from_kind(kind: str, message: str, **fields: Any) -> HopliteError:
+    """The typed error for one the directory reported as ``kind`` (:class:`HopliteError` for a
+    kind it does not name)."""
+    return _REMOTE_KINDS.get(kind, HopliteError)(message, **fields)
+
+
 __all__ = [
     "AuthenticationError",
     "DirectoryUnavailableError",

@@ -11,6 +11,7 @@ so the receiver can post a buffer of known size.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import typing
 from dataclasses import dataclass, field, fields
@@ -492,6 +493,12 @@ def frame_length(header: bytes, limit: int) -> int:
     if length > limit:
         raise ProtocolError(f"control message of {length} bytes exceeds the limit of {limit}")
     return int(length)
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int) -> Message:
+    """Read and decode one control frame (raises ProtocolError / IncompleteReadError)."""
+    header = await reader.readexactly(FRAME_HEADER.size)
+    return decode(await reader.readexactly(frame_length(header, limit)))
 
 
 # ---------------------------------------------------------------- data plane (UCX)

@@ -105,7 +105,7 @@ class _DirectoryActor:
         return current[0]
 
     def stop(self) -> None:
-        from .node import IOThread
+        from .iothread import IOThread
 
         IOThread.get().run(self._service.stop(), timeout=10.0)
 

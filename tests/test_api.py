@@ -130,7 +130,7 @@ def test_malformed_and_oversized_frames_close_only_that_connection(owner: Any) -
 
 
 def test_data_plane_refuses_wrong_token(owner: Any) -> None:
-    from hoplite_gpu.node import IOThread
+    from hoplite_gpu.iothread import IOThread
 
     host, port = owner.data_address.rsplit(":", 1)
     before = owner.stats()["data_auth_failures"]

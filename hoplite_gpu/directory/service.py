@@ -26,13 +26,6 @@ log = logging.getLogger("hoplite_gpu.directory")
 HANDSHAKE_TIMEOUT = 10.0
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int) -> p.Message:
-    """Read and decode one control frame (raises ProtocolError / IncompleteReadError)."""
-    header = await reader.readexactly(p.FRAME_HEADER.size)
-    length = p.frame_length(header, limit)
-    return p.decode(await reader.readexactly(length))
-
-
 class _Conn:
     __slots__ = ("node_id", "peer", "writer")
 
@@ -139,7 +132,7 @@ class DirectoryService:
             if node_id is None:
                 return
             while True:
-                msg = await read_frame(reader, self.max_message_bytes)
+                msg = await p.read_frame(reader, self.max_message_bytes)
                 self._apply(Request(node_id, msg, time.monotonic()))
         except ProtocolError as exc:
             log.warning("closing connection from %s (node %s): %s", peer, node_id, exc)
@@ -162,7 +155,7 @@ class DirectoryService:
         writer.write(p.encode(p.Challenge(nonce=nonce)))
         await writer.drain()
         try:
-            hello = await asyncio.wait_for(read_frame(reader, 4096), HANDSHAKE_TIMEOUT)
+            hello = await asyncio.wait_for(p.read_frame(reader, 4096), HANDSHAKE_TIMEOUT)
         except (asyncio.TimeoutError, ProtocolError, asyncio.IncompleteReadError) as exc:
             self.auth_failures += 1
             log.warning("dropping %s: no valid hello (%s)", peer, type(exc).__name__)

@@ -1,0 +1,75 @@
+"""The process-wide event-loop thread that runs all of hoplite_gpu's network work.
+
+Every node and embedded directory of a process shares it; the synchronous API submits coroutines to
+it and waits (:meth:`IOThread.run`), the ``*_async`` twins await them from another loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from .errors import HopliteError, HopliteTimeoutError
+
+T = TypeVar("T")
+
+
+class IOThread:
+    """The process-wide event loop thread that runs all network work."""
+
+    _instance: IOThread | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="hoplite-io", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @classmethod
+    def get(cls) -> IOThread:
+        """The shared instance, started on first use."""
+        with cls._lock:
+            if cls._instance is None or not cls._instance._thread.is_alive():
+                cls._instance = IOThread()
+            return cls._instance
+
+    def in_thread(self) -> bool:
+        """Whether the caller runs on this loop's thread."""
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for it (from any other thread)."""
+        if self.in_thread():
+            coro.close()
+            raise HopliteError(
+                "a blocking hoplite_gpu call was made on its own I/O thread; use the *_async methods"
+            )
+        fut = self.submit(coro)
+        try:
+            concurrent.futures.wait([fut], timeout)
+        except BaseException:  # e.g. KeyboardInterrupt: stop the operation too
+            fut.cancel()
+            raise
+        if not fut.done():
+            fut.cancel()
+            raise HopliteTimeoutError(
+                f"operation did not finish within {timeout} s", operation="call", timeout=timeout
+            )
+        return fut.result()
+
+    async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and await it from another event loop."""
+        if self.in_thread():
+            return await coro
+        return await asyncio.wrap_future(self.submit(coro))

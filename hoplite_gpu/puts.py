@@ -1,0 +1,182 @@
+"""How a node puts an object: the local copy, then the directory's record, with large copies made
+while receivers already stream the object.
+
+A large contiguous array is registered with the directory first; its bytes are then copied into the
+store's buffer on a worker thread in :data:`PUT_COPY_BYTES` steps, each advancing the object's
+progress, so a receiver that was waiting in ``get`` pulls behind the copy (a pull serves only bytes
+already present). ``put`` returns once the copy is done (the caller may then reuse its array); the
+shared-memory segment is announced with ``CopyAdded`` then, so same-host readers map a complete copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import buffers, shm
+from . import protocol as p
+from .buffers import digest_of, dtype_to_wire
+from .config import Config
+from .errors import InvalidArgumentError, ObjectExistsError, ObjectTooLargeError, ProtocolError, from_kind
+from .fetch import publish
+from .object_id import ObjectID
+from .session import DirectorySession
+from .sources import as_hoplite_error
+from .store import LocalObject, LocalStore
+
+#: Bytes a put copies at a time when it copies after publishing (see :meth:`Putter.prepare`).
+PUT_COPY_BYTES = 2 << 20
+
+
+def _copy_advancing(
+    loop: asyncio.AbstractEventLoop, src: np.ndarray[Any, Any], obj: LocalObject, stop: threading.Event
+) -> None:
+    """Copy ``src`` into ``obj.data`` chunk by chunk (on a worker thread), advancing ``obj``'s
+    progress on ``loop`` after each chunk; stops early once ``stop`` is set."""
+    pos = 0
+    while pos < obj.size and not stop.is_set():
+        end = min(pos + PUT_COPY_BYTES, obj.size)
+        np.copyto(obj.data[pos:end], src[pos:end])
+        loop.call_soon_threadsafe(obj.advance, end)
+        pos = end
+
+
+class Putter:
+    """The put side of a node.
+
+    Args:
+        store: The node's local store.
+        config: Limits and timeouts.
+        session: The node's directory link.
+        withdraw: Deletes an object in the background (a put published, then failed).
+    """
+
+    def __init__(
+        self,
+        store: LocalStore,
+        config: Config,
+        session: DirectorySession,
+        withdraw: Callable[[ObjectID], None],
+    ) -> None:
+        self._store = store
+        self._config = config
+        self._session = session
+        self._withdraw = withdraw
+
+    def prepare(
+        self, array: Any, object_id: ObjectID | None, copy: bool
+    ) -> tuple[LocalObject, np.ndarray[Any, Any] | None]:
+        """The local object for a put, and the bytes still to copy into it (None: copied already).
+
+        A large contiguous array is copied after the put is published (:meth:`put`), so receivers
+        start while the copy runs; its digest is taken from the caller's array first.
+        """
+        if object_id is not None and not isinstance(object_id, ObjectID):
+            raise InvalidArgumentError(
+                f"object_id must be an ObjectID, got {type(object_id).__name__}", argument="object_id"
+            )
+        host = buffers.to_host(array)
+        dtype = dtype_to_wire(host.dtype)
+        nbytes = int(host.nbytes)
+        if nbytes > self._config.max_object_bytes:
+            raise ObjectTooLargeError(
+                f"object of {nbytes} bytes exceeds Config.max_object_bytes={self._config.max_object_bytes}",
+                size=nbytes,
+                limit=self._config.max_object_bytes,
+            )
+        contiguous = host.flags.c_contiguous
+        pooled = copy or not contiguous
+        pending: np.ndarray[Any, Any] | None = None
+        if pooled:
+            data = self._store.pool.allocate(nbytes)
+            if contiguous and nbytes >= 2 * PUT_COPY_BYTES:
+                pending = host.reshape(-1).view(np.uint8)
+            elif nbytes:
+                data.view(host.dtype).reshape(host.shape)[...] = host
+        else:
+            data = host.reshape(-1).view(np.uint8)
+        oid = object_id or ObjectID.random()
+        obj = LocalObject(
+            object_id=oid,
+            size=nbytes,
+            dtype=dtype,
+            shape=tuple(int(s) for s in host.shape),
+            digest=digest_of(data if pending is None else pending),
+            data=data,
+            progress=nbytes if pending is None else 0,
+            owner=True,
+            pooled=pooled,
+        )
+        return obj, pending
+
+    async def put(self, obj: LocalObject, pending: np.ndarray[Any, Any] | None = None) -> ObjectID:
+        """Publish ``obj``; with ``pending``, copy those bytes into it meanwhile (on a worker
+        thread, advancing its progress chunk by chunk, so pulls of it stream behind the copy) and
+        return once both are done. Its shared-memory segment is announced once the copy is."""
+        oid = obj.object_id
+        existing = self._store.get(oid)
+        if existing is not None:
+            if existing.digest == obj.digest and existing.dtype == obj.dtype and existing.shape == obj.shape:
+                if existing.owner and not existing.complete:  # the same put, still copying
+                    await existing.wait_progress(existing.size, self._config.request_timeout)
+                if existing.complete:
+                    return oid
+            raise ObjectExistsError(
+                f"object {oid} already exists on this node with different content; use a new "
+                "ObjectID or delete it first",
+                object_id=oid.hex(),
+            )
+        inline = obj.data.tobytes() if obj.size <= self._session.inline_threshold_bytes else None
+        self._store.add(obj)
+        stop = threading.Event()
+        copying = None
+        registered = False
+        if pending is not None:
+            loop = asyncio.get_running_loop()
+            copying = loop.run_in_executor(None, _copy_advancing, loop, pending, obj, stop)
+            seg = shm.segment_of(obj.data) if obj.pooled else None
+            segment = "" if seg is None else seg.name  # published once the copy is done
+        else:
+            segment = publish(obj)
+        try:
+            reply = await self._session.request(
+                lambda rid: p.PutRequest(
+                    request_id=rid,
+                    object_id=oid.binary(),
+                    size=obj.size,
+                    dtype=obj.dtype,
+                    shape=list(obj.shape),
+                    digest=obj.digest,
+                    inline=inline,
+                    segment=segment,
+                    copying=copying is not None and bool(segment),
+                ),
+                self._config.request_timeout,
+            )
+            if not isinstance(reply, p.PutReply):
+                raise ProtocolError(f"unexpected reply to put: {reply.TYPE}")
+            if reply.error:
+                raise from_kind(reply.error_kind, reply.error, object_id=oid.hex())
+            registered = True
+            if copying is not None:
+                await asyncio.shield(copying)  # the caller may reuse its array once put returns
+        except BaseException as exc:
+            stop.set()
+            if copying is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(copying)
+            if self._store.get(oid) is obj:
+                self._store.remove(oid, as_hoplite_error(exc, oid))
+            if registered:  # published, then the copy failed (or the put was cancelled): withdraw it
+                self._withdraw(oid)
+            raise
+        if copying is not None and obj.error is None:
+            segment = publish(obj)
+            if segment:
+                self._session.send(p.CopyAdded(object_id=oid.binary(), segment=segment))
+        return oid

@@ -1,0 +1,311 @@
+"""A node's link to its directory: one authenticated connection at a time, heartbeats, and the
+reconnection to a restarted directory.
+
+:class:`DirectorySession` owns the :class:`~hoplite_gpu.control.ControlClient` of the moment. A
+request made through it (:meth:`~DirectorySession.request`, :meth:`~DirectorySession.lookup`) that
+fails because the connection was lost waits for the reconnection and is made again on the new
+connection, within its timeout. After a reconnection the node restores its copies (its
+``on_rejoined`` callback) and the session re-sends the reductions the node requested, so a
+restarted directory rebuilds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from . import protocol as p
+from .config import Config
+from .control import ControlClient
+from .errors import DirectoryUnavailableError, HopliteError, ProtocolError
+from .object_id import ObjectID
+
+log = logging.getLogger("hoplite_gpu")
+
+T = TypeVar("T")
+
+#: Reductions a node requested that it remembers, to re-send them to a restarted directory.
+REQUESTED_KEPT = 1000
+
+#: Longest pause between two attempts to reach a lost directory again.
+MAX_RECONNECT_BACKOFF = 1.0
+
+
+class DirectorySession:
+    """The directory link of one node.
+
+    Args:
+        address: ``host:port`` of the directory.
+        token: Shared secret.
+        node_id: This node's id.
+        data_host: Address advertised for this node's data plane.
+        data_port: Port of this node's data plane.
+        config: Timeouts, heartbeat interval, reconnection time, control message limit.
+        host_key: See :func:`hoplite_gpu.shm.host_key` ("" without shared memory).
+        on_push: Called on the event loop with every message the directory pushes.
+        on_lost: Called on the event loop when the connection is lost, with whether the session
+            reconnects (else every later request fails).
+        on_rejoined: Called once a reconnection succeeded, before the reductions are re-sent (the
+            node restores its copies).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        node_id: str,
+        data_host: str,
+        data_port: int,
+        config: Config,
+        host_key: str,
+        on_push: Callable[[p.Message], None],
+        on_lost: Callable[[bool], None],
+        on_rejoined: Callable[[], None],
+    ) -> None:
+        self.address = address
+        self.config = config
+        self._token = token
+        self._node_id = node_id
+        self._data_host = data_host
+        self.data_port = data_port  # may be set after construction, before start()
+        self._host_key = host_key
+        self._on_push = on_push
+        self._on_lost = on_lost
+        self._on_rejoined = on_rejoined
+        self.control = self._new_control()
+        # Which connection this is: a pull that began under an earlier one reports its copy with
+        # Restore (the restarted directory never heard of it).
+        self.generation = 0
+        self._closed = False
+        self._beat: asyncio.Future[None] | None = None
+        self._reconnecting: asyncio.Future[None] | None = None  # resolved when it ends
+        self._unreachable: HopliteError | None = None  # set once reconnecting gave up
+        self._requested: dict[bytes, p.ReduceRequest] = {}
+
+    @property
+    def inline_threshold_bytes(self) -> int:
+        """The directory's inline threshold (objects up to this size travel in control messages)."""
+        return self.control.inline_threshold_bytes
+
+    # ------------------------------------------------------------ lifecycle
+    def _new_control(self, ids: Any = None) -> ControlClient:
+        return ControlClient(self._on_push, self.config.control_message_limit, on_lost=self._lost, ids=ids)
+
+    async def _join(self, client: ControlClient, previous_directory: str = "") -> None:
+        """Connect ``client`` to the directory and introduce this node (see ``Hello``)."""
+        await client.connect(
+            self.address,
+            self._token,
+            self._node_id,
+            self._data_host,
+            self.data_port,
+            self.config.connect_timeout,
+            host_key=self._host_key,
+            previous_directory=previous_directory,
+        )
+
+    async def start(self) -> None:
+        """Connect and start heartbeats."""
+        await self._join(self.control)
+        self._beat = asyncio.ensure_future(self._heartbeats())
+
+    async def _heartbeats(self) -> None:
+        """Tell the directory this node is alive, every ``Config.heartbeat_interval`` seconds."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)  # a period, not synchronisation
+            self.send(p.Heartbeat())  # lost: the next connection's turn comes
+
+    def closing(self) -> None:
+        """Stop heartbeats and any reconnection; the connection stays for the node's last reports
+        (transfers it serves while it closes)."""
+        self._closed = True
+        if self._beat is not None:
+            self._beat.cancel()
+        if self._reconnecting is not None and not self._reconnecting.done():
+            self._reconnecting.cancel()
+
+    async def close(self) -> None:
+        """:meth:`closing`, then close the connection."""
+        self.closing()
+        await self.control.close()
+
+    def send(self, msg: p.Message) -> None:
+        """Send a message that expects no reply; dropped if the connection is lost (a restarted
+        directory learns what it needs from the node's restore)."""
+        with contextlib.suppress(HopliteError):
+            self.control.send(msg)
+
+    # ------------------------------------------------------------ reconnection
+    def _lost(self, error: HopliteError) -> None:
+        if self._closed:
+            self._on_lost(False)
+            return
+        if self.config.reconnect_timeout <= 0:
+            self._unreachable = error
+            self._on_lost(False)
+            return
+        log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
+        if self._reconnecting is None or self._reconnecting.done():
+            self._reconnecting = asyncio.ensure_future(self._reconnect(error))
+        self._on_lost(True)
+
+    async def _reconnect(self, error: HopliteError) -> None:
+        """Reach the directory again (it may be restarting at the same address), with backoff,
+        for up to ``Config.reconnect_timeout`` s; then let the node restore its copies and re-send
+        its reductions. On giving up, every waiting and later request fails with the error."""
+        lost = self.control
+        give_up = time.monotonic() + self.config.reconnect_timeout
+        pause = 0.05
+        while True:
+            client = self._new_control(ids=lost.ids)
+            try:
+                await self._join(client, previous_directory=lost.directory_id)
+                break
+            except HopliteError as exc:
+                # Also an AuthenticationError: a directory dying as it authenticated us looks
+                # like a refusal; a real one (another token) fails when the time is up.
+                error = exc
+            except Exception as exc:  # not expected; retried all the same, and said
+                log.exception("reconnecting to the directory failed unexpectedly")
+                error = DirectoryUnavailableError(str(exc), peer=self.address, cause="error")
+            if time.monotonic() + pause > give_up:
+                break
+            await asyncio.sleep(pause)  # backoff between attempts, not synchronisation
+            pause = min(2 * pause, MAX_RECONNECT_BACKOFF)
+        if client.directory_id == "":
+            self._unreachable = DirectoryUnavailableError(
+                f"the directory at {self.address} did not come back within "
+                f"{self.config.reconnect_timeout} s: {error}",
+                peer=self.address,
+                cause="unreachable",
+            )
+            log.error("%s", self._unreachable)
+            return
+        self.control = client
+        self.generation += 1
+        self._on_rejoined()
+        for msg in self._requested.values():
+            client.send(dataclasses.replace(msg, request_id=client.next_id(), rejoin=True))
+        log.warning("rejoined the directory at %s (%s)", self.address, client.directory_id[:8])
+
+    def _will_reconnect(self, control: ControlClient) -> bool:
+        """Whether a request that failed on ``control`` should wait for the next connection."""
+        return (
+            control.lost
+            and not self._closed
+            and self._unreachable is None
+            and (control is not self.control or self._reconnecting is not None)
+        )
+
+    async def _await_directory(self, timeout: float | None) -> None:
+        """Return once connected to the directory (at once, normally); wait for a reconnection
+        in progress for up to ``timeout`` s."""
+        if self._unreachable is not None:
+            raise self._unreachable
+        pending = self._reconnecting
+        if pending is None or pending.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), timeout)
+        except asyncio.TimeoutError:
+            raise DirectoryUnavailableError(
+                f"the directory at {self.address} is unreachable (reconnecting)",
+                peer=self.address,
+                cause="timeout",
+            ) from None
+        if self._unreachable is not None:
+            raise self._unreachable
+
+    # ------------------------------------------------------------ requests
+    async def with_directory(
+        self, call: Callable[[ControlClient, float | None], Awaitable[T]], timeout: float | None
+    ) -> T:
+        """``await call(connection, seconds_left)``; if the directory is lost meanwhile, call it
+        again on the reconnected one (a restarted directory), within ``timeout`` in all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await self._await_directory(left)
+            control = self.control
+            try:
+                return await call(control, left)
+            except DirectoryUnavailableError:
+                if not self._will_reconnect(control):
+                    raise
+
+    async def request(self, make: Callable[[int], p.Message], timeout: float | None) -> p.Message:
+        """Send the request ``make(request_id)`` and return its reply (see :meth:`with_directory`)."""
+        return await self.with_directory(
+            lambda control, left: control.request(make(control.next_id()), left), timeout
+        )
+
+    async def lookup(
+        self,
+        oid: ObjectID,
+        timeout: float | None,
+        have: int,
+        shared_memory: bool = False,
+        direct: bool = False,
+    ) -> p.LookupReply:
+        """Ask where ``oid`` is (see :class:`~hoplite_gpu.protocol.LookupRequest`); the directory
+        answers once a source is free, or at ``timeout``."""
+        return await self.with_directory(
+            lambda control, left: self._lookup_once(control, oid, left, have, shared_memory, direct), timeout
+        )
+
+    async def _lookup_once(
+        self,
+        control: ControlClient,
+        oid: ObjectID,
+        timeout: float | None,
+        have: int,
+        shared_memory: bool,
+        direct: bool,
+    ) -> p.LookupReply:
+        rid = control.next_id()
+        fut = control.expect(rid)
+        try:
+            control.send(
+                p.LookupRequest(
+                    request_id=rid,
+                    object_id=oid.binary(),
+                    timeout=timeout or 0.0,
+                    have_bytes=have,
+                    shared_memory=shared_memory,
+                    direct=direct,
+                )
+            )
+            # The directory enforces the deadline; the margin covers a directory that went silent.
+            guard = None if timeout is None else timeout + self.config.request_timeout
+            reply = await asyncio.wait_for(fut, guard)
+        except asyncio.TimeoutError:
+            raise DirectoryUnavailableError(
+                f"the directory did not answer a lookup of {oid}", peer=self.address, cause="timeout"
+            ) from None
+        except BaseException:
+            with contextlib.suppress(HopliteError):
+                control.send(p.CancelLookup(request_id=rid))
+            raise
+        finally:
+            control.forget(rid)
+        if not isinstance(reply, p.LookupReply):
+            raise ProtocolError(f"unexpected reply to lookup: {reply.TYPE}")
+        return reply
+
+    # ------------------------------------------------------------ reductions to re-send
+    def remember(self, msg: p.ReduceRequest) -> None:
+        """Keep a reduction this node requested, to re-send it to a restarted directory (the
+        newest :data:`REQUESTED_KEPT`)."""
+        self._requested.pop(msg.reduction_id, None)
+        self._requested[msg.reduction_id] = msg
+        if len(self._requested) > REQUESTED_KEPT:
+            del self._requested[next(iter(self._requested))]
+
+    def forget(self, reduction_id: bytes) -> None:
+        """Stop re-sending a reduction (it was deleted)."""
+        self._requested.pop(reduction_id, None)
