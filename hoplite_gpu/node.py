@@ -126,10 +126,8 @@ class Node:
             lambda oid: self._in_background(self._delete(oid)),
             self.config.reduce_chunk_bytes,
         )
-        self._putter = Putter(
-            self._store, self.config, self._session, lambda oid: self._in_background(self._delete(oid))
-        )
-        self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget deletes
+        self._putter = Putter(self._store, self.config, self._session, self._delete, self._in_background)
+        self._background: set[asyncio.Future[Any]] = set()  # see _in_background
         self._closed = False
         if self.config.fault_injection:
             faults.arm(self.config.fault_injection)
@@ -206,8 +204,10 @@ class Node:
         """Store ``array`` under ``object_id`` (a new random id if None) and return the id.
 
         The bytes are copied (``copy=False`` stores a C-contiguous NumPy array without copying: the
-        caller must then never modify it). Non-contiguous arrays are always copied. CuPy arrays are
-        staged through host memory.
+        caller must then never modify it; on a node with shared memory a large one is still copied
+        into a shared-memory segment, after ``put`` returned, so processes on this host map it
+        instead of pulling it). Non-contiguous arrays are always copied. CuPy arrays are staged
+        through host memory.
 
         Raises:
             ObjectExistsError: the id exists with different content, dtype or shape.
@@ -216,16 +216,14 @@ class Node:
             InvalidArgumentError: not an array, or an object dtype.
         """
         self._check_open()
-        obj, pending = self._putter.prepare(array, object_id, copy)
-        return self._io.run(self._putter.put(obj, pending))
+        return self._io.run(self._putter.put(self._putter.prepare(array, object_id, copy)))
 
     async def put_async(
         self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True
     ) -> ObjectID:
         """Async twin of :meth:`put`."""
         self._check_open()
-        obj, pending = self._putter.prepare(array, object_id, copy)
-        return await self._io.run_async(self._putter.put(obj, pending))
+        return await self._io.run_async(self._putter.put(self._putter.prepare(array, object_id, copy)))
 
     # ------------------------------------------------------------ get
     def _resolve_timeout(self, timeout: float | None) -> float | None:
@@ -500,16 +498,17 @@ class Node:
             raise from_kind(reply.error_kind, reply.error, object_id=culprit, reduction_id=rid.hex())
         return [ObjectID(o) for o in reply.object_ids]
 
-    def _in_background(self, delete: Coroutine[Any, Any, bool]) -> None:
-        """Run a delete nobody waits for (its failure is only logged)."""
-        task = asyncio.ensure_future(delete)
+    def _in_background(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` (a delete, the end of a detached put's copy) without waiting for it (its
+        failure is only logged)."""
+        task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background_done)
 
     def _background_done(self, task: asyncio.Future[Any]) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.debug("background delete failed: %s", task.exception())
+            log.debug("background work failed: %s", task.exception())
 
     # ------------------------------------------------------------ delete and diagnostics
     def delete(self, object_id: ObjectID) -> bool:

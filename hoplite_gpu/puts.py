@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,13 +38,24 @@ def _copy_advancing(
     loop: asyncio.AbstractEventLoop, src: np.ndarray[Any, Any], obj: LocalObject, stop: threading.Event
 ) -> None:
     """Copy ``src`` into ``obj.data`` chunk by chunk (on a worker thread), advancing ``obj``'s
-    progress on ``loop`` after each chunk; stops early once ``stop`` is set."""
+    progress on ``loop`` after each chunk; stops early once ``stop`` is set or ``obj`` is dropped."""
     pos = 0
-    while pos < obj.size and not stop.is_set():
+    while pos < obj.size and not stop.is_set() and obj.error is None:
         end = min(pos + PUT_COPY_BYTES, obj.size)
         np.copyto(obj.data[pos:end], src[pos:end])
         loop.call_soon_threadsafe(obj.advance, end)
         pos = end
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A put ready to publish: the local object, the caller's bytes still to copy into it (None:
+    copied already, or kept without a copy), and whether ``put`` returns before that copy ends
+    (``copy=False`` into a segment)."""
+
+    obj: LocalObject
+    pending: np.ndarray[Any, Any] | None
+    detached: bool = False
 
 
 class Putter:
@@ -53,7 +65,8 @@ class Putter:
         store: The node's local store.
         config: Limits and timeouts.
         session: The node's directory link.
-        withdraw: Deletes an object in the background (a put published, then failed).
+        delete: Deletes an object (a put published, then failed, is withdrawn).
+        in_background: Runs a coroutine nobody waits for (its failure is only logged).
     """
 
     def __init__(
@@ -61,20 +74,24 @@ class Putter:
         store: LocalStore,
         config: Config,
         session: DirectorySession,
-        withdraw: Callable[[ObjectID], None],
+        delete: Callable[[ObjectID], Coroutine[Any, Any, bool]],
+        in_background: Callable[[Coroutine[Any, Any, Any]], None],
     ) -> None:
         self._store = store
         self._config = config
         self._session = session
-        self._withdraw = withdraw
+        self._delete = delete
+        self._in_background = in_background
 
-    def prepare(
-        self, array: Any, object_id: ObjectID | None, copy: bool
-    ) -> tuple[LocalObject, np.ndarray[Any, Any] | None]:
-        """The local object for a put, and the bytes still to copy into it (None: copied already).
+    def prepare(self, array: Any, object_id: ObjectID | None, copy: bool) -> Prepared:
+        """The local object for a put, and the bytes still to copy into it.
 
         A large contiguous array is copied after the put is published (:meth:`put`), so receivers
-        start while the copy runs; its digest is taken from the caller's array first.
+        start while the copy runs; its digest is taken from the caller's array first. Without
+        ``copy``, on a node with shared memory, a large contiguous array is copied into a segment
+        all the same, after ``put`` returned (:attr:`Prepared.detached`): processes on this host
+        then map it instead of pulling it over the data plane (async SGD's gradients, read by a
+        parameter server on the same machine).
         """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(
@@ -90,16 +107,19 @@ class Putter:
                 limit=self._config.max_object_bytes,
             )
         contiguous = host.flags.c_contiguous
-        pooled = copy or not contiguous
+        shared = self._store.pool.shared_min_bytes
+        detached = not copy and contiguous and shared > 0 and nbytes >= max(shared, 2 * PUT_COPY_BYTES)
+        pooled = copy or not contiguous or detached
         pending: np.ndarray[Any, Any] | None = None
         if pooled:
             data = self._store.pool.allocate(nbytes)
-            if contiguous and nbytes >= 2 * PUT_COPY_BYTES:
+            if detached and shm.segment_of(data) is None:  # /dev/shm is full: keep the caller's
+                self._store.pool.release(data)
+                data, pooled, detached = host.reshape(-1).view(np.uint8), False, False
+            elif contiguous and nbytes >= 2 * PUT_COPY_BYTES:
                 pending = host.reshape(-1).view(np.uint8)
             elif nbytes:
                 data.view(host.dtype).reshape(host.shape)[...] = host
-        else:
-            data = host.reshape(-1).view(np.uint8)
         oid = object_id or ObjectID.random()
         obj = LocalObject(
             object_id=oid,
@@ -112,12 +132,14 @@ class Putter:
             owner=True,
             pooled=pooled,
         )
-        return obj, pending
+        return Prepared(obj, pending, detached)
 
-    async def put(self, obj: LocalObject, pending: np.ndarray[Any, Any] | None = None) -> ObjectID:
-        """Publish ``obj``; with ``pending``, copy those bytes into it meanwhile (on a worker
+    async def put(self, prepared: Prepared) -> ObjectID:
+        """Publish the object; with bytes pending, copy them into it meanwhile (on a worker
         thread, advancing its progress chunk by chunk, so pulls of it stream behind the copy) and
-        return once both are done. Its shared-memory segment is announced once the copy is."""
+        return once both are done (once it is published, if detached). Its shared-memory segment
+        is announced once the copy is done."""
+        obj, pending = prepared.obj, prepared.pending
         oid = obj.object_id
         existing = self._store.get(oid)
         if existing is not None:
@@ -163,20 +185,50 @@ class Putter:
             if reply.error:
                 raise from_kind(reply.error_kind, reply.error, object_id=oid.hex())
             registered = True
+            if copying is not None and prepared.detached:
+                self._in_background(self._copied(obj, copying, stop))
+                return oid
             if copying is not None:
                 await asyncio.shield(copying)  # the caller may reuse its array once put returns
         except BaseException as exc:
-            stop.set()
-            if copying is not None:
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(copying)
-            if self._store.get(oid) is obj:
-                self._store.remove(oid, as_hoplite_error(exc, oid))
-            if registered:  # published, then the copy failed (or the put was cancelled): withdraw it
-                self._withdraw(oid)
+            await self._failed(obj, copying, stop, exc, registered)
             raise
-        if copying is not None and obj.error is None:
+        if copying is not None:
+            self._announce(obj)
+        return oid
+
+    async def _copied(self, obj: LocalObject, copying: asyncio.Future[None], stop: threading.Event) -> None:
+        """The end of a detached put's copy."""
+        try:
+            await asyncio.shield(copying)
+        except BaseException as exc:
+            await self._failed(obj, copying, stop, exc, registered=True)
+            raise
+        self._announce(obj)
+
+    def _announce(self, obj: LocalObject) -> None:
+        """The copy into ``obj``'s segment is done: same-host readers may map it."""
+        if obj.error is None:
             segment = publish(obj)
             if segment:
-                self._session.send(p.CopyAdded(object_id=oid.binary(), segment=segment))
-        return oid
+                self._session.send(p.CopyAdded(object_id=obj.object_id.binary(), segment=segment))
+
+    async def _failed(
+        self,
+        obj: LocalObject,
+        copying: asyncio.Future[None] | None,
+        stop: threading.Event,
+        exc: BaseException,
+        registered: bool,
+    ) -> None:
+        """Undo a put that failed (or was cancelled): stop its copy, drop the local object, and
+        withdraw it from the directory if it was published."""
+        stop.set()
+        if copying is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(copying)
+        oid = obj.object_id
+        if self._store.get(oid) is obj:
+            self._store.remove(oid, as_hoplite_error(exc, oid))
+        if registered:
+            self._in_background(self._delete(oid))

@@ -1,7 +1,7 @@
 """How an object's bytes arrive at a node: one class per way in, chosen by the directory's reply.
 
-A ``get`` asks the directory where the object is (:meth:`~hoplite_gpu.fetch.Fetcher.get`); the reply's status picks
-the source that fills the local copy:
+A ``get`` asks the directory where the object is (:meth:`~hoplite_gpu.fetch.Fetcher.get`); the
+reply's status picks the source that fills the local copy:
 
 * ``inline``: small objects come with the reply (:class:`InlineSource`);
 * ``shm``: a complete copy in a shared-memory segment on this host is mapped, not copied

@@ -206,6 +206,27 @@ def test_a_reduction_of_mappable_inputs_on_one_host_is_a_star(
     assert tree["degree"] == degree
 
 
+def test_a_same_host_reader_of_a_result_waits_for_its_root_and_maps_it_others_stream_it() -> None:
+    state = _state(A="h1", B="h1", C="h1", D="h2")
+    ids, rid, size = [b"x" * 20, b"y" * 20], b"r" * 20, 64 << 20
+    state.handle(Request("A", p.ReduceRequest(9, rid, ids, "sum", 2), 0.0))
+    for node, oid in zip("BC", ids, strict=True):
+        state.handle(
+            Request(node, p.PutRequest(1, oid, size, "|u1", [size], b"d", None, f"hoplite-1-{node}"), 0.0)
+        )
+    (root,) = [e["node"] for e in state.events if e["kind"] == "reduce_place" and e["vertex"] == 0]
+    ask = {n: p.LookupRequest(7, rid, 0.0, 0, True) for n in "AD"}
+    assert state.handle(Request("A", ask["A"], 0.0)) == []  # same host as the root: it waits
+    (streamed,) = state.handle(Request("D", ask["D"], 0.0))
+    assert streamed.message.status == "pull" and streamed.message.sender_node == root
+    (mapped,) = [
+        out
+        for out in state.handle(Request(root, p.VertexDone(rid, 0, True, segment="hoplite-1-R"), 0.1))
+        if out.node_id == "A"
+    ]
+    assert (mapped.message.status, mapped.message.segment) == ("shm", "hoplite-1-R")
+
+
 def test_copy_added_registers_a_complete_copy_or_drops_a_deleted_one() -> None:
     state = _state(A="h1", B="h1", C="h2")
     _put(state, "A", "hoplite-1-2-3-ab")
@@ -260,6 +281,34 @@ def test_same_host_gets_map_shared_memory(shm_owner: Any, shm_workers: list[Work
     kinds = _kinds(events, oid, start, besides=owner)
     assert kinds.count("lookup_shm") == 3 and "transfer_start" not in kinds
     shm_owner.delete(oid)
+
+
+def test_a_put_without_a_copy_is_copied_into_a_segment_that_same_host_readers_map(
+    shm_owner: Any, shm_workers: list[Worker]
+) -> None:
+    arr = make_array("float32", (2048, 1024), seed=17)  # 8 MiB
+    start = shm_owner.event_log()[-1]["seq"]
+    oid = shm_owner.put(arr, copy=False)
+    held = shm_owner._store.get(oid).data
+    assert shm.segment_of(held) is not None and not np.shares_memory(held, arr)
+    owner = shm_owner.node_id
+    # put returned before the copy ended; the owner announces the segment once it has.
+    wait_for_events(shm_owner, lambda evs: "copy_added" in _kinds(evs, oid, start), timeout=30)
+    for w in shm_workers:
+        w.send("get", oid.hex(), 60)
+    assert [w.result() for w in shm_workers] == [digest(arr)] * 3
+    kinds = _kinds(shm_owner.event_log(), oid, start, besides=owner)
+    assert kinds.count("lookup_shm") == 3 and "transfer_start" not in kinds
+    assert digest(shm_owner.get(oid)) == digest(arr)
+    shm_owner.delete(oid)
+    # Deleted while its copy still runs: nothing breaks, and the next object is intact.
+    for seed in (18, 19):
+        other = make_array("float32", (2048, 1024), seed=seed)
+        oid = shm_owner.put(other, copy=False)
+        shm_owner.delete(oid)
+    last = shm_owner.put(make_array("float32", (2048, 1024), seed=20), copy=False)
+    assert shm_workers[0].call("get", last.hex(), 60) == digest(make_array("float32", (2048, 1024), seed=20))
+    shm_owner.delete(last)
 
 
 def test_a_mapped_object_stays_intact_while_its_holder_deletes_reuses_and_dies(
