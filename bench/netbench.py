@@ -33,6 +33,7 @@ Needs root and iproute2; the peers need ``make bench-cluster``'s installs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -160,14 +161,28 @@ class Member:
             except ValueError:  # a library's log line on stdout (ucxx's C++ warnings go there)
                 sys.stderr.write(f"member {self.proc.pid}: {line}")
 
-    def stop(self) -> None:
+    def ask_to_stop(self) -> None:
+        """Tell the member to leave (its group's ``destroy`` is a barrier: tell every member
+        before waiting for any, or each waits for the next to be told, until it is killed)."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self.send(None)
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.ask_to_stop()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def stop_all(members: Sequence[Member]) -> None:
+    """Stop every member: all are told first (see :meth:`Member.ask_to_stop`)."""
+    for m in members:
+        m.ask_to_stop()
+    for m in members:
+        m.stop()
 
 
 def ideal_seconds(op: str, size: int, hosts: int, rate: float) -> float:
@@ -250,8 +265,7 @@ def _run_system(
                 seconds = statistics.median(round_times(spans, warmup, repeat))
                 rows.append({"system": system, "op": op, "size": size, "seconds": seconds})
     finally:
-        for m in members:
-            m.stop()
+        stop_all(members)
         if directory is not None:
             directory.stop()
     return rows

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable
 from bench.common import parse_rate, parse_size
-from bench.netbench import DIRECTORY_PORT, HOST_ENV, OPS, Member, ideal_seconds
+from bench.netbench import DIRECTORY_PORT, HOST_ENV, OPS, Member, ideal_seconds, stop_all
 
 #: Event kinds shown in the timeline.
 SHOWN = ("put", "reduce", "reduce_place", "transfer_start", "transfer_done", "vertex_done", "reduce_done")
@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 members[0].send("events")
                 events = members[0].recv()
             finally:
-                for m in members:
-                    m.stop()
+                stop_all(members)
                 directory.stop()
     except ClusterUnavailable as exc:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
