@@ -62,6 +62,8 @@ bench-cluster: $(PEERS_STAMP)
 		--json bench/results/netbench_n4.json --plots bench/results
 	$(PY) bench/netbench.py --hosts 8 --rate 100MB --sizes 1KiB,1MiB,64MiB --repeat 3 \
 		--json bench/results/netbench_n8.json --plots bench/results
+	$(PY) bench/netbench.py --hosts 4 --rate 1GB --sizes 64MiB --repeat 5 --systems hoplite_gpu,gloo \
+		--ops broadcast,reduce,allreduce --json bench/results/netbench_n4_1gb.json
 	$(PY) bench/rawapi.py --hosts 4 --rate 100MB,1GB --sizes 64MiB --repeat 5 --json bench/results/rawapi.json
 
 soak: $(STAMP)
