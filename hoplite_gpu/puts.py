@@ -120,6 +120,8 @@ class Putter:
                 pending = host.reshape(-1).view(np.uint8)
             elif nbytes:
                 data.view(host.dtype).reshape(host.shape)[...] = host
+        else:
+            data = host.reshape(-1).view(np.uint8)
         oid = object_id or ObjectID.random()
         obj = LocalObject(
             object_id=oid,

@@ -54,6 +54,20 @@ def test_put_get_local_roundtrip_and_readonly(owner: Any) -> None:
     owner.delete(oid)
 
 
+@pytest.mark.parametrize("n", [1000, 3 << 20])  # small, and above the chunked-copy size
+def test_a_put_without_a_copy_keeps_the_callers_memory_unless_it_must_copy(owner: Any, n: int) -> None:
+    arr = np.arange(n, dtype=np.float32)
+    oid = owner.put(arr, copy=False)  # this suite's nodes have no shared memory: nothing to map
+    got = owner.get(oid, timeout=5)
+    assert np.shares_memory(got, arr) and np.array_equal(got, arr)
+    strided = np.arange(2 * n, dtype=np.float32)[::2]  # not contiguous: copied all the same
+    other = owner.put(strided, copy=False)
+    kept = owner.get(other, timeout=5)
+    assert not np.shares_memory(kept, strided) and np.array_equal(kept, strided)
+    owner.delete(oid)
+    owner.delete(other)
+
+
 def test_unknown_object_times_out_typed(owner: Any) -> None:
     with pytest.raises(hg.HopliteTimeoutError) as info:
         owner.get(hg.ObjectID.random(), timeout=0.3)
