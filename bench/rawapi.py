@@ -63,11 +63,14 @@ def _member(address: str, rank: int) -> None:
             elif cmd == "put_after_lookups":  # broadcast root
                 oid = hg.ObjectID.from_hex(arg)
                 arr = np.arange(size // 4, dtype=np.float32)
-                since = node.event_log()[-1]["seq"]
+                # The receivers' lookups may reach the directory before this command does: read the
+                # whole log once, then only what is new (the id is fresh each round).
+                since, lookups = 0, set()
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:  # poll with a deadline for the receivers' lookups
                     events = node.event_log(since)
-                    lookups = {e["node"] for e in events if e["kind"] == "lookup" and e["object_id"] == arg}
+                    since = events[-1]["seq"] + 1 if events else since
+                    lookups |= {e["node"] for e in events if e["kind"] == "lookup" and e["object_id"] == arg}
                     if len(lookups) >= int(os.environ["HOSTS"]) - 1:
                         break
                     time.sleep(0.002)
