@@ -81,9 +81,20 @@ def deliver(obj: LocalObject, out: Any) -> Any:
     return out
 
 
+def _segment(obj: LocalObject) -> shm.Segment | None:
+    """The shared-memory segment holding a pooled object's bytes (None: private memory)."""
+    return shm.segment_of(obj.data) if obj.pooled else None
+
+
+def segment_name(obj: LocalObject) -> str:
+    """The name of the segment holding ``obj``'s bytes, not published yet ("" if private)."""
+    seg = _segment(obj)
+    return "" if seg is None else seg.name
+
+
 def publish(obj: LocalObject) -> str:
     """Publish a complete pooled copy in its shared-memory segment; the segment's name, or ""."""
-    seg = shm.segment_of(obj.data) if obj.pooled else None
+    seg = _segment(obj)
     if seg is None:
         return ""
     seg.publish(obj.object_id.binary())

@@ -24,7 +24,7 @@ from . import protocol as p
 from .buffers import digest_of, dtype_to_wire
 from .config import Config
 from .errors import InvalidArgumentError, ObjectExistsError, ObjectTooLargeError, ProtocolError, from_kind
-from .fetch import publish
+from .fetch import publish, segment_name
 from .object_id import ObjectID
 from .session import DirectorySession
 from .sources import as_hoplite_error
@@ -163,8 +163,7 @@ class Putter:
         if pending is not None:
             loop = asyncio.get_running_loop()
             copying = loop.run_in_executor(None, _copy_advancing, loop, pending, obj, stop)
-            seg = shm.segment_of(obj.data) if obj.pooled else None
-            segment = "" if seg is None else seg.name  # published once the copy is done
+            segment = segment_name(obj)  # published once the copy is done
         else:
             segment = publish(obj)
         try:

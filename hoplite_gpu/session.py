@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from . import protocol as p
 from .config import Config
@@ -93,7 +94,7 @@ class DirectorySession:
         return self.control.inline_threshold_bytes
 
     # ------------------------------------------------------------ lifecycle
-    def _new_control(self, ids: Any = None) -> ControlClient:
+    def _new_control(self, ids: itertools.count[int] | None = None) -> ControlClient:
         return ControlClient(self._on_push, self.config.control_message_limit, on_lost=self._lost, ids=ids)
 
     async def _join(self, client: ControlClient, previous_directory: str = "") -> None:
