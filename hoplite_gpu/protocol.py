@@ -21,9 +21,9 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 7  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+PROTOCOL_VERSION = 8  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
 # 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
-# 7: a reduction's requested tree degree, direct lookups
+# 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag)
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -519,4 +519,19 @@ TAG_RESPONSE = 3
 TAG_WARMUP = 4
 TAG_ACK = 5  # receiver -> sender, per transfer: 8 bytes, the receiver's final byte count
 ACK = struct.Struct("<Q")
-TAG_CHUNK_BASE = 1 << 20  # chunk tag of a transfer = TAG_CHUNK_BASE + transfer_id
+TAG_CHUNK = 6
+
+
+def chunk_tag(transfer_id: int, start: int, end: int) -> tuple[int, int, int, int]:
+    """The tag of the chunk ``[start, end)`` of a transfer: one per chunk, never per transfer.
+
+    A message can then only land in the receive posted for exactly its bytes. With one tag per
+    transfer, the order of receives was the only thing tying a message to its offset, and ucxx
+    (0.52, ``Endpoint.recv``) breaks it when the sender dies: each receive the lost endpoint
+    cancels takes *any* queued message with its tag from the worker, in the order the
+    cancellations resume, so two chunks could land swapped and both count as received (a
+    broadcast chain whose relay was SIGKILLed once finished with wrong bytes, in CI). The end
+    offset is part of the tag too: a shorter message (a sender cutting a chunk at an injected
+    fault) never fills a longer receive, which ucxx completes without an error.
+    """
+    return (TAG_CHUNK, transfer_id, start, end)

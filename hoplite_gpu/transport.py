@@ -6,9 +6,10 @@ still filling), and a cache of authenticated endpoints to peers for its own pull
 Per endpoint, the connecting side (the receiver) and the listener (the sender) first run the HMAC
 challenge-response of :mod:`hoplite_gpu.auth`; a peer that fails it is dropped before any request is
 read. Then the receiver sends fixed-size pull requests (:data:`protocol.PULL_REQUEST`), each answered
-by a status header and the object's bytes from the requested offset, in chunks on a tag unique to
-the transfer, with ``chunks_in_flight`` chunks posted ahead on both sides. Several transfers share an
-endpoint concurrently. Every UCX error becomes a :class:`~hoplite_gpu.errors.TransportError`.
+by a status header and the object's bytes from the requested offset, in chunks, each on a tag of its
+own (:func:`protocol.chunk_tag`), with ``chunks_in_flight`` chunks posted ahead on both sides.
+Several transfers share an endpoint concurrently. Every UCX error becomes a
+:class:`~hoplite_gpu.errors.TransportError`.
 """
 
 from __future__ import annotations
@@ -305,7 +306,6 @@ class DataPlane:
         header: asyncio.Future[Any],
     ) -> tuple[int, int]:
         cfg = self.config
-        tag = p.TAG_CHUNK_BASE + transfer_id
         window: set[asyncio.Future[Any]] = {header}
         sent = 0
         while_incomplete = 0
@@ -337,6 +337,7 @@ class DataPlane:
                     )
                     for fut in done:
                         fut.result()
+                tag = p.chunk_tag(transfer_id, pos, end)
                 window.add(asyncio.ensure_future(ep.send(obj.data[pos:end], tag=tag)))
                 sent += end - pos
                 pos = end
@@ -489,7 +490,6 @@ class DataPlane:
             p.PULL_MAGIC, p.PROTOCOL_VERSION, transfer_id, start, chunk, obj.object_id.binary()
         )
         header = np.empty(p.PULL_RESPONSE.size, np.uint8)
-        tag = p.TAG_CHUNK_BASE + transfer_id
         window: list[tuple[int, asyncio.Future[Any]]] = []
         pos = start
         failed = obj.failure()
@@ -501,6 +501,7 @@ class DataPlane:
             nonlocal pos
             while pos < obj.size and len(window) < cfg.chunks_in_flight:
                 end = min(pos + chunk, obj.size)
+                tag = p.chunk_tag(transfer_id, pos, end)
                 window.append((end, asyncio.ensure_future(ep.recv(obj.data[pos:end], tag=tag))))
                 pos = end
 
