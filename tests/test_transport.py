@@ -15,6 +15,7 @@ from hoplite_gpu.transport import ucxx_module
 pytestmark = pytest.mark.timeout(60)
 
 CHUNK = 256 << 10
+SOURCE = np.repeat(np.array([1, 2], np.uint8), CHUNK)  # two chunks that differ in every byte
 
 
 def _exchange(conn: Any) -> None:
@@ -23,16 +24,15 @@ def _exchange(conn: Any) -> None:
     in this process, post the receives in order, and send back what landed."""
     ucxx = ucxx_module()
     transfer = 42
-    source = np.repeat(np.array([1, 2], np.uint8), CHUNK)  # the two chunks differ in every byte
 
     async def main() -> np.ndarray[Any, Any]:
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def serve(ep: Any) -> None:
             try:
-                await ep.send(source[: CHUNK // 2], tag=p.chunk_tag(transfer, 0, CHUNK // 2))
-                await ep.send(source[CHUNK:], tag=p.chunk_tag(transfer, CHUNK, 2 * CHUNK))
-                await ep.send(source[:CHUNK], tag=p.chunk_tag(transfer, 0, CHUNK))
+                await ep.send(SOURCE[: CHUNK // 2], tag=p.chunk_tag(transfer, 0, CHUNK // 2))
+                await ep.send(SOURCE[CHUNK:], tag=p.chunk_tag(transfer, CHUNK, 2 * CHUNK))
+                await ep.send(SOURCE[:CHUNK], tag=p.chunk_tag(transfer, 0, CHUNK))
                 sent.set_result(None)
             except BaseException as exc:
                 sent.set_exception(exc)
@@ -78,7 +78,7 @@ def test_a_chunk_lands_only_in_the_receive_posted_for_its_bytes() -> None:
             proc.kill()
             proc.join(5)
     assert status == "ok", dest
-    assert np.array_equal(dest, np.repeat(np.array([1, 2], np.uint8), CHUNK))
+    assert np.array_equal(dest, SOURCE)
 
 
 def test_chunk_tags_name_the_transfer_and_the_bytes() -> None:
