@@ -5,9 +5,12 @@ goes through :func:`kind_of`: NumPy, CuPy, torch tensors, and other objects that
 ``__cuda_array_interface__`` (device memory) or ``__array_interface__`` / DLPack (host memory).
 Nothing else in the package inspects array types.
 
-An object's bytes are a flat ``uint8`` NumPy array (:class:`BufferKind` says where it lives):
-private process memory, a shared-memory segment this process owns (same-host readers map it), or
-a read-only mapping of another process's segment. :class:`BufferPool` recycles the first two.
+An object's bytes are a :class:`Buffer`: a flat ``uint8`` array and where it lives
+(:class:`BufferKind`): private process memory, a shared-memory segment this process owns (same-host
+readers map it), a read-only mapping of another process's segment, pinned host memory, or CUDA
+device memory. Code that moves or reads an object's bytes goes through the buffer (``view`` for a
+byte range, ``host`` where a host view exists, ``digest``), so a new kind of memory is a new kind
+here, not a change in every caller. :class:`BufferPool` recycles private memory and segments.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import mmap
 import sys
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,18 +58,117 @@ def kind_of(array: Any) -> ArrayKind:
 
 
 class BufferKind(enum.Enum):
-    """Where an object's bytes (a flat ``uint8`` NumPy array) live."""
+    """Where an object's bytes live."""
 
     PRIVATE = "private"  # this process's memory
     SEGMENT = "segment"  # a shared-memory segment this process owns (same-host readers map it)
     MAPPED = "mapped"  # a read-only mapping of another process's segment (:func:`shm.map_view`)
+    PINNED = "pinned"  # page-locked host memory (CUDA copies to and from it run asynchronously)
+    DEVICE = "device"  # CUDA device memory: no host view
 
 
-def buffer_kind(data: np.ndarray[Any, Any]) -> BufferKind:
-    """Where ``data`` (a store buffer) lives."""
+#: The kinds whose bytes this process can read as a NumPy array.
+HOST_KINDS = frozenset({BufferKind.PRIVATE, BufferKind.SEGMENT, BufferKind.MAPPED, BufferKind.PINNED})
+
+
+def buffer_kind(data: Any) -> BufferKind:
+    """Where ``data`` (a flat store buffer: a NumPy array, or a CUDA array) lives."""
+    if not isinstance(data, np.ndarray):
+        if on_device(data):
+            return BufferKind.DEVICE
+        raise InvalidArgumentError(f"not a store buffer: {type(data).__name__}", argument="data")
     if shm.segment_of(data) is not None:
         return BufferKind.SEGMENT
-    return BufferKind.MAPPED if isinstance(data.base, mmap.mmap) else BufferKind.PRIVATE
+    if isinstance(data.base, mmap.mmap):
+        return BufferKind.MAPPED
+    return BufferKind.PINNED if _is_pinned(data) else BufferKind.PRIVATE
+
+
+def _is_pinned(data: np.ndarray[Any, Any]) -> bool:
+    """Whether ``data`` views CuPy pinned memory (only looked for when CuPy is already loaded)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return False
+    base: Any = data
+    while isinstance(base, (np.ndarray, memoryview)):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    return isinstance(base, cupy.cuda.pinned_memory.PinnedMemoryPointer)
+
+
+@dataclass(eq=False, slots=True)
+class Buffer:
+    """An object's bytes: a flat ``uint8`` array, where it lives, and who may recycle it.
+
+    ``array`` is a NumPy array for the host kinds and a CuPy array for :attr:`BufferKind.DEVICE`
+    (``device`` is then its CUDA device ordinal). ``pooled`` says the array came from the store's
+    :class:`BufferPool` and goes back to it when the object is removed. Build one with
+    :meth:`wrap`, which works out the kind.
+    """
+
+    array: Any
+    kind: BufferKind
+    pooled: bool = False
+    device: int | None = None
+
+    @classmethod
+    def wrap(cls, array: Any, *, pooled: bool = False) -> Buffer:
+        """The buffer of a flat ``uint8`` ``array`` (NumPy, or CuPy for device memory)."""
+        kind = buffer_kind(array)
+        if array.ndim != 1 or array.dtype != np.uint8:
+            raise InvalidArgumentError(
+                f"a buffer is a flat uint8 array, got shape {array.shape} of {array.dtype}", argument="array"
+            )
+        device = int(array.device.id) if kind is BufferKind.DEVICE else None
+        return cls(array, kind, pooled, device)
+
+    @classmethod
+    def pinned(cls, nbytes: int) -> Buffer:
+        """A new buffer of ``nbytes`` of pinned host memory (needs CuPy and a CUDA driver)."""
+        import cupy
+
+        mem = cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
+        return cls(np.frombuffer(mem, np.uint8, nbytes), BufferKind.PINNED)
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return int(self.array.nbytes)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the bytes are in GPU memory."""
+        return self.kind is BufferKind.DEVICE
+
+    @property
+    def host(self) -> np.ndarray[Any, Any]:
+        """The bytes as a flat NumPy ``uint8`` array (raises for device memory: see :meth:`to_host`)."""
+        if self.kind not in HOST_KINDS:
+            raise InvalidArgumentError(
+                f"a {self.kind.value} buffer has no host view; copy it with Buffer.to_host()",
+                argument="buffer",
+            )
+        return self.array  # type: ignore[no-any-return]
+
+    def view(self, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` as an array of the same memory (what a transfer sends or fills)."""
+        return self.array[start:end]
+
+    def to_host(self) -> np.ndarray[Any, Any]:
+        """The bytes in host memory: the host view itself, or a copy of device memory."""
+        if self.kind in HOST_KINDS:
+            return self.array  # type: ignore[no-any-return]
+        return self.array.get()  # type: ignore[no-any-return]
+
+    def digest(self) -> bytes:
+        """:func:`digest_of` the bytes (device memory is hashed from a host copy)."""
+        return digest_of(self.to_host())
+
+    def typed(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
+        """The bytes viewed as ``dtype`` and ``shape``, read-only where the array type allows."""
+        view = self.array.view(dtype).reshape(shape)
+        if isinstance(view, np.ndarray):
+            view.flags.writeable = False
+        return view
 
 
 def on_device(array: Any) -> bool:

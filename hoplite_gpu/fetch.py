@@ -21,7 +21,7 @@ import numpy as np
 
 from . import buffers, shm, sources
 from . import protocol as p
-from .buffers import dtype_from_wire
+from .buffers import BufferKind, dtype_from_wire
 from .config import Config
 from .errors import (
     HopliteError,
@@ -61,7 +61,7 @@ async def _follow(source: LocalObject, dst: np.ndarray[Any, Any]) -> LocalObject
     while copied < source.size:
         await source.wait_progress(min(copied + STREAM_COPY_BYTES, source.size), None)
         end = source.progress
-        dst[copied:end] = source.data[copied:end]
+        dst[copied:end] = source.buffer.host[copied:end]
         copied = end
     return source
 
@@ -83,7 +83,7 @@ def deliver(obj: LocalObject, out: Any) -> Any:
 
 def _segment(obj: LocalObject) -> shm.Segment | None:
     """The shared-memory segment holding a pooled object's bytes (None: private memory)."""
-    return shm.segment_of(obj.data) if obj.pooled else None
+    return shm.segment_of(obj.buffer.array) if obj.buffer.kind is BufferKind.SEGMENT else None
 
 
 def segment_name(obj: LocalObject) -> str:
@@ -298,7 +298,7 @@ class Fetcher:
 
     def restore(self, obj: LocalObject) -> None:
         """Tell a restarted directory about a complete copy this node holds."""
-        inline = obj.data.tobytes() if obj.size <= self._session.inline_threshold_bytes else None
+        inline = obj.buffer.to_host().tobytes() if obj.size <= self._session.inline_threshold_bytes else None
         self._session.send(
             p.Restore(
                 object_id=obj.object_id.binary(),

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import buffers, shm
 from . import protocol as p
-from .buffers import digest_of, dtype_to_wire
+from .buffers import Buffer, digest_of, dtype_to_wire
 from .config import Config
 from .errors import InvalidArgumentError, ObjectExistsError, ObjectTooLargeError, ProtocolError, from_kind
 from .fetch import publish, segment_name
@@ -37,12 +37,12 @@ PUT_COPY_BYTES = 2 << 20
 def _copy_advancing(
     loop: asyncio.AbstractEventLoop, src: np.ndarray[Any, Any], obj: LocalObject, stop: threading.Event
 ) -> None:
-    """Copy ``src`` into ``obj.data`` chunk by chunk (on a worker thread), advancing ``obj``'s
+    """Copy ``src`` into ``obj.buffer`` chunk by chunk (on a worker thread), advancing ``obj``'s
     progress on ``loop`` after each chunk; stops early once ``stop`` is set or ``obj`` is dropped."""
     pos = 0
     while pos < obj.size and not stop.is_set() and obj.error is None:
         end = min(pos + PUT_COPY_BYTES, obj.size)
-        np.copyto(obj.data[pos:end], src[pos:end])
+        np.copyto(obj.buffer.host[pos:end], src[pos:end])
         loop.call_soon_threadsafe(obj.advance, end)
         pos = end
 
@@ -129,10 +129,9 @@ class Putter:
             dtype=dtype,
             shape=tuple(int(s) for s in host.shape),
             digest=digest_of(data if pending is None else pending),
-            data=data,
+            buffer=Buffer.wrap(data, pooled=pooled),
             progress=nbytes if pending is None else 0,
             owner=True,
-            pooled=pooled,
         )
         return Prepared(obj, pending, detached)
 
@@ -155,7 +154,7 @@ class Putter:
                 "ObjectID or delete it first",
                 object_id=oid.hex(),
             )
-        inline = obj.data.tobytes() if obj.size <= self._session.inline_threshold_bytes else None
+        inline = obj.buffer.to_host().tobytes() if obj.size <= self._session.inline_threshold_bytes else None
         self._store.add(obj)
         stop = threading.Event()
         copying = None

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import protocol as p
 from . import shm
-from .buffers import digest_of, dtype_from_wire
+from .buffers import Buffer, digest_of, dtype_from_wire
 from .config import Config
 from .errors import (
     AuthenticationError,
@@ -111,9 +111,8 @@ def from_reply(
         dtype,
         shape,
         reply.digest,
-        data,
+        Buffer.wrap(data, pooled=pooled),
         progress=progress,
-        pooled=pooled,
         reduction=reply.reduction_id,
     )
 
@@ -168,7 +167,7 @@ class InlineSource(Source):
         existing = self.ctx.store.get(oid)
         if existing is not None:
             return existing
-        obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, data, progress=reply.size)
+        obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, Buffer.wrap(data), progress=reply.size)
         return self.ctx.store.add(obj)
 
 
@@ -235,7 +234,7 @@ class PullSource(Source):
                 del self.aborts[reply.transfer_id]
                 if not abort.cancel() and not abort.cancelled():
                     abort.exception()  # the pull raised it (or finished first): retrieved
-            if self.ctx.config.verify_digest and local.digest and digest_of(local.data) != local.digest:
+            if self.ctx.config.verify_digest and local.digest and local.buffer.digest() != local.digest:
                 raise TransportError(
                     f"object {oid} arrived corrupted (digest mismatch)", peer="", cause="digest"
                 )

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import BufferPool, dtype_from_wire
+from .buffers import Buffer, BufferPool, dtype_from_wire
 from .errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
 from .object_id import ObjectID
 
@@ -27,10 +27,9 @@ class LocalObject:
     dtype: str
     shape: tuple[int, ...]
     digest: bytes
-    data: np.ndarray[Any, Any]  # flat uint8 view of the bytes
+    buffer: Buffer  # the bytes, and where they live
     progress: int = 0
     owner: bool = False
-    pooled: bool = False  # ``data`` came from the store's BufferPool and may go back to it
     error: HopliteError | None = None
     # The reduction computing it (an intermediate, or a result still being computed): a copy the
     # directory's restart makes void. Empty for ordinary objects and finished results.
@@ -44,9 +43,7 @@ class LocalObject:
 
     def array(self) -> np.ndarray[Any, Any]:
         """Read-only typed view of the complete object."""
-        view = self.data.view(dtype_from_wire(self.dtype)).reshape(self.shape)
-        view.flags.writeable = False
-        return view
+        return self.buffer.typed(dtype_from_wire(self.dtype), self.shape)
 
     def advance(self, progress: int) -> None:
         """Record that bytes ``[0, progress)`` are present and wake the waiters they satisfy."""
@@ -171,8 +168,8 @@ class LocalStore:
         self.used_bytes -= obj.size
         if not obj.complete or obj._waiters:
             obj.fail(error or ObjectDeletedError(f"object {oid} was deleted", object_id=oid.hex()))
-        if obj.pooled:
-            self.pool.release(obj.data)
+        if obj.buffer.pooled:
+            self.pool.release(obj.buffer.host)
         return obj
 
     async def wait_for(self, oid: ObjectID, timeout: float, coming: bool = False) -> LocalObject | None:

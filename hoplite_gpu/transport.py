@@ -338,7 +338,7 @@ class DataPlane:
                     for fut in done:
                         fut.result()
                 tag = p.chunk_tag(transfer_id, pos, end)
-                window.add(asyncio.ensure_future(ep.send(obj.data[pos:end], tag=tag)))
+                window.add(asyncio.ensure_future(ep.send(obj.buffer.view(pos, end), tag=tag)))
                 sent += end - pos
                 pos = end
             if window:
@@ -473,7 +473,7 @@ class DataPlane:
         transfer_id: int,
         abort: asyncio.Future[None] | None = None,
     ) -> None:
-        """Stream ``obj`` from a peer into ``obj.data``, starting at ``obj.progress``.
+        """Stream ``obj`` from a peer into ``obj.buffer``, starting at ``obj.progress``.
 
         Advances ``obj.progress`` as chunks land (in order), so this node can serve the bytes it has
         to others while it is still receiving. Raises :class:`TransportError` subclasses on failure
@@ -502,7 +502,7 @@ class DataPlane:
             while pos < obj.size and len(window) < cfg.chunks_in_flight:
                 end = min(pos + chunk, obj.size)
                 tag = p.chunk_tag(transfer_id, pos, end)
-                window.append((end, asyncio.ensure_future(ep.recv(obj.data[pos:end], tag=tag))))
+                window.append((end, asyncio.ensure_future(ep.recv(obj.buffer.view(pos, end), tag=tag))))
                 pos = end
 
         sending: asyncio.Future[Any] | None = None

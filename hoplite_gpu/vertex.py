@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import protocol as p
-from .buffers import dtype_from_wire
+from .buffers import Buffer, dtype_from_wire
 from .errors import HopliteError, ObjectDeletedError, ObjectLostError, ObjectNotFoundError, TransportError
 from .faults import INJECTOR
 from .object_id import ObjectID
@@ -127,8 +127,7 @@ class VertexRunner:
                     task.dtype,
                     tuple(task.shape),
                     b"",
-                    data,
-                    pooled=True,
+                    Buffer.wrap(data, pooled=True),
                     reduction=task.reduction_id,
                 )
                 self.store.add(out)
@@ -308,9 +307,9 @@ async def reduce_stream(
             INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)
         reduce_chunk(
             op,
-            own.data[pos:end].view(dtype),
-            [c.data[pos:end].view(dtype) for c in children],
-            out.data[pos:end].view(dtype),
+            own.buffer.host[pos:end].view(dtype),
+            [c.buffer.host[pos:end].view(dtype) for c in children],
+            out.buffer.host[pos:end].view(dtype),
             task.count,
         )
         out.advance(end)

@@ -16,6 +16,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
+from hoplite_gpu.buffers import Buffer
 from hoplite_gpu.config import Config
 from hoplite_gpu.store import LocalObject, LocalStore
 from hoplite_gpu.transport import DataPlane
@@ -151,7 +152,7 @@ def test_data_plane_refuses_wrong_token(owner: Any) -> None:
 
     async def attempt() -> None:
         plane = DataPlane(LocalStore(1 << 20), "wrong-token", Config(connect_timeout=5))
-        obj = LocalObject(hg.ObjectID.random(), 8, "<i8", (1,), b"", np.empty(8, np.uint8))
+        obj = LocalObject(hg.ObjectID.random(), 8, "<i8", (1,), b"", Buffer.wrap(np.empty(8, np.uint8)))
         try:
             await plane.pull(host, int(port), obj, transfer_id=1)
         finally:

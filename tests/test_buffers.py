@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hoplite_gpu import buffers, shm
-from hoplite_gpu.buffers import ArrayKind, BufferKind, BufferPool
+from hoplite_gpu import buffers, gpu, shm
+from hoplite_gpu.buffers import ArrayKind, Buffer, BufferKind, BufferPool
 from hoplite_gpu.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,3 +65,67 @@ def test_buffer_kinds() -> None:
     del mapped
     pool.release(shared)
     pool.clear()
+
+
+def test_a_buffer_owns_its_bytes_and_says_where_they_live() -> None:
+    arr = np.arange(64, dtype=np.uint8)
+    buf = Buffer.wrap(arr, pooled=True)
+    assert buf.kind is BufferKind.PRIVATE and buf.pooled and not buf.on_device and buf.device is None
+    assert buf.nbytes == 64 and buf.host is arr and buf.to_host() is arr
+    part = buf.view(8, 24)
+    assert np.shares_memory(part, arr) and part.nbytes == 16 and part[0] == 8
+    assert buf.digest() == buffers.digest_of(arr) != Buffer.wrap(arr[::-1].copy()).digest()
+    typed = buf.typed(np.dtype(np.uint16), (4, 8))
+    assert typed.shape == (4, 8) and not typed.flags.writeable and np.shares_memory(typed, arr)
+
+
+def test_a_buffer_is_a_flat_byte_array_and_device_memory_has_no_host_view() -> None:
+    with pytest.raises(InvalidArgumentError, match="flat uint8"):
+        Buffer.wrap(np.zeros((2, 2), np.uint8))
+    with pytest.raises(InvalidArgumentError, match="flat uint8"):
+        Buffer.wrap(np.zeros(4, np.float32))
+    with pytest.raises(InvalidArgumentError, match="not a store buffer"):
+        Buffer.wrap([1, 2, 3])
+    assert buffers.buffer_kind(_OnDevice()) is BufferKind.DEVICE
+    device = Buffer(_OnDevice(), BufferKind.DEVICE, device=0)
+    assert device.on_device
+    with pytest.raises(InvalidArgumentError, match="device buffer has no host view"):
+        _ = device.host
+
+
+@pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
+def test_segment_and_mapped_buffers() -> None:
+    pool = BufferPool(1 << 20, shared_min_bytes=4096)
+    shared = pool.allocate(8192)
+    shared[:] = 7
+    buf = Buffer.wrap(shared, pooled=True)
+    assert buf.kind is BufferKind.SEGMENT and buf.host is shared
+    seg = shm.segment_of(shared)
+    assert seg is not None
+    seg.publish(b"p" * 20)
+    mapped = shm.map_view(seg.name, b"p" * 20, 8192)
+    assert mapped is not None
+    view = Buffer.wrap(mapped)
+    assert view.kind is BufferKind.MAPPED and view.digest() == buf.digest()
+    del mapped, view
+    pool.release(shared)
+    pool.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+def test_device_and_pinned_buffers() -> None:
+    import cupy
+
+    host = np.arange(1 << 20, dtype=np.uint8)
+    dev = cupy.asarray(host)
+    buf = Buffer.wrap(dev)
+    assert buf.kind is BufferKind.DEVICE and buf.on_device and buf.device == dev.device.id
+    part = buf.view(16, 48)
+    assert isinstance(part, cupy.ndarray) and int(part[0]) == 16
+    assert buf.digest() == buffers.digest_of(host) and np.array_equal(buf.to_host(), host)
+    assert isinstance(buf.typed(np.dtype(np.float32), (1 << 18,)), cupy.ndarray)
+    pinned = Buffer.pinned(4096)
+    assert pinned.kind is BufferKind.PINNED and buffers.buffer_kind(pinned.array) is BufferKind.PINNED
+    pinned.host[:] = 3
+    assert pinned.digest() == buffers.digest_of(np.full(4096, 3, np.uint8))

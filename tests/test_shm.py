@@ -289,7 +289,7 @@ def test_a_put_without_a_copy_is_copied_into_a_segment_that_same_host_readers_ma
     arr = make_array("float32", (2048, 1024), seed=17)  # 8 MiB
     start = shm_owner.event_log()[-1]["seq"]
     oid = shm_owner.put(arr, copy=False)
-    held = shm_owner._store.get(oid).data
+    held = shm_owner._store.get(oid).buffer.array
     assert shm.segment_of(held) is not None and not np.shares_memory(held, arr)
     owner = shm_owner.node_id
     # put returned before the copy ended; the owner announces the segment once it has.
@@ -316,13 +316,13 @@ def test_a_mapped_object_stays_intact_while_its_holder_deletes_reuses_and_dies(
 ) -> None:
     arr = make_array("float64", (512, 1024), seed=14)  # 4 MiB
     oid = shm_owner.put(arr)
-    segment = shm.segment_of(shm_owner._store.get(oid).data)
+    segment = shm.segment_of(shm_owner._store.get(oid).buffer.array)
     assert segment is not None
     assert shm_workers[0].call("hold", oid.hex(), 60) == (digest(arr), False)
     assert segment.mapped_elsewhere()  # a view of the owner's segment, not a copy
     shm_owner.delete(oid)
     other = shm_owner.put(make_array("float64", (512, 1024), seed=15))  # same size: a pool candidate
-    assert shm.segment_of(shm_owner._store.get(other).data) is not segment
+    assert shm.segment_of(shm_owner._store.get(other).buffer.array) is not segment
     assert shm_workers[0].call("held", oid.hex()) == digest(arr)
     shm_owner.delete(other)
     # A holder that dies (SIGKILL) leaves its readers' views valid.
@@ -344,7 +344,7 @@ def test_a_mapped_object_stays_intact_while_its_holder_deletes_reuses_and_dies(
 def test_a_vanished_segment_falls_back_to_the_data_plane(shm_owner: Any, shm_workers: list[Worker]) -> None:
     arr = make_array("int64", (512, 1024), seed=12)  # 4 MiB
     oid = shm_owner.put(arr)
-    seg = shm.segment_of(shm_owner._store.get(oid).data)
+    seg = shm.segment_of(shm_owner._store.get(oid).buffer.array)
     assert seg is not None
     seg.unlink()  # the directory still lists the segment; the reader finds no file
     start = shm_owner.event_log()[-1]["seq"]

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hoplite_gpu.buffers import BufferPool
+from hoplite_gpu.buffers import Buffer, BufferPool
 from tests.procs import digest, make_array
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,10 +84,10 @@ def test_a_removed_object_is_refused_at_once() -> None:
         store = LocalStore(1 << 20)
         oid = ObjectID.random()
         data = np.zeros(16, np.uint8)
-        store.add(LocalObject(oid, 16, "|u1", (16,), b"", data, progress=16))
+        store.add(LocalObject(oid, 16, "|u1", (16,), b"", Buffer.wrap(data), progress=16))
         store.remove(oid)
         gone = await asyncio.wait_for(store.wait_for(oid, timeout=60), 5)
-        store.add(LocalObject(oid, 16, "|u1", (16,), b"", data, progress=16))
+        store.add(LocalObject(oid, 16, "|u1", (16,), b"", Buffer.wrap(data), progress=16))
         back = await asyncio.wait_for(store.wait_for(oid, timeout=60), 5)
         return gone, back
 

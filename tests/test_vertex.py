@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hoplite_gpu import protocol as p
-from hoplite_gpu.buffers import dtype_to_wire
+from hoplite_gpu.buffers import Buffer, dtype_to_wire
 from hoplite_gpu.errors import PeerLostError
 from hoplite_gpu.object_id import ObjectID
 from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp, reduce_chunk
@@ -29,8 +29,8 @@ def _dtype(name: str) -> np.dtype[Any]:
 
 
 def _obj(arr: np.ndarray[Any, Any], progress: int) -> LocalObject:
-    data = arr.reshape(-1).view(np.uint8)
-    return LocalObject(ObjectID.random(), data.size, dtype_to_wire(arr.dtype), arr.shape, b"", data, progress)
+    buf = Buffer.wrap(arr.reshape(-1).view(np.uint8))
+    return LocalObject(ObjectID.random(), buf.nbytes, dtype_to_wire(arr.dtype), arr.shape, b"", buf, progress)
 
 
 def _task(arr: np.ndarray[Any, Any], op: ReduceOp, children: int, count: int) -> p.ReduceTask:
@@ -82,7 +82,7 @@ def test_streamed_reduction_equals_whole_array_reduction(
             await asyncio.sleep(0)
         await asyncio.wait_for(reducing, 30)
         assert out.progress == out.size
-        return out.data.view(dt)
+        return out.buffer.host.view(dt)
 
     got = asyncio.run(run())
     assert np.array_equal(got.view(np.uint8), want.reshape(-1).view(np.uint8))
@@ -106,4 +106,4 @@ def test_a_failed_child_fails_the_vertex_and_its_output_stays_partial() -> None:
     out = asyncio.run(run())
     # Only chunks whose bytes had arrived were reduced and published; nothing past them.
     assert 0 < out.progress <= 8192 and out.progress % 4096 == 0
-    assert np.all(out.data[: out.progress].view(np.float32) == 2)
+    assert np.all(out.buffer.host[: out.progress].view(np.float32) == 2)
