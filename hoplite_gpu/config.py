@@ -42,6 +42,9 @@ GiB = 1024 * MiB
 #:   on a 2-core machine starved the other processes (a 4-worker broadcast of 256 MiB took 2.75 s).
 #:   "thread" mode with Python futures idles at 1-2% of a core; a 64-byte round trip costs
 #:   160-300 us instead of 37 us spinning, and 256 MiB moves at 4-5 GB/s instead of 5-6.
+#:   "thread" mode submits requests from the progress thread (``UCXPY_ENABLE_DELAYED_SUBMISSION``,
+#:   on by default there); turning that off cost 40% more CPU per byte on a loopback get (2.07 vs
+#:   1.49 CPU-seconds per GiB with 1 MiB chunks, 2026-11-23).
 #:
 #: - TCP segment sizes: UCX's defaults (8 KiB sends, 64 KiB receives) cost a system call and a
 #:   progress round per 8-64 KiB. With ``UCX_TCP_TX_SEG_SIZE=1m UCX_TCP_RX_SEG_SIZE=1m`` our UCX
@@ -90,9 +93,19 @@ class Config:
             2-core machine), 4 ms gave broadcast/reduce 0.387/0.426 s at 1 GB/s links, 8 ms
             0.267/0.286 s, 16 ms 0.212/0.287 s; at 100 MB/s links 1.08/1.15x of the ideal with
             4 ms, 1.10/1.18x with 8 ms, 1.11/1.20x with 16 ms (a chain's hop lags one chunk).
+            Re-measured 2026-11-23 (two runs per setting, medians of 5 rounds): at 1 GB/s, allreduce
+            took 0.375/0.33/0.31/0.29 s with 8/16/32/64 ms (reduce 0.20 -> 0.175 s from 32 ms on,
+            broadcast unchanged); at 100 MB/s, 16 ms cost broadcast and reduce 2-3% and 32 ms 3-8%
+            (reduce 1.14x -> 1.22x). The per-chunk cost behind this, measured as CPU time of both
+            processes of a loopback get with fixed chunks (``HOPLITE_ADAPTIVE_CHUNKS=0``, 40 gets of
+            64 MiB): 2.3/1.3/0.95 CPU-seconds per GiB with 256 KiB/1 MiB/4 MiB chunks, about 0.4 ms
+            of CPU per chunk (mostly inside ucxx: posting the tagged receive and completing its
+            future), over a base of about 0.85 s per GiB. 8 ms stays: it is what slow links need,
+            and on a real fast link (not four emulated hosts sharing two cores) 8 ms is 8 MiB.
         min_chunk_bytes: Smallest adaptive chunk.
         max_chunk_bytes: Largest adaptive chunk.
-        chunks_in_flight: How many chunks a receiver has posted ahead of the data.
+        chunks_in_flight: How many chunks a receiver has posted ahead of the data (and a sender
+            has in flight). 16 instead of 4 gave no change above the noise at 1 GB/s (2026-11-23).
         inline_threshold_bytes: Objects up to this size live inline in the directory.
         max_object_bytes: Largest object ``put`` accepts.
         store_capacity_bytes: Total bytes a node's local store may hold.
