@@ -237,14 +237,23 @@ def dtype_to_wire(dtype: np.dtype[Any]) -> str:
 
 
 def dtype_from_wire(text: str) -> np.dtype[Any]:
-    """Inverse of :func:`dtype_to_wire`."""
+    """Inverse of :func:`dtype_to_wire`; raises :class:`InvalidArgumentError` for any text that
+    is not a dtype it wrote (this text comes from other processes)."""
     if text in _SPECIAL_DTYPES:
         import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
-    if text.startswith("["):
-        import ast
+    try:
+        if text.startswith("["):
+            import ast
 
-        return np.dtype(ast.literal_eval(text))
-    return np.dtype(text)
+            dtype = np.dtype(ast.literal_eval(text))
+        else:
+            dtype = np.dtype(text)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
+        what = f"not a dtype: {text[:80]!r} ({type(exc).__name__})"
+        raise InvalidArgumentError(what, argument="dtype") from None
+    if dtype.hasobject:
+        raise InvalidArgumentError(f"object dtypes cannot be stored: {text[:80]!r}", argument="dtype")
+    return dtype
 
 
 def digest_of(buf: np.ndarray[Any, Any]) -> bytes:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from . import auth
 from . import protocol as p
-from .errors import AuthenticationError, DirectoryUnavailableError, HopliteError, ProtocolError
+from .errors import AuthenticationError, DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
 
 log = logging.getLogger("hoplite_gpu.control")
 
@@ -170,7 +170,7 @@ class ControlClient:
         fut = self.expect(request_id)
         try:
             self.send(msg)
-            return await asyncio.wait_for(fut, timeout)
+            reply = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise DirectoryUnavailableError(
                 f"the directory at {self.address} did not answer a {msg.TYPE} request in {timeout} s",
@@ -179,6 +179,9 @@ class ControlClient:
             ) from None
         finally:
             self.forget(request_id)
+        if isinstance(reply, p.ErrorReply):  # the directory could not serve this one request
+            raise from_kind(reply.kind, reply.message)
+        return reply
 
     async def _read_loop(self) -> None:
         assert self._reader is not None

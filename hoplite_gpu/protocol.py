@@ -12,6 +12,8 @@ so the receiver can post a buffer of known size.
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import struct
 import typing
 from dataclasses import dataclass, field, fields
@@ -35,6 +37,10 @@ class Message:
     __slots__ = ()
 
     TYPE: ClassVar[str] = ""
+
+    def check(self) -> None:
+        """Raise :class:`ProtocolError` if a field's value is out of range (:func:`decode` calls
+        it after the field types matched, so the state machines only ever see valid input)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -70,6 +76,16 @@ class Hello(Message):
     # Restore messages); "" on a first join.
     previous_directory: str = ""
 
+    def check(self) -> None:
+        _check_name(self.TYPE, "node_id", self.node_id)
+        if len(self.host_key) > MAX_NAME_CHARS or not self.host_key.isprintable() or " " in self.host_key:
+            raise ProtocolError(f"{self.TYPE}: host_key must be up to {MAX_NAME_CHARS} printable characters")
+        _check_name(self.TYPE, "previous_directory", self.previous_directory, empty=True)
+        if not 0 < len(self.data_host) <= MAX_NAME_CHARS or not self.data_host.isprintable():
+            raise ProtocolError(f"{self.TYPE}: data_host is not a host name or address")
+        if not 0 < self.data_port < 65536:
+            raise ProtocolError(f"{self.TYPE}: data_port {self.data_port} is not a port")
+
 
 @dataclass(frozen=True, slots=True)
 class Welcome(Message):
@@ -99,6 +115,9 @@ class PutRequest(Message):
     # sends CopyAdded once done): same-host readers wait for that rather than pull.
     copying: bool = False
 
+    def check(self) -> None:
+        _check_object(self.TYPE, self.object_id, self.size, self.dtype, self.shape, self.inline)
+
 
 @dataclass(frozen=True, slots=True)
 class Restore(Message):
@@ -118,6 +137,9 @@ class Restore(Message):
     inline: bytes | None = None
     segment: str = ""
 
+    def check(self) -> None:
+        _check_object(self.TYPE, self.object_id, self.size, self.dtype, self.shape, self.inline)
+
 
 @dataclass(frozen=True, slots=True)
 class LookupRequest(Message):
@@ -136,6 +158,12 @@ class LookupRequest(Message):
     have_bytes: int = 0
     shared_memory: bool = False
     direct: bool = False
+
+    def check(self) -> None:
+        _check_id(self.TYPE, "object_id", self.object_id)
+        _check_timeout(self.TYPE, self.timeout)
+        if self.have_bytes < 0:
+            raise ProtocolError(f"{self.TYPE}: have_bytes {self.have_bytes} is negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +204,9 @@ class CopyAdded(Message):
     object_id: bytes
     segment: str = ""
 
+    def check(self) -> None:
+        _check_id(self.TYPE, "object_id", self.object_id)
+
 
 @dataclass(frozen=True, slots=True)
 class ServeDone(Message):
@@ -196,6 +227,9 @@ class DeleteRequest(Message):
     TYPE: ClassVar[str] = "delete"
     request_id: int
     object_id: bytes
+
+    def check(self) -> None:
+        _check_id(self.TYPE, "object_id", self.object_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +252,9 @@ class ReduceRequest(Message):
     rejoin: bool = False  # re-sent to a restarted directory: a complete result already held is it
     degree: int = 0
 
+    def check(self) -> None:
+        _check_timeout(self.TYPE, self.timeout)
+
 
 @dataclass(frozen=True, slots=True)
 class ReducedObjectsRequest(Message):
@@ -227,6 +264,9 @@ class ReducedObjectsRequest(Message):
     request_id: int
     reduction_id: bytes
     timeout: float = 0.0
+
+    def check(self) -> None:
+        _check_timeout(self.TYPE, self.timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +456,56 @@ class ErrorReply(Message):
     message: str
 
 
+# ---------------------------------------------------------------- field checks
+#: ObjectIDs are this many bytes (:data:`hoplite_gpu.object_id.OBJECT_ID_SIZE`).
+ID_BYTES = 20
+#: Longest node id, host key or host name accepted.
+MAX_NAME_CHARS = 128
+#: Most dimensions of an object's shape, and the longest dtype text.
+MAX_DIMS = 64
+MAX_DTYPE_CHARS = 4096
+_NAME = re.compile(r"[A-Za-z0-9._:-]+")
+
+
+def _check_name(kind: str, name: str, value: str, empty: bool = False) -> None:
+    """Node ids and host keys: 1-128 characters of ``[A-Za-z0-9._:-]`` (or "" where allowed)."""
+    if value == "" and empty:
+        return
+    if len(value) > MAX_NAME_CHARS or not _NAME.fullmatch(value):
+        raise ProtocolError(f"{kind}: {name} must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._:-]")
+
+
+def _check_id(kind: str, name: str, value: bytes) -> None:
+    if len(value) != ID_BYTES:
+        raise ProtocolError(f"{kind}: {name} has {len(value)} bytes, not {ID_BYTES}")
+
+
+def _check_timeout(kind: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ProtocolError(f"{kind}: timeout {value!r} is not a finite number >= 0")
+
+
+def _check_object(
+    kind: str, object_id: bytes, size: int, dtype: str, shape: list[int], inline: bytes | None
+) -> None:
+    """An object's description: its id's length, a dtype NumPy accepts, and a size that is its
+    shape times its itemsize (and its inline bytes' length)."""
+    from .buffers import dtype_from_wire  # NumPy stays out of this module's import
+    from .errors import InvalidArgumentError
+
+    _check_id(kind, "object_id", object_id)
+    if len(dtype) > MAX_DTYPE_CHARS or len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise ProtocolError(f"{kind}: dtype or shape out of range")
+    try:
+        itemsize = dtype_from_wire(dtype).itemsize
+    except InvalidArgumentError as exc:
+        raise ProtocolError(f"{kind}: {exc}") from None
+    if size != math.prod(shape) * itemsize:
+        raise ProtocolError(f"{kind}: size {size} is not shape {tuple(shape)} x itemsize {itemsize}")
+    if inline is not None and len(inline) != size:
+        raise ProtocolError(f"{kind}: {len(inline)} inline bytes for an object of {size}")
+
+
 # ---------------------------------------------------------------- codec
 _HINT_CACHE: dict[type, dict[str, Any]] = {}
 
@@ -482,9 +572,11 @@ def decode(payload: bytes) -> Message:
         if not _matches(value, hint):
             raise ProtocolError(f"{kind}: field {name!r} has type {type(value).__name__}")
     try:
-        return cls(**body)
+        msg = cls(**body)
     except TypeError as exc:
         raise ProtocolError(f"{kind}: {exc}") from exc
+    msg.check()
+    return msg
 
 
 def frame_length(header: bytes, limit: int) -> int:

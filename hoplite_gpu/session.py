@@ -23,7 +23,7 @@ from typing import TypeVar
 from . import protocol as p
 from .config import Config
 from .control import ControlClient
-from .errors import DirectoryUnavailableError, HopliteError, ProtocolError
+from .errors import DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
 from .object_id import ObjectID
 
 log = logging.getLogger("hoplite_gpu")
@@ -294,6 +294,8 @@ class DirectorySession:
             raise
         finally:
             control.forget(rid)
+        if isinstance(reply, p.ErrorReply):
+            raise from_kind(reply.kind, reply.message, object_id=oid.hex())
         if not isinstance(reply, p.LookupReply):
             raise ProtocolError(f"unexpected reply to lookup: {reply.TYPE}")
         return reply

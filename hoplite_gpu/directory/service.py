@@ -220,15 +220,27 @@ class DirectoryService:
             self.state.record(event.now, "invariant_violated", after=type(event).__name__, problems=problems)
 
     async def _tick_loop(self) -> None:
+        """Send the state machine a Tick at its next deadline (or when woken), for as long as the
+        service runs: an error in one round is logged and the loop goes on, since without it no
+        timeout fires and no silent node is ever declared dead."""
         while True:
-            deadline = self.state.next_deadline()
-            self._wake.clear()
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            woken = False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-                woken = True
-            now = time.monotonic()
-            # How late this loop woke: a directory that was itself stalled renews leases.
-            lag = 0.0 if woken or deadline is None else max(0.0, now - deadline)
-            self._apply(Tick(now, lag))
+            try:
+                await self._tick_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("the directory's timer failed; it goes on")
+                await asyncio.sleep(0.1)  # back off before the next round, not synchronisation
+
+    async def _tick_once(self) -> None:
+        deadline = self.state.next_deadline()
+        self._wake.clear()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        woken = False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+            woken = True
+        now = time.monotonic()
+        # How late this loop woke: a directory that was itself stalled renews leases.
+        lag = 0.0 if woken or deadline is None else max(0.0, now - deadline)
+        self._apply(Tick(now, lag))

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -64,6 +65,8 @@ from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op, check_dtype, reduce_chunk
 from ..store import dtype_from_wire
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
+
+log = logging.getLogger("hoplite_gpu.directory")
 
 #: Finished or failed reductions the directory remembers (for ``reduced_objects`` and lookups).
 REDUCTIONS_KEPT = 10_000
@@ -291,8 +294,30 @@ class DirectoryState:
 
     # ------------------------------------------------------------ entry point
     def handle(self, event: Event) -> list[Instruction]:
-        """Apply one event and return the instructions it produced."""
+        """Apply one event and return the instructions it produced.
+
+        An exception inside a handler (a bug, or input the decoder let through) costs that one
+        event, never the directory: it is logged (and recorded as a ``handler_failed`` event), the
+        instructions produced before it still go out, and a request gets an ``ErrorReply``.
+        """
         self._out = []
+        try:
+            self._dispatch(event)
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            log.exception("the directory failed to handle %s", type(event).__name__)
+            self._log(event.now, "handler_failed", event=type(event).__name__, error=text[:500])
+            request_id = getattr(event.message, "request_id", None) if isinstance(event, Request) else None
+            if isinstance(event, Request) and isinstance(request_id, int):
+                what = f"the directory failed to handle this {event.message.TYPE} request: {text[:500]}"
+                reply = p.ErrorReply(request_id=request_id, kind="HopliteError", message=what)
+                self._send(event.node_id, reply)
+        out, self._out = self._out, []
+        if self.check_invariants:
+            self.validate()
+        return out
+
+    def _dispatch(self, event: Event) -> None:
         if isinstance(event, Request):
             self._on_request(event)
         elif isinstance(event, NodeJoined):
@@ -315,10 +340,6 @@ class DirectoryState:
             self._log(event.now, "auth_failed", peer=event.peer)
         else:  # pragma: no cover - exhaustive over Event
             raise TypeError(f"unknown event {event!r}")
-        out, self._out = self._out, []
-        if self.check_invariants:
-            self.validate()
-        return out
 
     def next_deadline(self) -> float | None:
         """Earliest deadline or lease expiry, so the host knows when to send a :class:`Tick`."""

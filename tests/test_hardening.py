@@ -1,0 +1,133 @@
+"""Bad input from peers (issue 18): every field of a message is checked where it is decoded, and
+an exception inside the directory costs the one event that raised it, not the directory."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu import protocol as p
+from hoplite_gpu import shm
+from hoplite_gpu.buffers import dtype_from_wire, dtype_to_wire
+from hoplite_gpu.control import ControlClient
+from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
+from hoplite_gpu.errors import InvalidArgumentError, ProtocolError
+from hoplite_gpu.iothread import IOThread
+
+pytestmark = pytest.mark.timeout(60)
+
+ID = b"i" * 20
+OTHER = b"o" * 20
+
+
+def _put(**over: Any) -> p.PutRequest:
+    fields: dict[str, Any] = dict(request_id=1, object_id=ID, size=8, dtype="<f4", shape=[2], digest=b"")
+    return p.PutRequest(**{**fields, **over})
+
+
+def _hello(**over: Any) -> p.Hello:
+    fields: dict[str, Any] = dict(node_id="n1", nonce=b"x", proof=b"y", data_host="10.0.0.1", data_port=5000)
+    return p.Hello(**{**fields, **over})
+
+
+BAD = {
+    "a dtype that does not parse": _put(dtype="[x", size=4, shape=[1]),
+    "a dtype nested past the parser": _put(dtype="[" * 5000, size=4, shape=[1]),
+    "an object dtype": _put(dtype="|O", size=8, shape=[1]),
+    "a size that is not shape x itemsize": _put(size=12),
+    "inline bytes of another length": _put(inline=b"1234"),
+    "an ObjectID of 1 MiB": _put(object_id=b"a" * (1 << 20)),
+    "a negative dimension": _put(shape=[-2], size=-8),
+    "a restore with a dtype that does not parse": p.Restore(
+        object_id=ID, size=4, dtype="[x", shape=[1], digest=b""
+    ),
+    "a lookup with a NaN timeout": p.LookupRequest(request_id=1, object_id=ID, timeout=math.nan),
+    "a lookup of a 3-byte id": p.LookupRequest(request_id=1, object_id=b"abc", timeout=1.0),
+    "a delete of a 21-byte id": p.DeleteRequest(request_id=1, object_id=b"a" * 21),
+    "a reduce with an infinite timeout": p.ReduceRequest(
+        request_id=1, reduction_id=ID, object_ids=[OTHER], op="sum", num_objects=1, timeout=math.inf
+    ),
+    "an empty node id": _hello(node_id=""),
+    "a node id of 3900 characters": _hello(node_id="n" * 3900),
+    "a node id with a newline": _hello(node_id="a\nb"),
+    "a node id with an ANSI escape": _hello(node_id="\x1b[31mred"),
+    "a data port of 0": _hello(data_port=0),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD))
+def test_a_message_with_a_field_out_of_range_is_refused_where_it_is_decoded(what: str) -> None:
+    with pytest.raises(ProtocolError):
+        p.decode(p.encode(BAD[what])[4:])
+
+
+def test_valid_messages_still_decode() -> None:
+    structured = np.dtype([("a", "<i4"), ("b", "<f8", (2,))])
+    bf16 = "bfloat16"
+    good = [
+        _put(dtype=dtype_to_wire(structured), size=3 * structured.itemsize, shape=[3]),
+        _put(dtype=bf16, size=6, shape=[3], inline=b"123456"),
+        _put(dtype="<f8", size=8, shape=[]),
+        _put(dtype="|u1", size=0, shape=[0, 5]),
+        _hello(node_id="0123456789abcdef0123456789abcdef", host_key=shm.host_key() or "boot:1:2"),
+        p.LookupRequest(request_id=1, object_id=ID, timeout=0.0),
+    ]
+    for msg in good:
+        assert p.decode(p.encode(msg)[4:]) == msg
+
+
+@pytest.mark.parametrize("text", ["[x", "((", "|O", "not-a-dtype", "[('a', 'O')]", "[" * 5000])
+def test_dtype_text_from_a_peer_raises_one_typed_error(text: str) -> None:
+    with pytest.raises(InvalidArgumentError):
+        dtype_from_wire(text)
+
+
+def test_an_exception_in_a_handler_costs_one_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = DirectoryState(inline_threshold_bytes=1024, lease_timeout=math.inf, validate=True)
+    state.handle(NodeJoined("A", "127.0.0.1", 7000, 0.0))
+    calls = []
+
+    def broken(*args: Any) -> None:
+        calls.append(args)
+        raise RuntimeError("a bug in a handler")
+
+    real = state._on_lookup
+    monkeypatch.setattr(state, "_on_lookup", broken)
+    out = state.handle(Request("A", p.LookupRequest(request_id=7, object_id=ID, timeout=0.0), 1.0))
+    assert calls and len(out) == 1 and out[0].node_id == "A"
+    reply = out[0].message
+    assert isinstance(reply, p.ErrorReply) and reply.request_id == 7 and "a bug in a handler" in reply.message
+    assert next(e for e in state.events if e["kind"] == "handler_failed")["event"] == "Request"
+    monkeypatch.setattr(state, "_on_lookup", real)
+    put = p.PutRequest(request_id=8, object_id=ID, size=4, dtype="<f4", shape=[1], digest=b"", inline=b"abcd")
+    assert isinstance(state.handle(Request("A", put, 2.0))[0].message, p.PutReply)
+    found = state.handle(Request("A", p.LookupRequest(request_id=9, object_id=ID, timeout=0.0), 3.0))
+    assert isinstance(found[0].message, p.LookupReply) and found[0].message.inline == b"abcd"
+
+
+def test_a_peer_sending_a_bad_dtype_is_dropped_and_the_directory_keeps_its_timers(owner: Any) -> None:
+    async def send_bad_put() -> bool:
+        lost = []
+        client = ControlClient(lambda msg: None, 1 << 20, on_lost=lost.append)
+        await client.connect(owner.directory_address, owner.token, "raw-peer", "127.0.0.1", 9, 5.0)
+        client.send(_put(dtype="[x", size=4, shape=[1]))
+        for _ in range(500):  # the directory closes the connection: poll it with a deadline
+            if client.lost:
+                break
+            await asyncio.sleep(0.01)
+        await client.close()
+        return bool(lost)
+
+    assert IOThread.get().run(send_bad_put(), timeout=30)
+    started = time.monotonic()
+    with pytest.raises(hg.HopliteTimeoutError):
+        owner.get(hg.ObjectID.random(), timeout=1)
+    assert time.monotonic() - started < 5
+    oid = owner.put(np.arange(5))
+    assert np.array_equal(owner.get(oid, timeout=5), np.arange(5))
