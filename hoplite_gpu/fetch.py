@@ -43,6 +43,20 @@ log = logging.getLogger("hoplite_gpu")
 STREAM_COPY_BYTES = 4 << 20
 
 
+def check_out(out: Any) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``out`` is None or an array ``get`` can write
+    (a writable NumPy array, or a CuPy array); its dtype and shape are checked on arrival."""
+    if out is None:
+        return
+    kind = buffers.kind_of(out)
+    if kind not in (buffers.ArrayKind.NUMPY, buffers.ArrayKind.CUPY):
+        raise InvalidArgumentError(
+            f"out must be a NumPy or CuPy array, got {type(out).__name__}", argument="out"
+        )
+    if kind is buffers.ArrayKind.NUMPY and not out.flags.writeable:
+        raise InvalidArgumentError("out is read-only", argument="out")
+
+
 def streamable(out: Any) -> bool:
     """Whether ``get`` can copy into ``out`` while the object arrives (a writable C-contiguous
     NumPy array of at least a few chunks; others get one copy at the end)."""

@@ -17,6 +17,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
+import numbers
 import os
 import uuid
 from collections.abc import Coroutine
@@ -39,7 +41,7 @@ from .errors import (
     ProtocolError,
     from_kind,
 )
-from .fetch import Fetcher, deliver, publish, streamable
+from .fetch import Fetcher, check_out, deliver, publish, streamable
 from .iothread import IOThread
 from .object_id import ObjectID
 from .puts import Putter
@@ -229,9 +231,13 @@ class Node:
     def _resolve_timeout(self, timeout: float | None) -> float | None:
         if timeout is None:
             timeout = self.config.default_get_timeout or None
-        if timeout is not None and timeout < 0:
-            raise InvalidArgumentError("timeout must be >= 0 seconds or None", argument="timeout")
-        return timeout
+        if timeout is None:
+            return None
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+            raise InvalidArgumentError(
+                f"timeout must be a number of seconds >= 0 or None, got {timeout!r}", argument="timeout"
+            )
+        return None if math.isinf(timeout) else float(timeout)
 
     def get(
         self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
@@ -259,6 +265,7 @@ class Node:
         self._check_open()
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
+        check_out(out)
         if streamable(out):
             return self._io.run(self._fetcher.get_into(object_id, timeout, out, direct))
         return deliver(self._io.run(self._fetcher.get(object_id, timeout, direct=direct)), out)
@@ -270,6 +277,7 @@ class Node:
         self._check_open()
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
+        check_out(out)
         if streamable(out):
             return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct))
         return deliver(await self._io.run_async(self._fetcher.get(object_id, timeout, direct=direct)), out)

@@ -37,6 +37,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import weakref
 from typing import Any
@@ -51,7 +52,7 @@ HEADER_BYTES = 64
 _OID = slice(16, 36)
 _WORD = struct.Struct("<Q")
 _HEADER = struct.Struct("<QQ")
-_NAME = re.compile(r"^hoplite-(\d+)-(\d+)-\d+-[0-9a-f]+$")
+_NAME = re.compile(r"hoplite-(\d+)-(\d+)-\d+-[0-9a-f]+")
 _counter = itertools.count()
 
 
@@ -117,7 +118,7 @@ class Segment(mmap.mmap):
     def mapped_elsewhere(self) -> bool:
         """Whether a reader still maps the payload (:func:`map_view`): then it must not be reused."""
         try:
-            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDONLY | os.O_CLOEXEC)
+            fd = _open_segment(self.name)
         except FileNotFoundError:
             return False  # unlinked: it is never reused
         except OSError:
@@ -171,9 +172,16 @@ def segment_of(buf: np.ndarray[Any, Any]) -> Segment | None:
     return base if isinstance(base, Segment) else None
 
 
+def _open_segment(name: str) -> int:
+    """Open a segment read-only without following a link or blocking on a FIFO (the name may come
+    off the network, and anyone on the host can create files in ``/dev/shm``)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
+    return os.open(os.path.join(SHM_DIR, name), flags)
+
+
 def valid_name(name: str) -> bool:
     """Whether ``name`` looks like one of our segments (it comes off the network)."""
-    return bool(_NAME.match(name))
+    return bool(_NAME.fullmatch(name))
 
 
 def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] | None:
@@ -189,10 +197,12 @@ def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] |
     if not valid_name(name):
         return None
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open_segment(name)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None  # a FIFO or device under a segment's name: never read it
         # Lock before reading the header: a holder that reuses the segment first takes the lock
         # exclusively, and it marked the payload retired before that, so a reader that sees a
         # published header under the lock keeps valid bytes until it lets go.
@@ -236,7 +246,7 @@ def sweep_orphans() -> int:
     except OSError:
         return 0
     for name in names:
-        m = _NAME.match(name)
+        m = _NAME.fullmatch(name)
         if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
             continue
         path = os.path.join(SHM_DIR, name)

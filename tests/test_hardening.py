@@ -131,3 +131,48 @@ def test_a_peer_sending_a_bad_dtype_is_dropped_and_the_directory_keeps_its_timer
     assert time.monotonic() - started < 5
     oid = owner.put(np.arange(5))
     assert np.array_equal(owner.get(oid, timeout=5), np.arange(5))
+
+
+@pytest.mark.parametrize("timeout", ["1", math.nan, -1, True, [1]])
+def test_a_get_with_a_timeout_that_is_not_seconds_is_refused(owner: Any, timeout: Any) -> None:
+    oid = owner.put(np.arange(3))
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        owner.get(oid, timeout=timeout)
+
+
+def test_numpy_and_infinite_timeouts_are_seconds(owner: Any) -> None:
+    oid = owner.put(np.arange(3))
+    for timeout in (np.float32(5), np.int64(5), math.inf):
+        assert np.array_equal(owner.get(oid, timeout=timeout), np.arange(3))
+
+
+@pytest.mark.parametrize("out", [[0, 0, 0], "abc", np.zeros(3, np.int64)[::-1].copy().view()])
+def test_a_get_into_something_that_is_not_a_writable_array_is_refused(owner: Any, out: Any) -> None:
+    if isinstance(out, np.ndarray):
+        out.flags.writeable = False
+    oid = owner.put(np.arange(3))
+    with pytest.raises(InvalidArgumentError, match="out"):
+        owner.get(oid, timeout=5, out=out)
+
+
+@pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
+def test_a_fifo_or_link_under_a_segment_name_is_never_opened(tmp_path: Any) -> None:
+    import os
+
+    name = f"hoplite-{os.getpid()}-{os.getpid()}-1-{os.urandom(4).hex()}"
+    fifo = os.path.join(shm.SHM_DIR, name)
+    os.mkfifo(fifo, 0o600)
+    try:
+        started = time.monotonic()
+        assert shm.map_view(name, ID, 16) is None  # opening a FIFO read-only blocked forever before
+        assert time.monotonic() - started < 5
+    finally:
+        os.unlink(fifo)
+    target = tmp_path / "target"
+    target.write_bytes(b"\0" * 4096)
+    os.symlink(target, fifo)
+    try:
+        assert shm.map_view(name, ID, 4096 - shm.HEADER_BYTES) is None
+    finally:
+        os.unlink(fifo)
+    assert not shm.valid_name(name + "\n") and shm.valid_name(name)
