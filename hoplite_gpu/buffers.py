@@ -242,10 +242,10 @@ def dtype_from_wire(text: str) -> np.dtype[Any]:
     if text in _SPECIAL_DTYPES:
         import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
     try:
-        if text.startswith("["):
+        if text.startswith("["):  # a structured dtype's descr: padding is unnamed "|V" fields
             import ast
 
-            dtype = np.dtype(ast.literal_eval(text))
+            dtype = np.lib.format.descr_to_dtype(ast.literal_eval(text))
         else:
             dtype = np.dtype(text)
     except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:

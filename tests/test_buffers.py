@@ -129,3 +129,11 @@ def test_device_and_pinned_buffers() -> None:
     assert pinned.kind is BufferKind.PINNED and buffers.buffer_kind(pinned.array) is BufferKind.PINNED
     pinned.host[:] = 3
     assert pinned.digest() == buffers.digest_of(np.full(4096, 3, np.uint8))
+
+
+def test_structured_dtypes_round_trip_with_their_padding() -> None:
+    padded = np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [4, 16], "itemsize": 32})
+    nested = np.dtype([("x", "<i2"), ("y", [("p", "<f4"), ("q", "u1", (3,))])])
+    for dtype in (padded, nested, np.dtype("<f4"), np.dtype([("a", "<i8")])):
+        back = buffers.dtype_from_wire(buffers.dtype_to_wire(dtype))
+        assert back == dtype and back.itemsize == dtype.itemsize
