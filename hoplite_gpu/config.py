@@ -150,6 +150,10 @@ class Config:
             state after each event and logs what broke as an ``invariant_violated`` event
             (:meth:`~hoplite_gpu.directory.state.DirectoryState.problems`); the test suite and
             the soak turn it on. It costs a pass over the whole state per event.
+        directory_unread_bytes: A directory started with this config drops a node whose replies
+            and pushes it has not read pile up beyond this many bytes (a stuck or hostile
+            reader would otherwise grow the directory's memory without bound); the node's
+            copies and schedules are repaired as for a dead node.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -179,9 +183,11 @@ class Config:
     reconnect_timeout: float = 30.0
     fault_injection: str = ""
     validate_directory: bool = False
+    directory_unread_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         positive = (
+            "directory_unread_bytes",
             "chunk_bytes",
             "chunks_in_flight",
             "max_object_bytes",

@@ -465,6 +465,18 @@ MAX_NAME_CHARS = 128
 MAX_DIMS = 64
 MAX_DTYPE_CHARS = 4096
 _NAME = re.compile(r"[A-Za-z0-9._:-]+")
+#: Longest text field by default; a few fields have their own limit (:data:`_MAX_FIELD`), and
+#: ``inline`` (object bytes) and ``events`` are bounded by the frame size alone. Peers' texts end
+#: up in the directory's state and event log, whose size these limits bound.
+MAX_TEXT_CHARS = 4096
+_MAX_FIELD = {
+    "reason": 1024,
+    "segment": MAX_NAME_CHARS,
+    "digest": 64,
+    "nonce": 64,
+    "proof": 64,
+    "inline": 1 << 62,
+}
 
 
 def _check_name(kind: str, name: str, value: str, empty: bool = False) -> None:
@@ -504,6 +516,27 @@ def _check_object(
         raise ProtocolError(f"{kind}: size {size} is not shape {tuple(shape)} x itemsize {itemsize}")
     if inline is not None and len(inline) != size:
         raise ProtocolError(f"{kind}: {len(inline)} inline bytes for an object of {size}")
+
+
+#: What nodes send the directory: the messages whose texts :func:`decode` bounds.
+_FROM_NODES: frozenset[type[Message]] = frozenset(
+    {
+        Hello,
+        PutRequest,
+        Restore,
+        LookupRequest,
+        CancelLookup,
+        TransferDone,
+        Heartbeat,
+        CopyAdded,
+        ServeDone,
+        DeleteRequest,
+        ReduceRequest,
+        ReducedObjectsRequest,
+        VertexDone,
+        EventLogRequest,
+    }
+)
 
 
 # ---------------------------------------------------------------- codec
@@ -571,6 +604,12 @@ def decode(payload: bytes) -> Message:
             raise ProtocolError(f"{kind}: unexpected field {name!r}")
         if not _matches(value, hint):
             raise ProtocolError(f"{kind}: field {name!r} has type {type(value).__name__}")
+        if (
+            cls in _FROM_NODES
+            and isinstance(value, (str, bytes))
+            and len(value) > _MAX_FIELD.get(name, MAX_TEXT_CHARS)
+        ):
+            raise ProtocolError(f"{kind}: field {name!r} is {len(value)} long, over its limit")
     try:
         msg = cls(**body)
     except TypeError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import time
 from typing import Any
 
@@ -58,6 +59,12 @@ BAD = {
     "a node id with a newline": _hello(node_id="a\nb"),
     "a node id with an ANSI escape": _hello(node_id="\x1b[31mred"),
     "a data port of 0": _hello(data_port=0),
+    "a lookup of a 1 MiB id": p.LookupRequest(request_id=1, object_id=b"a" * (1 << 20), timeout=1.0),
+    "a transfer_done reason of 1 MiB": p.TransferDone(
+        transfer_id=1, ok=False, progress=0, reason="r" * (1 << 20)
+    ),
+    "a segment name of 4 KiB": p.CopyAdded(object_id=ID, segment="s" * 4096),
+    "a digest of 1 KiB": _put(digest=b"d" * 1024),
 }
 
 
@@ -77,6 +84,7 @@ def test_valid_messages_still_decode() -> None:
         _put(dtype="|u1", size=0, shape=[0, 5]),
         _hello(node_id="0123456789abcdef0123456789abcdef", host_key=shm.host_key() or "boot:1:2"),
         p.LookupRequest(request_id=1, object_id=ID, timeout=0.0),
+        p.ErrorReply(request_id=1, kind="HopliteError", message="m" * 100_000),  # the directory's texts
     ]
     for msg in good:
         assert p.decode(p.encode(msg)[4:]) == msg
@@ -176,3 +184,58 @@ def test_a_fifo_or_link_under_a_segment_name_is_never_opened(tmp_path: Any) -> N
     finally:
         os.unlink(fifo)
     assert not shm.valid_name(name + "\n") and shm.valid_name(name)
+
+
+def _raw_node(address: str, token: str, node_id: str) -> socket.socket:
+    """A peer that authenticates like a node and then does what the test says (no reading)."""
+    from hoplite_gpu import auth
+
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+
+    def frame() -> p.Message:
+        (length,) = p.FRAME_HEADER.unpack(_read(sock, p.FRAME_HEADER.size))
+        return p.decode(_read(sock, length))
+
+    challenge = frame()
+    assert isinstance(challenge, p.Challenge)
+    mine = auth.new_nonce()
+    proof = auth.mac(token, b"client", challenge.nonce, mine)
+    sock.sendall(p.encode(p.Hello(node_id=node_id, nonce=mine, proof=proof, data_host=host, data_port=9)))
+    assert isinstance(frame(), p.Welcome)
+    return sock
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        assert part, "closed"
+        data += part
+    return data
+
+
+def test_a_node_that_does_not_read_its_replies_is_dropped() -> None:
+    node = hg.init(directory_unread_bytes=1 << 20)
+    try:
+        oid = node.put(np.zeros(60 * 1024, np.uint8))  # inline: each lookup's reply carries it
+        sock = _raw_node(node.directory_address, node.token, "never-reads")
+        lookup = p.encode(p.LookupRequest(request_id=1, object_id=oid.binary(), timeout=0.0))
+        dropped = False
+        with sock:
+            sock.settimeout(10)
+            for _ in range(3000):  # 180 MB of replies if all were kept
+                try:
+                    sock.sendall(lookup)
+                except OSError:  # reset by the directory (or our send timed out): see the log
+                    break
+            deadline = time.monotonic() + 20
+            while not dropped and time.monotonic() < deadline:  # poll the log with a deadline
+                left = [e for e in node.event_log() if e["kind"] == "node_left"]
+                # "left": its connection was cut (a node silent for its lease is "dead" instead)
+                dropped = any(e["node"] == "never-reads" and e["reason"] == "left" for e in left)
+                time.sleep(0.05)
+        assert dropped
+        assert np.array_equal(node.get(oid, timeout=5), np.zeros(60 * 1024, np.uint8))
+    finally:
+        node.close()

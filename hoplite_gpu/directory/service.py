@@ -47,6 +47,8 @@ class DirectoryService:
         lease_timeout: Seconds without any message from a node before it is declared dead.
         validate: Check the state's invariants after every event; a broken one is logged as an
             error and as an ``invariant_violated`` event (see :attr:`Config.validate_directory`).
+        max_unread_bytes: A node whose unread replies exceed this is dropped (see
+            :attr:`Config.directory_unread_bytes`).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class DirectoryService:
         max_message_bytes: int = 64 * 1024 + 1024 * 1024,
         lease_timeout: float = 5.0,
         validate: bool = False,
+        max_unread_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         if not token:
             raise HopliteError("the directory needs a non-empty token")
@@ -69,6 +72,8 @@ class DirectoryService:
             inline_threshold_bytes=inline_threshold_bytes, lease_timeout=lease_timeout
         )
         self.validate = validate
+        self.max_unread_bytes = max_unread_bytes
+        self.dropped_unread = 0
         self.violations = 0
         self.directory_id = uuid.uuid4().hex
         self.auth_failures = 0
@@ -90,6 +95,7 @@ class DirectoryService:
             max_message_bytes=config.control_message_limit,
             lease_timeout=config.lease_timeout,
             validate=config.validate_directory,
+            max_unread_bytes=config.directory_unread_bytes,
         )
 
     @property
@@ -206,6 +212,13 @@ class DirectoryService:
                 continue
             if isinstance(instr, Send):
                 conn.writer.write(p.encode(instr.message))
+                unread = conn.writer.transport.get_write_buffer_size()
+                if unread > self.max_unread_bytes:
+                    # Not reading its replies: drop it (its handler then reports it as left)
+                    # rather than hold its backlog in memory.
+                    log.warning("dropping node %s: %d bytes of replies unread", instr.node_id[:8], unread)
+                    self.dropped_unread += 1
+                    conn.writer.transport.abort()
             elif isinstance(instr, Disconnect):
                 log.warning("declaring node %s dead: %s", instr.node_id[:8], instr.reason)
                 del self._conns[instr.node_id]
