@@ -520,3 +520,27 @@ def test_a_service_with_validation_logs_and_records_a_broken_invariant(broken_in
     (event,) = [e for e in service.state.events if e["kind"] == "invariant_violated"]
     assert event["after"] == "Tick" and "node A is recorded as B" in event["problems"][0]
     broken_invariants.clear()  # expected here: the fixture fails any other test that logs one
+
+
+def test_deadlines_and_cancels_follow_only_the_live_lookups() -> None:
+    # next_deadline and Tick read a heap of lookup deadlines, CancelLookup an index by request
+    # (no event walks every pending lookup): entries of answered, cancelled or timed-out lookups
+    # must never fire or hold a deadline.
+    state = make_state("A", "B")
+    other = b"o" * 20
+    lookup(state, "B", 1, timeout=5.0, oid=other)  # answered below
+    lookup(state, "B", 2, timeout=3.0)  # cancelled below
+    lookup(state, "B", 3, timeout=7.0)  # times out
+    lookup(state, "A", 2, timeout=9.0)  # same request id, another node: not cancelled
+    assert state.next_deadline() == 3.0
+    assert req(state, "B", CancelLookup(2), now=1.0) == []
+    assert state.next_deadline() == 5.0
+    put(state, "A", rid=10, size=4, inline=b"abcd", shape=[4], oid=other)
+    assert state.next_deadline() == 7.0
+    out = state.handle(Tick(7.0))
+    assert [(o.node_id, o.message.request_id, o.message.status) for o in out] == [("B", 3, "timeout")]
+    assert state.next_deadline() == 9.0
+    assert [(pl.node_id, pl.request_id) for pl in state.pending[OID]] == [("A", 2)]
+    out = state.handle(Tick(9.0))
+    assert [(o.node_id, o.message.status) for o in out] == [("A", "timeout")]
+    assert state.next_deadline() is None and not state.pending

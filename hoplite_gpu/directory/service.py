@@ -254,6 +254,11 @@ class DirectoryService:
             await asyncio.wait_for(self._wake.wait(), timeout)
             woken = True
         now = time.monotonic()
+        if woken and (deadline is None or now < deadline):
+            # Woken by an event, not a deadline: nothing is due yet (the next round recomputes
+            # the deadline). A Tick walks every pending lookup, so one per event made each
+            # request cost 38 ms with 40,000 lookups pending.
+            return
         # How late this loop woke: a directory that was itself stalled renews leases.
         lag = 0.0 if woken or deadline is None else max(0.0, now - deadline)
         self._apply(Tick(now, lag))

@@ -50,6 +50,7 @@ Failures (section 4.3 of the paper, plus what it lacked):
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import logging
 import math
@@ -204,6 +205,7 @@ class PendingLookup:
     deadline: float | None
     shared_memory: bool = False
     direct: bool = False  # from the owner even while it serves others (see LookupRequest)
+    live: bool = True  # still in its queue (answered, failed and cancelled lookups are not)
 
 
 @dataclass(slots=True)
@@ -280,6 +282,12 @@ class DirectoryState:
         self.nodes: dict[str, NodeInfo] = {}
         self.objects: dict[bytes, ObjectEntry] = {}
         self.pending: dict[bytes, deque[PendingLookup]] = {}
+        # Indexes of ``pending`` so that no event walks every pending lookup: the deadlines (a
+        # heap; entries of lookups no longer live are dropped when they reach the top) and the
+        # objects a node's request id waits for (for CancelLookup).
+        self._lookup_deadlines: list[tuple[float, int, PendingLookup]] = []
+        self._lookup_seq = itertools.count()
+        self._pending_by_request: dict[tuple[str, int], set[bytes]] = {}
         self.transfers: dict[int, Transfer] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_CAPACITY)
         self._seq = itertools.count()
@@ -343,7 +351,10 @@ class DirectoryState:
 
     def next_deadline(self) -> float | None:
         """Earliest deadline or lease expiry, so the host knows when to send a :class:`Tick`."""
-        deadlines = [pl.deadline for q in self.pending.values() for pl in q if pl.deadline is not None]
+        heap = self._lookup_deadlines
+        while heap and not heap[0][2].live:
+            heapq.heappop(heap)
+        deadlines = [heap[0][0]] if heap else []
         if self.nodes and math.isfinite(self.lease_timeout):
             deadlines.append(min(info.last_seen for info in self.nodes.values()) + self.lease_timeout)
         if self.recovering_until is not None and math.isfinite(self.recovering_until):
@@ -575,6 +586,9 @@ class DirectoryState:
             msg.direct,
         )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
+        self._pending_by_request.setdefault((node_id, msg.request_id), set()).add(msg.object_id)
+        if deadline is not None:
+            heapq.heappush(self._lookup_deadlines, (deadline, next(self._lookup_seq), pl))
         self._log(now, "lookup", node=node_id, object_id=msg.object_id.hex(), request_id=msg.request_id)
         self._serve_pending(msg.object_id, now)
 
@@ -1352,7 +1366,13 @@ class DirectoryState:
             self._log(now, "lookup_timeout", node=pl.node_id, object_id=pl.object_id.hex())
             return False
 
-        for oid in list(self.pending):
+        due = set()  # only the queues of lookups whose deadline passed (the heap knows them)
+        heap = self._lookup_deadlines
+        while heap and heap[0][0] <= now:
+            _, _, pl = heapq.heappop(heap)
+            if pl.live:
+                due.add(pl.object_id)
+        for oid in due:
             self._retain_pending(oid, alive)
         if self.recovering_until is not None and now >= self.recovering_until:
             self._end_recovery(now)
@@ -1397,13 +1417,24 @@ class DirectoryState:
             self._retain_pending(oid, fail)
 
     def _drop_pending(self, node_id: str, request_id: int) -> None:
-        for oid in list(self.pending):
+        for oid in list(self._pending_by_request.get((node_id, request_id), ())):
             self._retain_pending(oid, lambda pl: (pl.node_id, pl.request_id) != (node_id, request_id))
 
     def _retain_pending(self, oid: bytes, keep: Callable[[PendingLookup], bool]) -> None:
         """Keep, in order, the lookups waiting for ``oid`` for which ``keep`` is true (it may
         answer the others); forget the queue once it is empty."""
-        kept = deque(pl for pl in self.pending.get(oid, ()) if keep(pl))
+        kept: deque[PendingLookup] = deque()
+        for pl in self.pending.get(oid, ()):
+            if keep(pl):
+                kept.append(pl)
+                continue
+            pl.live = False
+            key = (pl.node_id, pl.request_id)
+            oids = self._pending_by_request.get(key)
+            if oids is not None:
+                oids.discard(oid)
+                if not oids:
+                    del self._pending_by_request[key]
         if kept:
             self.pending[oid] = kept
         else:
