@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: help venv demo test test-fast lint bench bench-cluster soak clean
+.PHONY: help venv demo test test-fast lint bench bench-cluster soak fuzz clean
 
 help:
 	@echo "make demo   - install into .venv and run the demo (broadcast, reduce, allreduce) locally"
@@ -13,6 +13,7 @@ help:
 	@echo "make bench  - point-to-point, collective and recovery benchmarks"
 	@echo "make bench-cluster - collectives vs MPI, Gloo and Ray on an emulated cluster of 4 and 8 hosts (root)"
 	@echo "make soak   - randomized fault soak (1000 runs; HOPLITE_SOAK_RUNS, HOPLITE_SOAK_SEED)"
+	@echo "make fuzz   - the message fuzz suite, longer (HOPLITE_FUZZ_EXAMPLES, default 20000)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +69,9 @@ bench-cluster: $(PEERS_STAMP)
 
 soak: $(STAMP)
 	HOPLITE_SOAK_RUNS=$${HOPLITE_SOAK_RUNS:-1000} $(PY) -m pytest -q -s tests/test_soak.py
+
+fuzz: $(STAMP)
+	HOPLITE_FUZZ_EXAMPLES=$${HOPLITE_FUZZ_EXAMPLES:-20000} $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -544,3 +544,13 @@ def test_deadlines_and_cancels_follow_only_the_live_lookups() -> None:
     out = state.handle(Tick(9.0))
     assert [(o.node_id, o.message.status) for o in out] == [("A", "timeout")]
     assert state.next_deadline() is None and not state.pending
+
+
+def test_a_lookup_claiming_more_bytes_than_the_object_has_is_clamped() -> None:
+    # Found by tests/test_fuzz.py: a resumed lookup's have_bytes beyond the object's size was
+    # recorded as the reader's progress (4 of 0 bytes), breaking the progress invariant.
+    state = make_state("A", "C")
+    put(state, "A", rid=1, size=0, shape=[0])
+    out = lookup(state, "C", 1, have=4)
+    assert out[0].message.status == "pull"
+    assert state.objects[OID].locations["C"].progress == 0

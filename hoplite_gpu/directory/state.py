@@ -643,11 +643,12 @@ class DirectoryState:
         transfer = Transfer(next(self._transfer_ids), entry.object_id, sender.node_id, pl.node_id, now)
         self.transfers[transfer.transfer_id] = transfer
         sender.busy = True
+        have = min(pl.have_bytes, entry.size)  # a requester claiming more than the object holds
         if own is None:
-            own = Location(pl.node_id, LocationState.PARTIAL, pl.have_bytes)
+            own = Location(pl.node_id, LocationState.PARTIAL, have)
             entry.locations[pl.node_id] = own
         own.upstream = sender.node_id
-        own.progress = max(own.progress, pl.have_bytes)
+        own.progress = max(own.progress, have)
         self._send(
             pl.node_id,
             p.LookupReply(
