@@ -154,6 +154,9 @@ class Config:
             and pushes it has not read pile up beyond this many bytes (a stuck or hostile
             reader would otherwise grow the directory's memory without bound); the node's
             copies and schedules are repaired as for a dead node.
+        directory_max_handshakes: A directory started with this config closes new connections at
+            once while this many others have not finished authenticating (each has 10 s to), so
+            idle or hostile connections cannot use up its file descriptors or memory.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -184,10 +187,12 @@ class Config:
     fault_injection: str = ""
     validate_directory: bool = False
     directory_unread_bytes: int = 64 * MiB
+    directory_max_handshakes: int = 256
 
     def __post_init__(self) -> None:
         positive = (
             "directory_unread_bytes",
+            "directory_max_handshakes",
             "chunk_bytes",
             "chunks_in_flight",
             "max_object_bytes",

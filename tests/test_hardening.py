@@ -239,3 +239,37 @@ def test_a_node_that_does_not_read_its_replies_is_dropped() -> None:
         assert np.array_equal(node.get(oid, timeout=5), np.zeros(60 * 1024, np.uint8))
     finally:
         node.close()
+
+
+def test_connections_beyond_the_handshake_cap_are_closed_at_once() -> None:
+    node = hg.init(directory_max_handshakes=4)
+    host, port = node.directory_address.rsplit(":", 1)
+    idle: list[socket.socket] = []
+    try:
+        answers = []
+        for _ in range(10):  # one at a time: each is accepted (or refused) before the next
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            idle.append(sock)
+            try:
+                answers.append(len(sock.recv(4096)) > 0)  # a challenge, or closed at once
+            except ConnectionResetError:
+                answers.append(False)
+        assert answers == [True] * 4 + [False] * 6
+        oid = node.put(np.arange(4))  # the node already joined is served meanwhile
+        assert np.array_equal(node.get(oid, timeout=5), np.arange(4))
+        for sock in idle:
+            sock.close()
+        idle.clear()
+        deadline = time.monotonic() + 10
+        while True:  # the idle handshakes end once their sockets close: poll with a deadline
+            try:
+                other = hg.connect(node.directory_address, token=node.token)
+                break
+            except (hg.AuthenticationError, hg.DirectoryUnavailableError):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        other.close()
+    finally:
+        for sock in idle:
+            sock.close()
+        node.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -49,6 +50,8 @@ class DirectoryService:
             error and as an ``invariant_violated`` event (see :attr:`Config.validate_directory`).
         max_unread_bytes: A node whose unread replies exceed this is dropped (see
             :attr:`Config.directory_unread_bytes`).
+        max_handshakes: Connections beyond this many still authenticating are closed at once
+            (see :attr:`Config.directory_max_handshakes`).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class DirectoryService:
         lease_timeout: float = 5.0,
         validate: bool = False,
         max_unread_bytes: int = 64 * 1024 * 1024,
+        max_handshakes: int = 256,
     ) -> None:
         if not token:
             raise HopliteError("the directory needs a non-empty token")
@@ -74,6 +78,10 @@ class DirectoryService:
         self.validate = validate
         self.max_unread_bytes = max_unread_bytes
         self.dropped_unread = 0
+        self.max_handshakes = max_handshakes
+        self.handshaking = 0
+        self.refused_handshakes = 0
+        self._warned: dict[str, tuple[float, int]] = {}  # warning kind -> (last logged, suppressed)
         self.violations = 0
         self.directory_id = uuid.uuid4().hex
         self.auth_failures = 0
@@ -96,6 +104,7 @@ class DirectoryService:
             lease_timeout=config.lease_timeout,
             validate=config.validate_directory,
             max_unread_bytes=config.directory_unread_bytes,
+            max_handshakes=config.directory_max_handshakes,
         )
 
     @property
@@ -133,8 +142,20 @@ class DirectoryService:
         self._handlers.add(task)
         peer = ":".join(str(x) for x in writer.get_extra_info("peername")[:2])
         node_id: str | None = None
+        if self.handshaking >= self.max_handshakes:
+            self.refused_handshakes += 1
+            self._warn(
+                "handshakes", "closing connections at once: %d are still authenticating", self.handshaking
+            )
+            self._handlers.discard(task)
+            writer.transport.abort()
+            return
         try:
-            node_id = await self._handshake(reader, writer, peer)
+            self.handshaking += 1
+            try:
+                node_id = await self._handshake(reader, writer, peer)
+            finally:
+                self.handshaking -= 1
             if node_id is None:
                 return
             while True:
@@ -154,6 +175,19 @@ class DirectoryService:
                     self._apply(NodeLeft(node_id, time.monotonic()))
             writer.close()
 
+    def _warn(self, kind: str, text: str, *args: Any) -> None:
+        """Log a warning of this kind at most once a second (a flood of bad connections must not
+        become a flood of log lines), with how many were left out since the last one."""
+        now = time.monotonic()
+        last, suppressed = self._warned.get(kind, (-math.inf, 0))
+        if now - last < 1.0:
+            self._warned[kind] = (last, suppressed + 1)
+            return
+        self._warned[kind] = (now, 0)
+        if suppressed:
+            text += f" ({suppressed} more like this in the last second not logged)"
+        log.warning(text, *args)
+
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
     ) -> str | None:
@@ -164,14 +198,14 @@ class DirectoryService:
             hello = await asyncio.wait_for(p.read_frame(reader, 4096), HANDSHAKE_TIMEOUT)
         except (asyncio.TimeoutError, ProtocolError, asyncio.IncompleteReadError) as exc:
             self.auth_failures += 1
-            log.warning("dropping %s: no valid hello (%s)", peer, type(exc).__name__)
+            self._warn("hello", "dropping %s: no valid hello (%s)", peer, type(exc).__name__)
             self._apply(AuthFailed(peer, time.monotonic()))
             return None
         if not isinstance(hello, p.Hello) or not auth.verify(
             self.token, b"client", nonce, hello.nonce, hello.proof
         ):
             self.auth_failures += 1
-            log.warning("dropping %s: authentication failed (wrong token?)", peer)
+            self._warn("auth", "dropping %s: authentication failed (wrong token?)", peer)
             self._apply(AuthFailed(peer, time.monotonic()))
             return None
         if hello.node_id in self._conns:
