@@ -157,6 +157,10 @@ class Config:
         directory_max_handshakes: A directory started with this config closes new connections at
             once while this many others have not finished authenticating (each has 10 s to), so
             idle or hostile connections cannot use up its file descriptors or memory.
+        directory_max_pending_lookups: Quota of lookups one node may have waiting at once (gets
+            of objects not there yet); beyond it a get fails with ``QuotaExceededError``.
+        directory_max_reductions: Quota of reductions one node may have requested and not yet
+            finished; beyond it a reduce fails with ``QuotaExceededError``.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -188,11 +192,15 @@ class Config:
     validate_directory: bool = False
     directory_unread_bytes: int = 64 * MiB
     directory_max_handshakes: int = 256
+    directory_max_pending_lookups: int = 100_000
+    directory_max_reductions: int = 10_000
 
     def __post_init__(self) -> None:
         positive = (
             "directory_unread_bytes",
             "directory_max_handshakes",
+            "directory_max_pending_lookups",
+            "directory_max_reductions",
             "chunk_bytes",
             "chunks_in_flight",
             "max_object_bytes",

@@ -65,6 +65,12 @@ class StoreFullError(HopliteError, MemoryError):
     """Storing the object would exceed the node's ``Config.store_capacity_bytes``."""
 
 
+class QuotaExceededError(HopliteError):
+    """The directory refused a request because the node already has as many of that kind
+    outstanding as it allows (pending lookups, active reductions). Fields: ``quota`` (which one),
+    ``limit``. Finish or cancel some first, or raise the directory's setting."""
+
+
 class InvalidArgumentError(HopliteError, ValueError):
     """An argument has the wrong type or value (e.g. an unsupported array type or dtype)."""
 
@@ -132,6 +138,7 @@ _REMOTE_KINDS: dict[str, type[HopliteError]] = {
         ObjectLostError,
         ObjectNotFoundError,
         ProtocolError,
+        QuotaExceededError,
         ReduceMismatchError,
         ReductionFailedError,
     )
@@ -158,6 +165,7 @@ __all__ = [
     "ObjectTooLargeError",
     "PeerLostError",
     "ProtocolError",
+    "QuotaExceededError",
     "ReduceMismatchError",
     "ReductionFailedError",
     "StoreFullError",

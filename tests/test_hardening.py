@@ -273,3 +273,52 @@ def test_connections_beyond_the_handshake_cap_are_closed_at_once() -> None:
         for sock in idle:
             sock.close()
         node.close()
+
+
+def test_per_node_quotas_of_pending_lookups_and_unfinished_reductions() -> None:
+    state = DirectoryState(
+        inline_threshold_bytes=64, lease_timeout=math.inf, max_pending_lookups=3, max_reductions=2
+    )
+    for i, node in enumerate("AB"):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0))
+
+    def lookup(node: str, rid: int) -> p.LookupReply:
+        msg = p.LookupRequest(request_id=rid, object_id=rid.to_bytes(20, "big"), timeout=0.0)
+        out = state.handle(Request(node, msg, 1.0))
+        return out[0].message if out else None  # type: ignore[return-value]
+
+    assert [lookup("A", rid) for rid in (1, 2, 3)] == [None] * 3  # waiting
+    refused = lookup("A", 4)
+    assert refused.status == "error" and refused.error_kind == "QuotaExceededError"
+    assert lookup("B", 5) is None  # another node's quota
+    state.handle(Request("A", p.CancelLookup(request_id=2), 1.0))
+    assert lookup("A", 6) is None  # a cancelled lookup frees its place
+
+    def reduce(rid: int) -> p.ReduceReply:
+        msg = p.ReduceRequest(
+            request_id=rid, reduction_id=bytes([rid]) * 20, object_ids=[b"x" * 20], op="sum", num_objects=1
+        )
+        return state.handle(Request("A", msg, 1.0))[0].message  # type: ignore[return-value]
+
+    assert [reduce(r).error for r in (10, 11)] == ["", ""]
+    assert reduce(12).error_kind == "QuotaExceededError"
+
+
+def test_a_get_beyond_the_lookup_quota_raises_quota_exceeded() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    node = hg.init(directory_max_pending_lookups=2)
+    pool = ThreadPoolExecutor(2)
+    try:
+        waiting = [pool.submit(node.get, hg.ObjectID.random(), 30) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while sum(e["kind"] == "lookup" for e in node.event_log()) < 2:  # poll with a deadline
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(hg.QuotaExceededError, match="lookups pending"):
+            node.get(hg.ObjectID.random(), timeout=5)
+    finally:
+        node.close()  # the two waiting gets end with the node
+        for fut in waiting:
+            assert isinstance(fut.exception(timeout=30), hg.HopliteError)
+        pool.shutdown()

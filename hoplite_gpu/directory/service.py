@@ -52,6 +52,10 @@ class DirectoryService:
             :attr:`Config.directory_unread_bytes`).
         max_handshakes: Connections beyond this many still authenticating are closed at once
             (see :attr:`Config.directory_max_handshakes`).
+        max_pending_lookups: Per-node quota of waiting lookups (see
+            :attr:`Config.directory_max_pending_lookups`).
+        max_reductions: Per-node quota of unfinished reductions (see
+            :attr:`Config.directory_max_reductions`).
     """
 
     def __init__(
@@ -65,6 +69,8 @@ class DirectoryService:
         validate: bool = False,
         max_unread_bytes: int = 64 * 1024 * 1024,
         max_handshakes: int = 256,
+        max_pending_lookups: int = 100_000,
+        max_reductions: int = 10_000,
     ) -> None:
         if not token:
             raise HopliteError("the directory needs a non-empty token")
@@ -73,7 +79,10 @@ class DirectoryService:
         self.port = port
         self.max_message_bytes = max_message_bytes
         self.state = DirectoryState(
-            inline_threshold_bytes=inline_threshold_bytes, lease_timeout=lease_timeout
+            inline_threshold_bytes=inline_threshold_bytes,
+            lease_timeout=lease_timeout,
+            max_pending_lookups=max_pending_lookups,
+            max_reductions=max_reductions,
         )
         self.validate = validate
         self.max_unread_bytes = max_unread_bytes
@@ -105,6 +114,8 @@ class DirectoryService:
             validate=config.validate_directory,
             max_unread_bytes=config.directory_unread_bytes,
             max_handshakes=config.directory_max_handshakes,
+            max_pending_lookups=config.directory_max_pending_lookups,
+            max_reductions=config.directory_max_reductions,
         )
 
     @property

@@ -274,10 +274,19 @@ class DirectoryState:
     """
 
     def __init__(
-        self, inline_threshold_bytes: int = 64 * 1024, lease_timeout: float = 5.0, validate: bool = False
+        self,
+        inline_threshold_bytes: int = 64 * 1024,
+        lease_timeout: float = 5.0,
+        validate: bool = False,
+        max_pending_lookups: int = 100_000,
+        max_reductions: int = 10_000,
     ) -> None:
         self.inline_threshold_bytes = inline_threshold_bytes
         self.lease_timeout = lease_timeout
+        # Per node: lookups waiting and reductions not finished (see Config.directory_quotas).
+        self.max_pending_lookups = max_pending_lookups
+        self.max_reductions = max_reductions
+        self._pending_per_node: dict[str, int] = {}
         self.check_invariants = validate
         self.nodes: dict[str, NodeInfo] = {}
         self.objects: dict[bytes, ObjectEntry] = {}
@@ -575,6 +584,17 @@ class DirectoryState:
             # (While copies are being restored, it waits: its source may not have rejoined yet.)
             self._send(node_id, self._lost_lookup(msg.request_id, msg.object_id))
             return
+        if self._pending_per_node.get(node_id, 0) >= self.max_pending_lookups:
+            text = f"node has {self.max_pending_lookups} lookups pending, the directory's quota"
+            reply = p.LookupReply(
+                request_id=msg.request_id,
+                status="error",
+                object_id=msg.object_id,
+                error=text,
+                error_kind="QuotaExceededError",
+            )
+            self._send(node_id, reply)
+            return
         deadline = now + msg.timeout if msg.timeout > 0 else None
         pl = PendingLookup(
             node_id,
@@ -587,6 +607,7 @@ class DirectoryState:
         )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
         self._pending_by_request.setdefault((node_id, msg.request_id), set()).add(msg.object_id)
+        self._pending_per_node[node_id] = self._pending_per_node.get(node_id, 0) + 1
         if deadline is not None:
             heapq.heappush(self._lookup_deadlines, (deadline, next(self._lookup_seq), pl))
         self._log(now, "lookup", node=node_id, object_id=msg.object_id.hex(), request_id=msg.request_id)
@@ -905,6 +926,12 @@ class DirectoryState:
             refuse("InvalidArgumentError", str(exc))
             return
         existing = self.reductions.get(rid)
+        if existing is None:  # (bounded: the directory keeps at most REDUCTIONS_KEPT of them)
+            active = sum(1 for red in self.reductions.values() if red.requester == node_id and red.active)
+            if active >= self.max_reductions:
+                text = f"node has {self.max_reductions} reductions not finished, the directory's quota"
+                refuse("QuotaExceededError", text)
+                return
         if existing is not None:
             old = existing.plan
             if (old.inputs, old.num_objects, existing.op) == (inputs, msg.num_objects, op):
@@ -1430,6 +1457,11 @@ class DirectoryState:
                 kept.append(pl)
                 continue
             pl.live = False
+            left = self._pending_per_node.get(pl.node_id, 0) - 1
+            if left > 0:
+                self._pending_per_node[pl.node_id] = left
+            else:
+                self._pending_per_node.pop(pl.node_id, None)
             key = (pl.node_id, pl.request_id)
             oids = self._pending_by_request.get(key)
             if oids is not None:
@@ -1449,9 +1481,20 @@ class DirectoryState:
         transfer, pending lookup and live reduction vertex names a node that is joined; progress
         stays within the object's size; a complete copy has no upstream; no upstream chain is a
         cycle (the scheduling rule of the module docstring); a busy sender serves a recorded
-        transfer; ``awaiting`` lists exactly the unplaced inputs of active, unfilled reductions.
+        transfer; ``awaiting`` lists exactly the unplaced inputs of active, unfilled reductions;
+        the indexes of pending lookups (per node, per request, by deadline) match the queues.
         """
         out: list[str] = []
+        counts: dict[str, int] = {}
+        for queue in self.pending.values():
+            for pl in queue:
+                counts[pl.node_id] = counts.get(pl.node_id, 0) + 1
+                if not pl.live or pl.object_id not in self._pending_by_request.get(
+                    (pl.node_id, pl.request_id), ()
+                ):
+                    out.append(f"pending lookup {pl.request_id} of {pl.node_id[:8]} is not indexed")
+        if counts != self._pending_per_node:
+            out.append(f"pending lookups per node {self._pending_per_node} are really {counts}")
         for nid, info in self.nodes.items():
             if info.node_id != nid:
                 out.append(f"node {nid[:8]} is recorded as {info.node_id[:8]}")
