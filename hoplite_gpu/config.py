@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import ssl
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -161,6 +162,14 @@ class Config:
             of objects not there yet); beyond it a get fails with ``QuotaExceededError``.
         directory_max_reductions: Quota of reductions one node may have requested and not yet
             finished; beyond it a reduce fails with ``QuotaExceededError``.
+        tls_cert_file: PEM certificate chain a directory started with this config serves its
+            control connections with, over TLS (with ``tls_key_file``); "" for plain TCP. For
+            directories reached across networks you do not trust: the token authenticates
+            either way, TLS also keeps control messages (object ids, inline objects) private.
+        tls_key_file: PEM private key of ``tls_cert_file`` ("" if the chain file holds it).
+        tls_ca_file: PEM certificates a node trusts for its directory's TLS certificate; set, the
+            node connects over TLS and checks the certificate and the directory's host name or
+            address against it. Data-plane (UCX) traffic is not encrypted either way.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -194,6 +203,9 @@ class Config:
     directory_max_handshakes: int = 256
     directory_max_pending_lookups: int = 100_000
     directory_max_reductions: int = 10_000
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
 
     def __post_init__(self) -> None:
         positive = (
@@ -241,6 +253,31 @@ class Config:
         if self.max_control_message_bytes:
             return self.max_control_message_bytes
         return self.inline_threshold_bytes + 1 * MiB
+
+    def server_tls(self) -> ssl.SSLContext | None:
+        """The TLS context a directory serves with (None: plain TCP); see ``tls_cert_file``."""
+        if not self.tls_cert_file:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgumentError(
+                f"cannot load Config.tls_cert_file={self.tls_cert_file!r} / tls_key_file: {exc}",
+                argument="tls_cert_file",
+            ) from None
+        return ctx
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """The TLS context a node connects to its directory with (None: plain TCP)."""
+        if not self.tls_ca_file:
+            return None
+        try:
+            return ssl.create_default_context(cafile=self.tls_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgumentError(
+                f"cannot load Config.tls_ca_file={self.tls_ca_file!r}: {exc}", argument="tls_ca_file"
+            ) from None
 
     @property
     def directory_host(self) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 from collections.abc import Callable
 
 from . import auth
@@ -66,14 +67,24 @@ class ControlClient:
         timeout: float,
         host_key: str = "",
         previous_directory: str = "",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """Connect, authenticate both ways, and start reading (``host_key``: see
         :func:`hoplite_gpu.shm.host_key`; ``previous_directory``: see
-        :class:`~hoplite_gpu.protocol.Hello`)."""
+        :class:`~hoplite_gpu.protocol.Hello`; ``tls``: connect over TLS with this context, which
+        checks the directory's certificate and host)."""
         self.address = address
         host, port = parse_address(address)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            opening = asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
+            reader, writer = await asyncio.wait_for(opening, timeout)
+        except ssl.SSLError as exc:  # before OSError: it is one
+            raise DirectoryUnavailableError(
+                f"TLS with the directory at {address} failed: {exc}; check Config.tls_ca_file "
+                "(and that the directory serves TLS: Config.tls_cert_file)",
+                peer=address,
+                cause="tls",
+            ) from exc
         except (OSError, asyncio.TimeoutError) as exc:
             raise DirectoryUnavailableError(
                 f"cannot reach the directory at {address}: {exc or type(exc).__name__}; is it running?",

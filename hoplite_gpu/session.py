@@ -75,6 +75,7 @@ class DirectorySession:
         self._data_host = data_host
         self.data_port = data_port  # may be set after construction, before start()
         self._host_key = host_key
+        self._tls = config.client_tls()  # None: plain TCP (Config.tls_ca_file)
         self._on_push = on_push
         self._on_lost = on_lost
         self._on_rejoined = on_rejoined
@@ -108,6 +109,7 @@ class DirectorySession:
             self.config.connect_timeout,
             host_key=self._host_key,
             previous_directory=previous_directory,
+            tls=self._tls,
         )
 
     async def start(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shutil
 import socket
 import time
 from typing import Any
@@ -322,3 +323,40 @@ def test_a_get_beyond_the_lookup_quota_raises_quota_exceeded() -> None:
         for fut in waiting:
             assert isinstance(fut.exception(timeout=30), hg.HopliteError)
         pool.shutdown()
+
+
+def _self_signed(directory: Any, name: str) -> tuple[str, str]:
+    import subprocess
+
+    cert, key = str(directory / f"{name}.pem"), str(directory / f"{name}.key")
+    argv = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert]
+    argv += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        argv,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_a_directory_served_over_tls(tmp_path: Any) -> None:
+    cert, key = _self_signed(tmp_path, "directory")
+    other_cert, _ = _self_signed(tmp_path, "other")
+    node = hg.init(tls_cert_file=cert, tls_key_file=key, tls_ca_file=cert)
+    try:
+        oid = node.put(np.arange(6))
+        peer = hg.connect(node.directory_address, token=node.token, tls_ca_file=cert)
+        try:
+            assert np.array_equal(peer.get(oid, timeout=10), np.arange(6))
+        finally:
+            peer.close()
+        with pytest.raises(hg.DirectoryUnavailableError):  # plain TCP to a TLS directory
+            hg.connect(node.directory_address, token=node.token, connect_timeout=5, reconnect_timeout=0)
+        with pytest.raises(hg.DirectoryUnavailableError, match="TLS"):  # a certificate it does not trust
+            hg.connect(node.directory_address, token=node.token, tls_ca_file=other_cert, reconnect_timeout=0)
+    finally:
+        node.close()
+    with pytest.raises(InvalidArgumentError, match="tls_ca_file"):
+        hg.connect("127.0.0.1:1", token="t", tls_ca_file=str(tmp_path / "missing.pem"))

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import ssl
 import time
 import uuid
 from typing import Any
@@ -56,6 +57,7 @@ class DirectoryService:
             :attr:`Config.directory_max_pending_lookups`).
         max_reductions: Per-node quota of unfinished reductions (see
             :attr:`Config.directory_max_reductions`).
+        tls: Serve over TLS with this context (see :attr:`Config.tls_cert_file`); None: plain TCP.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class DirectoryService:
         max_handshakes: int = 256,
         max_pending_lookups: int = 100_000,
         max_reductions: int = 10_000,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if not token:
             raise HopliteError("the directory needs a non-empty token")
@@ -85,6 +88,7 @@ class DirectoryService:
             max_reductions=max_reductions,
         )
         self.validate = validate
+        self.tls = tls
         self.max_unread_bytes = max_unread_bytes
         self.dropped_unread = 0
         self.max_handshakes = max_handshakes
@@ -116,6 +120,7 @@ class DirectoryService:
             max_handshakes=config.directory_max_handshakes,
             max_pending_lookups=config.directory_max_pending_lookups,
             max_reductions=config.directory_max_reductions,
+            tls=config.server_tls(),
         )
 
     @property
@@ -125,7 +130,7 @@ class DirectoryService:
 
     async def start(self) -> None:
         """Bind and start serving."""
-        self._server = await asyncio.start_server(self._on_connection, self.host, self.port)
+        self._server = await asyncio.start_server(self._on_connection, self.host, self.port, ssl=self.tls)
         sock = self._server.sockets[0]
         self.port = sock.getsockname()[1]
         self._ticker = asyncio.create_task(self._tick_loop())
