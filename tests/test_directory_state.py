@@ -554,3 +554,13 @@ def test_a_lookup_claiming_more_bytes_than_the_object_has_is_clamped() -> None:
     out = lookup(state, "C", 1, have=4)
     assert out[0].message.status == "pull"
     assert state.objects[OID].locations["C"].progress == 0
+
+
+def test_a_failed_transfer_reporting_more_bytes_than_the_object_has_is_clamped() -> None:
+    # Found by tests/test_fuzz.py (20,000 cases): a failed transfer's progress beyond the
+    # object's size was kept as the receiver's progress (4 of 0 bytes).
+    state = make_state("A", "B")
+    put(state, "B", rid=1, size=0, shape=[0])
+    reply = lookup(state, "A", 1)[0].message
+    assert req(state, "A", TransferDone(reply.transfer_id, False, 4)) == []  # validated after it
+    assert "A" not in state.objects[OID].locations  # a receiver holding nothing is forgotten

@@ -818,8 +818,9 @@ class DirectoryState:
                 self._add_complete(entry, node_id, msg.segment)
                 self._object_ready(transfer.object_id, now)
             else:
-                # The receiver will look up again with what it holds; keep its bytes on record.
-                own.progress = max(own.progress, msg.progress)
+                # The receiver will look up again with what it holds; keep its bytes on record
+                # (no more than the object has: found by tests/test_fuzz.py).
+                own.progress = max(own.progress, min(msg.progress, entry.size))
                 if own.state is LocationState.PARTIAL and own.upstream == transfer.sender:
                     own.upstream = None
                 if (
