@@ -480,7 +480,7 @@ _MAX_FIELD = {
 
 
 def _check_name(kind: str, name: str, value: str, empty: bool = False) -> None:
-    """Node ids and host keys: 1-128 characters of ``[A-Za-z0-9._:-]`` (or "" where allowed)."""
+    """Node and directory ids: 1-128 characters of ``[A-Za-z0-9._:-]`` (or "" where allowed)."""
     if value == "" and empty:
         return
     if len(value) > MAX_NAME_CHARS or not _NAME.fullmatch(value):
