@@ -564,3 +564,15 @@ def test_a_failed_transfer_reporting_more_bytes_than_the_object_has_is_clamped()
     reply = lookup(state, "A", 1)[0].message
     assert req(state, "A", TransferDone(reply.transfer_id, False, 4)) == []  # validated after it
     assert "A" not in state.objects[OID].locations  # a receiver holding nothing is forgotten
+
+
+def test_a_request_id_used_twice_for_one_object_keeps_both_lookups_indexed() -> None:
+    # Found by tests/test_fuzz.py: a peer reusing a request id for the same object left the
+    # second lookup out of the index by request once the first one timed out.
+    state = make_state("A", "C")
+    lookup(state, "C", 1, timeout=3.0)
+    lookup(state, "C", 1, timeout=0.0)
+    out = state.handle(Tick(3.0))  # the first times out; validate=True checks the indexes
+    assert [(o.node_id, o.message.status) for o in out] == [("C", "timeout")]
+    assert [pl.deadline for pl in state.pending[OID]] == [None]
+    assert req(state, "C", CancelLookup(1), now=4.0) == [] and not state.pending

@@ -296,7 +296,8 @@ class DirectoryState:
         # objects a node's request id waits for (for CancelLookup).
         self._lookup_deadlines: list[tuple[float, int, PendingLookup]] = []
         self._lookup_seq = itertools.count()
-        self._pending_by_request: dict[tuple[str, int], set[bytes]] = {}
+        # (node, request id) -> {object id: how many lookups}: a peer may reuse a request id.
+        self._pending_by_request: dict[tuple[str, int], dict[bytes, int]] = {}
         self.transfers: dict[int, Transfer] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_CAPACITY)
         self._seq = itertools.count()
@@ -606,7 +607,8 @@ class DirectoryState:
             msg.direct,
         )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
-        self._pending_by_request.setdefault((node_id, msg.request_id), set()).add(msg.object_id)
+        by_object = self._pending_by_request.setdefault((node_id, msg.request_id), {})
+        by_object[msg.object_id] = by_object.get(msg.object_id, 0) + 1
         self._pending_per_node[node_id] = self._pending_per_node.get(node_id, 0) + 1
         if deadline is not None:
             heapq.heappush(self._lookup_deadlines, (deadline, next(self._lookup_seq), pl))
@@ -1464,10 +1466,12 @@ class DirectoryState:
             else:
                 self._pending_per_node.pop(pl.node_id, None)
             key = (pl.node_id, pl.request_id)
-            oids = self._pending_by_request.get(key)
-            if oids is not None:
-                oids.discard(oid)
-                if not oids:
+            by_object = self._pending_by_request.get(key)
+            if by_object is not None and oid in by_object:
+                by_object[oid] -= 1
+                if by_object[oid] <= 0:
+                    del by_object[oid]
+                if not by_object:
                     del self._pending_by_request[key]
         if kept:
             self.pending[oid] = kept
@@ -1487,15 +1491,18 @@ class DirectoryState:
         """
         out: list[str] = []
         counts: dict[str, int] = {}
+        by_request: dict[tuple[str, int], dict[bytes, int]] = {}
         for queue in self.pending.values():
             for pl in queue:
                 counts[pl.node_id] = counts.get(pl.node_id, 0) + 1
-                if not pl.live or pl.object_id not in self._pending_by_request.get(
-                    (pl.node_id, pl.request_id), ()
-                ):
-                    out.append(f"pending lookup {pl.request_id} of {pl.node_id[:8]} is not indexed")
+                by_object = by_request.setdefault((pl.node_id, pl.request_id), {})
+                by_object[pl.object_id] = by_object.get(pl.object_id, 0) + 1
+                if not pl.live:
+                    out.append(f"pending lookup {pl.request_id} of {pl.node_id[:8]} is marked answered")
         if counts != self._pending_per_node:
             out.append(f"pending lookups per node {self._pending_per_node} are really {counts}")
+        if by_request != self._pending_by_request:
+            out.append("the index of pending lookups by request does not match the queues")
         for nid, info in self.nodes.items():
             if info.node_id != nid:
                 out.append(f"node {nid[:8]} is recorded as {info.node_id[:8]}")
