@@ -67,8 +67,9 @@ class StoreFullError(HopliteError, MemoryError):
 
 class QuotaExceededError(HopliteError):
     """The directory refused a request because the node already has as many of that kind
-    outstanding as it allows (pending lookups, active reductions). Fields: ``quota`` (which one),
-    ``limit``. Finish or cancel some first, or raise the directory's setting."""
+    outstanding as it allows (pending lookups, unfinished reductions); the message says which
+    quota and its limit. Finish or cancel some first, or raise the directory's setting
+    (``Config.directory_max_pending_lookups``, ``Config.directory_max_reductions``)."""
 
 
 class InvalidArgumentError(HopliteError, ValueError):

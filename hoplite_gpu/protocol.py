@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .errors import ProtocolError
+from .errors import InvalidArgumentError, ProtocolError
+from .object_id import OBJECT_ID_SIZE
 
 PROTOCOL_VERSION = 8  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
 # 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
@@ -457,13 +458,10 @@ class ErrorReply(Message):
 
 
 # ---------------------------------------------------------------- field checks
-#: ObjectIDs are this many bytes (:data:`hoplite_gpu.object_id.OBJECT_ID_SIZE`).
-ID_BYTES = 20
 #: Longest node id, host key or host name accepted.
 MAX_NAME_CHARS = 128
-#: Most dimensions of an object's shape, and the longest dtype text.
+#: Most dimensions of an object's shape.
 MAX_DIMS = 64
-MAX_DTYPE_CHARS = 4096
 _NAME = re.compile(r"[A-Za-z0-9._:-]+")
 #: Longest text field by default; a few fields have their own limit (:data:`_MAX_FIELD`), and
 #: ``inline`` (object bytes) and ``events`` are bounded by the frame size alone. Peers' texts end
@@ -488,8 +486,8 @@ def _check_name(kind: str, name: str, value: str, empty: bool = False) -> None:
 
 
 def _check_id(kind: str, name: str, value: bytes) -> None:
-    if len(value) != ID_BYTES:
-        raise ProtocolError(f"{kind}: {name} has {len(value)} bytes, not {ID_BYTES}")
+    if len(value) != OBJECT_ID_SIZE:
+        raise ProtocolError(f"{kind}: {name} has {len(value)} bytes, not {OBJECT_ID_SIZE}")
 
 
 def _check_timeout(kind: str, value: float) -> None:
@@ -501,13 +499,13 @@ def _check_object(
     kind: str, object_id: bytes, size: int, dtype: str, shape: list[int], inline: bytes | None
 ) -> None:
     """An object's description: its id's length, a dtype NumPy accepts, and a size that is its
-    shape times its itemsize (and its inline bytes' length)."""
+    shape times its itemsize (and its inline bytes' length). The dtype text is already bounded
+    by :func:`decode` (:data:`MAX_TEXT_CHARS`)."""
     from .buffers import dtype_from_wire  # NumPy stays out of this module's import
-    from .errors import InvalidArgumentError
 
     _check_id(kind, "object_id", object_id)
-    if len(dtype) > MAX_DTYPE_CHARS or len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-        raise ProtocolError(f"{kind}: dtype or shape out of range")
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise ProtocolError(f"{kind}: shape out of range")
     try:
         itemsize = dtype_from_wire(dtype).itemsize
     except InvalidArgumentError as exc:

@@ -283,7 +283,8 @@ class DirectoryState:
     ) -> None:
         self.inline_threshold_bytes = inline_threshold_bytes
         self.lease_timeout = lease_timeout
-        # Per node: lookups waiting and reductions not finished (see Config.directory_quotas).
+        # Per-node quotas of lookups waiting and reductions not finished (see
+        # Config.directory_max_pending_lookups and Config.directory_max_reductions).
         self.max_pending_lookups = max_pending_lookups
         self.max_reductions = max_reductions
         self._pending_per_node: dict[str, int] = {}
@@ -325,11 +326,12 @@ class DirectoryState:
             text = f"{type(exc).__name__}: {exc}"
             log.exception("the directory failed to handle %s", type(event).__name__)
             self._log(event.now, "handler_failed", event=type(event).__name__, error=text[:500])
-            request_id = getattr(event.message, "request_id", None) if isinstance(event, Request) else None
-            if isinstance(event, Request) and isinstance(request_id, int):
-                what = f"the directory failed to handle this {event.message.TYPE} request: {text[:500]}"
-                reply = p.ErrorReply(request_id=request_id, kind="HopliteError", message=what)
-                self._send(event.node_id, reply)
+            if isinstance(event, Request):
+                request_id = getattr(event.message, "request_id", None)
+                if isinstance(request_id, int):
+                    what = f"the directory failed to handle this {event.message.TYPE} request: {text[:500]}"
+                    reply = p.ErrorReply(request_id=request_id, kind="HopliteError", message=what)
+                    self._send(event.node_id, reply)
         out, self._out = self._out, []
         if self.check_invariants:
             self.validate()
