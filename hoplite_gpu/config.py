@@ -366,3 +366,65 @@ def apply_ucx_defaults() -> None:
     """Set the measured UCX defaults in the environment unless the user set them already."""
     for key, value in UCX_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def interface_of(host: str) -> str:
+    """The name of the local network interface that holds the address ``host`` ("lo" for a
+    loopback address, "" when no interface holds it or it is a wildcard or a name).
+
+    IPv4 addresses are read with the ``SIOCGIFADDR`` ioctl (an interface's primary address),
+    IPv6 ones from ``/proc/net/if_inet6``; on systems without either it returns "".
+    """
+    if host in WILDCARD_HOSTS or not host:
+        return ""
+    if is_loopback(host):
+        return _loopback_interface()
+    try:
+        packed = socket.inet_pton(socket.AF_INET, host)
+    except OSError:
+        packed = b""
+    if packed:
+        return _ipv4_interface(packed)
+    try:
+        wanted = socket.inet_pton(socket.AF_INET6, host).hex()
+    except OSError:
+        return ""  # a name, not an address
+    try:
+        with open("/proc/net/if_inet6") as table:
+            for line in table:
+                cols = line.split()
+                if len(cols) >= 6 and cols[0] == wanted:
+                    return cols[5]
+    except OSError:
+        pass
+    return ""
+
+
+def _interfaces() -> list[str]:
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return []
+
+
+def _loopback_interface() -> str:
+    names = _interfaces()
+    return "lo" if "lo" in names or not names else _ipv4_interface(socket.inet_aton("127.0.0.1"))
+
+
+def _ipv4_interface(packed: bytes) -> str:
+    try:
+        import fcntl
+        import struct
+    except ImportError:  # pragma: no cover - not a POSIX system
+        return ""
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in _interfaces():
+            try:
+                reply = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # down, or no IPv4 address
+            if reply[20:24] == packed:
+                return name
+    return ""

@@ -169,7 +169,7 @@ class Node:
 
     # ------------------------------------------------------------ lifecycle
     async def _start(self) -> None:
-        await self._data.start()
+        await self._data.start(self._data_host)
         self._session.data_port = self._data.port
         try:
             await self._session.start()
@@ -571,12 +571,15 @@ class Node:
         return self._io.run(fetch())
 
     def stats(self) -> dict[str, Any]:
-        """Local store figures: objects, bytes used, capacity, data-plane auth failures."""
+        """Local store figures: objects, bytes used, capacity, data-plane auth failures, and the
+        unreceived messages the data plane dropped (``stale_*``: see ``DataPlane._sweep_unexpected``)."""
         return {
             "node_id": self.node_id,
             "objects": len(self._store),
             "used_bytes": self._store.used_bytes,
             "capacity_bytes": self._store.capacity_bytes,
             "data_auth_failures": self._data.auth_failures,
+            "stale_messages_dropped": self._data.stale_messages,
+            "stale_bytes_dropped": self._data.stale_bytes,
             "pid": os.getpid(),
         }

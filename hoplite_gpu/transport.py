@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,7 +27,7 @@ import numpy as np
 
 from . import auth
 from . import protocol as p
-from .config import Config, apply_ucx_defaults
+from .config import Config, apply_ucx_defaults, interface_of
 from .errors import (
     AuthenticationError,
     HopliteError,
@@ -50,17 +52,51 @@ MAX_WIRE_CHUNK = 256 * 1024 * 1024
 RATE_SAMPLE_MIN_BYTES = 2 * 1024 * 1024
 
 _ucxx: Any = None
+_net_devices = ""
 
 
-def ucxx_module() -> Any:
-    """Import ``ucxx`` once, after applying the measured UCX defaults."""
-    global _ucxx
+def ucxx_module(data_host: str = "") -> Any:
+    """Import ``ucxx`` once, after applying the measured UCX defaults.
+
+    With ``data_host`` (the address a node advertises), UCX is limited to the network interface
+    that holds it (UCX's ``NET_DEVICES``, given to ``ucxx.init`` rather than through the
+    environment, so processes started later do not inherit it), unless ``UCX_NET_DEVICES`` is
+    set. ucxx's listener takes no bind address and listens on every interface; UCX then refuses a
+    connection arriving on an interface it was not given, before the peer can send anything (it
+    logs "got connection request ... on a device ... which was not present during UCP
+    initialization"). UCX reads its settings once per process: a later node of the same process
+    whose data host is on another interface gets a warning, since peers reaching it there would
+    be refused.
+    """
+    global _ucxx, _net_devices
     if _ucxx is None:
         apply_ucx_defaults()
         import ucxx
 
+        device = interface_of(data_host) if data_host else ""
+        if device and "UCX_NET_DEVICES" not in os.environ:
+            try:
+                ucxx.init(options={"NET_DEVICES": device}, env_takes_precedence=True)
+                _net_devices = device
+            except RuntimeError:  # UCX was started in this process before us: leave it as it is
+                log.warning("UCX was initialised before hoplite_gpu: not limiting it to %s", device)
         _ucxx = ucxx
+    elif data_host and _net_devices:
+        device = interface_of(data_host)
+        if device and device != _net_devices:
+            log.warning(
+                "UCX in this process uses only %s, but this node advertises %s on %s: peers reaching "
+                "it there are refused; run one node per process, or set UCX_NET_DEVICES=all",
+                _net_devices,
+                data_host,
+                device,
+            )
     return _ucxx
+
+
+def net_devices() -> str:
+    """The interface UCX was limited to in this process ("" when it was not)."""
+    return _net_devices
 
 
 def _wrap(exc: BaseException, peer: str, what: str) -> HopliteError:
@@ -157,6 +193,8 @@ class DataPlane:
         self.on_served = on_served
         self.port = 0
         self.auth_failures = 0
+        self.stale_messages = 0  # unexpected messages dropped by _sweep_unexpected
+        self.stale_bytes = 0
         self._listener: Any = None
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Future[_Peer]] = {}
@@ -167,12 +205,93 @@ class DataPlane:
         self._rates: dict[str, float] = {}  # peer address -> measured pull throughput, bytes/s
 
     # ------------------------------------------------------------ lifecycle
-    async def start(self) -> int:
-        """Start listening; returns the port."""
-        ucxx = ucxx_module()
+    async def start(self, host: str = "") -> int:
+        """Start listening; returns the port.
+
+        Args:
+            host: The address this node advertises: UCX is limited to its interface (see
+                :func:`ucxx_module`), so peers arriving on other interfaces are refused.
+        """
+        ucxx = ucxx_module(host)
         self._listener = ucxx.create_listener(self._on_endpoint, port=0)
         self.port = int(self._listener.port)
+        self._spawn(self._sweep_unexpected())
         return self.port
+
+    async def _sweep_unexpected(self) -> None:
+        """Free messages that have waited unreceived for a whole sweep interval.
+
+        UCX keeps a tagged message that arrives before its receive is posted (an "unexpected"
+        message) until someone receives it: a peer that sends before authenticating, or a chunk
+        that arrives after its transfer was given up, would otherwise hold that memory for the
+        node's life. Every ``stall_timeout`` seconds this sends a marker message to its own
+        worker; at the next round every message queued ahead of the marker has waited at least
+        one interval without a receive (a transfer waiting that long has failed anyway), and is
+        received into a scratch buffer and dropped. UCX keeps the freed buffers in its pools, so
+        repeated floods reuse the same memory instead of adding to it.
+        """
+        ucxx = ucxx_module()
+        interval = self.config.stall_timeout
+        own: Any = None
+        marker: int | None = None
+        loop = asyncio.get_running_loop()
+        next_round = loop.time() + interval
+        while not self._closed:
+            await asyncio.sleep(max(0.0, next_round - loop.time()))  # a timer, not a synchronisation
+            next_round = loop.time() + interval
+            try:
+                if own is None:
+                    address = ucxx.get_worker_address()
+                    connecting = ucxx.create_endpoint_from_worker_address(address)
+                    own = await _timed(connecting, self.config.connect_timeout, "self", "connect")
+                if marker is not None:
+                    await self._drop_until(own, marker)
+                marker = secrets.randbits(64)
+                sending = own.send(np.zeros(1, np.uint8), tag=marker, force_tag=True)
+                await _timed(sending, self.config.connect_timeout, "self", "marker")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next round starts over with a new endpoint
+                log.debug("data plane: sweep of unexpected messages failed: %s", exc)
+                if own is not None:
+                    with contextlib.suppress(Exception):
+                        own.abort()
+                own, marker = None, None
+        if own is not None:
+            with contextlib.suppress(Exception):
+                own.abort()
+
+    async def _drop_until(self, own: Any, marker: int) -> None:
+        """Receive and drop every unexpected message queued ahead of ``marker`` (and the marker),
+        if the marker has arrived; ``own`` is the endpoint to this node's own worker."""
+        from ucxx._lib.libucxx import UCXXTag, UCXXTagMask
+
+        # ucxx 0.52 exposes the worker object (the one whose probe takes a tag mask) only here.
+        worker = ucxx_module().core._get_ctx().worker
+        if not worker.tag_probe(UCXXTag(marker)).matched:
+            return  # not arrived yet (or taken by another node's sweep in this process)
+        count = nbytes = 0
+        while True:
+            found = worker.tag_probe(UCXXTag(0), UCXXTagMask(0), remove=True)  # the oldest of any tag
+            if not found.matched:
+                break
+            length = int(found.length)
+            receiving = own.recv_with_handle(np.empty(max(1, length), np.uint8), found)
+            await _timed(receiving, self.config.stall_timeout, "self", "drop")
+            if int(found.sender_tag.value) == marker:
+                break
+            count += 1
+            nbytes += length
+        self.stale_messages += count
+        self.stale_bytes += nbytes
+        if count:
+            log.warning(
+                "data plane: dropped %d messages (%d bytes) that no receive asked for within %.0f s "
+                "(sent by a peer before it authenticated, or chunks of transfers given up)",
+                count,
+                nbytes,
+                self.config.stall_timeout,
+            )
 
     async def close(self, grace: float = 0.0) -> None:
         """Close the listener, every endpoint and every serving task.

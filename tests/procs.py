@@ -66,6 +66,10 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             return node.put(args[0], hg.ObjectID.from_hex(args[1]) if args[1] else None).hex()
         if cmd == "objects":
             return node.stats()["objects"]
+        if cmd == "stats":  # node.stats(), its data address and this process's resident memory
+            with open("/proc/self/statm") as statm:
+                rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return {**node.stats(), "data_address": node.data_address, "rss_bytes": rss}
         if cmd == "get":
             oid_hex, timeout = args
             return digest(node.get(hg.ObjectID.from_hex(oid_hex), timeout=timeout))
