@@ -162,6 +162,11 @@ class Config:
             of objects not there yet); beyond it a get fails with ``QuotaExceededError``.
         directory_max_reductions: Quota of reductions one node may have requested and not yet
             finished; beyond it a reduce fails with ``QuotaExceededError``.
+        directory_max_inline_bytes: Quota of bytes of one node's small objects (those up to
+            ``inline_threshold_bytes``) that the directory keeps inline; beyond it a put of a
+            small object fails with ``QuotaExceededError`` until the node deletes some.
+        directory_event_log_bytes: Bound of the directory's event log in (estimated) bytes,
+            beside its bound of 100,000 events; the oldest events go first.
         tls_cert_file: PEM certificate chain a directory started with this config serves its
             control connections with, over TLS (with ``tls_key_file``); "" for plain TCP. For
             directories reached across networks you do not trust: the token authenticates
@@ -203,6 +208,8 @@ class Config:
     directory_max_handshakes: int = 256
     directory_max_pending_lookups: int = 100_000
     directory_max_reductions: int = 10_000
+    directory_max_inline_bytes: int = 256 * MiB
+    directory_event_log_bytes: int = 64 * MiB
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
@@ -213,6 +220,8 @@ class Config:
             "directory_max_handshakes",
             "directory_max_pending_lookups",
             "directory_max_reductions",
+            "directory_max_inline_bytes",
+            "directory_event_log_bytes",
             "chunk_bytes",
             "chunks_in_flight",
             "max_object_bytes",

@@ -18,7 +18,7 @@ from hoplite_gpu import protocol as p
 from hoplite_gpu import shm
 from hoplite_gpu.buffers import dtype_from_wire, dtype_to_wire
 from hoplite_gpu.control import ControlClient
-from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
+from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request
 from hoplite_gpu.errors import InvalidArgumentError, ProtocolError
 from hoplite_gpu.iothread import IOThread
 
@@ -494,3 +494,56 @@ def test_a_node_on_loopback_refuses_a_peer_arriving_on_another_interface() -> No
         assert _flood(cluster.command(0, []), "127.0.0.1", port, 1) == "SENT"
         out, _ = node.communicate("\n", timeout=60)
         assert node.returncode == 0 and "STATS" in out, out
+
+
+# --------------------------------------------------------------------------- finding 4 and 6: the rest
+def _state(**kw: Any) -> DirectoryState:
+    state = DirectoryState(lease_timeout=math.inf, validate=True, **kw)
+    for i, name in enumerate(("A", "B", "C")):
+        assert state.handle(NodeJoined(name, "127.0.0.1", 7000 + i, 0.0)) == []
+    return state
+
+
+def _inline_put(state: DirectoryState, node: str, oid: bytes, size: int, rid: int = 1) -> p.PutReply:
+    msg = p.PutRequest(rid, oid, size, "uint8", [size], b"d" * 32, bytes(size))
+    (out,) = state.handle(Request(node, msg, 0.0))
+    assert isinstance(out.message, p.PutReply)
+    return out.message
+
+
+def test_inline_bytes_have_a_per_node_quota_released_by_delete() -> None:
+    state = _state(max_inline_bytes=100_000)
+    assert _inline_put(state, "A", b"1" * 20, 60_000).error == ""
+    refused = _inline_put(state, "A", b"2" * 20, 60_000)
+    assert refused.error_kind == "QuotaExceededError" and "directory_max_inline_bytes" in refused.error
+    assert b"2" * 20 not in state.objects
+    assert _inline_put(state, "B", b"2" * 20, 60_000).error == ""  # the quota is per node
+    state.handle(Request("A", p.DeleteRequest(7, b"1" * 20), 0.0))
+    assert _inline_put(state, "A", b"3" * 20, 60_000).error == ""  # freed by the delete
+    # A restore past the quota registers the node's own copy instead of keeping the bytes here.
+    restore = p.Restore(b"4" * 20, 60_000, "uint8", [60_000], b"d" * 32, owner=True, inline=bytes(60_000))
+    state.handle(Request("A", restore, 0.0))
+    entry = state.objects[b"4" * 20]
+    assert entry.inline is None and "A" in entry.locations
+
+
+def test_a_restore_does_not_take_an_object_from_its_owner() -> None:
+    state = _state()
+    state.handle(Request("A", p.PutRequest(1, ID, 1 << 20, "uint8", [1 << 20], b"d" * 32), 0.0))
+    state.handle(Request("B", p.Restore(ID, 1 << 20, "uint8", [1 << 20], b"d" * 32, owner=True), 0.0))
+    assert state.objects[ID].owner == "A"
+    assert [e["kind"] for e in state.events][-2:] == ["restore_owner_refused", "restore"]
+    # Once the owner is gone, a node that holds the object and says it put it may own it again.
+    state.handle(NodeLeft("A", 1.0))
+    state.handle(Request("B", p.Restore(ID, 1 << 20, "uint8", [1 << 20], b"d" * 32, owner=True), 2.0))
+    assert state.objects[ID].owner == "B"
+
+
+def test_the_event_log_is_bounded_in_bytes() -> None:
+    state = _state(event_log_bytes=1 << 20)
+    reason = "x" * 1000  # the longest text a peer may send for it is bounded where it is decoded
+    for i in range(5000):
+        state.record(float(i), "note", reason=reason)
+    assert 0 < len(state.events) < 1100  # about 1.4 KiB each
+    assert state.events[-1]["t"] == 4999.0  # the newest kept, the oldest dropped
+    assert not state.problems()

@@ -57,6 +57,10 @@ class DirectoryService:
             :attr:`Config.directory_max_pending_lookups`).
         max_reductions: Per-node quota of unfinished reductions (see
             :attr:`Config.directory_max_reductions`).
+        max_inline_bytes: Per-node quota of inline bytes (see
+            :attr:`Config.directory_max_inline_bytes`).
+        event_log_bytes: Bound of the event log's size (see
+            :attr:`Config.directory_event_log_bytes`).
         tls: Serve over TLS with this context (see :attr:`Config.tls_cert_file`); None: plain TCP.
     """
 
@@ -73,6 +77,8 @@ class DirectoryService:
         max_handshakes: int = 256,
         max_pending_lookups: int = 100_000,
         max_reductions: int = 10_000,
+        max_inline_bytes: int = 256 * 1024 * 1024,
+        event_log_bytes: int = 64 * 1024 * 1024,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         if not token:
@@ -86,6 +92,8 @@ class DirectoryService:
             lease_timeout=lease_timeout,
             max_pending_lookups=max_pending_lookups,
             max_reductions=max_reductions,
+            max_inline_bytes=max_inline_bytes,
+            event_log_bytes=event_log_bytes,
         )
         self.validate = validate
         self.tls = tls
@@ -120,6 +128,8 @@ class DirectoryService:
             max_handshakes=config.directory_max_handshakes,
             max_pending_lookups=config.directory_max_pending_lookups,
             max_reductions=config.directory_max_reductions,
+            max_inline_bytes=config.directory_max_inline_bytes,
+            event_log_bytes=config.directory_event_log_bytes,
             tls=config.server_tls(),
         )
 

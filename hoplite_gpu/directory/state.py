@@ -74,6 +74,9 @@ REDUCTIONS_KEPT = 10_000
 
 #: How many events the directory keeps for :class:`~hoplite_gpu.protocol.EventLogRequest`.
 EVENT_LOG_CAPACITY = 100_000
+#: Default bound of the event log's size in bytes (estimated: see :func:`_event_bytes`); the oldest
+#: events go first once either bound is reached.
+EVENT_LOG_BYTES = 64 * 1024 * 1024
 
 #: A suspect node's heartbeat clears the suspicion only if it arrives this long after it (one sent
 #: just before the node stopped may still be in flight).
@@ -192,6 +195,7 @@ class ObjectEntry:
     inline: bytes | None
     locations: dict[str, Location] = field(default_factory=dict)
     reduction: bytes = b""  # the reduction computing it (an intermediate, or its running result)
+    charged: str = ""  # the node whose inline-bytes quota ``inline`` counts against
 
 
 @dataclass(slots=True)
@@ -271,6 +275,12 @@ class DirectoryState:
         lease_timeout: Seconds of silence after which a node is declared dead.
         validate: Check every invariant after each event (:meth:`validate`; for tests: it costs
             a pass over the whole state per event).
+        max_pending_lookups: Per-node quota of waiting lookups.
+        max_reductions: Per-node quota of unfinished reductions.
+        max_inline_bytes: Per-node quota of bytes of the objects a node put (or restored) that
+            are stored inline here.
+        event_log_bytes: Bound of the event log's estimated size; with ``EVENT_LOG_CAPACITY``
+            events, the oldest go first.
     """
 
     def __init__(
@@ -280,6 +290,8 @@ class DirectoryState:
         validate: bool = False,
         max_pending_lookups: int = 100_000,
         max_reductions: int = 10_000,
+        max_inline_bytes: int = 256 * 1024 * 1024,
+        event_log_bytes: int = EVENT_LOG_BYTES,
     ) -> None:
         self.inline_threshold_bytes = inline_threshold_bytes
         self.lease_timeout = lease_timeout
@@ -287,6 +299,10 @@ class DirectoryState:
         # Config.directory_max_pending_lookups and Config.directory_max_reductions).
         self.max_pending_lookups = max_pending_lookups
         self.max_reductions = max_reductions
+        # Per-node quota of bytes stored inline here (Config.directory_max_inline_bytes), and what
+        # each node's inline objects hold now.
+        self.max_inline_bytes = max_inline_bytes
+        self._inline_per_node: dict[str, int] = {}
         self._pending_per_node: dict[str, int] = {}
         self.check_invariants = validate
         self.nodes: dict[str, NodeInfo] = {}
@@ -300,7 +316,10 @@ class DirectoryState:
         # (node, request id) -> {object id: how many lookups}: a peer may reuse a request id.
         self._pending_by_request: dict[tuple[str, int], dict[bytes, int]] = {}
         self.transfers: dict[int, Transfer] = {}
-        self.events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_CAPACITY)
+        self.events: deque[dict[str, Any]] = deque()
+        self._event_sizes: deque[int] = deque()  # estimated bytes of each event in ``events``
+        self.event_log_bytes = event_log_bytes
+        self._event_bytes_total = 0
         self._seq = itertools.count()
         self._transfer_ids = itertools.count(1)
         self._out: list[Instruction] = []
@@ -495,6 +514,18 @@ class DirectoryState:
             self._serve_pending(oid, now)
             self._object_ready(oid, now)
             return
+        if msg.inline is not None and not self._inline_fits(node_id, msg.size):
+            text = (
+                f"the objects this node stored inline in the directory hold {self._inline_per_node[node_id]} "
+                f"bytes, and {msg.size} more pass its quota of {self.max_inline_bytes} "
+                "(Config.directory_max_inline_bytes); delete some"
+            )
+            self._log(now, "quota_exceeded", node=node_id, quota="inline_bytes")
+            self._send(
+                node_id,
+                p.PutReply(request_id=msg.request_id, error=text, error_kind="QuotaExceededError"),
+            )
+            return
         entry = ObjectEntry(
             object_id=oid,
             size=msg.size,
@@ -506,11 +537,21 @@ class DirectoryState:
         )
         if msg.inline is None:
             self._add_complete(entry, node_id, msg.segment, copying=msg.copying)
+        else:
+            self._charge_inline(entry, node_id)
         self.objects[oid] = entry
         self._send(node_id, p.PutReply(request_id=msg.request_id))
         self._log(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, inline=msg.inline is not None)
         self._serve_pending(oid, now)
         self._object_ready(oid, now)
+
+    def _inline_fits(self, node_id: str, size: int) -> bool:
+        """Whether ``size`` more inline bytes stay within ``node_id``'s quota."""
+        return self._inline_per_node.get(node_id, 0) + size <= self.max_inline_bytes
+
+    def _charge_inline(self, entry: ObjectEntry, node_id: str) -> None:
+        entry.charged = node_id
+        self._inline_per_node[node_id] = self._inline_per_node.get(node_id, 0) + entry.size
 
     def _add_complete(self, entry: ObjectEntry, node_id: str, segment: str, copying: bool = False) -> None:
         loc = entry.locations.get(node_id)
@@ -542,13 +583,16 @@ class DirectoryState:
         if len(oid) != 20 or msg.size < 0:
             return
         inline = msg.inline if msg.inline is not None and len(msg.inline) == msg.size else None
-        if inline is not None and msg.size > self.inline_threshold_bytes:
-            inline = None
+        too_big = msg.size > self.inline_threshold_bytes or not self._inline_fits(node_id, msg.size)
+        if inline is not None and too_big:
+            inline = None  # over the threshold or the quota: the node's own copy is registered
         entry = self.objects.get(oid)
         if entry is None:
             entry = ObjectEntry(
                 oid, msg.size, msg.dtype, list(msg.shape), msg.digest, node_id if msg.owner else "", inline
             )
+            if inline is not None:
+                self._charge_inline(entry, node_id)
             self.objects[oid] = entry
         elif (entry.size, entry.dtype, list(entry.shape)) != (msg.size, msg.dtype, list(msg.shape)) or (
             entry.digest and msg.digest and entry.digest != msg.digest
@@ -559,8 +603,15 @@ class DirectoryState:
             return
         else:
             entry.digest = entry.digest or msg.digest
-            if msg.owner:
-                entry.owner = node_id
+            if msg.owner and entry.owner != node_id:
+                if entry.owner and entry.owner in self.nodes:
+                    # Another joined node owns it: a Restore does not take it over (only the node
+                    # that put an object may delete it for everyone).
+                    self._log(
+                        now, "restore_owner_refused", node=node_id, object_id=oid.hex(), owner=entry.owner
+                    )
+                else:
+                    entry.owner = node_id
         if entry.inline is None:
             self._add_complete(entry, node_id, msg.segment)
         self._log(now, "restore", node=node_id, object_id=oid.hex(), owner=msg.owner)
@@ -901,6 +952,12 @@ class DirectoryState:
         entry = self.objects.pop(oid, None)
         if entry is None:
             return
+        if entry.inline is not None and entry.charged:
+            left = self._inline_per_node[entry.charged] - entry.size
+            if left:
+                self._inline_per_node[entry.charged] = left
+            else:
+                del self._inline_per_node[entry.charged]
         for tid in [t for t, tr in self.transfers.items() if tr.object_id == oid]:
             del self.transfers[tid]
         for holder in entry.locations:
@@ -1508,6 +1565,14 @@ class DirectoryState:
         for nid, info in self.nodes.items():
             if info.node_id != nid:
                 out.append(f"node {nid[:8]} is recorded as {info.node_id[:8]}")
+        inline: dict[str, int] = {}
+        for entry in self.objects.values():
+            if entry.inline is not None and entry.charged:
+                inline[entry.charged] = inline.get(entry.charged, 0) + entry.size
+        if inline != self._inline_per_node:
+            out.append(f"inline bytes per node {self._inline_per_node} are really {inline}")
+        if len(self.events) != len(self._event_sizes) or self._event_bytes_total != sum(self._event_sizes):
+            out.append("the event log's size accounting does not match its events")
         serving = {(tr.object_id, tr.sender) for tr in self.transfers.values()}
         for oid, entry in self.objects.items():
             name = oid.hex()[:12]
@@ -1605,7 +1670,24 @@ class DirectoryState:
         self._log(now, kind, **details)
 
     def _log(self, now: float, kind: str, **details: Any) -> None:
+        size = _event_bytes(details)
         self.events.append({"seq": next(self._seq), "t": now, "kind": kind, **details})
+        self._event_sizes.append(size)
+        self._event_bytes_total += size
+        while len(self.events) > EVENT_LOG_CAPACITY or (
+            self._event_bytes_total > self.event_log_bytes and len(self.events) > 1
+        ):
+            self.events.popleft()
+            self._event_bytes_total -= self._event_sizes.popleft()
+
+
+def _event_bytes(details: dict[str, Any]) -> int:
+    """An estimate of an event's memory: a fixed cost for the record and each field, plus the
+    length of its texts and byte strings (every other value is a number, a flag or short)."""
+    size = 360
+    for value in details.values():
+        size += 72 + (len(value) if isinstance(value, (str, bytes)) else 0)
+    return size
 
 
 def _rank(loc: Location) -> tuple[int, int]:
