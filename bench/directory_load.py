@@ -3,8 +3,15 @@ over ``n`` inputs that are all present, and single events while tens of thousand
 pending. Everything the directory does on one event runs on its one event loop, so every other
 node's round trip waits behind it.
 
-Drives :class:`~hoplite_gpu.directory.state.DirectoryState` directly (no sockets: the times are
-the state machine's own CPU time per event, which the service adds to every other request).
+The first two tables drive :class:`~hoplite_gpu.directory.state.DirectoryState` directly (no
+sockets: the times are the state machine's own CPU time per event, which the service adds to every
+other request). A reduce over present inputs is placed :data:`PLACE_SLICE` inputs per event (see
+``state.Resume``): the table gives the whole reduce and its longest event.
+
+The last table is the service as nodes see it: a real directory on loopback, one peer holding
+``--pending`` lookups that wait, one that puts ``--service-inputs`` objects and reduces them all, and
+one that measures its round trips (a lookup of a small object) meanwhile, with the reduce placed a
+slice per event and, for comparison in the same run, all at once.
 
     python bench/directory_load.py --inputs 1000,2000,4000,8000,10000 --pending 20000
 """
@@ -19,16 +26,32 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import multiprocessing
+import socket
+import subprocess
+import threading
+from typing import Any
+
+from hoplite_gpu import auth
 from hoplite_gpu import protocol as p
-from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request, Tick
+from hoplite_gpu.directory.state import (
+    PLACE_SLICE,
+    ContinueReduce,
+    DirectoryState,
+    NodeJoined,
+    Request,
+    Resume,
+    Tick,
+)
 
 
 def _oid(i: int) -> bytes:
     return i.to_bytes(20, "big")
 
 
-def reduce_seconds(n: int) -> float:
-    """Seconds one ReduceRequest over ``n`` present 1 MiB inputs (on two nodes) takes."""
+def reduce_seconds(n: int) -> tuple[float, float]:
+    """Seconds one ReduceRequest over ``n`` present 1 MiB inputs (on two nodes) takes, all its
+    events together and the longest one."""
     state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf)
     for node, port in (("A", 7000), ("B", 7001)):
         state.handle(NodeJoined(node, "127.0.0.1", port, 0.0))
@@ -38,15 +61,19 @@ def reduce_seconds(n: int) -> float:
             request_id=k + 1, object_id=oid, size=1 << 20, dtype="|u1", shape=[1 << 20], digest=b""
         )
         state.handle(Request("AB"[k % 2], put, 0.0))
-    started = time.perf_counter()
-    state.handle(
-        Request(
-            "A",
-            p.ReduceRequest(request_id=0, reduction_id=b"r" * 20, object_ids=ids, op="sum", num_objects=n),
-            1.0,
-        )
+    rid = b"r" * 20
+    event: object = Request(
+        "A", p.ReduceRequest(request_id=0, reduction_id=rid, object_ids=ids, op="sum", num_objects=n), 1.0
     )
-    return time.perf_counter() - started
+    total = longest = 0.0
+    while True:
+        started = time.perf_counter()
+        out = state.handle(event)  # type: ignore[arg-type]
+        took = time.perf_counter() - started
+        total, longest = total + took, max(longest, took)
+        if not any(isinstance(i, Resume) for i in out):
+            return total, longest
+        event = ContinueReduce(rid, 1.0)
 
 
 def per_event_ms(pending: int) -> dict[str, float]:
@@ -88,17 +115,165 @@ def per_event_ms(pending: int) -> dict[str, float]:
     }
 
 
+class _Peer:
+    """A raw authenticated connection to a directory, with a thread that reads every frame and
+    completes the request whose id it answers (pushes are read and dropped)."""
+
+    def __init__(self, address: str, token: str, node_id: str, port: int) -> None:
+        host, port_text = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port_text)), timeout=30)
+        challenge = self._frame()
+        assert isinstance(challenge, p.Challenge)
+        mine = auth.new_nonce()
+        proof = auth.mac(token, b"client", challenge.nonce, mine)
+        hello = p.Hello(node_id=node_id, nonce=mine, proof=proof, data_host=host, data_port=port)
+        self.sock.sendall(p.encode(hello))
+        assert isinstance(self._frame(), p.Welcome)
+        self.replies: dict[int, float] = {}  # request id -> when its reply arrived
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _exact(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            part = self.sock.recv(n - len(data))
+            if not part:
+                raise ConnectionError("closed")
+            data += part
+        return bytes(data)
+
+    def _frame(self) -> p.Message:
+        (length,) = p.FRAME_HEADER.unpack(self._exact(p.FRAME_HEADER.size))
+        return p.decode(self._exact(length))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._frame()
+                rid = getattr(msg, "request_id", None)
+                if rid is not None:
+                    with self.cond:
+                        self.replies[rid] = time.perf_counter()
+                        self.cond.notify_all()
+        except (OSError, ConnectionError):
+            pass
+
+    def send(self, msg: p.Message) -> None:
+        self.sock.sendall(p.encode(msg))
+
+    def wait(self, request_id: int, timeout: float = 120.0) -> float:
+        with self.cond:
+            if not self.cond.wait_for(lambda: request_id in self.replies, timeout):
+                raise TimeoutError(f"no reply to request {request_id}")
+            return self.replies[request_id]
+
+
+def service_round_trips(inputs: int, pending: int, place_slice: int) -> dict[str, float]:
+    """Round trips (ms) of a third node's lookups while a standalone directory (its own process,
+    ``hoplite-gpu directory``) holds ``pending`` waiting lookups and places a reduce over
+    ``inputs`` present objects, ``place_slice`` of them per event."""
+    token = auth.new_token()
+    env = {
+        **os.environ,
+        "HOPLITE_TOKEN": token,
+        "HOPLITE_DIRECTORY_PLACE_SLICE": str(place_slice),
+        "HOPLITE_VALIDATE_DIRECTORY": "0",
+    }
+    cli = [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", "0"]
+    proc = subprocess.Popen(cli, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "listening on" not in line:
+            raise RuntimeError(f"the directory did not start: {line!r}")
+        address = line.split()[-1]
+        waiter = _Peer(address, token, "waiter", 9001)
+        maker = _Peer(address, token, "maker", 9002)
+        ctx = multiprocessing.get_context("spawn")
+        here, there = ctx.Pipe()
+        # The prober runs in a process of its own: in this one, the threads reading the maker's
+        # thousands of pushes would hold the GIL while the prober's replies wait.
+        prober = ctx.Process(target=_probe, args=(address, token, there), daemon=True)
+        prober.start()
+        for k in range(pending):
+            waiter.send(p.LookupRequest(request_id=k + 1, object_id=_oid(10**7 + k), timeout=600.0))
+        ids = [_oid(i) for i in range(1, inputs + 1)]
+        for k, oid in enumerate(ids):
+            maker.send(p.PutRequest(k + 1, oid, 1 << 20, "|u1", [1 << 20], b""))
+        maker.wait(inputs)
+        here.send("go")
+        if not here.poll(120):
+            raise TimeoutError("the prober did not start")
+        idle = here.recv()  # sent as it starts the probes that the reduce below overlaps
+        maker.send(p.ReduceRequest(10**6, b"r" * 20, ids, "sum", inputs))
+        maker.wait(10**6)
+        if not here.poll(120):
+            raise TimeoutError("the prober did not finish")
+        busy = sorted(here.recv())
+        prober.join(30)
+        return {
+            "idle median": statistics_median(idle),
+            "during median": statistics_median(busy),
+            "during p99": busy[int(len(busy) * 0.99) - 1],
+            "during max": busy[-1],
+        }
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _probe(address: str, token: str, conn: Any) -> None:
+    """The prober process: an inline object, then lookups of it, timed one at a time: 200 before
+    the reduce (sent back first), then 300 that the reduce overlaps."""
+    peer = _Peer(address, token, "prober", 9003)
+    small = _oid(3 * 10**7)
+    peer.send(p.PutRequest(1, small, 8, "|u1", [8], b"", bytes(8)))
+    peer.wait(1)
+    conn.recv()  # "go": the other peers are set up
+
+    def probe(first: int, count: int) -> list[float]:
+        rtts = []
+        for k in range(first, first + count):
+            sent = time.perf_counter()
+            peer.send(p.LookupRequest(request_id=k, object_id=small, timeout=0.0))
+            rtts.append((peer.wait(k) - sent) * 1000)
+        return rtts
+
+    conn.send(probe(2, 200))
+    conn.send(probe(1000, 300))
+
+
+def statistics_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", default="1000,2000,4000,8000,10000")
     parser.add_argument("--pending", type=int, default=20000)
+    parser.add_argument("--service-inputs", type=int, default=10000)
     args = parser.parse_args(argv)
-    print("| reduce inputs (all present) | directory seconds |\n|---:|---:|")
+    print("| reduce inputs (all present) | directory seconds | longest event, ms |\n|---:|---:|---:|")
     for n in (int(x) for x in args.inputs.split(",")):
-        print(f"| {n} | {reduce_seconds(n):.3f} |", flush=True)
+        total, longest = reduce_seconds(n)
+        print(f"| {n} | {total:.3f} | {longest * 1000:.1f} |", flush=True)
     print(f"\n| event, with {args.pending} lookups pending | ms |\n|---|---:|")
     for name, ms in per_event_ms(args.pending).items():
         print(f"| {name} | {ms:.3f} |", flush=True)
+    print(
+        f"\nA node's lookup round trips (ms) on a directory with {args.pending} lookups waiting, while "
+        f"it places a reduce over {args.service_inputs} present inputs\n"
+        "| placement | idle median | during: median | p99 | max |\n|---|---:|---:|---:|---:|"
+    )
+    for place_slice in (PLACE_SLICE, 10**9):
+        r = service_round_trips(args.service_inputs, args.pending, place_slice)
+        name = f"{place_slice} inputs per event" if place_slice < 10**9 else "all in one event (before)"
+        print(
+            f"| {name} | {r['idle median']:.2f} | {r['during median']:.2f} | {r['during p99']:.2f} | "
+            f"{r['during max']:.2f} |",
+            flush=True,
+        )
     return 0
 
 

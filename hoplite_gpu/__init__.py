@@ -68,6 +68,7 @@ __all__ = [
     "errors",
     "init",
     "start_directory",
+    "stop_directory",
 ]
 
 
@@ -103,6 +104,13 @@ def start_directory(
     service = DirectoryService.from_config(token or new_token(), host, port, config)
     IOThread.get().run(service.start(), timeout=config.connect_timeout)
     return service
+
+
+def stop_directory(service: Any, timeout: float = 10.0) -> None:
+    """Stop a directory service that :func:`start_directory` started (its nodes lose it)."""
+    from .iothread import IOThread
+
+    IOThread.get().run(service.stop(), timeout=timeout)
 
 
 def init(

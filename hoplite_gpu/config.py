@@ -130,8 +130,10 @@ class Config:
             when ``advertise_host`` is empty. Empty (the default): an embedded directory listens on
             127.0.0.1, and a node advertises the address of its interface that routes to its
             directory (127.0.0.1 for a directory on loopback, the host's address on that network
-            otherwise; see :func:`route_address`). The data-plane listener accepts connections on
-            every interface either way.
+            otherwise; see :func:`route_address`). Set (not a wildcard), it also limits the
+            node's UCX to the interface that holds it, so the data-plane listener refuses peers
+            arriving on other interfaces (once per process: see ``transport.ucxx_module``);
+            empty, the listener accepts connections on every interface.
         advertise_host: Address peers use to reach this node's data plane (overrides the above;
             set it behind NAT, or where the route to the directory is not the one peers use).
         verify_digest: Check a received object's digest against the one recorded at ``put``.
@@ -158,6 +160,8 @@ class Config:
         directory_max_handshakes: A directory started with this config closes new connections at
             once while this many others have not finished authenticating (each has 10 s to), so
             idle or hostile connections cannot use up its file descriptors or memory.
+        directory_max_handshakes_per_address: The same bound per peer address, so one address
+            cannot take every slot of ``directory_max_handshakes`` from the others.
         directory_max_pending_lookups: Quota of lookups one node may have waiting at once (gets
             of objects not there yet); beyond it a get fails with ``QuotaExceededError``.
         directory_max_reductions: Quota of reductions one node may have requested and not yet
@@ -167,6 +171,9 @@ class Config:
             small object fails with ``QuotaExceededError`` until the node deletes some.
         directory_event_log_bytes: Bound of the directory's event log in (estimated) bytes,
             beside its bound of 100,000 events; the oldest events go first.
+        directory_place_slice: Inputs a reduction places per directory event when they are
+            already present: a reduce over thousands of them is placed in slices, with other
+            nodes' requests served in between (about 5 ms of the directory's time per slice).
         tls_cert_file: PEM certificate chain a directory started with this config serves its
             control connections with, over TLS (with ``tls_key_file``); "" for plain TCP. For
             directories reached across networks you do not trust: the token authenticates
@@ -206,10 +213,12 @@ class Config:
     validate_directory: bool = False
     directory_unread_bytes: int = 64 * MiB
     directory_max_handshakes: int = 256
+    directory_max_handshakes_per_address: int = 64
     directory_max_pending_lookups: int = 100_000
     directory_max_reductions: int = 10_000
     directory_max_inline_bytes: int = 256 * MiB
     directory_event_log_bytes: int = 64 * MiB
+    directory_place_slice: int = 256
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
@@ -218,10 +227,12 @@ class Config:
         positive = (
             "directory_unread_bytes",
             "directory_max_handshakes",
+            "directory_max_handshakes_per_address",
             "directory_max_pending_lookups",
             "directory_max_reductions",
             "directory_max_inline_bytes",
             "directory_event_log_bytes",
+            "directory_place_slice",
             "chunk_bytes",
             "chunks_in_flight",
             "max_object_bytes",

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import faults, shm, sources
 from . import protocol as p
-from .config import Config, host_of, is_loopback
+from .config import WILDCARD_HOSTS, Config, host_of, is_loopback
 from .directory.service import DirectoryService
 from .errors import (
     AuthenticationError,
@@ -169,7 +169,10 @@ class Node:
 
     # ------------------------------------------------------------ lifecycle
     async def _start(self) -> None:
-        await self._data.start(self._data_host)
+        # UCX is limited to the interface of an address the user gave to listen on (not to one
+        # found by routing, nor an advertised one, which may be a name or behind NAT).
+        listen = self.config.listen_host
+        await self._data.start(listen if listen not in WILDCARD_HOSTS else "")
         self._session.data_port = self._data.port
         try:
             await self._session.start()

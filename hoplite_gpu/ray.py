@@ -208,7 +208,8 @@ def node(name: str = DEFAULT_NAME, namespace: str | None = None, config: Config 
     """This process's node of the directory actor ``name``, connected on first use (one per
     process and directory, reused by every later call; a closed one is replaced).
 
-    Its data plane listens on the Ray node's IP address unless ``config`` says otherwise.
+    Its data plane is advertised at the Ray node's IP address unless ``config`` (or
+    ``HOPLITE_ADVERTISE_HOST``) says otherwise.
 
     Raises:
         DirectoryUnavailableError: no directory actor of that name.
@@ -220,7 +221,9 @@ def node(name: str = DEFAULT_NAME, namespace: str | None = None, config: Config 
             return existing
         address, token = directory_info(name, namespace)
         if config is None:
-            config = Config.from_env().replace(listen_host=_node_ip())
+            config = Config.from_env()
+            if not config.advertise_host:
+                config = config.replace(advertise_host=_node_ip())
         made = Node(address, token, config)
         _nodes[key] = made
         return made

@@ -55,25 +55,24 @@ _ucxx: Any = None
 _net_devices = ""
 
 
-def ucxx_module(data_host: str = "") -> Any:
+def ucxx_module(listen_host: str = "") -> Any:
     """Import ``ucxx`` once, after applying the measured UCX defaults.
 
-    With ``data_host`` (the address a node advertises), UCX is limited to the network interface
-    that holds it (UCX's ``NET_DEVICES``, given to ``ucxx.init`` rather than through the
-    environment, so processes started later do not inherit it), unless ``UCX_NET_DEVICES`` is
-    set. ucxx's listener takes no bind address and listens on every interface; UCX then refuses a
-    connection arriving on an interface it was not given, before the peer can send anything (it
-    logs "got connection request ... on a device ... which was not present during UCP
-    initialization"). UCX reads its settings once per process: a later node of the same process
-    whose data host is on another interface gets a warning, since peers reaching it there would
-    be refused.
+    With ``listen_host`` (the address a node was told to listen on: ``Config.listen_host``), UCX
+    is limited to the network interface that holds it (UCX's ``NET_DEVICES``, given to
+    ``ucxx.init`` rather than through the environment, so processes started later do not inherit
+    it), unless ``UCX_NET_DEVICES`` is set. ucxx's listener takes no bind address and listens on
+    every interface; UCX then refuses a connection arriving on an interface it was not given,
+    before the peer can send anything (it logs "got connection request ... on a device ... which
+    was not present during UCP initialization"). UCX reads its settings once per process: a
+    later node of the same process that asks for another interface gets a warning.
     """
     global _ucxx, _net_devices
     if _ucxx is None:
         apply_ucx_defaults()
         import ucxx
 
-        device = interface_of(data_host) if data_host else ""
+        device = interface_of(listen_host) if listen_host else ""
         if device and "UCX_NET_DEVICES" not in os.environ:
             try:
                 ucxx.init(options={"NET_DEVICES": device}, env_takes_precedence=True)
@@ -81,15 +80,16 @@ def ucxx_module(data_host: str = "") -> Any:
             except RuntimeError:  # UCX was started in this process before us: leave it as it is
                 log.warning("UCX was initialised before hoplite_gpu: not limiting it to %s", device)
         _ucxx = ucxx
-    elif data_host and _net_devices:
-        device = interface_of(data_host)
-        if device and device != _net_devices:
+    elif listen_host:
+        device = interface_of(listen_host)
+        if device and device != _net_devices and "UCX_NET_DEVICES" not in os.environ:
             log.warning(
-                "UCX in this process uses only %s, but this node advertises %s on %s: peers reaching "
-                "it there are refused; run one node per process, or set UCX_NET_DEVICES=all",
-                _net_devices,
-                data_host,
+                "UCX in this process was started for %s; this node, told to listen on %s (%s), "
+                "answers %s: run one node per process to limit each to its own interface",
+                _net_devices or "every interface",
+                listen_host,
                 device,
+                "on every interface" if not _net_devices else f"only on {_net_devices}",
             )
     return _ucxx
 
@@ -209,8 +209,9 @@ class DataPlane:
         """Start listening; returns the port.
 
         Args:
-            host: The address this node advertises: UCX is limited to its interface (see
-                :func:`ucxx_module`), so peers arriving on other interfaces are refused.
+            host: The address this node was told to listen on ("" for none): UCX is limited to
+                its interface (see :func:`ucxx_module`), so peers arriving on other interfaces
+                are refused.
         """
         ucxx = ucxx_module(host)
         self._listener = ucxx.create_listener(self._on_endpoint, port=0)
@@ -272,13 +273,16 @@ class DataPlane:
             return  # not arrived yet (or taken by another node's sweep in this process)
         count = nbytes = 0
         while True:
-            found = worker.tag_probe(UCXXTag(0), UCXXTagMask(0), remove=True)  # the oldest of any tag
+            # The oldest unexpected message of any tag, left in the queue: a receive of its tag
+            # then takes it (the oldest of that tag), with UCX assembling a message of several
+            # fragments as usual (taking it by the probe's handle hung on such messages).
+            found = worker.tag_probe(UCXXTag(0), UCXXTagMask(0), remove=False)
             if not found.matched:
                 break
-            length = int(found.length)
-            receiving = own.recv_with_handle(np.empty(max(1, length), np.uint8), found)
+            tag, length = int(found.sender_tag.value), int(found.length)
+            receiving = own.recv(np.empty(max(1, length), np.uint8), tag=tag, force_tag=True)
             await _timed(receiving, self.config.stall_timeout, "self", "drop")
-            if int(found.sender_tag.value) == marker:
+            if tag == marker:
                 break
             count += 1
             nbytes += length

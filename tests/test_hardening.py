@@ -276,6 +276,29 @@ def test_connections_beyond_the_handshake_cap_are_closed_at_once() -> None:
         node.close()
 
 
+def test_one_address_cannot_take_every_handshake_slot() -> None:
+    node = hg.init(directory_max_handshakes=8, directory_max_handshakes_per_address=3)
+    host, port = node.directory_address.rsplit(":", 1)
+    idle: list[socket.socket] = []
+
+    def answered(source: str) -> bool:
+        sock = socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
+        idle.append(sock)
+        try:
+            return len(sock.recv(4096)) > 0  # a challenge, or closed at once
+        except ConnectionResetError:
+            return False
+
+    try:
+        assert [answered("127.0.0.1") for _ in range(5)] == [True] * 3 + [False] * 2
+        # Another address still gets its challenge while the first holds its three slots.
+        assert [answered("127.0.0.2") for _ in range(4)] == [True] * 3 + [False]
+    finally:
+        for sock in idle:
+            sock.close()
+        node.close()
+
+
 def test_per_node_quotas_of_pending_lookups_and_unfinished_reductions() -> None:
     state = DirectoryState(
         inline_threshold_bytes=64, lease_timeout=math.inf, max_pending_lookups=3, max_reductions=2
@@ -380,6 +403,7 @@ async def main() -> None:
         block = np.ones(1 << 20, np.uint8)
         for i in range(count):
             await asyncio.wait_for(ep.send(block, tag=0x5EED0000 + i, force_tag=True), 20)
+        await asyncio.wait_for(ep.close(), 20)  # flushes: every block reaches the node
     except Exception as exc:
         print("REFUSED", type(exc).__name__, exc, flush=True)
         os._exit(0)
@@ -406,50 +430,71 @@ def _flood(argv_prefix: list[str], host: str, port: int, count: int) -> str:
     return lines[-1]
 
 
-def test_a_node_limits_ucx_to_the_interface_it_advertises_not_through_the_environment(owner: Any) -> None:
+@pytest.mark.multiprocess
+def test_a_node_told_where_to_listen_limits_ucx_to_that_interface_only() -> None:
+    import subprocess
+    import sys
+
     from hoplite_gpu.config import interface_of
-    from hoplite_gpu.transport import net_devices
 
     assert interface_of("127.0.0.1") == "lo" and interface_of("localhost") == "lo"
     assert interface_of("0.0.0.0") == "" and interface_of("not-an-address") == ""
-    assert interface_of("192.0.2.254") in ("", "eth0")  # documentation range: on no interface here,
-    assert owner.data_address.startswith("127.0.0.1:")  # unless the test machine owns it
-    assert net_devices() == "lo"
+    script = (
+        "import os, sys, hoplite_gpu as hg\n"
+        "from hoplite_gpu.transport import net_devices\n"
+        "node = hg.init(**({'listen_host': sys.argv[1]} if sys.argv[1] else {}))\n"
+        "print(net_devices() or '-', 'UCX_NET_DEVICES' in os.environ, flush=True)\n"
+        "node.close()\n"
+    )
+
+    def devices(listen_host: str) -> str:
+        env = {k: v for k, v in __import__("os").environ.items() if k != "HOPLITE_LISTEN_HOST"}
+        done = subprocess.run(
+            [sys.executable, "-c", script, listen_host], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split("\n")[0]
+
     # Given to ucxx.init, not exported: processes started later (Ray workers, nodes in other
-    # network namespaces) must not inherit a loopback-only UCX.
-    assert "UCX_NET_DEVICES" not in __import__("os").environ
+    # network namespaces) must not inherit it.
+    assert devices("127.0.0.1") == "lo False"
+    # A node told nothing (it advertises the address that routes to its directory) and one told a
+    # wildcard leave UCX on every interface, as before.
+    assert devices("") == "- False"
+    assert devices("0.0.0.0") == "- False"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_messages_sent_before_authenticating_are_dropped_and_their_memory_reused(owner: Any) -> None:
-    from tests.procs import start_workers
+    from tests.procs import digest, start_workers
 
     (worker,) = start_workers(owner.directory_address, owner.token, 1, stall_timeout=2.0)
     try:
         first = worker.call("stats")
         host, port = first["data_address"].rsplit(":", 1)
         rounds, per_round = 3, 48
-        rss = []
-        for r in range(1, rounds + 1):
+        rss, dropped = [], 0
+        for _ in range(rounds):
             assert _flood([], host, int(port), per_round) == "SENT"
             deadline = time.monotonic() + 30
             while True:  # polled with a deadline: the sweep runs every stall_timeout (2 s)
                 stats = worker.call("stats")
-                if stats["stale_bytes_dropped"] >= r * per_round << 20 or time.monotonic() > deadline:
+                # Most of each round: UCX itself may discard the last blocks of a peer whose
+                # endpoint the node aborts (seen: 42-48 of 48 arrive to be dropped).
+                if stats["stale_messages_dropped"] >= dropped + per_round * 3 // 4:
                     break
+                assert time.monotonic() < deadline, stats
                 time.sleep(0.2)
-            assert stats["stale_messages_dropped"] >= r * per_round, stats
-            assert stats["stale_bytes_dropped"] >= r * per_round << 20, stats
+            assert stats["stale_bytes_dropped"] >= stats["stale_messages_dropped"] << 20, stats
+            dropped = stats["stale_messages_dropped"]
             rss.append(stats["rss_bytes"])
         # Before the sweep each round added its 48 MiB for good (the finding: 66 -> 393-543 MiB
         # after 2-3 rounds of 100 MiB); now later rounds reuse the buffers of the first.
         assert rss[-1] - rss[0] < (per_round << 20) // 2, [f"{b / 2**20:.0f} MiB" for b in rss]
         # The node still serves authenticated peers.
-        oid = owner.put(np.arange(1 << 16, dtype=np.int64))
-        assert worker.call("get", oid.hex(), 30) == __import__("tests.procs").procs.digest(
-            np.arange(1 << 16, dtype=np.int64)
-        )
+        data = np.arange(1 << 16, dtype=np.int64)
+        assert worker.call("get", owner.put(data).hex(), 30) == digest(data)
     finally:
         worker.stop()
 
@@ -547,3 +592,42 @@ def test_the_event_log_is_bounded_in_bytes() -> None:
     assert 0 < len(state.events) < 1100  # about 1.4 KiB each
     assert state.events[-1]["t"] == 4999.0  # the newest kept, the oldest dropped
     assert not state.problems()
+
+
+# --------------------------------------------------------------------------- finding 5: a slice per event
+def _present_inputs(state: DirectoryState, n: int) -> list[bytes]:
+    ids = [i.to_bytes(20, "big") for i in range(1, n + 1)]
+    for k, oid in enumerate(ids):
+        put = p.PutRequest(k + 1, oid, 1 << 20, "|u1", [1 << 20], b"")
+        state.handle(Request("AB"[k % 2], put, 0.0))
+    return ids
+
+
+def test_a_reduce_over_many_present_inputs_is_placed_a_slice_per_event() -> None:
+    from hoplite_gpu.directory.state import PLACE_SLICE, ContinueReduce, Resume
+
+    state = _state()
+    n = 3 * PLACE_SLICE + 17
+    ids = _present_inputs(state, n)
+    rid = b"r" * 20
+    out = state.handle(Request("A", p.ReduceRequest(0, rid, ids, "sum", n), 1.0))
+    assert [i for i in out if isinstance(i, Resume)] == [Resume(rid)]
+    plan = state.reductions[rid].plan
+    assert plan.placed == []  # the request's event does the O(inputs) part only
+    out = state.handle(ContinueReduce(rid, 1.0))
+    assert Resume(rid) in out and len(plan.placed) == PLACE_SLICE
+    # Between slices other nodes are served, and the state stays consistent (validate=True):
+    # here C puts an object and the owner of an input not placed yet deletes it.
+    owner = "AB"[(n - 1) % 2]
+    state.handle(Request("C", p.PutRequest(9, b"c" * 20, 8, "|u1", [8], b"", bytes(8)), 1.1))
+    state.handle(Request(owner, p.DeleteRequest(10, ids[-1]), 1.1))
+    events = 2
+    while True:
+        out = state.handle(ContinueReduce(rid, 1.2))
+        events += 1
+        if not any(isinstance(i, Resume) for i in out):
+            break
+    assert events == 5 and len(plan.placed) == n - 1  # the deleted input waits for a new copy
+    assert not plan.full
+    state.handle(Request(owner, p.PutRequest(11, ids[-1], 1 << 20, "|u1", [1 << 20], b""), 1.3))
+    assert plan.full and len(plan.placed) == n

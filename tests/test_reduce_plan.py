@@ -281,3 +281,25 @@ def test_tree_result_equals_numpy(
         scale = np.stack([np.abs(x.astype(np.float64)) for x in used])
         bound = scale.prod(0) if op is ReduceOp.PROD else scale.sum(0) / (k if op is ReduceOp.AVG else 1)
         assert np.all(np.abs(got.astype(np.float64) - want) <= 2 * k * eps * bound + 1e-30)
+
+
+def test_choosing_the_degree_among_height_bands_matches_trying_every_degree() -> None:
+    """choose_degree evaluates only the smallest degree of each tree height; the cost model grows
+    with the degree at a fixed height, so that is where the minimum over 1..n-1 lies."""
+    import math
+    import random
+
+    from hoplite_gpu.directory.reduce import LinkEstimate, choose_degree, estimated_time
+
+    rnd = random.Random(7)
+    for _ in range(400):
+        n = rnd.randint(3, 300)
+        size = rnd.choice([1, 100, 4096, 65536, 1 << 20, 1 << 26])
+        latency, bandwidth = rnd.choice([1e-6, 5e-5, 1e-3, 1e-2]), rnd.choice([1e7, 1e9, 1e10])
+        link = LinkEstimate(latency=latency, bandwidth=bandwidth)
+        best, best_t = 1, math.inf
+        for d in range(1, n):  # the exhaustive search it replaces (ties to the smaller degree)
+            t = estimated_time(n, d, size, link)
+            if t < best_t - 1e-12:
+                best, best_t = d, t
+        assert choose_degree(n, size, link)[0] == best, (n, size, link)

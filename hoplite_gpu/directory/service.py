@@ -21,7 +21,19 @@ from .. import auth
 from .. import protocol as p
 from ..config import Config
 from ..errors import HopliteError, ProtocolError
-from .state import AuthFailed, DirectoryState, Disconnect, Event, NodeJoined, NodeLeft, Request, Send, Tick
+from .state import (
+    AuthFailed,
+    ContinueReduce,
+    DirectoryState,
+    Disconnect,
+    Event,
+    NodeJoined,
+    NodeLeft,
+    Request,
+    Resume,
+    Send,
+    Tick,
+)
 
 log = logging.getLogger("hoplite_gpu.directory")
 
@@ -53,6 +65,8 @@ class DirectoryService:
             :attr:`Config.directory_unread_bytes`).
         max_handshakes: Connections beyond this many still authenticating are closed at once
             (see :attr:`Config.directory_max_handshakes`).
+        max_handshakes_per_address: The same, counted per peer address (see
+            :attr:`Config.directory_max_handshakes_per_address`).
         max_pending_lookups: Per-node quota of waiting lookups (see
             :attr:`Config.directory_max_pending_lookups`).
         max_reductions: Per-node quota of unfinished reductions (see
@@ -61,6 +75,8 @@ class DirectoryService:
             :attr:`Config.directory_max_inline_bytes`).
         event_log_bytes: Bound of the event log's size (see
             :attr:`Config.directory_event_log_bytes`).
+        place_slice: Present inputs a reduction places per event (see
+            :attr:`Config.directory_place_slice`).
         tls: Serve over TLS with this context (see :attr:`Config.tls_cert_file`); None: plain TCP.
     """
 
@@ -75,10 +91,12 @@ class DirectoryService:
         validate: bool = False,
         max_unread_bytes: int = 64 * 1024 * 1024,
         max_handshakes: int = 256,
+        max_handshakes_per_address: int = 64,
         max_pending_lookups: int = 100_000,
         max_reductions: int = 10_000,
         max_inline_bytes: int = 256 * 1024 * 1024,
         event_log_bytes: int = 64 * 1024 * 1024,
+        place_slice: int = 256,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         if not token:
@@ -94,6 +112,7 @@ class DirectoryService:
             max_reductions=max_reductions,
             max_inline_bytes=max_inline_bytes,
             event_log_bytes=event_log_bytes,
+            place_slice=place_slice,
         )
         self.validate = validate
         self.tls = tls
@@ -101,6 +120,8 @@ class DirectoryService:
         self.dropped_unread = 0
         self.max_handshakes = max_handshakes
         self.handshaking = 0
+        self.max_handshakes_per_address = max_handshakes_per_address
+        self._handshaking_from: dict[str, int] = {}  # peer address -> connections authenticating
         self.refused_handshakes = 0
         self._warned: dict[str, tuple[float, int]] = {}  # warning kind -> (last logged, suppressed)
         self.violations = 0
@@ -126,10 +147,12 @@ class DirectoryService:
             validate=config.validate_directory,
             max_unread_bytes=config.directory_unread_bytes,
             max_handshakes=config.directory_max_handshakes,
+            max_handshakes_per_address=config.directory_max_handshakes_per_address,
             max_pending_lookups=config.directory_max_pending_lookups,
             max_reductions=config.directory_max_reductions,
             max_inline_bytes=config.directory_max_inline_bytes,
             event_log_bytes=config.directory_event_log_bytes,
+            place_slice=config.directory_place_slice,
             tls=config.server_tls(),
         )
 
@@ -168,20 +191,32 @@ class DirectoryService:
         self._handlers.add(task)
         peer = ":".join(str(x) for x in writer.get_extra_info("peername")[:2])
         node_id: str | None = None
-        if self.handshaking >= self.max_handshakes:
+        address = str(writer.get_extra_info("peername")[0])
+        from_address = self._handshaking_from.get(address, 0)
+        if self.handshaking >= self.max_handshakes or from_address >= self.max_handshakes_per_address:
             self.refused_handshakes += 1
             self._warn(
-                "handshakes", "closing connections at once: %d are still authenticating", self.handshaking
+                "handshakes",
+                "closing connections at once: %d are still authenticating, %d of them from %s",
+                self.handshaking,
+                from_address,
+                address,
             )
             self._handlers.discard(task)
             writer.transport.abort()
             return
         try:
             self.handshaking += 1
+            self._handshaking_from[address] = from_address + 1
             try:
                 node_id = await self._handshake(reader, writer, peer)
             finally:
                 self.handshaking -= 1
+                left = self._handshaking_from[address] - 1
+                if left:
+                    self._handshaking_from[address] = left
+                else:
+                    del self._handshaking_from[address]
             if node_id is None:
                 return
             while True:
@@ -267,6 +302,11 @@ class DirectoryService:
         if self.validate:
             self._check(event)
         for instr in instructions:
+            if isinstance(instr, Resume):
+                # After the callbacks ready now (other connections' requests): a large reduction
+                # is placed a slice at a time between them.
+                asyncio.get_running_loop().call_soon(self._continue, instr.reduction_id)
+                continue
             conn = self._conns.get(instr.node_id)
             if conn is None or conn.writer.is_closing():
                 continue
@@ -284,6 +324,9 @@ class DirectoryService:
                 del self._conns[instr.node_id]
                 conn.writer.close()
         self._wake.set()
+
+    def _continue(self, reduction_id: bytes) -> None:
+        self._apply(ContinueReduce(reduction_id, time.monotonic()))
 
     def _check(self, event: Event) -> None:
         problems = self.state.problems()

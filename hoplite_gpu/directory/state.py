@@ -144,7 +144,16 @@ class Tick:
     lag: float = 0.0
 
 
-Event = NodeJoined | NodeLeft | Request | AuthFailed | Tick
+@dataclass(frozen=True, slots=True)
+class ContinueReduce:
+    """Place the next slice of a reduction's inputs that were present when it was requested (the
+    host feeds it back for a :class:`Resume`, after the events that queued up meanwhile)."""
+
+    reduction_id: bytes
+    now: float
+
+
+Event = NodeJoined | NodeLeft | Request | AuthFailed | Tick | ContinueReduce
 
 
 # ---------------------------------------------------------------- instructions (outputs)
@@ -164,7 +173,20 @@ class Disconnect:
     reason: str
 
 
-Instruction = Send | Disconnect
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Give the directory :class:`ContinueReduce` for ``reduction_id`` once the events waiting now
+    (other nodes' requests) have been handled: a reduction over many present inputs is placed a
+    slice (``DirectoryState.place_slice``) per event, so no other node waits behind all of it."""
+
+    reduction_id: bytes
+
+
+Instruction = Send | Disconnect | Resume
+
+#: Inputs a reduction places per event when they are already present (see :class:`Resume`): about
+#: 5-10 ms of the directory's time on the development machines.
+PLACE_SLICE = 256
 
 
 # ---------------------------------------------------------------- state
@@ -247,6 +269,7 @@ class Reduction:
     restored: bool = False  # finished before a directory restart: which inputs it used is unknown
     inline: list[bytes] = field(default_factory=list)  # inputs' bytes, for a directory-side reduce
     queries: list[PendingQuery] = field(default_factory=list)
+    backlog: deque[bytes] = field(default_factory=deque)  # present inputs not offered yet (Resume)
 
     @property
     def active(self) -> bool:
@@ -281,6 +304,7 @@ class DirectoryState:
             are stored inline here.
         event_log_bytes: Bound of the event log's estimated size; with ``EVENT_LOG_CAPACITY``
             events, the oldest go first.
+        place_slice: Present inputs a reduction places per event (0: :data:`PLACE_SLICE`).
     """
 
     def __init__(
@@ -292,6 +316,7 @@ class DirectoryState:
         max_reductions: int = 10_000,
         max_inline_bytes: int = 256 * 1024 * 1024,
         event_log_bytes: int = EVENT_LOG_BYTES,
+        place_slice: int = 0,
     ) -> None:
         self.inline_threshold_bytes = inline_threshold_bytes
         self.lease_timeout = lease_timeout
@@ -302,6 +327,7 @@ class DirectoryState:
         # Per-node quota of bytes stored inline here (Config.directory_max_inline_bytes), and what
         # each node's inline objects hold now.
         self.max_inline_bytes = max_inline_bytes
+        self.place_slice = place_slice or PLACE_SLICE
         self._inline_per_node: dict[str, int] = {}
         self._pending_per_node: dict[str, int] = {}
         self.check_invariants = validate
@@ -377,6 +403,10 @@ class DirectoryState:
             self._expire(event.now)
         elif isinstance(event, AuthFailed):
             self._log(event.now, "auth_failed", peer=event.peer)
+        elif isinstance(event, ContinueReduce):
+            red = self.reductions.get(event.reduction_id)
+            if red is not None:
+                self._place_backlog(red, event.now)
         else:  # pragma: no cover - exhaustive over Event
             raise TypeError(f"unknown event {event!r}")
 
@@ -1012,12 +1042,18 @@ class DirectoryState:
         if rid in self.objects:
             refuse("ObjectExistsError", f"object {rid.hex()} already exists; use another reduction id")
             return
-        present = [self.objects[o] for o in inputs if o in self.objects]
-        for entry in present:  # refuse what is already known to be wrong: nothing gets reduced
-            problem = self._input_problem(plan, entry, present[0])
-            if problem is not None:
-                refuse(problem[0], problem[1], entry.object_id)
-                return
+        objects = self.objects
+        present = [objects[o] for o in inputs if o in objects]
+        if present:  # refuse what is already known to be wrong: nothing gets reduced
+            first = present[0]
+            for entry in present:
+                if entry is not first and (entry.size, entry.dtype) == (first.size, first.dtype):
+                    if entry.shape == first.shape:
+                        continue  # the same kind as the first, which had the full check
+                problem = self._input_problem(plan, entry, first)
+                if problem is not None:
+                    refuse(problem[0], problem[1], entry.object_id)
+                    return
         red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
         self.reductions[rid] = red
         self._forget_old_reductions()
@@ -1025,16 +1061,38 @@ class DirectoryState:
         self._log(
             now, "reduce", node=node_id, object_id=rid.hex(), inputs=len(inputs), k=msg.num_objects, op=op
         )
+        awaiting = self.awaiting
         for oid in inputs:
-            self.awaiting.setdefault(oid, set()).add(rid)
+            waiting = awaiting.get(oid)
+            if waiting is None:
+                awaiting[oid] = {rid}
+            else:
+                waiting.add(rid)
         # The requester's own inputs first: one of them computes the root (see _offer), whatever
         # the others' position in the list.
-        ready = sorted(
-            (oid for oid in inputs if oid in self.objects),
-            key=lambda oid: self._input_holder(self.objects[oid]) != node_id,
-        )
-        for oid in ready:
-            self._offer(red, oid, now)
+        mine = [entry.object_id for entry in present if self._computes_at(entry, node_id)]
+        red.backlog.extend(mine)
+        if mine:
+            chosen = set(mine)
+            red.backlog.extend(entry.object_id for entry in present if entry.object_id not in chosen)
+        else:
+            red.backlog.extend(entry.object_id for entry in present)
+        if len(red.backlog) > self.place_slice:
+            self._out.append(Resume(rid))  # this event did the O(inputs) part; placing comes next
+        else:
+            self._place_backlog(red, now)
+
+    def _place_backlog(self, red: Reduction, now: float) -> None:
+        """Offer up to ``place_slice`` of the inputs that were present when ``red`` was
+        requested; ask the host to come back (:class:`Resume`) for the rest. Inputs that arrive
+        meanwhile are offered as they arrive (they still wait in ``awaiting``), and an input of
+        the backlog placed some other way, deleted or no longer wanted is skipped by ``_offer``."""
+        for _ in range(min(self.place_slice, len(red.backlog))):
+            self._offer(red, red.backlog.popleft(), now)
+        if not red.active:
+            red.backlog.clear()
+        elif red.backlog:
+            self._out.append(Resume(red.plan.reduction_id))
 
     @staticmethod
     def _input_problem(plan: ReducePlan, entry: ObjectEntry, first: ObjectEntry) -> tuple[str, str] | None:
@@ -1062,6 +1120,16 @@ class DirectoryState:
             red = self.reductions.get(rid)
             if red is not None:
                 self._offer(red, oid, now)
+
+    def _computes_at(self, entry: ObjectEntry, node_id: str) -> bool:
+        """Whether ``_input_holder(entry) == node_id``, without sorting the copies in the common
+        cases (a reduce over 10,000 inputs asks this of each)."""
+        loc = entry.locations.get(node_id)
+        if loc is None or entry.inline is not None or node_id not in self.nodes:
+            return False
+        if entry.owner == node_id and loc.state is LocationState.COMPLETE:
+            return True  # a complete copy at the owner comes first
+        return self._input_holder(entry) == node_id
 
     def _input_holder(self, entry: ObjectEntry) -> str | None:
         """The node to compute at for an input: its owner, else another complete copy, else the
