@@ -5,6 +5,8 @@
 * Sequences of messages that decode, from three nodes sharing a small pool of ids (so that
   puts, lookups, transfers, reductions and deletes meet), keep the directory's state machine
   consistent: no handler fails and every invariant holds after every event.
+* Frames of any shape sent to a real directory service over a socket, before or after
+  authenticating, cost at most that connection: a node's put and get work after each case.
 """
 
 from __future__ import annotations
@@ -177,3 +179,50 @@ def test_message_sequences_keep_the_directory_consistent(steps: list[tuple[str, 
             state.handle(Request(node, msg, now))  # validate=True: raises on a broken invariant
         failed = [e for e in state.events if e["kind"] == "handler_failed"]
         assert not failed, failed
+
+
+# --------------------------------------------------------------------------- the real service
+SERVICE_EXAMPLES = max(30, EXAMPLES // 6)
+
+
+@pytest.fixture(scope="module")
+def service_node() -> Any:
+    """A node with an embedded directory (a real DirectoryService on loopback)."""
+    import hoplite_gpu as hg
+
+    node = hg.init(shared_memory=False)
+    yield node
+    node.close()
+
+
+@settings(max_examples=SERVICE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=st.lists(_frame(), min_size=1, max_size=6), authenticated=st.booleans())
+def test_frames_sent_to_the_real_service_cost_at_most_their_connection(
+    service_node: Any, frames: list[bytes], authenticated: bool
+) -> None:
+    """Frames of any shape, sent before or after authenticating, over a real connection: the
+    directory closes that connection at worst (never crashes, never stops serving), and a node's
+    put and get still work after each case. Invariant violations fail the test through the
+    suite's check of every directory it starts (conftest)."""
+    import socket
+
+    import numpy as np
+
+    from tests.test_hardening import _raw_node
+
+    address = service_node.directory_address
+    if authenticated:
+        sock = _raw_node(address, service_node.token, f"fuzz-{os.getpid()}")
+    else:
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=10)
+    with sock:
+        for body in frames:
+            try:
+                sock.sendall(p.FRAME_HEADER.pack(len(body)) + body)
+            except OSError:  # closed by the directory after a bad frame: what is expected
+                break
+    data = np.arange(16, dtype=np.int32)
+    oid = service_node.put(data)
+    assert np.array_equal(service_node.get(oid, timeout=10), data)
+    service_node.delete(oid)
