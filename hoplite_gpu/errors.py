@@ -67,13 +67,23 @@ class StoreFullError(HopliteError, MemoryError):
 
 class QuotaExceededError(HopliteError):
     """The directory refused a request because the node already has as many of that kind
-    outstanding as it allows (pending lookups, unfinished reductions); the message says which
-    quota and its limit. Finish or cancel some first, or raise the directory's setting
-    (``Config.directory_max_pending_lookups``, ``Config.directory_max_reductions``)."""
+    outstanding as it allows (pending lookups, unfinished reductions, bytes of small objects kept
+    inline); the message says which quota and its limit. Finish, cancel or delete some first, or
+    raise the directory's setting (``Config.directory_max_pending_lookups``,
+    ``Config.directory_max_reductions``, ``Config.directory_max_inline_bytes``)."""
 
 
 class InvalidArgumentError(HopliteError, ValueError):
     """An argument has the wrong type or value (e.g. an unsupported array type or dtype)."""
+
+
+class NotDecodableError(InvalidArgumentError):
+    """The coded messages of these workers do not determine the full gradient (too few of them,
+    or a set the code cannot decode); wait for more workers.
+
+    Fields: ``workers`` (the set given), ``needed`` (how many distinct workers any decodable set
+    has at least).
+    """
 
 
 class AuthenticationError(HopliteError):

@@ -1,0 +1,167 @@
+"""Gradient codes (issue 20): any decodable arrival set gives back the exact sum of every partition
+gradient; sets that cannot decode are refused with a clear error."""
+
+from __future__ import annotations
+
+import itertools
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hoplite_gpu as hg
+from hoplite_gpu.coding import GradientCode
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@cache
+def _code(kind: str, n: int, s: int) -> GradientCode:
+    if kind == "fractional":
+        return GradientCode.fractional_repetition(n, s)
+    return GradientCode.cyclic(n, s)
+
+
+@st.composite
+def _codes(draw: st.DrawFn) -> GradientCode:
+    kind = draw(st.sampled_from(["fractional", "cyclic"]))
+    n = draw(st.integers(1, 10))
+    if kind == "fractional":
+        s = draw(st.sampled_from([d - 1 for d in range(1, n + 1) if n % d == 0]))
+    else:
+        s = draw(st.integers(0, n - 1))
+    return _code(kind, n, s)
+
+
+def _grads(n: int, dtype: Any, seed: int, size: int = 257) -> dict[int, np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    return {j: rng.standard_normal(size).astype(dtype) for j in range(n)}
+
+
+def _messages(code: GradientCode, grads: dict[int, np.ndarray[Any, Any]]) -> dict[int, np.ndarray[Any, Any]]:
+    return {w: code.encode(w, {j: grads[j] for j in code.partitions(w)}) for w in range(code.n)}
+
+
+def _relative_error(got: np.ndarray[Any, Any], grads: dict[int, np.ndarray[Any, Any]]) -> float:
+    full = sum(g.astype(np.float64) for g in grads.values())
+    assert isinstance(full, np.ndarray)
+    return float(np.abs(got.astype(np.float64) - full).max() / np.abs(full).max())
+
+
+@settings(max_examples=300, deadline=None)
+@given(code=_codes(), data=st.data(), dtype=st.sampled_from([np.float32, np.float64]))
+def test_any_n_minus_s_workers_decode_the_exact_full_gradient(
+    code: GradientCode, data: Any, dtype: Any
+) -> None:
+    how_many = data.draw(st.integers(code.n - code.stragglers, code.n))
+    arrived = data.draw(st.permutations(range(code.n)))[:how_many]
+    grads = _grads(code.n, dtype, seed=data.draw(st.integers(0, 2**32 - 1)))
+    messages = _messages(code, grads)
+    got = code.decode({w: messages[w] for w in arrived})
+    assert got.dtype == dtype
+    assert _relative_error(got, grads) <= (1e-5 if dtype == np.float32 else 1e-12)
+    # The weights are those of decoding_weights, in the order asked for.
+    weights = code.decoding_weights(arrived)
+    again = sum(np.float64(w) * messages[v].astype(np.float64) for v, w in zip(arrived, weights, strict=True))
+    assert _relative_error(np.asarray(again), grads) <= (1e-5 if dtype == np.float32 else 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kind", "n", "s"), [("cyclic", 8, 2), ("cyclic", 7, 3), ("fractional", 8, 1), ("fractional", 9, 2)]
+)
+def test_every_arrival_set_decodes_and_smaller_ones_need_a_full_cover(kind: str, n: int, s: int) -> None:
+    code = _code(kind, n, s)
+    grads = _grads(n, np.float32, seed=n * 10 + s)
+    messages = _messages(code, grads)
+    for arrived in itertools.combinations(range(n), n - s):  # every one of them
+        assert _relative_error(code.decode({w: messages[w] for w in arrived}), grads) <= 1e-5
+    for arrived in itertools.combinations(range(n), n - s - 1):
+        # A cyclic code needs n - s; a fractional repetition code one worker of every group.
+        groups = {w // (s + 1) for w in arrived}
+        expected = kind == "fractional" and len(groups) == n // (s + 1)
+        assert code.is_decodable(arrived) == expected, arrived
+        if not expected:
+            with pytest.raises(hg.NotDecodableError, match=f"any {n - s} distinct workers") as info:
+                code.decoding_weights(arrived)
+            assert info.value.needed == n - s and info.value.workers == sorted(arrived)
+
+
+def test_each_worker_computes_s_plus_1_partitions_in_its_order() -> None:
+    cyclic = GradientCode.cyclic(8, 2)
+    assert [cyclic.partitions(w) for w in (0, 6, 7)] == [[0, 1, 2], [6, 7, 0], [7, 0, 1]]
+    fr = GradientCode.fractional_repetition(6, 2)
+    assert [fr.partitions(w) for w in range(6)] == [[0, 1, 2]] * 3 + [[3, 4, 5]] * 3
+    # A fractional repetition message is the plain sum, and its weights are exact 0/1.
+    assert fr.decoding_weights([0, 5]) == [1.0, 1.0]
+    assert fr.decoding_weights([4, 1, 3, 2]) == [1.0, 1.0, 0.0, 0.0]  # the first of each group
+    grads = {j: np.full(4, float(j), np.float32) for j in (0, 1, 2)}
+    assert np.array_equal(fr.encode(1, grads), np.full(4, 3.0, np.float32))
+    # The same seed gives the same code.
+    assert np.array_equal(GradientCode.cyclic(8, 2, seed=3).matrix, GradientCode.cyclic(8, 2, seed=3).matrix)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: GradientCode.fractional_repetition(8, 2), "divide"),
+        (lambda: GradientCode.cyclic(4, 4), "0 <= s < n"),
+        (lambda: GradientCode.cyclic(0, 0), "n >= 1"),
+        (lambda: GradientCode.cyclic(4.0, 1), "integer"),  # type: ignore[arg-type]
+        (lambda: GradientCode(np.ones((2, 3)), 0), "n x n"),
+        (lambda: GradientCode(np.eye(3), 1), "cannot decode"),
+        (lambda: GradientCode.cyclic(6, 2).partitions(6), "not in 0..5"),
+        (lambda: GradientCode.cyclic(6, 2).decoding_weights([0, 1, 1, 2]), "twice"),
+        (lambda: GradientCode.cyclic(6, 2).encode(0, {0: np.zeros(2)}), "computes partitions"),
+        (lambda: GradientCode.cyclic(6, 1).encode(0, {0: np.zeros(2), 1: np.zeros(3)}), "differ"),
+        (lambda: GradientCode.cyclic(6, 1).encode(0, {0: np.zeros(2, int), 1: np.zeros(2, int)}), "float"),
+    ],
+)
+def test_bad_arguments_raise_invalid_argument(call: Any, match: str) -> None:
+    with pytest.raises(hg.InvalidArgumentError, match=match):
+        call()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_reduce_over_real_workers_decodes_the_first_sets_to_arrive_with_workers_killed(owner: Any) -> None:
+    """Six worker processes, a cyclic code tolerating two stragglers (any four decode): worker 0
+    is SIGKILLed after its put (its only copy goes with it) and worker 1 never sends. With only
+    workers 2 and 3 in, the reduce times out with NotDecodableError; once 4 and 5 are in, it
+    decodes the exact full gradient from 2, 3, 4 and 5."""
+    from tests.procs import start_workers
+
+    n, s = 6, 2
+    code = GradientCode.cyclic(n, s)
+    grads = _grads(n, np.float32, seed=11, size=50_000)
+    messages = _messages(code, grads)
+    ids = {w: hg.ObjectID.random() for w in range(n)}
+    workers = start_workers(owner.directory_address, owner.token, n, shared_memory=False)
+    try:
+        workers[0].call("put_array", messages[0], ids[0].hex())
+        workers[0].kill()  # its message dies with it
+        for w in (2, 3):
+            workers[w].call("put_array", messages[w], ids[w].hex())
+        with pytest.raises(hg.NotDecodableError, match=r"only workers \[2, 3\] arrived within 2") as info:
+            code.reduce(owner, ids, timeout=2.0)
+        assert info.value.needed == n - s
+        for w in (4, 5):
+            workers[w].call("put_array", messages[w], ids[w].hex())
+        # Worker 1 never sends: 2, 3, 4, 5 decode (any n - s = 4 of a cyclic code do).
+        done = code.reduce_detailed(owner, ids, timeout=60.0)
+        assert sorted(done.workers) == [2, 3, 4, 5]
+        got = owner.get(done.object_id, timeout=30)
+        assert _relative_error(got, grads) <= 1e-5
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_reduce_refuses_ids_that_are_not_object_ids(owner: Any) -> None:
+    code = GradientCode.cyclic(4, 1)
+    with pytest.raises(hg.InvalidArgumentError, match="not an ObjectID"):
+        code.reduce(owner, {0: "abc"})  # type: ignore[dict-item]
+    with pytest.raises(hg.InvalidArgumentError, match=r"not in 0\.\.3"):
+        code.reduce(owner, {7: hg.ObjectID.random()})
