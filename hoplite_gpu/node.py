@@ -370,6 +370,7 @@ class Node:
         reduction_id: ObjectID | None = None,
         timeout: float | None = None,
         degree: int | None = None,
+        weights: Any = None,
     ) -> ObjectID:
         """Reduce the first ``num_objects`` of ``object_ids`` to become ready; return the result's id.
 
@@ -392,6 +393,9 @@ class Node:
                 reduces every other input). None lets the directory choose from its cost model,
                 which suits one reduction using the whole network; a caller running several
                 reductions at once that should share the links evenly (a sharded allreduce) asks.
+            weights: One finite number per id in ``object_ids``, for a weighted SUM: the result is
+                ``sum_i weights[i] * x_i`` over the inputs reduced, each input scaled where the
+                tree reads it (float inputs only; ``op`` must be SUM).
 
         Raises:
             InvalidArgumentError: bad ids, ``num_objects`` or op, or an unsupported dtype.
@@ -399,7 +403,7 @@ class Node:
             ObjectExistsError: ``reduction_id`` exists as an object or another reduction.
         """
         self._check_open()
-        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout, degree)
+        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout, degree, weights)
         return self._io.run(self._reduce(msg))
 
     async def reduce_async(
@@ -410,10 +414,11 @@ class Node:
         reduction_id: ObjectID | None = None,
         timeout: float | None = None,
         degree: int | None = None,
+        weights: Any = None,
     ) -> ObjectID:
         """Async twin of :meth:`reduce`."""
         self._check_open()
-        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout, degree)
+        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout, degree, weights)
         return await self._io.run_async(self._reduce(msg))
 
     def _reduce_request(
@@ -424,6 +429,7 @@ class Node:
         reduction_id: ObjectID | None,
         timeout: float | None,
         degree: int | None = None,
+        weights: Any = None,
     ) -> p.ReduceRequest:
         ids = list(object_ids) if not isinstance(object_ids, (str, bytes, ObjectID)) else None
         if not ids or not all(isinstance(o, ObjectID) for o in ids):
@@ -447,6 +453,7 @@ class Node:
         if rid in ids:
             raise InvalidArgumentError("reduction_id must not be one of the inputs", argument="reduction_id")
         wait = self._resolve_timeout(timeout)
+        scales = _check_weights(weights, len(ids), as_op(op))
         return p.ReduceRequest(
             request_id=0,
             reduction_id=rid.binary(),
@@ -455,6 +462,7 @@ class Node:
             num_objects=k,
             timeout=wait or 0.0,
             degree=degree or 0,
+            weights=scales,
         )
 
     async def _reduce(self, msg: p.ReduceRequest) -> ObjectID:
@@ -586,3 +594,22 @@ class Node:
             "stale_bytes_dropped": self._data.stale_bytes,
             "pid": os.getpid(),
         }
+
+
+def _check_weights(weights: Any, count: int, op: ReduceOp) -> list[float]:
+    """The weights of a weighted reduction as floats ([] for None), checked."""
+    if weights is None:
+        return []
+    if op is not ReduceOp.SUM:
+        raise InvalidArgumentError(f"weights need op=SUM, not {op.name}", argument="weights")
+    try:
+        values = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError("weights must be a sequence of numbers", argument="weights") from None
+    if any(isinstance(w, bool) for w in weights) or not all(math.isfinite(w) for w in values):
+        raise InvalidArgumentError("weights must be finite numbers", argument="weights")
+    if len(values) != count:
+        raise InvalidArgumentError(
+            f"{len(values)} weights for {count} object ids: give one per id", argument="weights"
+        )
+    return values

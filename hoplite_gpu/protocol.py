@@ -24,9 +24,10 @@ import msgpack
 from .errors import InvalidArgumentError, ProtocolError
 from .object_id import OBJECT_ID_SIZE
 
-PROTOCOL_VERSION = 8  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+PROTOCOL_VERSION = 9  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
 # 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
-# 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag)
+# 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag);
+# 9: weighted reductions
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -252,9 +253,13 @@ class ReduceRequest(Message):
     timeout: float = 0.0
     rejoin: bool = False  # re-sent to a restarted directory: a complete result already held is it
     degree: int = 0
+    weights: list[float] = field(default_factory=list)  # one per object id (SUM only); [] for none
 
     def check(self) -> None:
         _check_timeout(self.TYPE, self.timeout)
+        if self.weights and len(self.weights) != len(self.object_ids):
+            raise ProtocolError(f"{self.TYPE}: {len(self.weights)} weights for {len(self.object_ids)} inputs")
+        _check_weights(self.TYPE, self.weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,6 +429,10 @@ class ReduceTask(Message):
     dtype: str
     shape: list[int]
     epoch: int = 0  # the tree's epoch (echoed in VertexDone; stale vertices are ignored)
+    # A weighted SUM: the input's weight, then each child's ([] for an unweighted reduction). A
+    # child that is an input is scaled by that input's weight, a vertex's output (already
+    # weighted) by 1; a child not known yet has its weight in its ReduceChild.
+    weights: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,6 +445,7 @@ class ReduceChild(Message):
     index: int
     object_id: bytes
     epoch: int = 0
+    weight: float = 1.0  # its weight in a weighted reduction (see ReduceTask.weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,6 +498,11 @@ def _check_name(kind: str, name: str, value: str, empty: bool = False) -> None:
 def _check_id(kind: str, name: str, value: bytes) -> None:
     if len(value) != OBJECT_ID_SIZE:
         raise ProtocolError(f"{kind}: {name} has {len(value)} bytes, not {OBJECT_ID_SIZE}")
+
+
+def _check_weights(kind: str, weights: list[float]) -> None:
+    if not all(math.isfinite(w) for w in weights):
+        raise ProtocolError(f"{kind}: a weight is not a finite number")
 
 
 def _check_timeout(kind: str, value: float) -> None:

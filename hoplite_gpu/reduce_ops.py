@@ -85,6 +85,31 @@ def reduce_chunk(
         finish(op, out, count)
 
 
+def weighted_sum_chunk(
+    own: np.ndarray[Any, Any],
+    children: list[np.ndarray[Any, Any]],
+    out: np.ndarray[Any, Any],
+    weights: list[float],
+) -> None:
+    """One chunk of a weighted SUM vertex: ``out = weights[0] * own + weights[1] * children[0] +
+    ...`` (float dtypes; a weight of 1 costs no multiplication, and one temporary chunk is used
+    for the products)."""
+    typed = [out.dtype.type(w) for w in weights]
+    if typed[0] == 1:
+        np.copyto(out, own)
+    else:
+        np.multiply(own, typed[0], out=out)
+    scratch: np.ndarray[Any, Any] | None = None
+    for child, w in zip(children, typed[1:], strict=True):
+        if w == 1:
+            np.add(out, child, out=out)
+            continue
+        if scratch is None:
+            scratch = np.empty_like(out)
+        np.multiply(child, w, out=scratch)
+        np.add(out, scratch, out=out)
+
+
 def finish(op: ReduceOp, acc: np.ndarray[Any, Any], count: int) -> None:
     """Final step after ``count`` inputs were reduced into ``acc`` (AVG divides; others no-op)."""
     if op is not ReduceOp.AVG or count <= 1:

@@ -23,7 +23,7 @@ from .buffers import Buffer, dtype_from_wire
 from .errors import HopliteError, ObjectDeletedError, ObjectLostError, ObjectNotFoundError, TransportError
 from .faults import INJECTOR
 from .object_id import ObjectID
-from .reduce_ops import as_op, reduce_chunk
+from .reduce_ops import as_op, reduce_chunk, weighted_sum_chunk
 from .store import LocalObject, LocalStore
 
 log = logging.getLogger("hoplite_gpu")
@@ -87,7 +87,7 @@ class VertexRunner:
         """A child of a running vertex was placed."""
         found = self._runs.get((msg.reduction_id, msg.epoch, msg.vertex))
         if found is not None:
-            found.set_child(msg.index, msg.object_id)
+            found.set_child(msg.index, msg.object_id, msg.weight)
 
     def computes(self, oid: ObjectID) -> bool:
         """Whether a running vertex here writes ``oid``."""
@@ -135,7 +135,7 @@ class VertexRunner:
             except BaseException:
                 streams.cancel()
                 raise
-            await reduce_stream(task, own, list(children), out, self.chunk_bytes)
+            await reduce_stream(task, own, list(children), out, self.chunk_bytes, run.weights)
             self._report(
                 p.VertexDone(
                     reduction_id=task.reduction_id,
@@ -231,15 +231,21 @@ class VertexRun:
         self.output_id = ObjectID(task.output_id)
         loop = asyncio.get_running_loop()
         self._children: list[asyncio.Future[ObjectID]] = [loop.create_future() for _ in task.children]
+        # A weighted SUM: the input's weight, then each child's (children placed later get theirs
+        # from their ReduceChild); [] for an unweighted reduction.
+        self.weights = list(task.weights) if len(task.weights) == 1 + len(task.children) else []
         for index, oid in enumerate(task.children):
             if oid:
-                self.set_child(index, oid)
+                self.set_child(index, oid, self.weights[index + 1] if self.weights else 1.0)
         self.runner: asyncio.Task[None] | None = None
         self.fetches: list[ObjectID] = []  # children this vertex uses through a :class:`Fetch`
 
-    def set_child(self, index: int, object_id: bytes) -> None:
-        """Child ``index`` is ``object_id`` (ignored if out of range or already known)."""
+    def set_child(self, index: int, object_id: bytes, weight: float = 1.0) -> None:
+        """Child ``index`` is ``object_id``, scaled by ``weight`` in a weighted reduction (ignored
+        if out of range or already known)."""
         if 0 <= index < len(self._children) and not self._children[index].done() and len(object_id) == 20:
+            if self.weights:
+                self.weights[index + 1] = weight
             self._children[index].set_result(ObjectID(object_id))
 
     async def child(self, index: int) -> ObjectID:
@@ -284,8 +290,10 @@ async def reduce_stream(
     children: list[LocalObject],
     out: LocalObject,
     chunk_bytes: int,
+    weights: list[float] | None = None,
 ) -> None:
-    """Fill ``out`` with ``own (op) children...`` chunk by chunk as the sources fill.
+    """Fill ``out`` with ``own (op) children...`` chunk by chunk as the sources fill (with
+    ``weights``, one for ``own`` and one per child: their weighted sum).
 
     Raises whatever error a source fails with (a lost transfer, a deletion) or ``out``'s own
     error if the output was dropped meanwhile.
@@ -305,13 +313,13 @@ async def reduce_stream(
             raise out.error
         if INJECTOR.armed:
             INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)
-        reduce_chunk(
-            op,
-            own.buffer.host[pos:end].view(dtype),
-            [c.buffer.host[pos:end].view(dtype) for c in children],
-            out.buffer.host[pos:end].view(dtype),
-            task.count,
-        )
+        mine = own.buffer.host[pos:end].view(dtype)
+        parts = [c.buffer.host[pos:end].view(dtype) for c in children]
+        dest = out.buffer.host[pos:end].view(dtype)
+        if weights:
+            weighted_sum_chunk(mine, parts, dest, weights)
+        else:
+            reduce_chunk(op, mine, parts, dest, task.count)
         out.advance(end)
         pos = end
         await asyncio.sleep(0)  # let transfers this node serves or receives run between chunks

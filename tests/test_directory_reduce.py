@@ -287,3 +287,47 @@ def test_a_negative_degree_is_refused() -> None:
     out = req(state, "A", ReduceRequest(9, RID, [oid(0), oid(1)], "sum", 2, 0.0, degree=-1))
     ((_, reply),) = sent(out, ReduceReply)
     assert reply.error_kind == "InvalidArgumentError" and "degree" in reply.error
+
+
+def test_a_weighted_reduction_gives_each_vertex_its_inputs_weights() -> None:
+    """Leaf children are scaled by their input's weight, vertex children (weighted already) by 1,
+    whether a child is known when the task goes out or announced later (ReduceChild)."""
+    import math
+
+    from hoplite_gpu import protocol as p
+    from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
+
+    state = DirectoryState(lease_timeout=math.inf, validate=True)
+    nodes = "ABCDE"
+    for i, name in enumerate(nodes):
+        state.handle(NodeJoined(name, "127.0.0.1", 7000 + i, 0.0))
+    ids = [bytes([65 + i]) * 20 for i in range(5)]
+    weights = [0.5, -1.25, 2.0, 0.75, 3.0]
+    rid = b"r" * 20
+    state.handle(Request("A", p.ReduceRequest(1, rid, ids, "sum", 5, degree=2, weights=weights), 0.0))
+    out = []
+    for k, (name, oid) in enumerate(zip(nodes, ids, strict=True)):  # arriving one by one
+        put = p.PutRequest(10 + k, oid, 1 << 20, "<f4", [1 << 18], b"")
+        out += state.handle(Request(name, put, 0.1 * k))
+    plan = state.reductions[rid].plan
+    by_output = {pl.output_id: pl for pl in plan.placed}
+    weight_of = dict(zip(ids, weights, strict=True))
+    tasks = [i.message for i in out if isinstance(i.message, p.ReduceTask)]
+    children = [i.message for i in out if isinstance(i.message, p.ReduceChild)]
+    assert tasks and children  # some children were announced after their parent's task
+    effective: dict[tuple[int, int], float] = {}
+    for task in tasks:
+        assert task.weights[0] == weight_of[task.input_id]
+        for index, child in enumerate(task.children):
+            if child:
+                effective[(task.vertex, index)] = task.weights[1 + index]
+    for msg in children:
+        effective[(msg.vertex, msg.index)] = msg.weight
+    for pl in plan.placed:
+        if pl.parent is None:
+            continue
+        parent = plan.by_vertex[pl.parent]
+        expected = 1.0 if pl.runs_task else weight_of[pl.object_id]
+        assert effective[(parent.vertex, parent.children.index(pl.vertex))] == expected
+    assert any(pl.runs_task and pl.parent is not None for pl in plan.placed)  # a vertex child too
+    assert len(by_output) == 5 and plan.full

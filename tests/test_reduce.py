@@ -274,3 +274,45 @@ def test_reduce_with_shared_memory_on(owner: Any) -> None:
     finally:
         for w in workers:
             w.stop()
+
+
+WEIGHTS = [0.5, -1.25, 2.0, 0.75, 3.0]  # dyadic: exact in float32/float64 for these inputs
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "rtol"),
+    [
+        ("float64", (300, 701), 0.0),  # 1.6 MiB, not a multiple of the reduce chunk
+        ("float32", (1024, 1024), 0.0),  # 4 MiB
+        ("float16", (512, 512), 2e-3),
+        ("bfloat16", (512, 512), 1.6e-2),
+        ("float32", (4, 4), 0.0),  # 64 bytes: inline, reduced by the directory
+    ],
+)
+def test_a_weighted_reduce_matches_numpy_through_a_tree(
+    owner: Any, workers: Any, dtype: str, shape: tuple[int, ...], rtol: float
+) -> None:
+    ids = _put_inputs(workers[:5], dtype, shape, seed=40)
+    # degree 2: vertices with a leaf child (scaled by its input's weight) and with a vertex child
+    # (its output already weighted).
+    rid = owner.reduce(ids, weights=WEIGHTS, degree=2, timeout=60)
+    got = owner.get(rid, timeout=60)
+    expected = sum(w * make_array(dtype, shape, 40 + i).astype(np.float64) for i, w in enumerate(WEIGHTS))
+    assert got.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=rtol, atol=rtol * 750)
+    for w, oid in zip(workers, ids, strict=False):
+        w.call("delete", oid.hex())
+
+
+def test_weights_are_refused_for_integers_other_ops_and_the_wrong_count(owner: Any, workers: Any) -> None:
+    ids = _put_inputs(workers[:2], "int64", (8, 8), seed=1)
+    with pytest.raises(hg.InvalidArgumentError, match="needs floats"):
+        owner.reduce(ids, weights=[1.0, 2.0], timeout=10)
+    with pytest.raises(hg.InvalidArgumentError, match="op=SUM"):
+        owner.reduce(ids, op="max", weights=[1.0, 2.0])
+    with pytest.raises(hg.InvalidArgumentError, match="give one per id"):
+        owner.reduce(ids, weights=[1.0])
+    with pytest.raises(hg.InvalidArgumentError, match="finite"):
+        owner.reduce(ids, weights=[1.0, float("nan")])
+    for w, oid in zip(workers, ids, strict=False):
+        w.call("delete", oid.hex())

@@ -63,7 +63,7 @@ import numpy as np
 
 from .. import protocol as p
 from ..errors import InvalidArgumentError
-from ..reduce_ops import as_op, check_dtype, reduce_chunk
+from ..reduce_ops import as_op, check_dtype, reduce_chunk, weighted_sum_chunk
 from ..store import dtype_from_wire
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
 
@@ -268,6 +268,8 @@ class Reduction:
     done: bool = False
     restored: bool = False  # finished before a directory restart: which inputs it used is unknown
     inline: list[bytes] = field(default_factory=list)  # inputs' bytes, for a directory-side reduce
+    weights: dict[bytes, float] = field(default_factory=dict)  # input -> weight (a weighted SUM)
+    inline_weights: list[float] = field(default_factory=list)  # the weights of ``inline``, in order
     queries: list[PendingQuery] = field(default_factory=list)
     backlog: deque[bytes] = field(default_factory=deque)  # present inputs not offered yet (Resume)
 
@@ -1017,6 +1019,10 @@ class DirectoryState:
         except (InvalidArgumentError, ValueError) as exc:
             refuse("InvalidArgumentError", str(exc))
             return
+        if msg.weights and op != "sum":
+            refuse("InvalidArgumentError", f"weights need the SUM op, not {op.upper()}")
+            return
+        weights = dict(zip(inputs, msg.weights, strict=True)) if msg.weights else {}
         existing = self.reductions.get(rid)
         if existing is None:  # (bounded: the directory keeps at most REDUCTIONS_KEPT of them)
             active = sum(1 for red in self.reductions.values() if red.requester == node_id and red.active)
@@ -1026,7 +1032,12 @@ class DirectoryState:
                 return
         if existing is not None:
             old = existing.plan
-            if (old.inputs, old.num_objects, existing.op) == (inputs, msg.num_objects, op):
+            if (old.inputs, old.num_objects, existing.op, existing.weights) == (
+                inputs,
+                msg.num_objects,
+                op,
+                weights,
+            ):
                 self._send(node_id, p.ReduceReply(request_id=msg.request_id))  # every rank may ask
             else:
                 refuse("ObjectExistsError", f"reduction {rid.hex()} already exists with other inputs or op")
@@ -1050,11 +1061,12 @@ class DirectoryState:
                 if entry is not first and (entry.size, entry.dtype) == (first.size, first.dtype):
                     if entry.shape == first.shape:
                         continue  # the same kind as the first, which had the full check
-                problem = self._input_problem(plan, entry, first)
+                problem = self._input_problem(plan, entry, first, bool(weights))
                 if problem is not None:
                     refuse(problem[0], problem[1], entry.object_id)
                     return
         red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
+        red.weights = weights
         self.reductions[rid] = red
         self._forget_old_reductions()
         self._send(node_id, p.ReduceReply(request_id=msg.request_id))
@@ -1095,12 +1107,20 @@ class DirectoryState:
             self._out.append(Resume(red.plan.reduction_id))
 
     @staticmethod
-    def _input_problem(plan: ReducePlan, entry: ObjectEntry, first: ObjectEntry) -> tuple[str, str] | None:
-        """Why ``entry`` cannot be reduced together with ``first`` (or with what ``plan`` placed)."""
+    def _input_problem(
+        plan: ReducePlan, entry: ObjectEntry, first: ObjectEntry, weighted: bool = False
+    ) -> tuple[str, str] | None:
+        """Why ``entry`` cannot be reduced together with ``first`` (or with what ``plan`` placed),
+        in a weighted reduction if ``weighted``."""
         try:
-            check_dtype(dtype_from_wire(entry.dtype))
+            dtype = dtype_from_wire(entry.dtype)
+            check_dtype(dtype)
         except (InvalidArgumentError, TypeError) as exc:
             return "InvalidArgumentError", f"input {entry.object_id.hex()}: {exc}"
+        if weighted and dtype.kind != "f" and dtype.name != "bfloat16":
+            return "InvalidArgumentError", (
+                f"input {entry.object_id.hex()} is {dtype.name}: a weighted reduction needs floats"
+            )
         ref = (
             (plan.size, plan.dtype, plan.shape)
             if plan.size >= 0
@@ -1154,7 +1174,7 @@ class DirectoryState:
         holder = self._input_holder(entry)
         if holder is None:
             return
-        problem = self._input_problem(plan, entry, entry)
+        problem = self._input_problem(plan, entry, entry, bool(red.weights))
         if problem is None and plan.placed and (entry.inline is not None) != bool(red.inline):
             problem = "ReduceMismatchError", f"input {oid.hex()} is stored differently from the others"
         if problem is not None:
@@ -1192,6 +1212,7 @@ class DirectoryState:
         )
         if entry.inline is not None:
             red.inline.append(entry.inline)
+            red.inline_weights.append(red.weights.get(oid, 1.0))
         else:
             self._start_vertex(red, pl, now)
         if plan.full:
@@ -1231,6 +1252,7 @@ class DirectoryState:
                     dtype=plan.dtype,
                     shape=list(plan.shape),
                     epoch=plan.epoch,
+                    weights=self._vertex_weights(red, pl),
                 ),
             )
             self._serve_pending(pl.output_id, now)
@@ -1245,8 +1267,25 @@ class DirectoryState:
                     index=parent.children.index(pl.vertex),
                     object_id=pl.output_id,
                     epoch=plan.epoch,
+                    weight=self._stream_weight(red, pl),
                 ),
             )
+
+    @staticmethod
+    def _stream_weight(red: Reduction, pl: Placement) -> float:
+        """The weight a parent applies to what ``pl`` streams: an input's own weight for a leaf,
+        1 for a vertex's output (weighted already)."""
+        return 1.0 if pl.runs_task else red.weights.get(pl.object_id, 1.0)
+
+    def _vertex_weights(self, red: Reduction, pl: Placement) -> list[float]:
+        """:attr:`~hoplite_gpu.protocol.ReduceTask.weights` of vertex ``pl`` ([] unweighted)."""
+        if not red.weights:
+            return []
+        weights = [red.weights.get(pl.object_id, 1.0)]
+        for child in pl.children:
+            placed = red.plan.by_vertex.get(child)
+            weights.append(self._stream_weight(red, placed) if placed is not None else 1.0)
+        return weights
 
     def _reduce_inline(self, red: Reduction, now: float) -> None:
         """All inputs are inline: reduce them here and store the result inline."""
@@ -1254,13 +1293,17 @@ class DirectoryState:
         dtype = dtype_from_wire(plan.dtype)
         arrays = [np.frombuffer(b, dtype) for b in red.inline]
         out = np.empty_like(arrays[0])
-        reduce_chunk(as_op(red.op), arrays[0], arrays[1:], out, plan.num_objects)
+        if red.weights:
+            weighted_sum_chunk(arrays[0], arrays[1:], out, red.inline_weights)
+        else:
+            reduce_chunk(as_op(red.op), arrays[0], arrays[1:], out, plan.num_objects)
         rid = plan.reduction_id
         self.objects[rid] = ObjectEntry(
             rid, plan.size, plan.dtype, list(plan.shape), b"", red.requester, out.tobytes()
         )
         red.done = True
         red.inline = []
+        red.inline_weights = []
         self._answer_queries(red)
         self._log(now, "reduce_done", object_id=rid.hex(), inline=True)
         self._serve_pending(rid, now)
@@ -1308,6 +1351,7 @@ class DirectoryState:
         plan = red.plan
         red.error = (kind, message, culprit)
         red.inline = []
+        red.inline_weights = []
         self._log(now, "reduce_failed", object_id=plan.reduction_id.hex(), error_kind=kind, reason=message)
         for oid in plan.inputs:
             self._unawait(oid, plan.reduction_id)
@@ -1441,6 +1485,7 @@ class DirectoryState:
         self._remove_object(rid, now, reason="reset")
         red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1, fan_in=old.fan_in)
         red.inline = []
+        red.inline_weights = []
         red.deadline = now + red.timeout if red.timeout > 0 else None
         for oid in old.inputs:
             self.awaiting.setdefault(oid, set()).add(rid)
