@@ -32,16 +32,14 @@ Two constructions of the paper:
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .errors import HopliteError, InvalidArgumentError, NotDecodableError
+from .errors import InvalidArgumentError, NotDecodableError
 from .object_id import ObjectID
 
 #: Largest ``n`` for which :meth:`GradientCode.cyclic` checks the conditioning of every arrival
@@ -222,7 +220,7 @@ class GradientCode:
             weights = np.array([1.0 if first[w // self._group_size] == w else 0.0 for w in chosen])
             residual = 0.0 if len(first) == self.n // self._group_size else 1.0
         else:
-            weights, residual = _solve(self.matrix[chosen])
+            weights, residual = solve_decoding(self.matrix[chosen])
         if residual > DECODE_TOLERANCE:
             raise NotDecodableError(
                 f"{self.name}: the messages of workers {sorted(chosen)} do not determine the full "
@@ -254,10 +252,48 @@ class GradientCode:
         timeout: float | None = None,
         result_id: ObjectID | None = None,
     ) -> ObjectID:
-        """The full gradient from the first decodable set of workers' messages to arrive, stored
-        under ``result_id`` (a fresh id by default) on ``node``; ``node.get`` of it is the exact
-        sum of all ``n`` partition gradients. Blocking; see :meth:`reduce_detailed_async`."""
-        return self.reduce_detailed(node, ids_by_worker, timeout, result_id).object_id
+        """Decode inside hoplite's reduce tree: the first ``n - s`` workers' messages to arrive,
+        weighted by their decoding weights, summed into ``result_id`` (a fresh id by default).
+
+        Returns at once, like :meth:`Node.reduce <hoplite_gpu.node.Node.reduce>`: ``node.get`` of
+        the id is the exact sum of all ``n`` partition gradients once enough messages arrived.
+        The directory chooses the weights when the ``(n - s)``-th message is chosen (any
+        ``n - s`` workers decode); until then the tree's vertices already stream the messages
+        that arrived. A worker that dies or never sends is left out like a late one.
+
+        Args:
+            node: The node that asks (usually the parameter server's).
+            ids_by_worker: Each worker's coded message (worker index -> ObjectID); messages may
+                be put after this call.
+            timeout: Seconds to wait for ``n - s`` of them (None: the node's default).
+            result_id: Id of the result.
+
+        Raises:
+            NotDecodableError: fewer than ``n - s`` workers given.
+            InvalidArgumentError: a worker index out of range, or ids that are not ObjectIDs.
+        """
+        workers = sorted(ids_by_worker)
+        for worker in workers:
+            self._check_worker(worker)
+            if not isinstance(ids_by_worker[worker], ObjectID):
+                raise InvalidArgumentError(
+                    f"worker {worker}'s id is a {type(ids_by_worker[worker]).__name__}, not an ObjectID",
+                    argument="ids_by_worker",
+                )
+        needed = self.n - self.stragglers
+        if len(workers) < needed:
+            raise NotDecodableError(
+                f"{self.name}: {len(workers)} workers given, any {needed} distinct ones are needed",
+                workers=workers,
+                needed=needed,
+            )
+        return node.reduce(  # type: ignore[no-any-return]
+            [ids_by_worker[w] for w in workers],
+            num_objects=needed,
+            reduction_id=result_id,
+            timeout=timeout,
+            coding=self.matrix[workers],
+        )
 
     def reduce_detailed(
         self,
@@ -266,92 +302,13 @@ class GradientCode:
         timeout: float | None = None,
         result_id: ObjectID | None = None,
     ) -> Decoded:
-        """:meth:`reduce`, also saying which workers' messages were used and with what weights.
-
-        Raises:
-            InvalidArgumentError: called from a running event loop (await
-                :meth:`reduce_detailed_async` there), or bad arguments.
-        """
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.reduce_detailed_async(node, ids_by_worker, timeout, result_id))
-        raise InvalidArgumentError(
-            "GradientCode.reduce blocks: in a coroutine, await reduce_detailed_async instead", argument="node"
-        )
-
-    async def reduce_detailed_async(
-        self,
-        node: Any,
-        ids_by_worker: Mapping[int, ObjectID],
-        timeout: float | None = None,
-        result_id: ObjectID | None = None,
-    ) -> Decoded:
-        """Async twin of :meth:`reduce_detailed`.
-
-        Every worker's message is fetched at once (each a hoplite get: the node pulls it, chunk
-        by chunk, from wherever a copy is); as soon as the messages that arrived decode, the
-        other fetches are cancelled, the weighted sum is computed here and put on ``node``. A
-        worker that dies or never sends only counts as not arrived.
-
-        This is the decode on the parameter server's node. Weighting inside hoplite's reduce
-        tree (each leaf scaled as it is read, so no node holds every message) is the next step
-        of issue 20.
-
-        Raises:
-            NotDecodableError: every fetch ended (the failures are in the message) or the
-                timeout passed before the arrived messages decoded.
-            InvalidArgumentError: a worker index out of range, or ids that are not ObjectIDs.
-        """
-        fetch: dict[asyncio.Future[Any], int] = {}
-        for worker, oid in ids_by_worker.items():
-            self._check_worker(worker)
-            if not isinstance(oid, ObjectID):
-                raise InvalidArgumentError(
-                    f"worker {worker}'s id is a {type(oid).__name__}, not an ObjectID",
-                    argument="ids_by_worker",
-                )
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for worker, oid in ids_by_worker.items():
-            fetch[asyncio.ensure_future(node.get_async(oid, timeout=timeout))] = worker
-        arrived: dict[int, Any] = {}
-        order: list[int] = []
-        failed: dict[int, str] = {}
-        pending = set(fetch)
-        try:
-            while pending and not self.is_decodable(order):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    break  # the timeout passed
-                for task in done:
-                    worker = fetch[task]
-                    exc = task.exception()
-                    if exc is None:
-                        arrived[worker] = task.result()
-                        order.append(worker)
-                    elif isinstance(exc, HopliteError):
-                        failed[worker] = f"{type(exc).__name__}: {exc}"
-                    else:
-                        raise exc
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        if not self.is_decodable(order):
-            lost = "; ".join(f"worker {w}: {why}" for w, why in sorted(failed.items()))
-            raise NotDecodableError(
-                f"{self.name}: only workers {sorted(order)} arrived"
-                + (f" within {timeout} s" if timeout is not None else "")
-                + f", and any {self.n - self.stragglers} distinct ones are needed"
-                + (f" ({lost})" if lost else ""),
-                workers=sorted(order),
-                needed=self.n - self.stragglers,
-            )
-        weights = self.decoding_weights(order)
-        full = self.decode({w: arrived[w] for w in order})
-        object_id = await node.put_async(full, result_id)
-        return Decoded(object_id, order, weights)
+        """:meth:`reduce`, then wait until its inputs are chosen and say which workers' messages
+        it uses and with what weights (those the directory computed)."""
+        rid = self.reduce(node, ids_by_worker, timeout, result_id)
+        worker_of = {oid: w for w, oid in ids_by_worker.items()}
+        workers = [worker_of[oid] for oid in node.reduced_objects(rid, timeout=timeout)]
+        weights, _ = solve_decoding(self.matrix[workers])
+        return Decoded(rid, workers, [float(w) for w in weights])
 
     def __repr__(self) -> str:
         return f"<GradientCode {self.name}>"
@@ -400,7 +357,7 @@ def _check_same_float(arrays: list[np.ndarray[Any, Any]], argument: str) -> None
             )
 
 
-def _solve(rows: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], float]:
+def solve_decoding(rows: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], float]:
     """Least-norm ``a`` with ``a @ rows ~= 1``, and how far ``a @ rows`` is from the all-ones row
     (the largest absolute difference)."""
     ones = np.ones(rows.shape[1])
@@ -420,7 +377,7 @@ def _worst_case(b: np.ndarray[Any, Any], size: int, sample: int | None = None) -
         sets = (sorted(rng.choice(n, size, replace=False)) for _ in range(sample))
     residual = amplification = 0.0
     for chosen in sets:
-        weights, off = _solve(b[list(chosen)])
+        weights, off = solve_decoding(b[list(chosen)])
         residual = max(residual, off)
         amplification = max(amplification, float(np.abs(weights).sum()))
     return residual, amplification

@@ -144,6 +144,7 @@ _REMOTE_KINDS: dict[str, type[HopliteError]] = {
     for cls in (
         HopliteTimeoutError,
         InvalidArgumentError,
+        NotDecodableError,
         ObjectDeletedError,
         ObjectExistsError,
         ObjectLostError,
@@ -169,6 +170,7 @@ __all__ = [
     "HopliteTimeoutError",
     "InvalidArgumentError",
     "NodeClosedError",
+    "NotDecodableError",
     "ObjectDeletedError",
     "ObjectExistsError",
     "ObjectLostError",

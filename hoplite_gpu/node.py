@@ -314,6 +314,8 @@ class Node:
             self._vertices.start(msg)
         elif isinstance(msg, p.ReduceChild):
             self._vertices.set_child(msg)
+        elif isinstance(msg, p.ReduceWeights):
+            self._vertices.set_weights(msg)
         elif isinstance(msg, p.DropObject):
             self._drop(ObjectID(msg.object_id), msg.reason)
         elif isinstance(msg, p.AbortTransfer):
@@ -371,6 +373,7 @@ class Node:
         timeout: float | None = None,
         degree: int | None = None,
         weights: Any = None,
+        coding: Any = None,
     ) -> ObjectID:
         """Reduce the first ``num_objects`` of ``object_ids`` to become ready; return the result's id.
 
@@ -396,6 +399,13 @@ class Node:
             weights: One finite number per id in ``object_ids``, for a weighted SUM: the result is
                 ``sum_i weights[i] * x_i`` over the inputs reduced, each input scaled where the
                 tree reads it (float inputs only; ``op`` must be SUM).
+            coding: Instead of ``weights``, for weights that depend on which inputs arrive: each
+                id's row of an encoding matrix (a gradient code's, see
+                :mod:`hoplite_gpu.coding`). Once the first ``num_objects`` inputs are chosen the
+                directory takes the weights that make their rows sum to all ones (the decoding
+                weights) and the tree applies them; the vertices stream their inputs meanwhile.
+                If the chosen rows cannot do that, the reduction fails with
+                :class:`NotDecodableError`.
 
         Raises:
             InvalidArgumentError: bad ids, ``num_objects`` or op, or an unsupported dtype.
@@ -403,7 +413,9 @@ class Node:
             ObjectExistsError: ``reduction_id`` exists as an object or another reduction.
         """
         self._check_open()
-        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout, degree, weights)
+        msg = self._reduce_request(
+            object_ids, op, num_objects, reduction_id, timeout, degree, weights, coding
+        )
         return self._io.run(self._reduce(msg))
 
     async def reduce_async(
@@ -415,10 +427,13 @@ class Node:
         timeout: float | None = None,
         degree: int | None = None,
         weights: Any = None,
+        coding: Any = None,
     ) -> ObjectID:
         """Async twin of :meth:`reduce`."""
         self._check_open()
-        msg = self._reduce_request(object_ids, op, num_objects, reduction_id, timeout, degree, weights)
+        msg = self._reduce_request(
+            object_ids, op, num_objects, reduction_id, timeout, degree, weights, coding
+        )
         return await self._io.run_async(self._reduce(msg))
 
     def _reduce_request(
@@ -430,6 +445,7 @@ class Node:
         timeout: float | None,
         degree: int | None = None,
         weights: Any = None,
+        coding: Any = None,
     ) -> p.ReduceRequest:
         ids = list(object_ids) if not isinstance(object_ids, (str, bytes, ObjectID)) else None
         if not ids or not all(isinstance(o, ObjectID) for o in ids):
@@ -454,6 +470,9 @@ class Node:
             raise InvalidArgumentError("reduction_id must not be one of the inputs", argument="reduction_id")
         wait = self._resolve_timeout(timeout)
         scales = _check_weights(weights, len(ids), as_op(op))
+        rows = _check_coding(coding, len(ids), as_op(op))
+        if scales and rows:
+            raise InvalidArgumentError("give weights or coding, not both", argument="coding")
         return p.ReduceRequest(
             request_id=0,
             reduction_id=rid.binary(),
@@ -463,6 +482,7 @@ class Node:
             timeout=wait or 0.0,
             degree=degree or 0,
             weights=scales,
+            coding=rows,
         )
 
     async def _reduce(self, msg: p.ReduceRequest) -> ObjectID:
@@ -613,3 +633,24 @@ def _check_weights(weights: Any, count: int, op: ReduceOp) -> list[float]:
             f"{len(values)} weights for {count} object ids: give one per id", argument="weights"
         )
     return values
+
+
+def _check_coding(coding: Any, count: int, op: ReduceOp) -> list[list[float]]:
+    """The encoding rows of a decoded reduction as lists of floats ([] for None), checked."""
+    if coding is None:
+        return []
+    if op is not ReduceOp.SUM:
+        raise InvalidArgumentError(f"coding needs op=SUM, not {op.name}", argument="coding")
+    try:
+        rows = np.asarray(coding, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError("coding must be rows of numbers", argument="coding") from None
+    if rows.ndim != 2 or rows.shape[0] != count or not 1 <= rows.shape[1] <= p.MAX_CODING_COLUMNS:
+        raise InvalidArgumentError(
+            f"coding must have one row per object id ({count}) of 1..{p.MAX_CODING_COLUMNS} numbers; "
+            f"got shape {rows.shape}",
+            argument="coding",
+        )
+    if not np.all(np.isfinite(rows)):
+        raise InvalidArgumentError("coding must be finite numbers", argument="coding")
+    return [[float(x) for x in row] for row in rows]

@@ -254,12 +254,23 @@ class ReduceRequest(Message):
     rejoin: bool = False  # re-sent to a restarted directory: a complete result already held is it
     degree: int = 0
     weights: list[float] = field(default_factory=list)  # one per object id (SUM only); [] for none
+    # Instead of weights: each input's row of a code's encoding matrix; the directory chooses the
+    # weights once the num_objects inputs are chosen (those that make the rows sum to all ones).
+    coding: list[list[float]] = field(default_factory=list)
 
     def check(self) -> None:
         _check_timeout(self.TYPE, self.timeout)
         if self.weights and len(self.weights) != len(self.object_ids):
             raise ProtocolError(f"{self.TYPE}: {len(self.weights)} weights for {len(self.object_ids)} inputs")
         _check_weights(self.TYPE, self.weights)
+        if self.coding:
+            if self.weights or len(self.coding) != len(self.object_ids):
+                raise ProtocolError(f"{self.TYPE}: coding needs one row per input and no weights")
+            width = len(self.coding[0])
+            if not 1 <= width <= MAX_CODING_COLUMNS or any(len(row) != width for row in self.coding):
+                raise ProtocolError(f"{self.TYPE}: coding rows of 1..{MAX_CODING_COLUMNS} numbers, all alike")
+            for row in self.coding:
+                _check_weights(self.TYPE, row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,6 +444,19 @@ class ReduceTask(Message):
     # child that is an input is scaled by that input's weight, a vertex's output (already
     # weighted) by 1; a child not known yet has its weight in its ReduceChild.
     weights: list[float] = field(default_factory=list)
+    await_weights: bool = False  # weighted, with weights chosen later (ReduceWeights)
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceWeights(Message):
+    """Directory -> node (push): the weights of a vertex whose task said ``await_weights`` (the
+    reduction's inputs are now chosen); the same layout as :attr:`ReduceTask.weights`."""
+
+    TYPE: ClassVar[str] = "reduce_weights"
+    reduction_id: bytes
+    vertex: int
+    epoch: int
+    weights: list[float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,6 +522,10 @@ def _check_name(kind: str, name: str, value: str, empty: bool = False) -> None:
 def _check_id(kind: str, name: str, value: bytes) -> None:
     if len(value) != OBJECT_ID_SIZE:
         raise ProtocolError(f"{kind}: {name} has {len(value)} bytes, not {OBJECT_ID_SIZE}")
+
+
+#: Widest encoding-matrix row a ReduceRequest's ``coding`` may carry.
+MAX_CODING_COLUMNS = 4096
 
 
 def _check_weights(kind: str, weights: list[float]) -> None:

@@ -89,6 +89,12 @@ class VertexRunner:
         if found is not None:
             found.set_child(msg.index, msg.object_id, msg.weight)
 
+    def set_weights(self, msg: p.ReduceWeights) -> None:
+        """The weights of a running vertex that waited for them."""
+        found = self._runs.get((msg.reduction_id, msg.epoch, msg.vertex))
+        if found is not None:
+            found.set_weights(msg.weights)
+
     def computes(self, oid: ObjectID) -> bool:
         """Whether a running vertex here writes ``oid``."""
         return any(r.output_id == oid for r in self._runs.values())
@@ -132,6 +138,10 @@ class VertexRunner:
                 )
                 self.store.add(out)
                 children = await streams
+                if task.await_weights:
+                    # Chosen once the reduction has all its inputs; the children stream meanwhile.
+                    # No timeout: the directory cancels the vertex if the reduction fails.
+                    await run.weights_chosen
             except BaseException:
                 streams.cancel()
                 raise
@@ -234,6 +244,7 @@ class VertexRun:
         # A weighted SUM: the input's weight, then each child's (children placed later get theirs
         # from their ReduceChild); [] for an unweighted reduction.
         self.weights = list(task.weights) if len(task.weights) == 1 + len(task.children) else []
+        self.weights_chosen: asyncio.Future[None] = loop.create_future()
         for index, oid in enumerate(task.children):
             if oid:
                 self.set_child(index, oid, self.weights[index + 1] if self.weights else 1.0)
@@ -244,9 +255,18 @@ class VertexRun:
         """Child ``index`` is ``object_id``, scaled by ``weight`` in a weighted reduction (ignored
         if out of range or already known)."""
         if 0 <= index < len(self._children) and not self._children[index].done() and len(object_id) == 20:
-            if self.weights:
+            if self.weights and not self.weights_chosen.done():
                 self.weights[index + 1] = weight
             self._children[index].set_result(ObjectID(object_id))
+
+    def set_weights(self, weights: list[float]) -> None:
+        """The weights chosen for a vertex whose task said ``await_weights`` (the input's, then
+        each child's); ignored unless one per source."""
+        if self.task.await_weights and not self.weights_chosen.done() and len(weights) == 1 + len(
+            self._children
+        ):
+            self.weights = list(weights)
+            self.weights_chosen.set_result(None)
 
     async def child(self, index: int) -> ObjectID:
         """The id of child ``index``, once the directory has placed it."""

@@ -126,16 +126,16 @@ def test_bad_arguments_raise_invalid_argument(call: Any, match: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_reduce_over_real_workers_decodes_the_first_sets_to_arrive_with_workers_killed(owner: Any) -> None:
+def test_reduce_decodes_in_the_tree_the_first_sets_to_arrive_with_workers_killed(owner: Any) -> None:
     """Six worker processes, a cyclic code tolerating two stragglers (any four decode): worker 0
     is SIGKILLed after its put (its only copy goes with it) and worker 1 never sends. With only
-    workers 2 and 3 in, the reduce times out with NotDecodableError; once 4 and 5 are in, it
-    decodes the exact full gradient from 2, 3, 4 and 5."""
+    workers 2 and 3 in, the reduction times out; once 4 and 5 are in (put after the reduce was
+    asked for), the tree decodes the exact full gradient from 2, 3, 4 and 5."""
     from tests.procs import start_workers
 
     n, s = 6, 2
     code = GradientCode.cyclic(n, s)
-    grads = _grads(n, np.float32, seed=11, size=50_000)
+    grads = _grads(n, np.float32, seed=11, size=300_000)  # 1.2 MB each: streamed, not inline
     messages = _messages(code, grads)
     ids = {w: hg.ObjectID.random() for w in range(n)}
     workers = start_workers(owner.directory_address, owner.token, n, shared_memory=False)
@@ -144,19 +144,38 @@ def test_reduce_over_real_workers_decodes_the_first_sets_to_arrive_with_workers_
         workers[0].kill()  # its message dies with it
         for w in (2, 3):
             workers[w].call("put_array", messages[w], ids[w].hex())
-        with pytest.raises(hg.NotDecodableError, match=r"only workers \[2, 3\] arrived within 2") as info:
-            code.reduce(owner, ids, timeout=2.0)
-        assert info.value.needed == n - s
+        early = code.reduce(owner, ids, timeout=2.0)
+        with pytest.raises(hg.HopliteTimeoutError, match="only 2 of 4 inputs"):
+            owner.get(early, timeout=30)
+        rid = code.reduce(owner, ids, timeout=60.0)  # before 4 and 5 are there
         for w in (4, 5):
             workers[w].call("put_array", messages[w], ids[w].hex())
-        # Worker 1 never sends: 2, 3, 4, 5 decode (any n - s = 4 of a cyclic code do).
+        got = owner.get(rid, timeout=60)
+        assert _relative_error(got, grads) <= 1e-5
+        assert sorted(owner.reduced_objects(rid, timeout=10)) == sorted(ids[w] for w in (2, 3, 4, 5))
+        # The same, saying which workers and weights the directory chose.
         done = code.reduce_detailed(owner, ids, timeout=60.0)
         assert sorted(done.workers) == [2, 3, 4, 5]
-        got = owner.get(done.object_id, timeout=30)
-        assert _relative_error(got, grads) <= 1e-5
+        assert done.weights == pytest.approx(code.decoding_weights(done.workers), abs=1e-9)
+        assert _relative_error(owner.get(done.object_id, timeout=60), grads) <= 1e-5
     finally:
         for w in workers:
             w.stop()
+
+
+def test_a_decoded_reduce_of_inputs_that_cannot_decode_fails_with_not_decodable(owner: Any) -> None:
+    """Rows that cannot sum to all ones (two identity rows of three): the directory fails the
+    reduction once both are chosen, and a get says why."""
+    a, b = (owner.put(np.full(8, float(i), np.float32)) for i in (1, 2))
+    rid = owner.reduce([a, b], coding=[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], timeout=10)
+    with pytest.raises(hg.NotDecodableError, match="do not decode"):
+        owner.get(rid, timeout=10)
+    with pytest.raises(hg.InvalidArgumentError, match="one row per object id"):
+        owner.reduce([a, b], coding=[[1.0, 0.0]])
+    with pytest.raises(hg.InvalidArgumentError, match="not both"):
+        owner.reduce([a, b], coding=[[1.0], [1.0]], weights=[1.0, 1.0])
+    with pytest.raises(hg.NotDecodableError, match="any 3 distinct"):
+        GradientCode.cyclic(4, 1).reduce(owner, {0: a, 1: b})
 
 
 def test_reduce_refuses_ids_that_are_not_object_ids(owner: Any) -> None:

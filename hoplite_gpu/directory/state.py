@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from .. import protocol as p
+from ..coding import DECODE_TOLERANCE, solve_decoding
 from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op, check_dtype, reduce_chunk, weighted_sum_chunk
 from ..store import dtype_from_wire
@@ -269,7 +270,9 @@ class Reduction:
     restored: bool = False  # finished before a directory restart: which inputs it used is unknown
     inline: list[bytes] = field(default_factory=list)  # inputs' bytes, for a directory-side reduce
     weights: dict[bytes, float] = field(default_factory=dict)  # input -> weight (a weighted SUM)
-    inline_weights: list[float] = field(default_factory=list)  # the weights of ``inline``, in order
+    inline_ids: list[bytes] = field(default_factory=list)  # the inputs of ``inline``, in order
+    # A decoded reduction: each input's encoding row; ``weights`` are chosen once it is full.
+    coding: dict[bytes, list[float]] = field(default_factory=dict)
     queries: list[PendingQuery] = field(default_factory=list)
     backlog: deque[bytes] = field(default_factory=deque)  # present inputs not offered yet (Resume)
 
@@ -1019,10 +1022,11 @@ class DirectoryState:
         except (InvalidArgumentError, ValueError) as exc:
             refuse("InvalidArgumentError", str(exc))
             return
-        if msg.weights and op != "sum":
+        if (msg.weights or msg.coding) and op != "sum":
             refuse("InvalidArgumentError", f"weights need the SUM op, not {op.upper()}")
             return
         weights = dict(zip(inputs, msg.weights, strict=True)) if msg.weights else {}
+        coding = dict(zip(inputs, msg.coding, strict=True)) if msg.coding else {}
         existing = self.reductions.get(rid)
         if existing is None:  # (bounded: the directory keeps at most REDUCTIONS_KEPT of them)
             active = sum(1 for red in self.reductions.values() if red.requester == node_id and red.active)
@@ -1032,12 +1036,12 @@ class DirectoryState:
                 return
         if existing is not None:
             old = existing.plan
-            if (old.inputs, old.num_objects, existing.op, existing.weights) == (
+            if (old.inputs, old.num_objects, existing.op, existing.coding) == (
                 inputs,
                 msg.num_objects,
                 op,
-                weights,
-            ):
+                coding,
+            ) and (coding or existing.weights == weights):
                 self._send(node_id, p.ReduceReply(request_id=msg.request_id))  # every rank may ask
             else:
                 refuse("ObjectExistsError", f"reduction {rid.hex()} already exists with other inputs or op")
@@ -1061,12 +1065,13 @@ class DirectoryState:
                 if entry is not first and (entry.size, entry.dtype) == (first.size, first.dtype):
                     if entry.shape == first.shape:
                         continue  # the same kind as the first, which had the full check
-                problem = self._input_problem(plan, entry, first, bool(weights))
+                problem = self._input_problem(plan, entry, first, bool(weights or coding))
                 if problem is not None:
                     refuse(problem[0], problem[1], entry.object_id)
                     return
         red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
         red.weights = weights
+        red.coding = coding
         self.reductions[rid] = red
         self._forget_old_reductions()
         self._send(node_id, p.ReduceReply(request_id=msg.request_id))
@@ -1174,7 +1179,7 @@ class DirectoryState:
         holder = self._input_holder(entry)
         if holder is None:
             return
-        problem = self._input_problem(plan, entry, entry, bool(red.weights))
+        problem = self._input_problem(plan, entry, entry, bool(red.weights or red.coding))
         if problem is None and plan.placed and (entry.inline is not None) != bool(red.inline):
             problem = "ReduceMismatchError", f"input {oid.hex()} is stored differently from the others"
         if problem is not None:
@@ -1212,12 +1217,14 @@ class DirectoryState:
         )
         if entry.inline is not None:
             red.inline.append(entry.inline)
-            red.inline_weights.append(red.weights.get(oid, 1.0))
+            red.inline_ids.append(oid)
         else:
             self._start_vertex(red, pl, now)
         if plan.full:
             for other in plan.inputs:
                 self._unawait(other, plan.reduction_id)
+            if red.coding and not red.weights and not self._choose_weights(red, now):
+                return
             if red.inline:
                 self._reduce_inline(red, now)
 
@@ -1253,6 +1260,7 @@ class DirectoryState:
                     shape=list(plan.shape),
                     epoch=plan.epoch,
                     weights=self._vertex_weights(red, pl),
+                    await_weights=bool(red.coding) and not red.weights,
                 ),
             )
             self._serve_pending(pl.output_id, now)
@@ -1277,6 +1285,38 @@ class DirectoryState:
         1 for a vertex's output (weighted already)."""
         return 1.0 if pl.runs_task else red.weights.get(pl.object_id, 1.0)
 
+    def _choose_weights(self, red: Reduction, now: float) -> bool:
+        """A decoded reduction just chose its inputs: the weights whose sum of their encoding
+        rows is all ones (least-norm, as :meth:`GradientCode.decoding_weights
+        <hoplite_gpu.coding.GradientCode.decoding_weights>` computes them), sent to every vertex
+        waiting for them. False (and the reduction failed) if the chosen inputs do not decode."""
+        plan = red.plan
+        chosen = [pl.object_id for pl in plan.placed]
+        weights, residual = solve_decoding(np.array([red.coding[oid] for oid in chosen], dtype=np.float64))
+        if residual > DECODE_TOLERANCE:
+            self._fail_reduction(
+                red,
+                "NotDecodableError",
+                f"the first {len(chosen)} inputs of reduction {plan.reduction_id.hex()} to arrive do "
+                f"not decode (their encoding rows do not combine into all ones; residual {residual:.2e})",
+                now,
+            )
+            return False
+        red.weights = {oid: float(w) for oid, w in zip(chosen, weights, strict=True)}
+        self._log(now, "reduce_weights", object_id=plan.reduction_id.hex(), epoch=plan.epoch)
+        for pl in plan.placed:
+            if pl.runs_task:
+                self._send(
+                    pl.node_id,
+                    p.ReduceWeights(
+                        reduction_id=plan.reduction_id,
+                        vertex=pl.vertex,
+                        epoch=plan.epoch,
+                        weights=self._vertex_weights(red, pl),
+                    ),
+                )
+        return True
+
     def _vertex_weights(self, red: Reduction, pl: Placement) -> list[float]:
         """:attr:`~hoplite_gpu.protocol.ReduceTask.weights` of vertex ``pl`` ([] unweighted)."""
         if not red.weights:
@@ -1294,7 +1334,8 @@ class DirectoryState:
         arrays = [np.frombuffer(b, dtype) for b in red.inline]
         out = np.empty_like(arrays[0])
         if red.weights:
-            weighted_sum_chunk(arrays[0], arrays[1:], out, red.inline_weights)
+            scales = [red.weights.get(oid, 1.0) for oid in red.inline_ids]
+            weighted_sum_chunk(arrays[0], arrays[1:], out, scales)
         else:
             reduce_chunk(as_op(red.op), arrays[0], arrays[1:], out, plan.num_objects)
         rid = plan.reduction_id
@@ -1303,7 +1344,7 @@ class DirectoryState:
         )
         red.done = True
         red.inline = []
-        red.inline_weights = []
+        red.inline_ids = []
         self._answer_queries(red)
         self._log(now, "reduce_done", object_id=rid.hex(), inline=True)
         self._serve_pending(rid, now)
@@ -1351,7 +1392,7 @@ class DirectoryState:
         plan = red.plan
         red.error = (kind, message, culprit)
         red.inline = []
-        red.inline_weights = []
+        red.inline_ids = []
         self._log(now, "reduce_failed", object_id=plan.reduction_id.hex(), error_kind=kind, reason=message)
         for oid in plan.inputs:
             self._unawait(oid, plan.reduction_id)
@@ -1484,8 +1525,10 @@ class DirectoryState:
         # The root's node (its vertex is cancelled) and partial readers (they start again).
         self._remove_object(rid, now, reason="reset")
         red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1, fan_in=old.fan_in)
+        if red.coding:
+            red.weights = {}  # the rebuilt tree may choose other inputs: other weights
         red.inline = []
-        red.inline_weights = []
+        red.inline_ids = []
         red.deadline = now + red.timeout if red.timeout > 0 else None
         for oid in old.inputs:
             self.awaiting.setdefault(oid, set()).add(rid)
