@@ -586,7 +586,8 @@ class DirectoryState:
 
     def _charge_inline(self, entry: ObjectEntry, node_id: str) -> None:
         entry.charged = node_id
-        self._inline_per_node[node_id] = self._inline_per_node.get(node_id, 0) + entry.size
+        if entry.size:  # (the per-node counts hold no zeros)
+            self._inline_per_node[node_id] = self._inline_per_node.get(node_id, 0) + entry.size
 
     def _add_complete(self, entry: ObjectEntry, node_id: str, segment: str, copying: bool = False) -> None:
         loc = entry.locations.get(node_id)
@@ -987,7 +988,7 @@ class DirectoryState:
         entry = self.objects.pop(oid, None)
         if entry is None:
             return
-        if entry.inline is not None and entry.charged:
+        if entry.inline is not None and entry.charged and entry.size:
             left = self._inline_per_node[entry.charged] - entry.size
             if left:
                 self._inline_per_node[entry.charged] = left
@@ -1723,7 +1724,7 @@ class DirectoryState:
                 out.append(f"node {nid[:8]} is recorded as {info.node_id[:8]}")
         inline: dict[str, int] = {}
         for entry in self.objects.values():
-            if entry.inline is not None and entry.charged:
+            if entry.inline is not None and entry.charged and entry.size:
                 inline[entry.charged] = inline.get(entry.charged, 0) + entry.size
         if inline != self._inline_per_node:
             out.append(f"inline bytes per node {self._inline_per_node} are really {inline}")
