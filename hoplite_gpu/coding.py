@@ -41,6 +41,7 @@ import numpy as np
 
 from .errors import InvalidArgumentError, NotDecodableError
 from .object_id import ObjectID
+from .reduce_ops import weighted_sum_chunk
 
 #: Largest ``n`` for which :meth:`GradientCode.cyclic` checks the conditioning of every arrival
 #: set of ``n - s`` workers when it chooses ``H`` (C(16, 8) = 12,870 solves at most).
@@ -178,9 +179,8 @@ class GradientCode:
             )
         arrays = [np.asarray(grads[j]) for j in wanted]
         _check_same_float(arrays, "grads")
-        out = np.zeros_like(arrays[0])
-        for j, g in zip(wanted, arrays, strict=True):
-            out += g.dtype.type(self.matrix[worker, j]) * g
+        out = np.empty_like(arrays[0])
+        weighted_sum_chunk(arrays[0], arrays[1:], out, [float(self.matrix[worker, j]) for j in wanted])
         return out
 
     # ------------------------------------------------------------ decoding
@@ -238,10 +238,10 @@ class GradientCode:
         weights = self.decoding_weights(workers)
         arrays = [np.asarray(messages[w]) for w in workers]
         _check_same_float(arrays, "messages")
-        out = np.zeros_like(arrays[0])
-        for w, a in zip(weights, arrays, strict=True):
-            if w:
-                out += a.dtype.type(w) * a
+        # Messages of weight 0 (a fractional repetition group's other members) are left out.
+        used = [(w, a) for w, a in zip(weights, arrays, strict=True) if w]
+        out = np.empty_like(arrays[0])
+        weighted_sum_chunk(used[0][1], [a for _, a in used[1:]], out, [w for w, _ in used])
         return out
 
     # ------------------------------------------------------------ over hoplite

@@ -189,9 +189,10 @@ class DirectoryService:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        peer = ":".join(str(x) for x in writer.get_extra_info("peername")[:2])
+        peername = writer.get_extra_info("peername")
+        peer = ":".join(str(x) for x in peername[:2])
         node_id: str | None = None
-        address = str(writer.get_extra_info("peername")[0])
+        address = str(peername[0])
         from_address = self._handshaking_from.get(address, 0)
         if self.handshaking >= self.max_handshakes or from_address >= self.max_handshakes_per_address:
             self.refused_handshakes += 1

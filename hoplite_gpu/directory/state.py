@@ -309,7 +309,7 @@ class DirectoryState:
             are stored inline here.
         event_log_bytes: Bound of the event log's estimated size; with ``EVENT_LOG_CAPACITY``
             events, the oldest go first.
-        place_slice: Present inputs a reduction places per event (0: :data:`PLACE_SLICE`).
+        place_slice: Present inputs a reduction places per event.
     """
 
     def __init__(
@@ -321,7 +321,7 @@ class DirectoryState:
         max_reductions: int = 10_000,
         max_inline_bytes: int = 256 * 1024 * 1024,
         event_log_bytes: int = EVENT_LOG_BYTES,
-        place_slice: int = 0,
+        place_slice: int = PLACE_SLICE,
     ) -> None:
         self.inline_threshold_bytes = inline_threshold_bytes
         self.lease_timeout = lease_timeout
@@ -332,7 +332,7 @@ class DirectoryState:
         # Per-node quota of bytes stored inline here (Config.directory_max_inline_bytes), and what
         # each node's inline objects hold now.
         self.max_inline_bytes = max_inline_bytes
-        self.place_slice = place_slice or PLACE_SLICE
+        self.place_slice = place_slice
         self._inline_per_node: dict[str, int] = {}
         self._pending_per_node: dict[str, int] = {}
         self.check_invariants = validate
@@ -1063,9 +1063,9 @@ class DirectoryState:
         if present:  # refuse what is already known to be wrong: nothing gets reduced
             first = present[0]
             for entry in present:
-                if entry is not first and (entry.size, entry.dtype) == (first.size, first.dtype):
-                    if entry.shape == first.shape:
-                        continue  # the same kind as the first, which had the full check
+                same_kind = (entry.size, entry.dtype, entry.shape) == (first.size, first.dtype, first.shape)
+                if entry is not first and same_kind:
+                    continue  # the first had the full check
                 problem = self._input_problem(plan, entry, first, bool(weights or coding))
                 if problem is not None:
                     refuse(problem[0], problem[1], entry.object_id)
