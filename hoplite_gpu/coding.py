@@ -48,6 +48,9 @@ from .reduce_ops import weighted_sum_chunk
 EXHAUSTIVE_CHECK_MAX_N = 16
 #: A decoding whose weights reproduce the all-ones row worse than this (relative) is refused.
 DECODE_TOLERANCE = 1e-9
+#: A row whose part outside the span of the rows before it is smaller than this (relative to its
+#: norm) adds nothing to a :class:`DecodeTracker`.
+_RANK_TOLERANCE = 1e-9
 
 
 class GradientCode:
@@ -119,7 +122,13 @@ class GradientCode:
         for worker in range(n):
             group = worker // (s + 1)
             b[worker, group * (s + 1) : (group + 1) * (s + 1)] = 1.0
-        code = cls(b, s, name=f"fractional repetition (n={n}, s={s})")
+        # Within a group, member t starts at the group's t-th partition: the members work on
+        # different partitions first, which is what a partial-straggler decode (PartialCode) needs.
+        order = [
+            [(worker // (s + 1)) * (s + 1) + (worker % (s + 1) + k) % (s + 1) for k in range(s + 1)]
+            for worker in range(n)
+        ]
+        code = cls(b, s, name=f"fractional repetition (n={n}, s={s})", order=order)
         code._group_size = s + 1
         return code
 
@@ -252,14 +261,15 @@ class GradientCode:
         timeout: float | None = None,
         result_id: ObjectID | None = None,
     ) -> ObjectID:
-        """Decode inside hoplite's reduce tree: the first ``n - s`` workers' messages to arrive,
-        weighted by their decoding weights, summed into ``result_id`` (a fresh id by default).
+        """Decode inside hoplite's reduce tree: the first messages to arrive that decode (any
+        ``n - s``; for a fractional repetition code one of each group is enough), weighted by
+        their decoding weights, summed into ``result_id`` (a fresh id by default).
 
         Returns at once, like :meth:`Node.reduce <hoplite_gpu.node.Node.reduce>`: ``node.get`` of
         the id is the exact sum of all ``n`` partition gradients once enough messages arrived.
-        The directory chooses the weights when the ``(n - s)``-th message is chosen (any
-        ``n - s`` workers decode); until then the tree's vertices already stream the messages
-        that arrived. A worker that dies or never sends is left out like a late one.
+        The directory adds each message's encoding row as it arrives and, once they decode,
+        reduces those with a weight that is not 0 (``coding`` without ``num_objects``). A worker
+        that dies or never sends is left out like a late one.
 
         Args:
             node: The node that asks (usually the parameter server's).
@@ -269,27 +279,16 @@ class GradientCode:
             result_id: Id of the result.
 
         Raises:
-            NotDecodableError: fewer than ``n - s`` workers given.
+            NotDecodableError: the workers given cannot decode even if all of them send.
             InvalidArgumentError: a worker index out of range, or ids that are not ObjectIDs.
         """
         workers = sorted(ids_by_worker)
         for worker in workers:
             self._check_worker(worker)
-            if not isinstance(ids_by_worker[worker], ObjectID):
-                raise InvalidArgumentError(
-                    f"worker {worker}'s id is a {type(ids_by_worker[worker]).__name__}, not an ObjectID",
-                    argument="ids_by_worker",
-                )
-        needed = self.n - self.stragglers
-        if len(workers) < needed:
-            raise NotDecodableError(
-                f"{self.name}: {len(workers)} workers given, any {needed} distinct ones are needed",
-                workers=workers,
-                needed=needed,
-            )
+            _check_object_id(ids_by_worker[worker], f"worker {worker}'s id", "ids_by_worker")
+        self.decoding_weights(workers)  # NotDecodableError now rather than after every send
         return node.reduce(  # type: ignore[no-any-return]
             [ids_by_worker[w] for w in workers],
-            num_objects=needed,
             reduction_id=result_id,
             timeout=timeout,
             coding=self.matrix[workers],
@@ -334,7 +333,218 @@ class Decoded:
     weights: list[float]
 
 
+class PartialCode:
+    """The partial-straggler protocol on a gradient code's assignment: every finished partition
+    counts, including those of slow workers.
+
+    After Ramamoorthy, Meng and Girimaji, "Leveraging partial stragglers within gradient coding"
+    (NeurIPS 2024, arXiv 2405.19509): a worker computes its partitions one after another, in the
+    order :meth:`partitions` gives, and sends a piece as soon as each is done; the parameter
+    server decodes as soon as the pieces that arrived suffice. A plain gradient code waits for
+    whole workers, each having computed all ``s + 1`` of its partitions; here the partitions a
+    slow worker finished before the others are used, and no worker's last partitions are waited
+    for when others covered them.
+
+    What is ours: a piece is the gradient of the one partition just finished (its encoding row is
+    that partition's unit row). The paper encodes the pieces so that one parameter server's
+    ingress stays small; hoplite's reduce tree already keeps the root's ingress at one gradient
+    whatever the number of inputs, so the pieces need no coding, and decoding weights are 0 or 1:
+    exact in any float type. The decodability check is the general one (the all-ones row in the
+    span of the arrived pieces' rows, :class:`DecodeTracker`), which for these rows says: every
+    partition computed by some worker. The processing orders are the code's (:meth:`GradientCode.
+    partitions`): worker ``i`` of a cyclic code starts at partition ``i``, each member of a
+    fractional repetition group at a different partition of the group, so that with no straggler
+    the first piece of every worker already decodes.
+
+        partial = PartialCode(GradientCode.cyclic(8, 2))
+        for index, j in enumerate(partial.partitions(worker)):       # on each worker
+            node.put(partial.encode_piece(worker, index, grad_of(j)), ids[worker, index])
+        full = ps_node.get(partial.reduce(ps_node, ids))             # on the parameter server
+
+    Args:
+        code: The assignment (which partitions each worker computes, in which order).
+    """
+
+    def __init__(self, code: GradientCode) -> None:
+        if not isinstance(code, GradientCode):
+            raise InvalidArgumentError(
+                f"a GradientCode is needed; got {type(code).__name__}", argument="code"
+            )
+        self.code = code
+        self.n = code.n
+        self.stragglers = code.stragglers
+        self.name = f"partial {code.name}"
+
+    def partitions(self, worker: int) -> list[int]:
+        """``worker``'s partitions in the order it computes them; piece ``index`` is the
+        ``index``-th of them."""
+        return self.code.partitions(worker)
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """Every ``(worker, index)`` piece of the assignment, worker by worker."""
+        return [(w, i) for w in range(self.n) for i in range(len(self.code.partitions(w)))]
+
+    def piece_row(self, worker: int, index: int) -> np.ndarray[Any, Any]:
+        """The encoding row of piece ``(worker, index)`` over the ``n`` partitions."""
+        row = np.zeros(self.n)
+        row[self._partition(worker, index)] = 1.0
+        return row
+
+    def encode_piece(self, worker: int, index: int, grad: Any) -> np.ndarray[Any, Any]:
+        """The piece ``worker`` sends when it has computed the gradient of its ``index``-th
+        partition (:meth:`partitions`): that gradient itself (checked to be a float array).
+
+        Raises:
+            InvalidArgumentError: ``worker`` or ``index`` out of range, or not a float array.
+        """
+        self._partition(worker, index)
+        array = np.asarray(grad)
+        _check_same_float([array], "grad")
+        return array
+
+    def decoding_weights(self, pieces: Sequence[tuple[int, int]]) -> list[float]:
+        """Weights, one per piece in ``pieces``' order (the order they arrived in), whose
+        weighted sum of those pieces is the full gradient: 1 for the first piece of each
+        partition, 0 for later ones.
+
+        Raises:
+            NotDecodableError: some partition has no piece among them; wait for more.
+            InvalidArgumentError: a piece out of range or given twice.
+        """
+        tracker = self._tracker(pieces)
+        if not tracker.decodable:
+            missing = sorted(set(range(self.n)) - {self._partition(*pc) for pc in pieces})
+            raise NotDecodableError(
+                f"{self.name}: no piece of partitions {missing} among the {len(pieces)} given",
+                workers=sorted({w for w, _ in pieces}),
+                needed=self.n,
+            )
+        used, weights = tracker.solution()
+        by_piece = dict(zip(used, weights, strict=True))
+        return [by_piece.get((int(w), int(i)), 0.0) for w, i in pieces]
+
+    def is_decodable(self, pieces: Sequence[tuple[int, int]]) -> bool:
+        """Whether these pieces determine the full gradient (every partition among them)."""
+        return self._tracker(pieces).decodable
+
+    def decode(self, messages: Mapping[tuple[int, int], Any]) -> np.ndarray[Any, Any]:
+        """The full gradient from pieces (``(worker, index)`` -> array) on this process, the
+        mapping's order taken as the arrival order."""
+        pieces = list(messages)
+        weights = self.decoding_weights(pieces)
+        arrays = [np.asarray(messages[pc]) for pc in pieces]
+        _check_same_float(arrays, "messages")
+        used = [(w, a) for w, a in zip(weights, arrays, strict=True) if w]
+        out = np.empty_like(arrays[0])
+        weighted_sum_chunk(used[0][1], [a for _, a in used[1:]], out, [w for w, _ in used])
+        return out
+
+    def reduce(
+        self,
+        node: Any,
+        ids_by_piece: Mapping[tuple[int, int], ObjectID],
+        timeout: float | None = None,
+        result_id: ObjectID | None = None,
+    ) -> ObjectID:
+        """Decode inside hoplite's reduce tree as the pieces arrive; returns at once with the id
+        whose ``node.get`` is the full gradient.
+
+        The directory adds each piece's row as the piece becomes ready and, once every partition
+        has one, reduces the first piece of each (``coding`` without ``num_objects`` in
+        :meth:`Node.reduce <hoplite_gpu.node.Node.reduce>`); pieces after that are not read. A
+        worker that dies loses only the pieces nobody used yet: the tree is rebuilt from the
+        pieces still held.
+
+        Args:
+            node: The node that asks (the parameter server's).
+            ids_by_piece: ``(worker, index)`` -> the id that piece is put under (pieces may be put
+                after this call; list every piece that may come).
+            timeout: Seconds to wait for a decodable set (None: the node's default).
+            result_id: Id of the result.
+
+        Raises:
+            NotDecodableError: even all the pieces listed would not cover every partition.
+            InvalidArgumentError: a piece out of range, or ids that are not ObjectIDs.
+        """
+        pieces = list(ids_by_piece)
+        for pc in pieces:
+            _check_object_id(ids_by_piece[pc], f"piece {pc}'s id", "ids_by_piece")
+        self.decoding_weights(pieces)  # every partition among them, or NotDecodableError now
+        return node.reduce(  # type: ignore[no-any-return]
+            [ids_by_piece[pc] for pc in pieces],
+            reduction_id=result_id,
+            timeout=timeout,
+            coding=np.array([self.piece_row(*pc) for pc in pieces]),
+        )
+
+    def reduce_detailed(
+        self,
+        node: Any,
+        ids_by_piece: Mapping[tuple[int, int], ObjectID],
+        timeout: float | None = None,
+        result_id: ObjectID | None = None,
+    ) -> PartialDecoded:
+        """:meth:`reduce`, then wait until the pieces are chosen and report which were used
+        (and with what weights)."""
+        rid = self.reduce(node, ids_by_piece, timeout, result_id)
+        piece_of = {oid: pc for pc, oid in ids_by_piece.items()}
+        used = [piece_of[oid] for oid in node.reduced_objects(rid, timeout=timeout)]
+        return PartialDecoded(rid, used, self.decoding_weights(used))
+
+    def __repr__(self) -> str:
+        return f"<PartialCode {self.name}>"
+
+    def _partition(self, worker: Any, index: Any) -> int:
+        order = self.code.partitions(worker)  # checks the worker
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(order):
+            raise InvalidArgumentError(
+                f"worker {worker} has pieces 0..{len(order) - 1}; got index {index!r}", argument="index"
+            )
+        return order[int(index)]
+
+    def _tracker(self, pieces: Sequence[tuple[int, int]]) -> DecodeTracker:
+        tracker = DecodeTracker(self.n)
+        seen: set[tuple[int, int]] = set()
+        for pc in pieces:
+            if not isinstance(pc, tuple) or len(pc) != 2:
+                raise InvalidArgumentError(f"a piece is (worker, index); got {pc!r}", argument="pieces")
+            key = (int(self._check_int(pc[0])), int(self._check_int(pc[1])))
+            if key in seen:
+                raise InvalidArgumentError(f"piece {key} is given twice", argument="pieces")
+            seen.add(key)
+            tracker.add(key, self.piece_row(*key))
+        return tracker
+
+    @staticmethod
+    def _check_int(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise InvalidArgumentError(
+                f"a piece's worker and index are ints; got {value!r}", argument="pieces"
+            )
+        return int(value)
+
+
+@dataclass(frozen=True)
+class PartialDecoded:
+    """What :meth:`PartialCode.reduce_detailed` did.
+
+    Attributes:
+        object_id: Where the full gradient is.
+        pieces: The ``(worker, index)`` pieces used, in arrival order (one per partition).
+        weights: Their weights, in the same order (1.0 each).
+    """
+
+    object_id: ObjectID
+    pieces: list[tuple[int, int]]
+    weights: list[float]
+
+
 # ---------------------------------------------------------------- helpers
+def _check_object_id(value: Any, what: str, argument: str) -> None:
+    if not isinstance(value, ObjectID):
+        raise InvalidArgumentError(f"{what} is a {type(value).__name__}, not an ObjectID", argument=argument)
+
+
 def _check_counts(n: int, s: int) -> None:
     for name, value in (("n", n), ("s", s)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -363,6 +573,82 @@ def solve_decoding(rows: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], fl
     ones = np.ones(rows.shape[1])
     weights, *_ = np.linalg.lstsq(rows.T, ones, rcond=None)
     return weights, float(np.max(np.abs(weights @ rows - ones)))
+
+
+class DecodeTracker:
+    """Decodability of encoding rows checked as they arrive, one at a time (pure; the directory
+    runs one per reduction that decodes as inputs arrive, :class:`PartialCode` one per check).
+
+    The rows that add to the span of the rows before them are kept, in arrival order, with an
+    orthonormal basis of that span; the arrivals decode once the all-ones row lies in it. A row
+    that adds nothing (a second copy of a partition already covered, say) is not used: the
+    solution is over the kept rows, which are independent, so their weights are unique and, for
+    unit rows, exactly 1.
+
+    Args:
+        width: The length of every row (the number of partitions).
+    """
+
+    def __init__(self, width: int) -> None:
+        if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
+            raise InvalidArgumentError(f"rows need a width >= 1; got {width!r}", argument="width")
+        self.width = int(width)
+        self.seen = 0  #: rows offered so far (kept or not)
+        self.keys: list[Any] = []  #: the kept rows' keys, in arrival order
+        self._rows: list[np.ndarray[Any, Any]] = []
+        self._basis = np.zeros((0, self.width))  # orthonormal rows spanning the kept rows
+        self._residual = float(np.sqrt(self.width))  # distance of the all-ones row from that span
+
+    def add(self, key: Any, row: Any) -> bool:
+        """Offer the row that ``key`` (an input, a piece) arrived with; True once decodable.
+
+        Raises:
+            InvalidArgumentError: a row of another width, or not finite.
+        """
+        r = np.asarray(row, dtype=np.float64)
+        if r.shape != (self.width,) or not np.all(np.isfinite(r)):
+            raise InvalidArgumentError(
+                f"a row of {self.width} finite numbers is needed; got shape {r.shape}", argument="row"
+            )
+        self.seen += 1
+        if self.decodable:
+            return True
+        q = self._basis
+        rest = r - (r @ q.T) @ q
+        rest -= (rest @ q.T) @ q  # twice: Gram-Schmidt keeps its orthogonality in float64
+        norm = float(np.linalg.norm(rest))
+        if norm <= _RANK_TOLERANCE * max(float(np.linalg.norm(r)), 1e-300):
+            return False  # in the span already: adds nothing
+        self._basis = np.vstack([q, rest / norm])
+        self.keys.append(key)
+        self._rows.append(r)
+        ones = np.ones(self.width)
+        self._residual = float(np.linalg.norm(ones - (ones @ self._basis.T) @ self._basis))
+        return self.decodable
+
+    @property
+    def decodable(self) -> bool:
+        """Whether the rows kept so far combine into the all-ones row."""
+        return self._residual <= DECODE_TOLERANCE * np.sqrt(self.width)
+
+    def solution(self) -> tuple[list[Any], list[float]]:
+        """The keys used and their weights (the kept rows with a weight that is not 0), in arrival
+        order.
+
+        Raises:
+            NotDecodableError: not :attr:`decodable` yet.
+        """
+        if not self.decodable:
+            raise NotDecodableError(
+                f"the {self.seen} rows offered span {len(self.keys)} of the {self.width} dimensions "
+                "and do not combine into the all-ones row",
+                workers=[],
+                needed=0,
+            )
+        weights, _ = solve_decoding(np.array(self._rows))
+        scale = float(np.max(np.abs(weights)))
+        used = [i for i, w in enumerate(weights) if abs(w) > 1e-12 * scale]
+        return [self.keys[i] for i in used], [float(weights[i]) for i in used]
 
 
 def _worst_case(b: np.ndarray[Any, Any], size: int, sample: int | None = None) -> tuple[float, float]:

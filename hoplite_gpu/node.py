@@ -401,11 +401,15 @@ class Node:
                 tree reads it (float inputs only; ``op`` must be SUM).
             coding: Instead of ``weights``, for weights that depend on which inputs arrive: each
                 id's row of an encoding matrix (a gradient code's, see
-                :mod:`hoplite_gpu.coding`). Once the first ``num_objects`` inputs are chosen the
-                directory takes the weights that make their rows sum to all ones (the decoding
-                weights) and the tree applies them; the vertices stream their inputs meanwhile.
-                If the chosen rows cannot do that, the reduction fails with
-                :class:`NotDecodableError`.
+                :mod:`hoplite_gpu.coding`). With ``num_objects``, once the first ``num_objects``
+                inputs are chosen the directory takes the weights that make their rows sum to all
+                ones (the decoding weights) and the tree applies them; the vertices stream their
+                inputs meanwhile; if the chosen rows cannot do that, the reduction fails with
+                :class:`NotDecodableError`. Without ``num_objects`` the directory adds each
+                input's row as it arrives and, as soon as the rows that arrived combine into all
+                ones, reduces the inputs whose weight is not 0 (the rows that added to the span
+                of those before them, in arrival order); :meth:`reduced_objects` names them. It
+                fails with :class:`NotDecodableError` when every input arrived without that.
 
         Raises:
             InvalidArgumentError: bad ids, ``num_objects`` or op, or an unsupported dtype.
@@ -473,6 +477,8 @@ class Node:
         rows = _check_coding(coding, len(ids), as_op(op))
         if scales and rows:
             raise InvalidArgumentError("give weights or coding, not both", argument="coding")
+        if rows and num_objects is None:
+            k = 0  # decoded as soon as the rows that arrived can be
         return p.ReduceRequest(
             request_id=0,
             reduction_id=rid.binary(),

@@ -24,10 +24,10 @@ import msgpack
 from .errors import InvalidArgumentError, ProtocolError
 from .object_id import OBJECT_ID_SIZE
 
-PROTOCOL_VERSION = 9  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+PROTOCOL_VERSION = 10  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
 # 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
 # 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag);
-# 9: weighted reductions
+# 9: weighted reductions; 10: decoded as inputs arrive (num_objects 0 with coding)
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -236,7 +236,8 @@ class DeleteRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class ReduceRequest(Message):
-    """Reduce the first ``num_objects`` of ``object_ids`` to become ready into ``reduction_id``.
+    """Reduce the first ``num_objects`` of ``object_ids`` to become ready into ``reduction_id``
+    (with ``coding`` and ``num_objects`` 0: the first arrivals whose rows decode).
 
     ``op`` is a :class:`~hoplite_gpu.reduce_ops.ReduceOp` value; ``timeout`` (0: none) is how long
     the directory waits for enough inputs before failing the reduction. ``degree`` is the tree's
@@ -255,7 +256,8 @@ class ReduceRequest(Message):
     degree: int = 0
     weights: list[float] = field(default_factory=list)  # one per object id (SUM only); [] for none
     # Instead of weights: each input's row of a code's encoding matrix; the directory chooses the
-    # weights once the num_objects inputs are chosen (those that make the rows sum to all ones).
+    # weights once the num_objects inputs are chosen (those that make the rows sum to all ones),
+    # or, with num_objects 0, once the rows that arrived can.
     coding: list[list[float]] = field(default_factory=list)
 
     def check(self) -> None:

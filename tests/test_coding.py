@@ -1,5 +1,6 @@
 """Gradient codes (issue 20): any decodable arrival set gives back the exact sum of every partition
-gradient; sets that cannot decode are refused with a clear error."""
+gradient; sets that cannot decode are refused with a clear error. The partial-straggler protocol
+(PartialCode): the first arrivals of pieces that cover every partition decode, whatever the order."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hoplite_gpu as hg
-from hoplite_gpu.coding import GradientCode
+from hoplite_gpu.coding import DecodeTracker, GradientCode, PartialCode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,7 +94,15 @@ def test_each_worker_computes_s_plus_1_partitions_in_its_order() -> None:
     cyclic = GradientCode.cyclic(8, 2)
     assert [cyclic.partitions(w) for w in (0, 6, 7)] == [[0, 1, 2], [6, 7, 0], [7, 0, 1]]
     fr = GradientCode.fractional_repetition(6, 2)
-    assert [fr.partitions(w) for w in range(6)] == [[0, 1, 2]] * 3 + [[3, 4, 5]] * 3
+    # Each member of a group starts at a different partition of the group (for PartialCode).
+    assert [fr.partitions(w) for w in range(6)] == [
+        [0, 1, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [3, 4, 5],
+        [4, 5, 3],
+        [5, 3, 4],
+    ]
     # A fractional repetition message is the plain sum, and its weights are exact 0/1.
     assert fr.decoding_weights([0, 5]) == [1.0, 1.0]
     assert fr.decoding_weights([4, 1, 3, 2]) == [1.0, 1.0, 0.0, 0.0]  # the first of each group
@@ -145,7 +154,9 @@ def test_reduce_decodes_in_the_tree_the_first_sets_to_arrive_with_workers_killed
         for w in (2, 3):
             workers[w].call("put_array", messages[w], ids[w].hex())
         early = code.reduce(owner, ids, timeout=2.0)
-        with pytest.raises(hg.HopliteTimeoutError, match="only 2 of 4 inputs"):
+        with pytest.raises(
+            hg.HopliteTimeoutError, match=r"the 2 of its 6 inputs that became ready .* do not decode"
+        ):
             owner.get(early, timeout=30)
         rid = code.reduce(owner, ids, timeout=60.0)  # before 4 and 5 are there
         for w in (4, 5):
@@ -165,10 +176,15 @@ def test_reduce_decodes_in_the_tree_the_first_sets_to_arrive_with_workers_killed
 
 def test_a_decoded_reduce_of_inputs_that_cannot_decode_fails_with_not_decodable(owner: Any) -> None:
     """Rows that cannot sum to all ones (two identity rows of three): the directory fails the
-    reduction once both are chosen, and a get says why."""
+    reduction once both are chosen (``num_objects``) or once both arrived (decoding as they
+    arrive), and a get says why."""
     a, b = (owner.put(np.full(8, float(i), np.float32)) for i in (1, 2))
-    rid = owner.reduce([a, b], coding=[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], timeout=10)
-    with pytest.raises(hg.NotDecodableError, match="do not decode"):
+    rows = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+    rid = owner.reduce([a, b], num_objects=2, coding=rows, timeout=10)
+    with pytest.raises(hg.NotDecodableError, match=r"first 2 inputs .* do not decode"):
+        owner.get(rid, timeout=10)
+    rid = owner.reduce([a, b], coding=rows, timeout=10)
+    with pytest.raises(hg.NotDecodableError, match=r"all 2 inputs .* arrived .* span 2 of 3 dimensions"):
         owner.get(rid, timeout=10)
     with pytest.raises(hg.InvalidArgumentError, match="one row per object id"):
         owner.reduce([a, b], coding=[[1.0, 0.0]])
@@ -184,3 +200,124 @@ def test_reduce_refuses_ids_that_are_not_object_ids(owner: Any) -> None:
         code.reduce(owner, {0: "abc"})  # type: ignore[dict-item]
     with pytest.raises(hg.InvalidArgumentError, match=r"not in 0\.\.3"):
         code.reduce(owner, {7: hg.ObjectID.random()})
+
+
+# ---------------------------------------------------------------- partial stragglers
+@settings(max_examples=300, deadline=None)
+@given(code=_codes(), data=st.data(), dtype=st.sampled_from([np.float32, np.float64]))
+def test_pieces_decode_exactly_as_soon_as_every_partition_arrived(
+    code: GradientCode, data: Any, dtype: Any
+) -> None:
+    """Any arrival order of every piece: the prefixes decode exactly when they cover every
+    partition (the paper's condition), the shortest such prefix decodes to the full sum, and it
+    uses the first piece of each partition with weight 1 (exact in any float type)."""
+    partial = PartialCode(code)
+    order = data.draw(st.permutations(partial.pieces()))
+    grads = _grads(code.n, dtype, seed=data.draw(st.integers(0, 2**16)))
+    covered: set[int] = set()
+    for end in range(1, len(order) + 1):
+        covered.add(partial.partitions(order[end - 1][0])[order[end - 1][1]])
+        assert partial.is_decodable(order[:end]) == (len(covered) == code.n)
+        if len(covered) == code.n:
+            break
+    prefix = order[:end]
+    messages = {pc: partial.encode_piece(*pc, grads[partial.partitions(pc[0])[pc[1]]]) for pc in prefix}
+    weights = partial.decoding_weights(prefix)
+    first = {}
+    for pc in prefix:
+        first.setdefault(partial.partitions(pc[0])[pc[1]], pc)
+    assert weights == [1.0 if first[partial.partitions(pc[0])[pc[1]]] == pc else 0.0 for pc in prefix]
+    assert _relative_error(partial.decode(messages), grads) <= (1e-5 if dtype == np.float32 else 1e-12)
+
+
+def test_with_no_straggler_the_first_piece_of_every_worker_decodes() -> None:
+    """The processing orders start every worker at a different partition (cyclic: its own;
+    fractional repetition: each member of a group at another of the group's)."""
+    for code in (GradientCode.cyclic(8, 2), GradientCode.fractional_repetition(6, 2)):
+        partial = PartialCode(code)
+        firsts = [(w, 0) for w in range(code.n)]
+        assert partial.is_decodable(firsts) and not partial.is_decodable(firsts[1:])
+
+
+@pytest.mark.parametrize("kind,n,s", [("cyclic", 7, 3), ("fractional", 8, 3), ("cyclic", 5, 1)])
+def test_a_decode_tracker_agrees_with_the_codes_own_check_on_every_prefix(kind: str, n: int, s: int) -> None:
+    """Workers' coded messages arriving in a random order: the tracker says decodable for
+    exactly the prefixes the code decodes, and its weights reproduce the all-ones row."""
+    code = _code(kind, n, s)
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        order = [int(w) for w in rng.permutation(n)]
+        tracker = DecodeTracker(n)
+        for end, w in enumerate(order, 1):
+            assert tracker.add(w, code.matrix[w]) == code.is_decodable(order[:end])
+        used, weights = tracker.solution()
+        assert np.allclose(np.array(weights) @ code.matrix[used], 1.0, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: PartialCode("cyclic"), "a GradientCode is needed"),  # type: ignore[arg-type]
+        (lambda: PartialCode(GradientCode.cyclic(4, 1)).piece_row(0, 2), r"pieces 0\.\.1"),
+        (lambda: PartialCode(GradientCode.cyclic(4, 1)).piece_row(4, 0), r"not in 0\.\.3"),
+        (lambda: PartialCode(GradientCode.cyclic(4, 1)).decoding_weights([(0, 0), (0, 0)]), "twice"),
+        (
+            lambda: PartialCode(GradientCode.cyclic(4, 1)).decoding_weights([(0, 0), (1, 0)]),
+            r"partitions \[2, 3\]",
+        ),
+        (lambda: PartialCode(GradientCode.cyclic(4, 1)).encode_piece(0, 0, np.arange(3)), "float arrays"),
+        (lambda: PartialCode(GradientCode.cyclic(4, 1)).is_decodable([(0, True)]), "ints"),
+        (lambda: DecodeTracker(0), "width >= 1"),
+        (lambda: DecodeTracker(2).add("a", [1.0, float("nan")]), "finite"),
+        (lambda: DecodeTracker(2).solution(), "do not combine"),
+    ],
+)
+def test_partial_code_bad_arguments_raise_invalid_argument(call: Any, match: str) -> None:
+    with pytest.raises(hg.InvalidArgumentError, match=match):
+        call()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_partial_pieces_decode_in_the_tree_with_a_straggler_killed_and_one_half_done(owner: Any) -> None:
+    """Six worker processes on a cyclic code tolerating two stragglers, pieces put after the
+    reduction was asked for. Worker 0 puts its first piece and is SIGKILLed (the piece dies
+    with it); worker 3 is a partial straggler that only finishes its first partition; the
+    others finish theirs in order until every partition is covered. The tree decodes the exact
+    full gradient, uses one piece per partition, and says which."""
+    from tests.procs import start_workers
+
+    n, s = 6, 2
+    partial = PartialCode(GradientCode.cyclic(n, s))
+    grads = _grads(n, np.float32, seed=5, size=300_000)  # 1.2 MB each: streamed, not inline
+    ids = {pc: hg.ObjectID.random() for pc in partial.pieces()}
+    workers = start_workers(owner.directory_address, owner.token, n, shared_memory=False)
+
+    def send(w: int, index: int) -> None:
+        piece = partial.encode_piece(w, index, grads[partial.partitions(w)[index]])
+        workers[w].call("put_array", piece, ids[(w, index)].hex())
+
+    try:
+        rid = partial.reduce(owner, ids, timeout=60.0)
+        send(0, 0)  # partition 0
+        workers[0].kill()
+        send(3, 0)  # partition 3; worker 3 then stalls
+        for w in (1, 2, 4, 5):
+            send(w, 0)  # partitions 1, 2, 4, 5: everything but 0 (its piece died)
+        send(5, 1)  # partition 0 again, from worker 5's second partition
+        got = owner.get(rid, timeout=60)
+        assert _relative_error(got, grads) <= 1e-5
+        used = [
+            next(pc for pc, o in ids.items() if o == oid) for oid in owner.reduced_objects(rid, timeout=10)
+        ]
+        assert sorted(partial.partitions(w)[i] for w, i in used) == list(range(n))
+        assert (5, 1) in used and (3, 0) in used and (0, 0) not in used
+        # reduce_detailed reports the same pieces (all present now, so the first of each partition).
+        fresh = {pc: oid for pc, oid in ids.items() if pc[0] != 0}
+        done = partial.reduce_detailed(owner, fresh, timeout=60.0)
+        assert sorted(partial.partitions(w)[i] for w, i in done.pieces) == list(range(n))
+        assert done.weights == [1.0] * n
+        assert _relative_error(owner.get(done.object_id, timeout=60), grads) <= 1e-5
+    finally:
+        for w in workers:
+            w.stop()

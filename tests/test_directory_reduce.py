@@ -331,3 +331,96 @@ def test_a_weighted_reduction_gives_each_vertex_its_inputs_weights() -> None:
         assert effective[(parent.vertex, parent.children.index(pl.vertex))] == expected
     assert any(pl.runs_task and pl.parent is not None for pl in plan.placed)  # a vertex child too
     assert len(by_output) == 5 and plan.full
+
+
+# ---------------------------------------------------------------- decoded as inputs arrive
+def unit_rows(ids, width=4):
+    """Partition ``i % width``'s unit row for each id ``i`` (a PartialCode's pieces)."""
+    return [[1.0 if j == i % width else 0.0 for j in range(width)] for i in ids]
+
+
+def reduce_as_arrive(state, ids, node="A", timeout=0.0, now=0.0):
+    msg = ReduceRequest(9, RID, [oid(i) for i in ids], "sum", 0, timeout, coding=unit_rows(ids))
+    return req(state, node, msg, now)
+
+
+def test_a_reduction_decoding_as_inputs_arrive_places_the_first_cover_of_every_partition() -> None:
+    """Eight pieces over four partitions: nothing is placed until every partition arrived; a
+    second piece of a partition already covered is not used; then the tree is the first piece
+    of each partition, weight 1, known to every task from the start."""
+    state = make_state()
+    ids = list(range(8))
+    assert sent(reduce_as_arrive(state, ids), ReduceReply) == [("A", ReduceReply(request_id=9))]
+    out = []
+    for node, i in (("B", 0), ("C", 4), ("D", 1), ("E", 2)):  # 4 covers partition 0 again
+        out += put(state, node, i)
+    assert sent(out, ReduceTask) == [] and state.reductions[RID].gather is not None
+    out = put(state, "F", 3)
+    red = state.reductions[RID]
+    assert red.gather is None and red.plan.inputs == tuple(oid(i) for i in (0, 1, 2, 3))
+    assert red.weights == {oid(i): 1.0 for i in (0, 1, 2, 3)}
+    tasks = [m for _, m in sent(out, ReduceTask)]
+    assert tasks and all(not t.await_weights and t.weights[0] == 1.0 for t in tasks)
+    assert red.plan.reduced_objects() == [oid(i) for i in (0, 1, 2, 3)]
+    assert not any(RID in waiting for waiting in state.awaiting.values())
+    assert sent(put(state, "G", 5), ReduceTask) == []  # after the decision: not read
+    # The same request again is accepted; other rows are not.
+    assert sent(reduce_as_arrive(state, ids), ReduceReply) == [("A", ReduceReply(request_id=9))]
+    other = ReduceRequest(9, RID, [oid(i) for i in ids], "sum", 0, coding=unit_rows(ids, width=8))
+    ((_, refused),) = sent(req(state, "A", other), ReduceReply)
+    assert refused.error_kind == "ObjectExistsError"
+
+
+def test_a_counted_input_lost_before_the_decision_is_counted_out_again() -> None:
+    """Node B holds the only piece of partition 0 and leaves before the others arrive: the
+    arrivals are counted again without it, and partition 0's other piece (put later) is used."""
+    from hoplite_gpu.directory.state import NodeLeft
+
+    state = make_state()
+    reduce_as_arrive(state, list(range(8)))
+    put(state, "B", 0)
+    put(state, "C", 1)
+    state.handle(NodeLeft("B", 1.0))
+    for node, i in (("D", 2), ("E", 3)):
+        put(state, node, i, now=2.0)
+    assert state.reductions[RID].gather is not None  # partition 0 is missing again
+    put(state, "F", 4, now=3.0)
+    red = state.reductions[RID]
+    assert red.gather is None and sorted(red.plan.inputs) == sorted(oid(i) for i in (1, 2, 3, 4))
+
+
+def test_a_vertex_lost_after_the_decision_sends_the_reduction_back_to_counting() -> None:
+    """The node of a placed vertex dies: the rebuilt reduction (next epoch) counts the pieces
+    still held and decodes with partition 2's other piece once it arrives."""
+    from hoplite_gpu.directory.state import NodeLeft
+
+    state = make_state()
+    reduce_as_arrive(state, list(range(8)))
+    for node, i in (("B", 0), ("C", 1), ("D", 2), ("E", 3)):
+        put(state, node, i)
+    red = state.reductions[RID]
+    assert red.gather is None and red.plan.epoch == 0
+    state.handle(NodeLeft("D", 1.0))  # piece 2 dies with its vertex
+    assert red.gather is not None and red.plan.epoch == 1 and red.active
+    out = put(state, "F", 6, now=2.0)
+    assert red.gather is None and sorted(red.plan.inputs) == sorted(oid(i) for i in (0, 1, 3, 6))
+    assert all(t.epoch == 1 for _, t in sent(out, ReduceTask))
+
+
+def test_a_reduction_decoding_as_inputs_arrive_fails_when_it_cannot() -> None:
+    """Every piece arrived and one partition has none: NotDecodableError at once, naming the span;
+    pieces still missing at the timeout: HopliteTimeoutError saying how many arrived."""
+    state = make_state()
+    reduce_as_arrive(state, [0, 1, 2, 4])  # nobody has partition 3
+    for node, i in (("B", 0), ("C", 1), ("D", 2), ("E", 4)):
+        put(state, node, i)
+    error = state.reductions[RID].error
+    assert error is not None and error[0] == "NotDecodableError" and "span 3 of 4" in error[1]
+
+    state = make_state()
+    reduce_as_arrive(state, list(range(8)), timeout=5.0)
+    put(state, "B", 0, now=1.0)
+    state.handle(Tick(6.0))
+    error = state.reductions[RID].error
+    assert error is not None and error[0] == "HopliteTimeoutError"
+    assert "the 1 of its 8 inputs that became ready" in error[1]

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from .. import protocol as p
-from ..coding import DECODE_TOLERANCE, solve_decoding
+from ..coding import DECODE_TOLERANCE, DecodeTracker, solve_decoding
 from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op, check_dtype, reduce_chunk, weighted_sum_chunk
 from ..store import dtype_from_wire
@@ -273,6 +273,11 @@ class Reduction:
     inline_ids: list[bytes] = field(default_factory=list)  # the inputs of ``inline``, in order
     # A decoded reduction: each input's encoding row; ``weights`` are chosen once it is full.
     coding: dict[bytes, list[float]] = field(default_factory=dict)
+    # Decoded as inputs arrive (requested with num_objects 0): every input asked for, and, until
+    # the arrivals decode, their rows (the plan then holds nothing; it is rebuilt over the inputs
+    # the decoding uses once they do).
+    candidates: tuple[bytes, ...] = ()
+    gather: DecodeTracker | None = None
     queries: list[PendingQuery] = field(default_factory=list)
     backlog: deque[bytes] = field(default_factory=deque)  # present inputs not offered yet (Resume)
 
@@ -1017,9 +1022,10 @@ class DirectoryState:
                 "InvalidArgumentError", "a reduction needs 20-byte ObjectIDs and an id not among its inputs"
             )
             return
+        as_arrive = msg.num_objects == 0 and bool(msg.coding)
         try:
             op = as_op(msg.op).value
-            plan = ReducePlan(rid, inputs, msg.num_objects, fan_in=msg.degree)
+            plan = ReducePlan(rid, inputs, len(inputs) if as_arrive else msg.num_objects, fan_in=msg.degree)
         except (InvalidArgumentError, ValueError) as exc:
             refuse("InvalidArgumentError", str(exc))
             return
@@ -1037,7 +1043,8 @@ class DirectoryState:
                 return
         if existing is not None:
             old = existing.plan
-            if (old.inputs, old.num_objects, existing.op, existing.coding) == (
+            asked = (existing.candidates, 0) if existing.candidates else (old.inputs, old.num_objects)
+            if (*asked, existing.op, existing.coding) == (
                 inputs,
                 msg.num_objects,
                 op,
@@ -1050,6 +1057,7 @@ class DirectoryState:
         if rid in self.objects and msg.rejoin:
             # Re-sent to this restarted directory, and a node restored the finished result.
             red = Reduction(plan, op, node_id, None, msg.timeout, done=True, restored=True)
+            red.candidates = inputs if as_arrive else ()
             self.reductions[rid] = red
             self.objects[rid].reduction = b""
             self._send(node_id, p.ReduceReply(request_id=msg.request_id))
@@ -1073,6 +1081,9 @@ class DirectoryState:
         red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
         red.weights = weights
         red.coding = coding
+        if as_arrive:
+            red.candidates = inputs
+            red.gather = DecodeTracker(len(msg.coding[0]))
         self.reductions[rid] = red
         self._forget_old_reductions()
         self._send(node_id, p.ReduceReply(request_id=msg.request_id))
@@ -1186,6 +1197,9 @@ class DirectoryState:
         if problem is not None:
             self._fail_reduction(red, problem[0], problem[1], now, culprit=oid)
             return
+        if red.gather is not None:
+            self._gather(red, entry, now)
+            return
         try:
             # The requester reads the result: its own input, if it has one, computes the root.
             at_root = holder == red.requester
@@ -1228,6 +1242,50 @@ class DirectoryState:
                 return
             if red.inline:
                 self._reduce_inline(red, now)
+
+    def _gather(self, red: Reduction, entry: ObjectEntry, now: float) -> None:
+        """An input of a reduction that decodes as inputs arrive is ready: add its row, and once
+        the rows that arrived decode, place the inputs the decoding uses (all present) as the
+        tree, with their weights known from the start."""
+        plan, tracker, oid = red.plan, red.gather, entry.object_id
+        assert tracker is not None
+        if oid in tracker.keys:
+            return  # offered again (another copy completed)
+        if plan.size < 0:  # later inputs are checked against the first (see _input_problem)
+            plan.size, plan.dtype, plan.shape = entry.size, entry.dtype, tuple(entry.shape)
+        decodable = tracker.add(oid, red.coding[oid])
+        self._log(
+            now, "reduce_arrival", object_id=plan.reduction_id.hex(), input=oid.hex(), decodable=decodable
+        )
+        if not decodable:
+            if tracker.seen >= len(red.candidates):
+                self._fail_reduction(
+                    red,
+                    "NotDecodableError",
+                    f"all {len(red.candidates)} inputs of reduction {plan.reduction_id.hex()} arrived and "
+                    f"their encoding rows do not combine into all ones (they span {len(tracker.keys)} of "
+                    f"{tracker.width} dimensions)",
+                    now,
+                )
+            return
+        used, weights = tracker.solution()
+        for other in red.candidates:
+            self._unawait(other, plan.reduction_id)
+        red.gather = None
+        red.plan = ReducePlan(plan.reduction_id, tuple(used), len(used), epoch=plan.epoch, fan_in=plan.fan_in)
+        red.weights = dict(zip(used, weights, strict=True))
+        self._log(
+            now,
+            "reduce_decodable",
+            object_id=plan.reduction_id.hex(),
+            arrived=tracker.seen,
+            used=len(used),
+            epoch=plan.epoch,
+        )
+        for oid in used:
+            self.awaiting.setdefault(oid, set()).add(plan.reduction_id)
+        for oid in used:
+            self._offer(red, oid, now)
 
     def _start_vertex(self, red: Reduction, pl: Placement, now: float) -> None:
         """Give the vertex's node its task (registering the output it will produce) and tell an
@@ -1447,12 +1505,12 @@ class DirectoryState:
                 request_id=request_id, error=message, error_kind=kind, error_object_id=culprit
             )
         plan = red.plan
-        if red.restored and plan.num_objects < len(plan.inputs):
+        if red.restored and (red.candidates or plan.num_objects < len(plan.inputs)):
             return p.ReducedObjectsReply(
                 request_id=request_id,
                 error=(
                     f"reduction {plan.reduction_id.hex()} finished before the directory restarted; "
-                    f"which {plan.num_objects} of its {len(plan.inputs)} inputs it reduced is not known"
+                    f"which of its {len(red.candidates or plan.inputs)} inputs it reduced is not known"
                 ),
                 error_kind="ObjectNotFoundError",
             )
@@ -1525,16 +1583,37 @@ class DirectoryState:
                 self._remove_object(pl.output_id, now)  # cancels the vertex computing it
         # The root's node (its vertex is cancelled) and partial readers (they start again).
         self._remove_object(rid, now, reason="reset")
-        red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1, fan_in=old.fan_in)
+        if red.candidates:  # decoded as inputs arrive: gather the arrivals again
+            red.plan = ReducePlan(
+                rid, red.candidates, len(red.candidates), epoch=old.epoch + 1, fan_in=old.fan_in
+            )
+            red.gather = self._tracker(red)
+        else:
+            red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1, fan_in=old.fan_in)
         if red.coding:
             red.weights = {}  # the rebuilt tree may choose other inputs: other weights
         red.inline = []
         red.inline_ids = []
         red.deadline = now + red.timeout if red.timeout > 0 else None
-        for oid in old.inputs:
+        for oid in red.plan.inputs:
             self.awaiting.setdefault(oid, set()).add(rid)
-        for oid in [pl.object_id for pl in old.placed] + list(old.inputs):
+        for oid in [pl.object_id for pl in old.placed] + list(red.plan.inputs):
             if red.active and oid in self.objects:
+                self._offer(red, oid, now)
+
+    @staticmethod
+    def _tracker(red: Reduction) -> DecodeTracker:
+        """A fresh :class:`DecodeTracker` for a reduction that decodes as its inputs arrive."""
+        return DecodeTracker(len(next(iter(red.coding.values()))))
+
+    def _regather(self, red: Reduction, now: float) -> None:
+        """An input that a reduction decoding as inputs arrive counted on lost its last copy
+        before the decoding was complete: count again over the inputs that are still present."""
+        self._log(now, "reduce_regather", object_id=red.plan.reduction_id.hex())
+        red.gather = self._tracker(red)
+        red.plan.size = -1
+        for oid in red.candidates:
+            if red.active and red.gather is not None and oid in self.objects:
                 self._offer(red, oid, now)
 
     @classmethod
@@ -1588,6 +1667,15 @@ class DirectoryState:
             hit = [pl for pl in red.plan.placed if pl.node_id == node_id]
             if hit and red.active:
                 self._repair(red, now, f"node {node_id[:8]} holding vertex {hit[0].vertex} {reason}")
+            elif (
+                red.active
+                and red.gather is not None
+                and any(
+                    oid not in self.objects or self._input_holder(self.objects[oid]) is None
+                    for oid in red.gather.keys
+                )
+            ):
+                self._regather(red, now)
         for oid in touched:
             entry = self.objects.get(oid)
             if entry is None or entry.inline is not None:
@@ -1626,13 +1714,17 @@ class DirectoryState:
         for red in list(self.reductions.values()):
             if red.active and not red.plan.full and red.deadline is not None and red.deadline <= now:
                 plan = red.plan
-                self._fail_reduction(
-                    red,
-                    "HopliteTimeoutError",
-                    f"reduction {plan.reduction_id.hex()}: only {len(plan.placed)} of "
-                    f"{plan.num_objects} inputs became ready within its timeout",
-                    now,
-                )
+                if red.gather is not None:
+                    text = (
+                        f"reduction {plan.reduction_id.hex()}: the {red.gather.seen} of its "
+                        f"{len(red.candidates)} inputs that became ready within its timeout do not decode"
+                    )
+                else:
+                    text = (
+                        f"reduction {plan.reduction_id.hex()}: only {len(plan.placed)} of "
+                        f"{plan.num_objects} inputs became ready within its timeout"
+                    )
+                self._fail_reduction(red, "HopliteTimeoutError", text, now)
             expired = [q for q in red.queries if q.deadline is not None and q.deadline <= now]
             for q in expired:
                 red.queries.remove(q)
