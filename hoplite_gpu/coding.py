@@ -244,14 +244,7 @@ class GradientCode:
         process: :meth:`decoding_weights` of the workers in the mapping's order, and a weighted
         sum in the messages' dtype."""
         workers = list(messages)
-        weights = self.decoding_weights(workers)
-        arrays = [np.asarray(messages[w]) for w in workers]
-        _check_same_float(arrays, "messages")
-        # Messages of weight 0 (a fractional repetition group's other members) are left out.
-        used = [(w, a) for w, a in zip(weights, arrays, strict=True) if w]
-        out = np.empty_like(arrays[0])
-        weighted_sum_chunk(used[0][1], [a for _, a in used[1:]], out, [w for w, _ in used])
-        return out
+        return _weighted_sum(self.decoding_weights(workers), [messages[w] for w in workers])
 
     # ------------------------------------------------------------ over hoplite
     def reduce(
@@ -431,13 +424,7 @@ class PartialCode:
         """The full gradient from pieces (``(worker, index)`` -> array) on this process, the
         mapping's order taken as the arrival order."""
         pieces = list(messages)
-        weights = self.decoding_weights(pieces)
-        arrays = [np.asarray(messages[pc]) for pc in pieces]
-        _check_same_float(arrays, "messages")
-        used = [(w, a) for w, a in zip(weights, arrays, strict=True) if w]
-        out = np.empty_like(arrays[0])
-        weighted_sum_chunk(used[0][1], [a for _, a in used[1:]], out, [w for w, _ in used])
-        return out
+        return _weighted_sum(self.decoding_weights(pieces), [messages[pc] for pc in pieces])
 
     def reduce(
         self,
@@ -540,6 +527,17 @@ class PartialDecoded:
 
 
 # ---------------------------------------------------------------- helpers
+def _weighted_sum(weights: list[float], messages: list[Any]) -> np.ndarray[Any, Any]:
+    """``sum_i weights[i] * messages[i]`` in the messages' float dtype; messages of weight 0 (a
+    fractional repetition group's other members, a partition's later pieces) are left out."""
+    arrays = [np.asarray(m) for m in messages]
+    _check_same_float(arrays, "messages")
+    used = [(w, a) for w, a in zip(weights, arrays, strict=True) if w]
+    out = np.empty_like(arrays[0])
+    weighted_sum_chunk(used[0][1], [a for _, a in used[1:]], out, [w for w, _ in used])
+    return out
+
+
 def _check_object_id(value: Any, what: str, argument: str) -> None:
     if not isinstance(value, ObjectID):
         raise InvalidArgumentError(f"{what} is a {type(value).__name__}, not an ObjectID", argument=argument)
@@ -593,14 +591,16 @@ class DecodeTracker:
         if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
             raise InvalidArgumentError(f"rows need a width >= 1; got {width!r}", argument="width")
         self.width = int(width)
-        self.seen = 0  #: rows offered so far (kept or not)
+        self.seen = 0  #: distinct keys offered so far (their rows kept or not)
+        self._offered: set[Any] = set()
         self.keys: list[Any] = []  #: the kept rows' keys, in arrival order
         self._rows: list[np.ndarray[Any, Any]] = []
         self._basis = np.zeros((0, self.width))  # orthonormal rows spanning the kept rows
         self._residual = float(np.sqrt(self.width))  # distance of the all-ones row from that span
 
     def add(self, key: Any, row: Any) -> bool:
-        """Offer the row that ``key`` (an input, a piece) arrived with; True once decodable.
+        """Offer the row that ``key`` (an input, a piece: hashable) arrived with; True once
+        decodable. A key offered before is ignored.
 
         Raises:
             InvalidArgumentError: a row of another width, or not finite.
@@ -610,6 +610,9 @@ class DecodeTracker:
             raise InvalidArgumentError(
                 f"a row of {self.width} finite numbers is needed; got shape {r.shape}", argument="row"
             )
+        if key in self._offered:
+            return self.decodable  # offered again (another copy of an input completed)
+        self._offered.add(key)
         self.seen += 1
         if self.decodable:
             return True

@@ -252,6 +252,11 @@ def test_a_decode_tracker_agrees_with_the_codes_own_check_on_every_prefix(kind: 
             assert tracker.add(w, code.matrix[w]) == code.is_decodable(order[:end])
         used, weights = tracker.solution()
         assert np.allclose(np.array(weights) @ code.matrix[used], 1.0, atol=1e-9)
+    # A key offered again (another copy of the same input) is not counted twice.
+    tracker = DecodeTracker(n)
+    tracker.add("a", code.matrix[0])
+    tracker.add("a", code.matrix[0])
+    assert tracker.seen == 1 and tracker.keys == ["a"]
 
 
 @pytest.mark.parametrize(

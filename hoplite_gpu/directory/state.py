@@ -1249,11 +1249,12 @@ class DirectoryState:
         tree, with their weights known from the start."""
         plan, tracker, oid = red.plan, red.gather, entry.object_id
         assert tracker is not None
-        if oid in tracker.keys:
-            return  # offered again (another copy completed)
         if plan.size < 0:  # later inputs are checked against the first (see _input_problem)
             plan.size, plan.dtype, plan.shape = entry.size, entry.dtype, tuple(entry.shape)
+        before = tracker.seen
         decodable = tracker.add(oid, red.coding[oid])
+        if tracker.seen == before:
+            return  # offered again (another copy completed): counted already
         self._log(
             now, "reduce_arrival", object_id=plan.reduction_id.hex(), input=oid.hex(), decodable=decodable
         )
