@@ -28,6 +28,12 @@ Two constructions of the paper:
   ``H @ 1 = 0`` (the paper's Algorithm 2), so any ``n - s`` of them, linearly independent with
   probability 1, span a space that holds the all-ones row. ``seed`` fixes ``H``; of the seeds it
   tries, the code keeps the ``H`` whose worst arrival set needs the smallest weights.
+
+:class:`PartialCode` runs the partial-straggler protocol of Ramamoorthy, Meng and Girimaji
+(NeurIPS 2024) on a code's assignment: a piece per finished partition, decoded as soon as every
+partition arrived, so the partitions slow workers finished count too. :class:`DecodeTracker` is
+the decodability check both use as results arrive (the directory runs one per reduction that
+decodes as its inputs arrive).
 """
 
 from __future__ import annotations
