@@ -78,9 +78,9 @@ class Evaluator:
     """The parameter server's view of the whole dataset: loss, true full gradient, optimum."""
 
     def __init__(self, problem: Problem) -> None:
-        parts = [problem.partition(j) for j in range(problem.n)]
-        self.x = np.concatenate([x for x, _ in parts]).astype(np.float64)
-        self.y = np.concatenate([y for _, y in parts]).astype(np.float64)
+        self.parts = [problem.partition(j) for j in range(problem.n)]  # float32, as the workers'
+        self.x = np.concatenate([x for x, _ in self.parts]).astype(np.float64)
+        self.y = np.concatenate([y for _, y in self.parts]).astype(np.float64)
         self.count = self.x.shape[0]
         best, *_ = np.linalg.lstsq(self.x, self.y, rcond=None)
         self.best_loss = self.loss(best)
@@ -96,7 +96,9 @@ class Evaluator:
         """The full gradient the workers' shares add up to: each partition's share computed as a
         worker computes it (float32), summed in float64. An exact aggregation differs from it by
         the rounding of the last sum only."""
-        out: np.ndarray[Any, Any] = sum(problem.gradient(j, w).astype(np.float64) for j in range(problem.n))  # type: ignore[assignment]
+        out: np.ndarray[Any, Any] = sum(  # type: ignore[assignment]
+            problem.gradient(j, w, part).astype(np.float64) for j, part in enumerate(self.parts)
+        )
         return out
 
 
@@ -163,6 +165,7 @@ def _worker(address: str, token: str, index: int, problem: Problem, conn: Any) -
             mine = []
             mode, weights_hex, ids, per_partition, s = msg
             code = _code(problem.n, s) if mode in ("gc", "partial") else None
+            partial = PartialCode(code) if mode == "partial" else None
             order = code.partitions(index) if code is not None else [index]
             if per_partition is None:  # a failed worker this iteration: nothing to send
                 pending = conn.recv()
@@ -183,10 +186,9 @@ def _worker(address: str, token: str, index: int, problem: Problem, conn: Any) -
                     if pending is None:
                         return
                     break
-                if mode == "partial":
-                    assert code is not None
+                if partial is not None:
                     oid = hg.ObjectID.from_hex(ids[k])
-                    node.put(PartialCode(code).encode_piece(index, k, grads[j]), oid)
+                    node.put(partial.encode_piece(index, k, grads[j]), oid)
                     mine.append(oid)
             if aborted:
                 continue
@@ -242,7 +244,7 @@ def run(
     same stragglers."""
     import hoplite_gpu as hg
     from hoplite_gpu.baselines import stop_workers
-    from hoplite_gpu.coding import GradientCode, PartialCode
+    from hoplite_gpu.coding import PartialCode
 
     if mode not in MODES or kind not in KINDS:
         raise ValueError(f"mode is one of {MODES} and kind one of {KINDS}")
@@ -251,7 +253,7 @@ def run(
     problem = problem or Problem(n=workers)
     n, s = problem.n, stragglers
     evaluator = Evaluator(problem)
-    code = GradientCode.cyclic(n, s)
+    code = _code(n, s)
     partial = PartialCode(code)
     rng = np.random.default_rng(seed)
     # One BLAS thread per worker: n workers share this machine's cores, and a worker's compute

@@ -597,7 +597,6 @@ class DecodeTracker:
         if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
             raise InvalidArgumentError(f"rows need a width >= 1; got {width!r}", argument="width")
         self.width = int(width)
-        self.seen = 0  #: distinct keys offered so far (their rows kept or not)
         self._offered: set[Any] = set()
         self.keys: list[Any] = []  #: the kept rows' keys, in arrival order
         self._rows: list[np.ndarray[Any, Any]] = []
@@ -619,7 +618,6 @@ class DecodeTracker:
         if key in self._offered:
             return self.decodable  # offered again (another copy of an input completed)
         self._offered.add(key)
-        self.seen += 1
         if self.decodable:
             return True
         q = self._basis
@@ -634,6 +632,11 @@ class DecodeTracker:
         ones = np.ones(self.width)
         self._residual = float(np.linalg.norm(ones - (ones @ self._basis.T) @ self._basis))
         return self.decodable
+
+    @property
+    def seen(self) -> int:
+        """Distinct keys offered so far (their rows kept or not)."""
+        return len(self._offered)
 
     @property
     def decodable(self) -> bool:

@@ -262,8 +262,10 @@ class VertexRun:
     def set_weights(self, weights: list[float]) -> None:
         """The weights chosen for a vertex whose task said ``await_weights`` (the input's, then
         each child's); ignored unless one per source."""
-        if self.task.await_weights and not self.weights_chosen.done() and len(weights) == 1 + len(
-            self._children
+        if (
+            self.task.await_weights
+            and not self.weights_chosen.done()
+            and len(weights) == 1 + len(self._children)
         ):
             self.weights = list(weights)
             self.weights_chosen.set_result(None)

@@ -1083,7 +1083,7 @@ class DirectoryState:
         red.coding = coding
         if as_arrive:
             red.candidates = inputs
-            red.gather = DecodeTracker(len(msg.coding[0]))
+            red.gather = self._tracker(red)
         self.reductions[rid] = red
         self._forget_old_reductions()
         self._send(node_id, p.ReduceReply(request_id=msg.request_id))
@@ -1270,8 +1270,10 @@ class DirectoryState:
                 )
             return
         used, weights = tracker.solution()
-        for other in red.candidates:
-            self._unawait(other, plan.reduction_id)
+        chosen = set(used)
+        for other in red.candidates:  # the chosen stay awaited until _offer places them below
+            if other not in chosen:
+                self._unawait(other, plan.reduction_id)
         red.gather = None
         red.plan = ReducePlan(plan.reduction_id, tuple(used), len(used), epoch=plan.epoch, fan_in=plan.fan_in)
         red.weights = dict(zip(used, weights, strict=True))
@@ -1283,8 +1285,6 @@ class DirectoryState:
             used=len(used),
             epoch=plan.epoch,
         )
-        for oid in used:
-            self.awaiting.setdefault(oid, set()).add(plan.reduction_id)
         for oid in used:
             self._offer(red, oid, now)
 
@@ -1584,13 +1584,12 @@ class DirectoryState:
                 self._remove_object(pl.output_id, now)  # cancels the vertex computing it
         # The root's node (its vertex is cancelled) and partial readers (they start again).
         self._remove_object(rid, now, reason="reset")
-        if red.candidates:  # decoded as inputs arrive: gather the arrivals again
-            red.plan = ReducePlan(
-                rid, red.candidates, len(red.candidates), epoch=old.epoch + 1, fan_in=old.fan_in
-            )
-            red.gather = self._tracker(red)
-        else:
-            red.plan = ReducePlan(rid, old.inputs, old.num_objects, epoch=old.epoch + 1, fan_in=old.fan_in)
+        # Decoded as inputs arrive: count the arrivals again, over every input asked for.
+        inputs, count = (
+            (red.candidates, len(red.candidates)) if red.candidates else (old.inputs, old.num_objects)
+        )
+        red.plan = ReducePlan(rid, inputs, count, epoch=old.epoch + 1, fan_in=old.fan_in)
+        red.gather = self._tracker(red) if red.candidates else None
         if red.coding:
             red.weights = {}  # the rebuilt tree may choose other inputs: other weights
         red.inline = []
