@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: help venv demo test test-fast lint bench bench-cluster soak fuzz clean
+.PHONY: help venv demo test test-fast lint bench bench-cluster soak fuzz clean docker docker-test docker-tools
 
 help:
 	@echo "make demo   - install into .venv and run the demo (broadcast, reduce, allreduce) locally"
@@ -14,6 +14,8 @@ help:
 	@echo "make bench-cluster - collectives vs MPI, Gloo and Ray on an emulated cluster of 4 and 8 hosts (root)"
 	@echo "make soak   - randomized fault soak (1000 runs; HOPLITE_SOAK_RUNS, HOPLITE_SOAK_SEED)"
 	@echo "make fuzz   - the message fuzz suite, longer (HOPLITE_FUZZ_EXAMPLES, default 20000)"
+	@echo "make docker - build the directory, GPU worker and Ray images with podman (docker/README.md)"
+	@echo "make docker-test - build the images, check them and smoke-test them across containers (root)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +38,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not multiprocess"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hoplite_gpu tests bench examples
+	$(VENV)/bin/ruff check hoplite_gpu tests bench examples docker
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
@@ -72,6 +74,23 @@ soak: $(STAMP)
 
 fuzz: $(STAMP)
 	HOPLITE_FUZZ_EXAMPLES=$${HOPLITE_FUZZ_EXAMPLES:-20000} $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py
+
+# Container images (docker/README.md). podman, buildah, runc and debootstrap come from Debian's packages;
+# docker/containers.conf holds the two podman settings these VMs need (override CONTAINERS_CONF
+# elsewhere). DOCKER_BASE: the base image, by default one built here with debootstrap (no registry).
+docker docker-test docker-tools: export CONTAINERS_CONF ?= $(CURDIR)/docker/containers.conf
+DOCKER_BASE ?= localhost/hoplite-base:bookworm
+
+docker-tools:
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null \
+		&& command -v tc >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq podman buildah runc debootstrap iproute2 >/dev/null)
+
+docker: docker-tools
+	DOCKER_BASE=$(DOCKER_BASE) docker/build.sh
+
+docker-test: docker-tools
+	DOCKER_BASE=$(DOCKER_BASE) PYTHON=$(PYTHON) docker/test.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

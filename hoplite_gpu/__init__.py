@@ -124,7 +124,7 @@ def init(
         directory: ``host:port`` of an existing directory; None starts an embedded directory in this
             process (stopped when the node closes).
         token: Shared secret; None generates one for an embedded directory (``node.token``), or
-            reads ``HOPLITE_TOKEN`` when joining an existing directory.
+            reads ``HOPLITE_TOKEN`` (or ``HOPLITE_TOKEN_FILE``) when joining an existing directory.
         config: Tunables (default: :meth:`Config.from_env`); ``overrides`` replace single fields.
 
     Returns:
@@ -150,22 +150,24 @@ def init(
 def connect(
     directory: str | None = None, token: str | None = None, config: Config | None = None, **overrides: Any
 ) -> Any:
-    """Join an existing directory (default address ``HOPLITE_DIRECTORY``, token ``HOPLITE_TOKEN``).
+    """Join an existing directory (default address ``HOPLITE_DIRECTORY``, token ``HOPLITE_TOKEN`` or
+    the file ``HOPLITE_TOKEN_FILE`` names).
 
     Raises:
         DirectoryUnavailableError: no directory at that address.
         AuthenticationError: the directory refused the token.
     """
+    from .auth import token_from_env
     from .node import Node
 
     directory = directory or os.environ.get("HOPLITE_DIRECTORY")
-    token = token or os.environ.get("HOPLITE_TOKEN")
+    token = token or token_from_env()
     if not directory:
         raise DirectoryUnavailableError(
             "no directory address: pass one or set HOPLITE_DIRECTORY", peer="", cause="missing"
         )
     if not token:
-        raise AuthenticationError("no token: pass token= or set HOPLITE_TOKEN")
+        raise AuthenticationError("no token: pass token= or set HOPLITE_TOKEN (or HOPLITE_TOKEN_FILE)")
     config = config or Config.from_env()
     if overrides:
         config = config.replace(**overrides)

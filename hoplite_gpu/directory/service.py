@@ -258,7 +258,15 @@ class DirectoryService:
         await writer.drain()
         try:
             hello = await asyncio.wait_for(p.read_frame(reader, 4096), HANDSHAKE_TIMEOUT)
-        except (asyncio.TimeoutError, ProtocolError, asyncio.IncompleteReadError) as exc:
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                self.auth_failures += 1
+                self._warn("hello", "dropping %s: no valid hello (%s)", peer, type(exc).__name__)
+                self._apply(AuthFailed(peer, time.monotonic()))
+            else:  # closed after the challenge without a byte: a probe (hoplite-gpu health)
+                log.debug("%s closed the connection after the challenge", peer)
+            return None
+        except (asyncio.TimeoutError, ProtocolError) as exc:
             self.auth_failures += 1
             self._warn("hello", "dropping %s: no valid hello (%s)", peer, type(exc).__name__)
             self._apply(AuthFailed(peer, time.monotonic()))
