@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import format_size, markdown_table, parse_size, stop_workers
+from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
 
 OPS = ("broadcast", "reduce", "allreduce")
 
@@ -130,21 +129,15 @@ def run(workers: int, sizes: list[int], repeat: int, warmup: int, path: str) -> 
 
     shared = path == "shm"
     node = hg.init(shared_memory=shared)
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
+    pipes: list[Any] = []
+    procs: list[Any] = []
     rows: list[dict[str, Any]] = []
     try:
-        for rank in range(workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_member, args=(node.directory_address, node.token, rank, workers, shared, child)
-            )
-            proc.start()
-            pipes.append(parent)
-            procs.append(proc)
-        for pipe in pipes:
-            if not pipe.poll(120) or pipe.recv() != "ready":
-                raise RuntimeError("a member did not start")
+        pipes, procs = start_workers(
+            _member,
+            [(node.directory_address, node.token, rank, workers, shared) for rank in range(workers)],
+            daemon=False,
+        )
 
         def timed(op: str, size: int) -> float:
             for pipe in pipes:

@@ -11,6 +11,7 @@ from hoplite_gpu.baselines import (
     parse_size,
     socket_copy_gbps,
     socket_copy_times,
+    start_workers,
     stop_workers,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "parse_size",
     "socket_copy_gbps",
     "socket_copy_times",
+    "start_workers",
     "stop_workers",
 ]
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -243,7 +242,7 @@ def run(
     codes were built for). The straggler draws depend on ``seed`` only, so every mode sees the
     same stragglers."""
     import hoplite_gpu as hg
-    from hoplite_gpu.baselines import stop_workers
+    from hoplite_gpu.baselines import start_workers, stop_workers
     from hoplite_gpu.coding import PartialCode
 
     if mode not in MODES or kind not in KINDS:
@@ -261,8 +260,8 @@ def run(
     saved = {k: os.environ.get(k) for k in BLAS_THREADS}
     os.environ.update(BLAS_THREADS)
     node = hg.init(shared_memory=False)
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
+    pipes: list[Any] = []
+    procs: list[Any] = []
     record: dict[str, Any] = {
         "mode": mode,
         "kind": kind,
@@ -273,17 +272,9 @@ def run(
         "partition_seconds": partition_seconds,
     }
     try:
-        for i in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker, args=(node.directory_address, node.token, i, problem, child), daemon=True
-            )
-            proc.start()
-            pipes.append(parent)
-            procs.append(proc)
-        for pipe in pipes:
-            if not pipe.poll(120) or pipe.recv() != "ready":
-                raise RuntimeError("a worker did not start")
+        pipes, procs = start_workers(
+            _worker, [(node.directory_address, node.token, i, problem) for i in range(n)]
+        )
         w = np.zeros((problem.features, problem.outputs), np.float32)
         initial = evaluator.loss(w)
         goal = evaluator.best_loss * (1.0 + target)

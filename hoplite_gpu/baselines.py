@@ -113,6 +113,32 @@ def markdown_table(columns: list[tuple[str, str]], rows: list[list[str]]) -> str
     return "\n".join(lines)
 
 
+def start_workers(
+    target: Any, args: list[tuple[Any, ...]], timeout: float = 120.0, daemon: bool = True
+) -> tuple[list[Any], list[Any]]:
+    """Start one spawned process per tuple in ``args``, running ``target(*tuple, pipe)``, and wait
+    up to ``timeout`` seconds for each to send ``"ready"`` on its pipe. Returns the parent ends of
+    the pipes and the processes, in order; stops them all (:func:`stop_workers`) and raises
+    RuntimeError if one did not get ready."""
+    ctx = mp.get_context("spawn")
+    pipes: list[Any] = []
+    procs: list[Any] = []
+    try:
+        for one in args:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(*one, child), daemon=daemon)
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        for i, pipe in enumerate(pipes):
+            if not pipe.poll(timeout) or pipe.recv() != "ready":
+                raise RuntimeError(f"worker {i} of {len(args)} did not start within {timeout} s")
+    except BaseException:
+        stop_workers(pipes, procs)
+        raise
+    return pipes, procs
+
+
 def stop_workers(pipes: list[Any], procs: list[Any], timeout: float = 30.0) -> None:
     """Tell worker processes to exit (``None`` on each pipe), wait up to ``timeout`` seconds for
     each, and kill those still alive."""

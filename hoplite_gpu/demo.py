@@ -13,7 +13,6 @@ bandwidth-optimal bound of ring allreduce)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import sys
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from .baselines import (
     memcpy_gbps,
     parse_size,
     socket_copy_gbps,
+    start_workers,
     stop_workers,
 )
 
@@ -47,7 +47,7 @@ def sum_of(size: int, seeds: list[int]) -> np.ndarray[Any, Any]:
     return total
 
 
-def _worker(address: str, token: str, conn: Any, shared_memory: bool | None = None) -> None:
+def _worker(address: str, token: str, shared_memory: bool | None, conn: Any) -> None:
     import hoplite_gpu as hg
 
     extra: dict[str, Any] = {} if shared_memory is None else {"shared_memory": shared_memory}
@@ -116,20 +116,7 @@ def _broadcast(node: Any, pipes: list[Any], size: int, seed: int) -> tuple[float
 
 
 def _start_workers(node: Any, n: int, shared_memory: bool | None = None) -> tuple[list[Any], list[Any]]:
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for _ in range(n):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=_worker, args=(node.directory_address, node.token, child, shared_memory), daemon=True
-        )
-        proc.start()
-        pipes.append(parent)
-        procs.append(proc)
-    for pipe in pipes:
-        if not pipe.poll(60) or pipe.recv() != "ready":
-            raise RuntimeError("a worker did not start")
-    return pipes, procs
+    return start_workers(_worker, [(node.directory_address, node.token, shared_memory)] * n, timeout=60)
 
 
 def _broadcast_with_a_kill(node: Any, workers: int, size: int) -> dict[str, Any]:
