@@ -68,10 +68,8 @@ async def probe(address: str, timeout: float) -> None:
     try:
         first = await asyncio.wait_for(first_frame(), timeout)
     except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, HopliteError) as exc:
-        if isinstance(exc, DirectoryUnavailableError):
-            raise
         raise DirectoryUnavailableError(
-            f"no directory serving at {address}: {exc or type(exc).__name__}",
+            f"no directory serving at {address}: {str(exc) or type(exc).__name__}",
             peer=address,
             cause=type(exc).__name__,
         ) from exc

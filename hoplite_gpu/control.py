@@ -87,7 +87,7 @@ class ControlClient:
             ) from exc
         except (OSError, asyncio.TimeoutError) as exc:
             raise DirectoryUnavailableError(
-                f"cannot reach the directory at {address}: {exc or type(exc).__name__}; is it running?",
+                f"cannot reach the directory at {address}: {str(exc) or type(exc).__name__}; is it running?",
                 peer=address,
                 cause=type(exc).__name__,
             ) from exc
