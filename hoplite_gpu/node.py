@@ -21,7 +21,7 @@ import math
 import numbers
 import os
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,9 @@ class Node:
         token: Shared secret.
         config: Tunables.
         embedded: The directory service this node started in-process (stopped on :meth:`close`).
+        resolve_directory: Where the directory is now, given the seconds to wait at most: asked
+            before each attempt to reach it again after it was lost, for a directory that may come
+            back at another address (the Ray directory actor, restarted); None: the same address.
     """
 
     def __init__(
@@ -73,12 +76,12 @@ class Node:
         token: str,
         config: Config | None = None,
         embedded: DirectoryService | None = None,
+        resolve_directory: Callable[[float], str] | None = None,
     ) -> None:
         if not token:
             raise AuthenticationError("a token is needed to join a directory (HOPLITE_TOKEN)")
         self.config = config or Config.from_env()
         self._token = token
-        self._directory_address = directory_address
         self._embedded = embedded
         self.node_id = uuid.uuid4().hex
         self._data_host = self.config.data_host(directory_address)
@@ -110,6 +113,7 @@ class Node:
             self._on_push,
             self._on_lost,
             self._on_rejoined,
+            resolve_directory,
         )
         self._fetcher = Fetcher(
             self._store,
@@ -139,8 +143,9 @@ class Node:
     # ------------------------------------------------------------ properties
     @property
     def directory_address(self) -> str:
-        """``host:port`` of the directory this node is connected to."""
-        return self._directory_address
+        """``host:port`` of the directory this node is connected to (or was last, while it
+        reconnects)."""
+        return self._session.address
 
     @property
     def token(self) -> str:
@@ -165,7 +170,7 @@ class Node:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<hoplite_gpu.Node {self.node_id[:8]} directory={self._directory_address} {state}>"
+        return f"<hoplite_gpu.Node {self.node_id[:8]} directory={self.directory_address} {state}>"
 
     # ------------------------------------------------------------ lifecycle
     async def _start(self) -> None:

@@ -51,6 +51,7 @@ __all__ = [
     "directory_info",
     "node",
     "register_collective_backend",
+    "register_tensor_transport",
     "start_directory",
     "stop_directory",
 ]
@@ -83,10 +84,12 @@ class _DirectoryActor:
     """The directory service, hosted by a Ray actor process (on its I/O thread, so actor calls and
     directory traffic do not wait for each other). Also hands out group generations."""
 
-    def __init__(self, host: str | None, config: Config | None) -> None:
+    def __init__(self, host: str | None, config: Config | None, token: str | None = None) -> None:
         from . import start_directory as start
 
-        self._service = start(host=host or _node_ip(), config=config)
+        # The token comes from the driver, so that a restarted actor keeps it: nodes rejoin it
+        # and keep talking to each other with the one they have.
+        self._service = start(token=token, host=host or _node_ip(), config=config)
         self._groups: dict[str, tuple[int, int, set[int]]] = {}  # name -> generation, size, ranks
 
     def info(self) -> tuple[str, str]:
@@ -143,6 +146,7 @@ def start_directory(
     host: str | None = None,
     config: Config | None = None,
     actor_options: dict[str, Any] | None = None,
+    max_restarts: int = -1,
 ) -> str:
     """Start the directory inside a named Ray actor and return its ``host:port``; if an actor of
     that name exists, return its address (the other arguments are then ignored).
@@ -156,14 +160,32 @@ def start_directory(
         config: Directory tunables (None: ``Config.from_env()`` in the actor).
         actor_options: More options of the actor (Ray's ``.options()``), for instance
             ``{"resources": {"head": 1}}`` to place it.
+        max_restarts: How often Ray restarts the actor when it dies (-1: always, 0: never). A
+            restarted directory listens at a new address with the same token; every node finds it
+            through the actor, reconnects within ``Config.reconnect_timeout`` and restores its
+            copies and reductions, as with a standalone directory restarted (transfers in
+            progress go on meanwhile). Group generations (see ``ray.util.collective`` groups) start
+            afresh: create groups again after a restart.
     """
+    from .auth import new_token
+
     ray = _ray()
-    options: dict[str, Any] = {**(actor_options or {}), "name": name, "get_if_exists": True}
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+        raise InvalidArgumentError(
+            f"max_restarts must be an int >= -1, got {max_restarts!r}", argument="max_restarts"
+        )
+    options: dict[str, Any] = {
+        "max_restarts": max_restarts,
+        "max_task_retries": -1 if max_restarts != 0 else 0,  # calls made while it restarts wait
+        **(actor_options or {}),
+        "name": name,
+        "get_if_exists": True,
+    }
     if namespace is not None:
         options["namespace"] = namespace
     if detached:
         options["lifetime"] = "detached"
-    actor = _actor_class().options(**options).remote(host, config)
+    actor = _actor_class().options(**options).remote(host, config, new_token())
     address, _token = ray.get(actor.info.remote(), timeout=ACTOR_TIMEOUT)
     # A non-detached actor lives while its creator's handle does: keep the first one.
     _started.setdefault((name, namespace), actor)
@@ -173,13 +195,26 @@ def start_directory(
 _started: dict[tuple[str, str | None], Any] = {}  # handles of the directory actors started here
 
 
-def directory_info(name: str = DEFAULT_NAME, namespace: str | None = None) -> tuple[str, str]:
-    """``(address, token)`` of the directory actor ``name``.
+def directory_info(
+    name: str = DEFAULT_NAME, namespace: str | None = None, timeout: float = ACTOR_TIMEOUT
+) -> tuple[str, str]:
+    """``(address, token)`` of the directory actor ``name`` (waiting for it while Ray restarts it,
+    up to ``timeout`` s).
 
     Raises:
-        DirectoryUnavailableError: no such actor (``start_directory`` was not called).
+        DirectoryUnavailableError: no such actor (``start_directory`` was not called), or it did
+            not answer within ``timeout`` (it died for good, or is still restarting).
     """
-    address, token = _ray().get(_actor(name, namespace).info.remote(), timeout=ACTOR_TIMEOUT)
+    ray = _ray()
+    try:
+        address, token = ray.get(_actor(name, namespace).info.remote(), timeout=timeout)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+        raise DirectoryUnavailableError(
+            f"the hoplite directory actor {name!r} did not answer within {timeout:.1f} s: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            peer=name,
+            cause="unreachable",
+        ) from None
     return str(address), str(token)
 
 
@@ -198,6 +233,21 @@ def stop_directory(name: str = DEFAULT_NAME, namespace: str | None = None) -> No
         ray.get(actor.stop.remote(), timeout=ACTOR_TIMEOUT)
     ray.kill(actor)
     _started.pop((name, namespace), None)
+
+
+def _resolver(name: str, namespace: str | None) -> Callable[[float], str]:
+    """Where the directory actor ``name`` is now (for a node reconnecting after it restarted)."""
+
+    def resolve(seconds: float) -> str:
+        if not _ray().is_initialized():  # shut down: do not let Ray start a new local instance
+            raise DirectoryUnavailableError(
+                f"Ray was shut down: the hoplite directory actor {name!r} is gone",
+                peer=name,
+                cause="shutdown",
+            )
+        return directory_info(name, namespace, timeout=seconds)[0]
+
+    return resolve
 
 
 _nodes_lock = threading.Lock()
@@ -224,7 +274,7 @@ def node(name: str = DEFAULT_NAME, namespace: str | None = None, config: Config 
             config = Config.from_env()
             if not config.advertise_host:
                 config = config.replace(advertise_host=_node_ip())
-        made = Node(address, token, config)
+        made = Node(address, token, config, resolve_directory=_resolver(name, namespace))
         _nodes[key] = made
         return made
 
@@ -463,3 +513,35 @@ def register_collective_backend() -> None:
 
     if not _global_registry.is_registered(BACKEND):
         register(BACKEND, __getattr__("HopliteGroup"))
+
+
+def register_tensor_transport(timeout: float | None = None) -> str:
+    """Register hoplite_gpu as the Ray Direct Transport ``"HOPLITE"`` for CPU and CUDA torch
+    tensors (again: no-op) and return its name; see :mod:`hoplite_gpu.rdt`.
+
+    Call it in the driver before creating the actors that use it (Ray registers it on every actor
+    created afterwards), after :func:`start_directory`; then ``@ray.method(tensor_transport="HOPLITE")``
+    sends a method's tensors through hoplite: receivers pull them, many receivers of one tensor in a
+    pipelined broadcast tree.
+
+    Args:
+        timeout: Seconds a receiver waits for an object's tensors before raising an error that
+            names the object and its holder (None: Ray's RDT fetch timeout,
+            ``RAY_rdt_fetch_fail_timeout_milliseconds``, 60 s by default).
+    """
+    from ray.experimental import register_tensor_transport as register
+    from ray.experimental.rdt import util
+
+    from . import rdt
+
+    if timeout is None:
+        from ray._private import ray_constants
+
+        timeout = float(ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS)
+    rdt.set_timeout(timeout)
+    with _actor_lock:
+        if rdt.TRANSPORT not in util.transport_manager_info:
+            import torch
+
+            register(rdt.TRANSPORT, rdt.DEVICES, rdt.HopliteTensorTransport, torch.Tensor)
+    return rdt.TRANSPORT

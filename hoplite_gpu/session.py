@@ -53,6 +53,9 @@ class DirectorySession:
             reconnects (else every later request fails).
         on_rejoined: Called once a reconnection succeeded, before the reductions are re-sent (the
             node restores its copies).
+        resolve: Where the directory is now: called (on a worker thread, with the seconds left)
+            before each attempt to reach a lost directory, for one that may come back at another
+            address (a restarted Ray actor); None: it comes back at ``address``.
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class DirectorySession:
         on_push: Callable[[p.Message], None],
         on_lost: Callable[[bool], None],
         on_rejoined: Callable[[], None],
+        resolve: Callable[[float], str] | None = None,
     ) -> None:
         self.address = address
+        self._resolve = resolve
         self.config = config
         self._token = token
         self._node_id = node_id
@@ -167,6 +172,8 @@ class DirectorySession:
         while True:
             client = self._new_control(ids=lost.ids)
             try:
+                if self._resolve is not None:
+                    await self._resolve_address(give_up)
                 await self._join(client, previous_directory=lost.directory_id)
                 break
             except HopliteError as exc:
@@ -195,6 +202,32 @@ class DirectorySession:
         for msg in self._requested.values():
             client.send(dataclasses.replace(msg, request_id=client.next_id(), rejoin=True))
         log.warning("rejoined the directory at %s (%s)", self.address, client.directory_id[:8])
+
+    async def _resolve_address(self, give_up: float) -> None:
+        """Ask ``resolve`` where the directory is now (bounded by the reconnection's time left)."""
+        assert self._resolve is not None
+        left = max(0.1, give_up - time.monotonic())
+        loop = asyncio.get_running_loop()
+        try:
+            address = await asyncio.wait_for(loop.run_in_executor(None, self._resolve, left), left + 1.0)
+        except HopliteError:
+            raise
+        except asyncio.TimeoutError:
+            raise DirectoryUnavailableError(
+                f"could not find where the directory (last at {self.address}) is now within {left:.1f} s",
+                peer=self.address,
+                cause="timeout",
+            ) from None
+        except Exception as exc:
+            raise DirectoryUnavailableError(
+                "could not find where the directory (last at "
+                f"{self.address}) is now: {str(exc) or type(exc).__name__}",
+                peer=self.address,
+                cause="unreachable",
+            ) from exc
+        if address != self.address:
+            log.warning("the directory moved from %s to %s", self.address, address)
+            self.address = address
 
     def _will_reconnect(self, control: ControlClient) -> bool:
         """Whether a request that failed on ``control`` should wait for the next connection."""
