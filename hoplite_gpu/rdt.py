@@ -14,9 +14,21 @@ created afterwards), then name it on the methods whose tensors it carries::
         def weights(self):
             return self.model_weights          # a torch tensor (or a list / dict of them)
 
+    @ray.remote(enable_tensor_transport=True)  # receives tensors, returns none through a transport
+    class Worker:
+        def rollout(self, weights):
+            ...
+
     ref = learner.weights.remote()
     ray.get([w.rollout.remote(ref) for w in workers])   # each worker receives the tensor
     ray.get(ref)                                         # the driver too
+
+Two things Ray asks of every user of a custom transport. The decorators check the transport's
+name when the class is defined, so a module that defines such actors and is imported by Ray's worker
+processes must register it at import (the call is idempotent). And an actor that receives tensors
+but has no method returning them through a transport needs ``enable_tensor_transport=True``: without
+it, the receive is queued behind the very task that waits for it and the task fails after Ray's
+fetch timeout (ray-project/ray#66264).
 
 How it works. The transport is one-sided: when the method returns, the source actor ``put``s each
 tensor into its hoplite node under an ObjectID derived from Ray's object id, without copying it

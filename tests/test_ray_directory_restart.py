@@ -1,0 +1,107 @@
+"""The Ray directory actor SIGKILLed mid-broadcast and mid-reduce: Ray restarts it at a new address,
+every node finds it again through the named actor, reconnects and restores its copies and
+reductions, and everything completes bit-exact (a local Ray instance, real actor processes, a real
+SIGKILL of the directory actor's process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+pytest.importorskip("torch")
+pytest.importorskip("ray")
+
+import hoplite_gpu as hg  # noqa: E402
+import hoplite_gpu.ray as hgray  # noqa: E402
+from tests.procs import make_array, wait_for_events  # noqa: E402
+
+NAME = "hoplite-restart-test"
+#: 32 MiB takes 2 s to send at this rate: the kill lands mid-transfer.
+RATE = 16 << 20
+
+
+class Holder:
+    """A node of the test's directory, without shared memory (every byte over UCX)."""
+
+    def __init__(self, rate: float) -> None:
+        config = hg.Config.from_env().replace(shared_memory=False, send_rate_limit=rate)
+        self.node = hgray.node(NAME, config=config)
+
+    def put(self, dtype: str, n: int, seed: int) -> str:
+        return self.node.put(make_array(dtype, (n,), seed), copy=True).hex()
+
+    def get(self, hex_id: str, timeout: float) -> Any:
+        return self.node.get(hg.ObjectID.from_hex(hex_id), timeout=timeout).copy()
+
+    def directory(self) -> str:
+        return str(self.node.directory_address)
+
+
+def kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.fixture
+def restartable(ray_session: Any) -> Any:
+    hgray.start_directory(NAME, max_restarts=-1)
+    yield ray_session
+    hgray.stop_directory(NAME)
+
+
+def _kill_directory(ray: Any) -> str:
+    """SIGKILL the directory actor's process; return the address it had."""
+    actor = ray.get_actor(NAME)
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    address = hgray.directory_info(NAME)[0]
+    os.kill(pid, signal.SIGKILL)
+    return address
+
+
+def test_a_broadcast_completes_across_a_directory_actor_restart(restartable: Any) -> None:
+    ray = restartable
+    holder = ray.remote(num_cpus=0)(Holder)
+    sender = holder.remote(RATE)
+    receivers = [holder.remote(0) for _ in range(3)]
+    driver = hgray.node(NAME)
+    hex_id = ray.get(sender.put.remote("int64", 4 << 20, 5), timeout=60)  # 32 MiB
+    expected = make_array("int64", (4 << 20,), 5)
+    pending = [r.get.remote(hex_id, 120) for r in receivers]
+    before = wait_for_events(driver, lambda evs: len(kinds(evs, "transfer_start")) >= 3)
+    assert len([e for e in kinds(before, "transfer_done") if e["ok"]]) < 3  # mid-broadcast
+    old = _kill_directory(ray)
+    for got in ray.get(pending, timeout=150):
+        assert np.array_equal(got, expected)
+    new = hgray.directory_info(NAME)[0]
+    assert new != old  # a new process at a new address, found through the actor
+    assert ray.get(receivers[0].directory.remote(), timeout=60) == new
+    after = driver.event_log()  # the new directory's: the driver's node reconnected too
+    assert kinds(after, "directory_recovering")
+    assert np.array_equal(driver.get(hg.ObjectID.from_hex(hex_id), timeout=60), expected)
+
+
+def test_a_reduction_completes_across_a_directory_actor_restart(restartable: Any) -> None:
+    ray = restartable
+    holder = ray.remote(num_cpus=0)(Holder)
+    members = [holder.remote(RATE) for _ in range(4)]
+    driver = hgray.node(NAME)
+    arrays = [make_array("float32", (8 << 20,), 20 + i) for i in range(4)]  # 32 MiB each
+    ids = ray.get([m.put.remote("float32", 8 << 20, 20 + i) for i, m in enumerate(members)], timeout=60)
+    rid = hg.ObjectID.random()
+    driver.reduce([hg.ObjectID.from_hex(h) for h in ids], "sum", reduction_id=rid)
+    readers = [m.get.remote(rid.hex(), 150) for m in members[1:]]  # an allreduce: read while reduced
+    before = wait_for_events(driver, lambda evs: len(kinds(evs, "transfer_start")) >= 2)
+    assert not kinds(before, "reduce_done")  # mid-reduction
+    _kill_directory(ray)
+    expected = np.sum(arrays, axis=0, dtype=np.float32)
+    assert np.array_equal(driver.get(rid, timeout=150), expected)
+    for got in ray.get(readers, timeout=150):
+        assert np.array_equal(got, expected)
+    after = driver.event_log()
+    assert kinds(after, "directory_recovering") and kinds(after, "reduce_done")
+    driver.delete(rid)
