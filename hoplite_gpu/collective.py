@@ -23,18 +23,23 @@ would find the first one's results).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
 
 from . import buffers
-from .errors import InvalidArgumentError
+from .errors import HopliteTimeoutError, InvalidArgumentError
 from .node import Node
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
 
 T = TypeVar("T")
+
+#: Member objects a group remembers, to name the ranks a timed-out collective waited for.
+DESCRIBED_KEPT = 4096
+_HEX_ID = re.compile(r"\b[0-9a-f]{40}\b")
 
 __all__ = [
     "Group",
@@ -88,6 +93,7 @@ class Group:
         self._sent = [0] * world_size  # point-to-point messages sent to each rank
         self._received = [0] * world_size  # and received from each rank
         self._acks: dict[int, ObjectID] = {}  # the last acknowledgement this member put, per sender
+        self._described: dict[str, tuple[str, int | None]] = {}  # see _describe
 
     def __repr__(self) -> str:
         return (
@@ -103,11 +109,49 @@ class Group:
     def object_id(self, seq: int, kind: str, *parts: int) -> ObjectID:
         """The ObjectID of an object of collective number ``seq`` (the same on every member)."""
         tail = "/".join(str(x) for x in parts)
-        return ObjectID.from_name(f"hoplite-group/{self.name}/{seq}/{kind}/{tail}")
+        oid = ObjectID.from_name(f"hoplite-group/{self.name}/{seq}/{kind}/{tail}")
+        # Member inputs end with the rank that puts them; results and the root's broadcast don't.
+        producer = parts[-1] if parts and not kind.endswith("result") else None
+        self._describe(oid, f"{kind} #{seq}", producer)
+        return oid
 
     def p2p_id(self, src: int, dst: int, n: int, kind: str = "p2p") -> ObjectID:
         """The ObjectID of the ``n``-th message from ``src`` to ``dst`` (or of its acknowledgement)."""
-        return ObjectID.from_name(f"hoplite-group/{self.name}/{kind}/{src}/{dst}/{n}")
+        oid = ObjectID.from_name(f"hoplite-group/{self.name}/{kind}/{src}/{dst}/{n}")
+        self._describe(oid, f"{kind} {src}->{dst} #{n}", dst if kind.endswith("ack") else src)
+        return oid
+
+    def _describe(self, oid: ObjectID, what: str, producer: int | None) -> None:
+        """Remember what ``oid`` is and which rank puts it, to name the members a timed-out
+        collective waited for (the newest :data:`DESCRIBED_KEPT`)."""
+        self._described[oid.hex()] = (what, producer)
+        if len(self._described) > DESCRIBED_KEPT:
+            del self._described[next(iter(self._described))]
+
+    def _named(self, exc: HopliteTimeoutError) -> HopliteTimeoutError:
+        """``exc`` with the group, this member and the ranks whose objects it waited for."""
+        found: list[str] = []
+        for hex_id in dict.fromkeys([*_HEX_ID.findall(exc.message), str(exc.fields.get("object_id") or "")]):
+            if hex_id in self._described:
+                found.append(hex_id)
+        waiting = []
+        ranks: list[int] = []
+        for hex_id in found:
+            what, producer = self._described[hex_id]
+            if producer is not None:
+                ranks.append(producer)
+                waiting.append(f"rank {producer}'s {what} ({hex_id[:12]})")
+            else:
+                waiting.append(f"the {what} ({hex_id[:12]})")
+        who = f"group {self.name!r}, rank {self.rank} of {self.world_size}"
+        text = f"{exc.message} [{who}" + (f"; waiting for {', '.join(waiting)}" if waiting else "") + "]"
+        fields = {
+            **exc.fields,
+            "group": self.name,
+            "rank": self.rank,
+            "waiting_for_ranks": sorted(set(ranks)),
+        }
+        return HopliteTimeoutError(text, **fields)
 
     def destroy(self) -> None:
         """Wait for every member (a barrier), then delete the objects this member created (but
@@ -129,7 +173,10 @@ class Group:
         return seq
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.node._io.run(coro)
+        try:
+            return self.node._io.run(coro)
+        except HopliteTimeoutError as exc:
+            raise self._named(exc) from None
 
     async def _put(self, seq: int, array: Any, oid: ObjectID) -> None:
         self._owned.append((seq, oid))
@@ -209,6 +256,7 @@ def broadcast(array: Any, src_rank: int, group: Group) -> Any:
     _check_rank(g, src_rank, "src_rank")
     seq = g._next()
     oid = g.object_id(seq, "broadcast")
+    g._describe(oid, f"broadcast #{seq} (the root's)", src_rank)
 
     async def run() -> Any:
         if g.rank == src_rank:

@@ -210,7 +210,10 @@ class Fetcher:
             try:
                 await obj.wait_progress(obj.size, attempt.remaining())
             except HopliteTimeoutError:
-                raise attempt.timed_out() from None
+                raise attempt.timed_out(
+                    f"this node is still filling it (another get or a reduce here), {obj.progress} of "
+                    f"{obj.size} bytes so far"
+                ) from None
             return obj
 
         local = self._store.get(oid)
@@ -237,7 +240,9 @@ class Fetcher:
                     raise _lookup_error(oid, reply)
                 raise local.error
             if reply.status in ("timeout", "error"):
-                error = attempt.timed_out() if reply.status == "timeout" else _lookup_error(oid, reply)
+                error = (
+                    attempt.timed_out(reply.error) if reply.status == "timeout" else _lookup_error(oid, reply)
+                )
                 if local is not None:
                     self.abandon(local, 0, error)
                 raise error

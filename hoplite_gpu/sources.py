@@ -67,10 +67,12 @@ class Attempt:
         """Seconds left (None: no deadline)."""
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    def timed_out(self) -> HopliteTimeoutError:
-        """The error of a get that ran out of time."""
+    def timed_out(self, why: str = "") -> HopliteTimeoutError:
+        """The error of a get that ran out of time (``why``: the directory's account of where
+        the object is, naming the nodes concerned)."""
         return HopliteTimeoutError(
-            f"object {self.object_id} was not available within {self.timeout} s",
+            f"object {self.object_id} was not available within {self.timeout} s"
+            + (f": {why}" if why else ""),
             operation="get",
             timeout=self.timeout,
             object_id=self.object_id.hex(),
@@ -229,7 +231,12 @@ class PullSource(Source):
             try:
                 await asyncio.wait_for(pull, attempt.remaining())
             except asyncio.TimeoutError:
-                raise attempt.timed_out() from None
+                sender = reply.sender_node[:8] if reply.sender_node else "?"
+                raise attempt.timed_out(
+                    f"still receiving it from node {sender} at {reply.sender_host}:{reply.sender_port} "
+                    f"({'complete there' if reply.sender_complete else 'itself still receiving it'}), "
+                    f"{local.progress} of {local.size} bytes so far"
+                ) from None
             finally:
                 del self.aborts[reply.transfer_id]
                 if not abort.cancel() and not abort.cancelled():

@@ -1696,7 +1696,12 @@ class DirectoryState:
         def alive(pl: PendingLookup) -> bool:
             if pl.deadline is None or pl.deadline > now:
                 return True
-            reply = p.LookupReply(request_id=pl.request_id, status="timeout", object_id=pl.object_id)
+            reply = p.LookupReply(
+                request_id=pl.request_id,
+                status="timeout",
+                object_id=pl.object_id,
+                error=self._diagnose(pl.object_id, now),
+            )
             self._send(pl.node_id, reply)
             self._log(now, "lookup_timeout", node=pl.node_id, object_id=pl.object_id.hex())
             return False
@@ -1722,7 +1727,7 @@ class DirectoryState:
                 else:
                     text = (
                         f"reduction {plan.reduction_id.hex()}: only {len(plan.placed)} of "
-                        f"{plan.num_objects} inputs became ready within its timeout"
+                        f"{plan.num_objects} inputs became ready within its timeout; {_not_ready(plan)}"
                     )
                 self._fail_reduction(red, "HopliteTimeoutError", text, now)
             expired = [q for q in red.queries if q.deadline is not None and q.deadline <= now]
@@ -1736,6 +1741,45 @@ class DirectoryState:
                         error_kind="HopliteTimeoutError",
                     ),
                 )
+
+    def _diagnose(self, object_id: bytes, now: float) -> str:
+        """Why a lookup of ``object_id`` is still waiting, naming the nodes concerned (for the
+        error of a get that timed out: which member is missing or slow)."""
+        entry = self.objects.get(object_id)
+        red = self.reductions.get(object_id)
+        if red is not None and red.active and not red.plan.full:
+            plan = red.plan
+            return (
+                f"it is the result of a reduction with {len(plan.placed)} of its {plan.num_objects} "
+                f"inputs ready; {_not_ready(plan)}"
+            )
+        if entry is None:
+            if self.recovering_until is not None:
+                return "the directory restarted and no node has restored it yet"
+            return "no node has put it"
+
+        def where(node_id: str) -> str:
+            info = self.nodes.get(node_id)
+            return (
+                f"node {node_id[:8]} at {info.data_host}:{info.data_port}" if info else f"node {node_id[:8]}"
+            )
+
+        complete = [n for n, loc in entry.locations.items() if loc.state is LocationState.COMPLETE]
+        partial = [(n, loc) for n, loc in entry.locations.items() if loc.state is LocationState.PARTIAL]
+        parts = []
+        if complete:
+            busy = [n for n in complete if entry.locations[n].busy]
+            parts.append(
+                f"complete at {', '.join(where(n) for n in complete[:4])}"
+                + (f" ({len(busy)} of them busy serving)" if busy else "")
+            )
+        for node_id, loc in partial[:4]:
+            source = f" from {where(loc.upstream)}" if loc.upstream else ""
+            doing = "computing it" if loc.producing else f"receiving it{source}"
+            parts.append(f"{where(node_id)} is {doing}, {loc.progress} of {entry.size} bytes so far")
+        if not parts:
+            parts.append(f"put by {where(entry.owner)}, but no copy is left")
+        return "; ".join(parts)
 
     def _end_recovery(self, now: float) -> None:
         """Every live node had time to rejoin and restore its copies: a resumed lookup of an object
@@ -1941,3 +1985,11 @@ def _event_bytes(details: dict[str, Any]) -> int:
 
 def _rank(loc: Location) -> tuple[int, int]:
     return (1 if loc.state is LocationState.COMPLETE else 0, loc.progress)
+
+
+def _not_ready(plan: ReducePlan) -> str:
+    """``"not ready: <ids>"``: the inputs of ``plan`` not placed yet (the first 8)."""
+    placed = set(plan.reduced_objects())
+    missing = [oid.hex() for oid in plan.inputs if oid not in placed]
+    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    return f"not ready: {', '.join(missing[:8])}{more}"
