@@ -335,7 +335,8 @@ class LookupReply(Message):
     ``status`` is ``"inline"`` (data in ``inline``), ``"pull"`` (stream from the sender at
     ``sender_host:sender_port`` under ``transfer_id``), ``"shm"`` (copy from ``sender_node``'s
     shared-memory ``segment`` on the requester's host), ``"local"``, ``"timeout"`` or
-    ``"error"`` (the object is a reduction that failed: ``error_kind`` and ``error``).
+    ``"error"`` (the object is a reduction that failed: ``error_kind`` and ``error``); with
+    ``"timeout"``, ``error`` says why it is still waiting (who holds it, who is slow or missing).
     ``reduction_id`` is set when the object is being computed by that reduction (its result while
     it runs, or one of its intermediates): such a partial copy is void if the directory restarts.
     """

@@ -242,7 +242,7 @@ def test_lookup_times_out_exactly_at_its_deadline():
     assert state.next_deadline() == 2.0
     assert state.handle(Tick(now=1.9)) == []
     assert state.handle(Tick(now=2.0)) == [
-        Send("B", LookupReply(request_id=1, status="timeout", object_id=OID))
+        Send("B", LookupReply(request_id=1, status="timeout", object_id=OID, error="no node has put it"))
     ]
     assert state.next_deadline() == 4.5
     assert state.handle(Tick(now=2.0)) == []
