@@ -121,54 +121,27 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- the cluster
-def _emit(obj: dict[str, Any]) -> None:
-    from bench.peers.ray_peer import MARK
-
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def _on_host(i: int) -> dict[str, Any]:
-    """Ray options that place an actor on host ``i`` (a share of its ``host<i>`` resource: the
-    directory and the PS share host 0)."""
-    return {"resources": {f"host{i}": 0.01}}
-
-
 def _driver(config: dict[str, Any]) -> None:
-    """Runs in host 0's namespace: connects to the head, starts the directory on host 0 and runs
-    every variant (after the links went quiet), reporting each record."""
-    import ray
+    """Runs in host 0's namespace: every variant, the PS and the directory on host 0, worker ``i``
+    on host ``i + 1`` (see :func:`bench.peers.ray_peer.drive_variants`)."""
+    from bench.peers.ray_peer import drive_variants, on_host
 
-    import hoplite_gpu.ray as hgray
-    from bench.peers.ray_peer import connect_driver
-
-    hosts, address = config["hosts"], config["address"]
-    connect_driver(address, hosts)
-    try:
-        hgray.start_directory(actor_options=_on_host(0))
-        _emit({"event": "ready"})
-        for spec in config["runs"]:
-            _emit({"event": "settle"})
-            if not sys.stdin.readline():
-                raise SystemExit("the benchmark went away")
-            _emit({"event": "start", "name": spec["name"]})
-            record = run_variant(
-                spec,
-                env=HOST_ENV,
-                ps_options=_on_host(0),
-                worker_options=[_on_host(i + 1) for i in range(spec["workers"])],
-                directory_options=_on_host(0),
-            )
-            _emit({"event": "result", "record": record})
-        _emit({"event": "done"})
-    finally:
-        ray.shutdown()
+    drive_variants(
+        config,
+        lambda spec: run_variant(
+            spec,
+            env=HOST_ENV,
+            ps_options=on_host(0),
+            worker_options=[on_host(i + 1) for i in range(spec["workers"])],
+            directory_options=on_host(0),
+        ),
+    )
 
 
 def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
     """Every variant on an emulated cluster of ``args.hosts`` hosts."""
     from bench.cluster import Cluster, link_throughput
-    from bench.peers.ray_peer import RayCluster
+    from bench.peers.ray_peer import RayCluster, collect_variants
 
     rate = _parse_rate(args.rate)
     config = {
@@ -187,22 +160,7 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
         store = max(1 << 30, (args.workers + 6) * args.grad_bytes)
         ray_cluster = RayCluster(cluster, store)
         try:
-            ray_cluster.start(
-                config, driver=[sys.executable, os.path.abspath(__file__), "--driver", json.dumps(config)]
-            )
-            msg = ray_cluster.recv(300)
-            if msg.get("event") != "ready":
-                raise RuntimeError(f"unexpected report from the driver: {msg}")
-            while (msg := ray_cluster.recv(args.run_timeout))["event"] != "done":
-                if msg["event"] == "settle":
-                    ray_cluster.settle()
-                elif msg["event"] == "start":
-                    print(f"{msg['name']} ...", file=sys.stderr, flush=True)
-                elif msg["event"] == "result":
-                    records.append(msg["record"])
-                    _print_record(records[-1])
-                else:
-                    raise RuntimeError(f"unexpected report from the driver: {msg}")
+            records = collect_variants(ray_cluster, config, __file__, args.run_timeout, _print_record)
         finally:
             ray_cluster.stop()
     return {
@@ -222,6 +180,9 @@ def _parse_rate(text: str) -> float:
 
 # ---------------------------------------------------------------------------------------- reporting
 def _print_record(rec: dict[str, Any]) -> None:
+    if "error" in rec:
+        print(f"  {rec['name']}: FAILED: {rec['error']}", file=sys.stderr, flush=True)
+        return
     line = (
         f"  {rec['name']}: {rec['samples_per_s']:.1f} samples/s, median update "
         f"{statistics.median(rec['step_seconds']):.3f} s, "
@@ -234,7 +195,7 @@ def _print_record(rec: dict[str, Any]) -> None:
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The headline figures: samples/s and final loss per variant, and hoplite / ray ratios."""
-    by = {r["name"]: r for r in result["records"]}
+    by = {r["name"]: r for r in result["records"] if "error" not in r}
     out: dict[str, Any] = {
         name: {
             "samples_per_s": r["samples_per_s"],
@@ -254,7 +215,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     """A short Markdown report of a run."""
-    recs = result["records"]
+    recs = [r for r in result["records"] if "error" not in r]
+    if not recs:
+        return "every variant failed: " + "; ".join(f"{r['name']}: {r['error']}" for r in result["records"])
     first = recs[0]
     if result["setting"] == "cluster":
         where = (

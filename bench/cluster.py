@@ -197,7 +197,7 @@ def link_throughput(cluster: Cluster, nbytes: int = 128 << 20) -> float:
     port = 5999
     server = cluster.popen(
         1,
-        [sys.executable, "-c", _SINK, cluster.address(1), str(port)],
+        [sys.executable, "-c", _SINK_TIMED, cluster.address(1), str(port)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -209,10 +209,50 @@ def link_throughput(cluster: Cluster, nbytes: int = 128 << 20) -> float:
     finally:
         if server.poll() is None:
             server.kill()
-    return float(out.strip())
+    received, start, end = (float(x) for x in out.split())
+    return received / (end - start)
 
 
-_SINK = """
+def aggregate_throughput(cluster: Cluster, nbytes: int = 64 << 20) -> float:
+    """Bytes per second the whole cluster moves when every host sends to the next one and receives
+    from the previous one at once (a ring of TCP streams: every link busy in both directions).
+
+    On one machine the namespaces share its cores, so at fast link rates this, not a link, bounds
+    what any system can move in total: a workload that must move ``X`` bytes across the switch
+    takes at least ``X`` over this."""
+    port = 5998
+    n = cluster.hosts
+    sinks = [
+        cluster.popen(
+            (i + 1) % n,
+            [sys.executable, "-c", _SINK_TIMED, cluster.address((i + 1) % n), str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
+    sources = []
+    try:
+        for sink in sinks:  # each prints an empty line once it listens
+            assert sink.stdout is not None
+            sink.stdout.readline()
+        sources = [
+            cluster.popen(
+                i, [sys.executable, "-c", _SOURCE, cluster.address((i + 1) % n), str(port), str(nbytes)]
+            )
+            for i in range(n)
+        ]
+        reports = [sink.communicate(timeout=300)[0].split() for sink in sinks]
+    finally:
+        for proc in [*sinks, *sources]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+    total = sum(float(r[0]) for r in reports)
+    return total / (max(float(r[2]) for r in reports) - min(float(r[1]) for r in reports))
+
+
+_SINK_TIMED = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); print("", flush=True)
@@ -221,7 +261,7 @@ while True:
     k = c.recv_into(buf)
     if not k: break
     t0 = t0 or time.monotonic(); n += k
-print(n / (time.monotonic() - t0))
+print(n, t0, time.monotonic())
 """
 
 _SOURCE = """

@@ -25,10 +25,13 @@ created afterwards), then name it on the methods whose tensors it carries::
 
 Two things Ray asks of every user of a custom transport. The decorators check the transport's
 name when the class is defined, so a module that defines such actors and is imported by Ray's worker
-processes must register it at import (the call is idempotent). And an actor that receives tensors
-but has no method returning them through a transport needs ``enable_tensor_transport=True``: without
-it, the receive is queued behind the very task that waits for it and the task fails after Ray's
-fetch timeout (ray-project/ray#66264).
+processes must register it at import (the call is idempotent); this is also what makes an actor
+that Ray restarted after a crash usable, since Ray 2.60 registers a custom transport on an actor
+only when it is first created. Keep such classes in an importable module: a class defined in
+``__main__`` travels to the workers by value and its restarted process never registers.
+And an actor that receives tensors but has no method returning them through a transport needs
+``enable_tensor_transport=True``: without it, the receive is queued behind the very task that waits
+for it and the task fails after Ray's fetch timeout (ray-project/ray#66264).
 
 How it works. The transport is one-sided: when the method returns, the source actor ``put``s each
 tensor into its hoplite node under an ObjectID derived from Ray's object id, without copying it

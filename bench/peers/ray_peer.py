@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
@@ -539,3 +540,74 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ------------------------------------------------------------------ variants run by a driver on the cluster
+def emit(obj: dict[str, Any]) -> None:
+    """Report ``obj`` from a driver in a namespace to the benchmark (``RayCluster.recv`` reads it)."""
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def on_host(i: int) -> dict[str, Any]:
+    """Ray options that place an actor on host ``i`` (a share of its ``host<i>`` resource, so that
+    the directory and a benchmark's central actor share host 0)."""
+    return {"resources": {f"host{i}": 0.01}}
+
+
+def drive_variants(config: dict[str, Any], run_one: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """A benchmark's driver in host 0's namespace: connect to the head, start the hoplite directory
+    on host 0, then for each spec of ``config["runs"]`` wait until the benchmark saw the links go
+    quiet (a line on stdin) and report ``run_one(spec)``; a variant that raises is reported as an
+    ``error`` record and the others still run."""
+    import ray
+
+    import hoplite_gpu.ray as hgray
+
+    connect_driver(config["address"], config["hosts"])
+    try:
+        hgray.start_directory(actor_options=on_host(0))
+        emit({"event": "ready"})
+        for spec in config["runs"]:
+            emit({"event": "settle"})
+            if not sys.stdin.readline():
+                raise SystemExit("the benchmark went away")
+            emit({"event": "start", "name": spec["name"]})
+            try:
+                record = run_one(spec)
+            except Exception as exc:
+                logging.getLogger(__name__).exception("variant %s failed", spec["name"])
+                record = {"name": spec["name"], "error": f"{type(exc).__name__}: {exc}"}
+            emit({"event": "result", "record": record})
+        emit({"event": "done"})
+    finally:
+        ray.shutdown()
+
+
+def collect_variants(
+    ray_cluster: RayCluster,
+    config: dict[str, Any],
+    script: str,
+    run_timeout: float,
+    on_record: Callable[[dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """Start ``script --driver <config>`` on ``ray_cluster`` (see :func:`drive_variants`), let the
+    links settle before each variant, and return the records it reports."""
+    records: list[dict[str, Any]] = []
+    ray_cluster.start(
+        config, driver=[sys.executable, os.path.abspath(script), "--driver", json.dumps(config)]
+    )
+    msg = ray_cluster.recv(300)
+    if msg.get("event") != "ready":
+        raise RuntimeError(f"unexpected report from the driver: {msg}")
+    while (msg := ray_cluster.recv(run_timeout))["event"] != "done":
+        if msg["event"] == "settle":
+            ray_cluster.settle()
+        elif msg["event"] == "start":
+            print(f"{msg['name']} ...", file=sys.stderr, flush=True)
+        elif msg["event"] == "result":
+            records.append(msg["record"])
+            on_record(records[-1])
+        else:
+            raise RuntimeError(f"unexpected report from the driver: {msg}")
+    return records
