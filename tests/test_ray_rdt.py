@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hgray  # noqa: E402
-from hoplite_gpu import rdt  # noqa: E402
+from hoplite_gpu import gpu, rdt  # noqa: E402
 from tests.procs import wait_for_events  # noqa: E402
 
 # At import, in the driver and in every actor process that imports this module: the decorators
@@ -241,3 +241,27 @@ def test_receive_into_target_buffers_and_bad_metadata(rdt_ray: Any) -> None:
     assert not node.contains(hg.ObjectID.from_hex(meta.object_ids[0]))
     with pytest.raises(hg.InvalidArgumentError):
         rdt.set_timeout(0)
+
+
+class CudaProducer:
+    @ray.method(tensor_transport="HOPLITE")
+    def make(self, n: int) -> Any:
+        return torch.arange(n, dtype=torch.float64, device="cuda") * 3  # sums exact
+
+    def device(self) -> str:
+        return str(torch.cuda.current_device())
+
+
+class CudaConsumer:
+    def take(self, value: Any) -> tuple[str, float]:
+        return value.device.type, float(value.sum().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available() or not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_arrive_on_the_receivers_device(rdt_ray: Any) -> None:
+    producer = ray.remote(num_gpus=0.5, num_cpus=0, enable_tensor_transport=True)(CudaProducer).remote()
+    consumer = ray.remote(num_gpus=0.5, num_cpus=0, enable_tensor_transport=True)(CudaConsumer).remote()
+    n = 1 << 20
+    ref = producer.make.remote(n)
+    assert ray.get(consumer.take.remote(ref), timeout=120) == ("cuda", 3.0 * n * (n - 1) / 2)
