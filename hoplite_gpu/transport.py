@@ -235,6 +235,7 @@ class DataPlane:
         interval = self.config.stall_timeout
         own: Any = None
         marker: int | None = None
+        strays: set[int] = set()  # markers of failed rounds: dropped when met, never counted
         loop = asyncio.get_running_loop()
         next_round = loop.time() + interval
         while not self._closed:
@@ -245,8 +246,12 @@ class DataPlane:
                     address = ucxx.get_worker_address()
                     connecting = ucxx.create_endpoint_from_worker_address(address)
                     own = await _timed(connecting, self.config.connect_timeout, "self", "connect")
-                if marker is not None:
-                    await self._drop_until(own, marker)
+                if (
+                    marker is not None
+                    and not await self._drop_until(own, marker, strays)
+                    and len(strays) < 1024
+                ):
+                    strays.add(marker)  # not arrived yet (a loaded machine): met by a later round
                 marker = secrets.randbits(64)
                 sending = own.send(np.zeros(1, np.uint8), tag=marker, force_tag=True)
                 await _timed(sending, self.config.connect_timeout, "self", "marker")
@@ -254,6 +259,8 @@ class DataPlane:
                 raise
             except Exception as exc:  # the next round starts over with a new endpoint
                 log.debug("data plane: sweep of unexpected messages failed: %s", exc)
+                if marker is not None and len(strays) < 1024:
+                    strays.add(marker)  # it may still arrive (a slow send): not a peer's message
                 if own is not None:
                     with contextlib.suppress(Exception):
                         own.abort()
@@ -262,15 +269,17 @@ class DataPlane:
             with contextlib.suppress(Exception):
                 own.abort()
 
-    async def _drop_until(self, own: Any, marker: int) -> None:
+    async def _drop_until(self, own: Any, marker: int, strays: set[int]) -> bool:
         """Receive and drop every unexpected message queued ahead of ``marker`` (and the marker),
-        if the marker has arrived; ``own`` is the endpoint to this node's own worker."""
+        if the marker has arrived; ``own`` is the endpoint to this node's own worker. Markers of
+        earlier rounds that failed or were overtaken (``strays``) are dropped too but not counted
+        as stale. Returns whether the marker had arrived."""
         from ucxx._lib.libucxx import UCXXTag, UCXXTagMask
 
         # ucxx 0.52 exposes the worker object (the one whose probe takes a tag mask) only here.
         worker = ucxx_module().core._get_ctx().worker
         if not worker.tag_probe(UCXXTag(marker)).matched:
-            return  # not arrived yet (or taken by another node's sweep in this process)
+            return False  # not arrived yet (or taken by another node's sweep in this process)
         count = nbytes = 0
         while True:
             # The oldest unexpected message of any tag, left in the queue: a receive of its tag
@@ -289,6 +298,9 @@ class DataPlane:
                 log.debug("data plane: a %d-byte stale message did not complete; skipped", length)
             if tag == marker:
                 break
+            if tag in strays:
+                strays.discard(tag)
+                continue
             count += 1
             nbytes += length
         self.stale_messages += count
@@ -301,6 +313,7 @@ class DataPlane:
                 nbytes,
                 self.config.stall_timeout,
             )
+        return True
 
     async def close(self, grace: float = 0.0) -> None:
         """Close the listener, every endpoint and every serving task.
