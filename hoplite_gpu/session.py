@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -205,11 +206,33 @@ class DirectorySession:
 
     async def _resolve_address(self, give_up: float) -> None:
         """Ask ``resolve`` where the directory is now (bounded by the reconnection's time left)."""
-        assert self._resolve is not None
+        resolve = self._resolve
+        assert resolve is not None
         left = max(0.1, give_up - time.monotonic())
         loop = asyncio.get_running_loop()
+        answer: asyncio.Future[str] = loop.create_future()
+
+        def settle(value: str | None, exc: BaseException | None) -> None:
+            if answer.done():
+                return
+            if exc is not None:
+                answer.set_exception(exc)
+            else:
+                answer.set_result(str(value))
+
+        def work() -> None:
+            try:
+                value, exc = resolve(left), None
+            except BaseException as error:
+                value, exc = None, error
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, value, exc)
+
+        # A daemon thread, not the loop's executor: a resolver that never returns (Ray's get in a
+        # worker whose raylet died spins past its timeout) must not keep the process from exiting.
+        threading.Thread(target=work, name="hoplite-resolve", daemon=True).start()
         try:
-            address = await asyncio.wait_for(loop.run_in_executor(None, self._resolve, left), left + 1.0)
+            address = await asyncio.wait_for(answer, left + 1.0)
         except HopliteError:
             raise
         except asyncio.TimeoutError:

@@ -39,7 +39,9 @@ class Holder:
     def get(self, hex_id: str, timeout: float) -> Any:
         return self.node.get(hg.ObjectID.from_hex(hex_id), timeout=timeout).copy()
 
-    def directory(self) -> str:
+    def rejoined(self) -> str:
+        """The directory's address once this node is connected to it (a put waits for that)."""
+        self.node.delete(self.node.put(np.zeros(1)))
         return str(self.node.directory_address)
 
 
@@ -79,7 +81,8 @@ def test_a_broadcast_completes_across_a_directory_actor_restart(restartable: Any
         assert np.array_equal(got, expected)
     new = hgray.directory_info(NAME)[0]
     assert new != old  # a new process at a new address, found through the actor
-    assert ray.get(receivers[0].directory.remote(), timeout=60) == new
+    # (a receiver's get may finish over the data plane before its node has rejoined)
+    assert ray.get(receivers[0].rejoined.remote(), timeout=60) == new
     after = driver.event_log()  # the new directory's: the driver's node reconnected too
     assert kinds(after, "directory_recovering")
     assert np.array_equal(driver.get(hg.ObjectID.from_hex(hex_id), timeout=60), expected)
@@ -105,3 +108,56 @@ def test_a_reduction_completes_across_a_directory_actor_restart(restartable: Any
     after = driver.event_log()
     assert kinds(after, "directory_recovering") and kinds(after, "reduce_done")
     driver.delete(rid)
+
+
+_STUCK_RESOLVER = """
+import sys, threading
+from hoplite_gpu.config import Config
+from hoplite_gpu.node import Node
+
+called = threading.Event()
+
+def resolve(seconds):
+    called.set()
+    threading.Event().wait()  # never answers (Ray's get in a worker whose raylet died spun so)
+
+node = Node(sys.argv[1], sys.argv[2], Config.from_env(), resolve_directory=resolve)
+print("joined", flush=True)
+sys.stdin.readline()  # the test killed the directory
+assert called.wait(30)
+print("resolving", flush=True)
+"""
+
+
+def test_a_resolver_that_never_answers_does_not_keep_the_process_alive() -> None:
+    """A node whose directory is gone asks its resolver where it went (the Ray node asks Ray).
+    Once, at the end of a test session, that call never returned in a Ray worker whose raylet had
+    died, and the worker's process spun for good: the interpreter's exit waited for the thread. The
+    resolver now runs on a daemon thread, so a process that is done exits."""
+    import subprocess
+    import sys
+
+    from hoplite_gpu.auth import new_token
+    from hoplite_gpu.directory import DirectoryProcess
+
+    directory = DirectoryProcess(new_token())
+    directory.start()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_RESOLVER, directory.address, directory.token],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "joined"
+        directory.kill()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "resolving"
+        assert proc.wait(timeout=60) == 0  # it exits although its resolver never returns
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        directory.kill()
