@@ -12,6 +12,7 @@ restarted directory rebuilds them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -209,30 +210,23 @@ class DirectorySession:
         resolve = self._resolve
         assert resolve is not None
         left = max(0.1, give_up - time.monotonic())
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[str] = loop.create_future()
-
-        def settle(value: str | None, exc: BaseException | None) -> None:
-            if answer.done():
-                return
-            if exc is not None:
-                answer.set_exception(exc)
-            else:
-                answer.set_result(str(value))
+        answer: concurrent.futures.Future[str] = concurrent.futures.Future()
 
         def work() -> None:
             try:
-                value, exc = resolve(left), None
-            except BaseException as error:
-                value, exc = None, error
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(settle, value, exc)
+                value = resolve(left)
+            except BaseException as exc:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # given up on
+                    answer.set_exception(exc)
+            else:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    answer.set_result(value)
 
         # A daemon thread, not the loop's executor: a resolver that never returns (Ray's get in a
         # worker whose raylet died spins past its timeout) must not keep the process from exiting.
         threading.Thread(target=work, name="hoplite-resolve", daemon=True).start()
         try:
-            address = await asyncio.wait_for(answer, left + 1.0)
+            address = await asyncio.wait_for(asyncio.wrap_future(answer), left + 1.0)
         except HopliteError:
             raise
         except asyncio.TimeoutError:
