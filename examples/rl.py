@@ -57,14 +57,12 @@ Needs ``ray`` and ``torch`` (``pip install hoplite_gpu[ray] torch``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import concurrent.futures
 import logging
 import os
 import signal
 import statistics
 import sys
-import threading
 import time
 import uuid
 from typing import Any
@@ -135,6 +133,27 @@ def _as_numpy(weights: Any) -> np.ndarray:
     if isinstance(weights, np.ndarray):
         return weights
     return weights.detach().numpy()  # type: ignore[no-any-return]
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the run did not finish in time")
+    return left
+
+
+def _ready_results(refs: list[Any], wait: float, deadline: float) -> tuple[dict[Any, Any], dict[Any, str]]:
+    """The results of the calls among ``refs`` that finish within ``wait`` seconds, in their order,
+    and the error name of each of those whose actor died instead."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+    done: dict[Any, Any] = {}
+    died: dict[Any, str] = {}
+    for ref in ready:
+        try:
+            done[ref] = ray.get(ref, timeout=_left(deadline))
+        except ray.exceptions.RayActorError as exc:
+            died[ref] = type(exc).__name__
+    return done, died
 
 
 # ---------------------------------------------------------------------------------------- the actors
@@ -217,20 +236,6 @@ class RolloutWorker:
         return self._info(iteration, advantage, start, fetched, time.time())
 
 
-class _Runner:
-    """An event loop on a thread of its own running hoplite_gpu's ``*_async`` calls, so that a
-    wait for a sum can be given up (a blocking call cannot be cancelled)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="rl-learner-io", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
-        """Run ``coro`` on the loop; cancelling the returned future cancels it."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-
 class Learner:
     """The learner (made a Ray actor by :func:`run`): publishes the weights and applies the sum of
     the gradients, checking it bit-exactly first.
@@ -251,7 +256,6 @@ class Learner:
         self.drift = 0  # sum of every applied advantage: weights == initial + drift
         self.tag = uuid.uuid4().hex[:12]
         self._weights_id: Any = None  # hoplite without the transport: the ObjectID put last
-        self._runner: _Runner | None = None
 
     def pid(self) -> int:
         """This actor's process id."""
@@ -370,10 +374,9 @@ class Learner:
         ``calls[i]`` is its rollout call) and stream it here; while waiting, watch the calls, and if
         one fails (the worker died) delete the reduction and request one over the others."""
         from hoplite_gpu import HopliteError, ObjectID, ObjectLostError, ReduceOp, ReductionFailedError
+        from hoplite_gpu.iothread import IOThread
 
         node = hgray.node()
-        if self._runner is None:
-            self._runner = _Runner()
         deadline = time.monotonic() + timeout
         started = time.monotonic()
         live = dict(zip(workers, grad_ids, strict=True))
@@ -385,7 +388,8 @@ class Learner:
             ids = [live[w] for w in sorted(live)]
             rid = ObjectID.from_name(f"rl/{self.tag}/sum/{iteration}/{attempt}")
             node.reduce(ids, ReduceOp.SUM, reduction_id=rid, timeout=_left(deadline))
-            fut = self._runner.submit(node.get_async(rid, _left(deadline)))
+            # On hoplite's I/O thread, so that the wait can be given up (a blocking get cannot).
+            fut = IOThread.get().submit(node.get_async(rid, _left(deadline)))
             reason = ""
             while not reason:
                 try:
@@ -437,12 +441,9 @@ class Learner:
         if not pending:
             return
         wait = min(INFO_TIMEOUT, _left(deadline)) if block else 0
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait)
-        for ref in ready:
-            try:
-                infos[call_of[ref]] = ray.get(ref, timeout=_left(deadline))
-            except ray.exceptions.RayActorError as exc:
-                failed[str(call_of[ref])] = type(exc).__name__
+        done, died = _ready_results(pending, wait, deadline)
+        infos.update((call_of[ref], info) for ref, info in done.items())
+        failed.update((str(call_of[ref]), error) for ref, error in died.items())
 
     def state(self) -> dict[str, Any]:
         """The final weights' figures: ``drift`` (the sum of every applied advantage) and ``exact``
@@ -452,13 +453,6 @@ class Learner:
 
 
 # ---------------------------------------------------------------------------------------- the driver
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the run did not finish in time")
-    return left
-
-
 class _Loop:
     """The driver's side of one run: launches every iteration and records it."""
 
@@ -518,16 +512,8 @@ class _Loop:
         record["end"] = time.time()
         record["launched"] = sorted(self.alive)
         if info_refs:  # ray mode: the rollouts' figures came through the driver
-            ready, _ = ray.wait(
-                info_refs, num_returns=len(info_refs), timeout=min(INFO_TIMEOUT, _left(self.deadline))
-            )
-            infos = []
-            for ref in ready:
-                try:
-                    infos.append(ray.get(ref, timeout=_left(self.deadline)))
-                except ray.exceptions.RayActorError:
-                    pass
-            record["infos"] = infos
+            done, _ = _ready_results(info_refs, min(INFO_TIMEOUT, _left(self.deadline)), self.deadline)
+            record["infos"] = list(done.values())
         self.iterations.append(record)
         for w in sorted(self.alive - set(record["used"])):
             self.alive.discard(w)
