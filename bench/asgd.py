@@ -34,15 +34,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Every actor of the emulated cluster: hoplite_gpu over the links only (namespaces share /dev/shm).
 HOST_ENV = {"HOPLITE_SHARED_MEMORY": "0", "UCX_TLS": "tcp"}
 #: Environment of every Ray process this benchmark starts: one BLAS thread per actor (2 cores, up to
 #: ten actors), and this repository importable (the actors' classes live in ``examples``).
 PROCESS_ENV = {"OPENBLAS_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-#: The cluster's Ray processes: no token authentication. Ray 2.60 enables it when ~/.ray/auth_token exists
-#: (a local ``ray.init`` writes one), and then the nodes joining the head fail to authenticate.
-CLUSTER_ENV = {"RAY_AUTH_MODE": "disabled"}
 VARIANTS = ("hoplite", "ray", "hoplite-kill", "ray-kill")
 
 
@@ -140,49 +136,25 @@ def _driver(config: dict[str, Any]) -> None:
 
 def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
     """Every variant on an emulated cluster of ``args.hosts`` hosts."""
-    from bench.cluster import Cluster, link_throughput
-    from bench.peers.ray_peer import RayCluster, collect_variants
-
-    rate = _parse_rate(args.rate)
-    config = {
-        "hosts": args.hosts,
-        "address": "",
-        "runs": _runs(args),
-    }
-    os.environ.update({**PROCESS_ENV, **HOST_ENV, **CLUSTER_ENV})
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    records: list[dict[str, Any]] = []
-    with Cluster(args.hosts, rate, prefix=args.prefix) as cluster:
-        link = link_throughput(cluster)
-        print(f"link: {link / 1e6:.1f} MB/s (set {rate / 1e6:.0f} MB/s)", file=sys.stderr, flush=True)
-        config["address"] = cluster.address(0)
-        # The PS's node holds a few versions of the parameters and up to N gradients being fetched.
-        store = max(1 << 30, (args.workers + 6) * args.grad_bytes)
-        ray_cluster = RayCluster(cluster, store)
-        try:
-            records = collect_variants(ray_cluster, config, __file__, args.run_timeout, _print_record)
-        finally:
-            ray_cluster.stop()
-    return {
-        "setting": "cluster",
-        "hosts": args.hosts,
-        "rate_bytes": rate,
-        "link_bytes_per_s": link,
-        "records": records,
-    }
-
-
-def _parse_rate(text: str) -> float:
     from bench.common import parse_rate
+    from bench.peers.ray_peer import variants_on_cluster
 
-    return parse_rate(text)
+    return variants_on_cluster(
+        args.hosts,
+        parse_rate(args.rate),
+        args.prefix,
+        _runs(args),
+        __file__,
+        # The PS's node holds a few versions of the parameters and up to N gradients being fetched.
+        max(1 << 30, (args.workers + 6) * args.grad_bytes),
+        args.run_timeout,
+        _print_record,
+        {**PROCESS_ENV, **HOST_ENV},
+    )
 
 
 # ---------------------------------------------------------------------------------------- reporting
 def _print_record(rec: dict[str, Any]) -> None:
-    if "error" in rec:
-        print(f"  {rec['name']}: FAILED: {rec['error']}", file=sys.stderr, flush=True)
-        return
     line = (
         f"  {rec['name']}: {rec['samples_per_s']:.1f} samples/s, median update "
         f"{statistics.median(rec['step_seconds']):.3f} s, "

@@ -50,8 +50,6 @@ HOST_ENV = {"HOPLITE_SHARED_MEMORY": "0", "UCX_TLS": "tcp", "GLOO_SOCKET_IFNAME"
 #: Environment of every Ray process this benchmark starts: one BLAS thread per actor (2 cores, up to
 #: ten actors), no usage report.
 PROCESS_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-#: The cluster's Ray processes: no token authentication (see bench/asgd.py).
-CLUSTER_ENV = {"RAY_AUTH_MODE": "disabled"}
 #: ``hoplite-put``: hoplite with the weights ``put`` explicitly and their ObjectID passed to the
 #: workers instead of going through the HOPLITE transport (the same broadcast tree, without Ray
 #: Direct Transport's orchestration).
@@ -157,53 +155,27 @@ def _driver(config: dict[str, Any]) -> None:
 
 def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
     """Every variant on an emulated cluster of ``args.hosts`` hosts."""
-    from bench.cluster import Cluster, aggregate_throughput, link_throughput
-    from bench.peers.ray_peer import RayCluster, collect_variants
-
-    rate = _parse_rate(args.rate)
-    config = {"hosts": args.hosts, "address": "", "runs": _runs(args)}
-    os.environ.update({**PROCESS_ENV, **CLUSTER_ENV})
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    records: list[dict[str, Any]] = []
-    with Cluster(args.hosts, rate, prefix=args.prefix) as cluster:
-        link = link_throughput(cluster)
-        aggregate = aggregate_throughput(cluster)
-        print(
-            f"link: {link / 1e6:.1f} MB/s (set {rate / 1e6:.0f} MB/s); all links at once: "
-            f"{aggregate / 1e6:.1f} MB/s in total",
-            file=sys.stderr,
-            flush=True,
-        )
-        config["address"] = cluster.address(0)
-        # The learner's node holds a few versions of the weights and, in Ray mode, every gradient.
-        store = max(1 << 30, (args.workers + 6) * args.weights_bytes)
-        ray_cluster = RayCluster(cluster, store)
-        try:
-            records = collect_variants(ray_cluster, config, __file__, args.run_timeout + 120, _print_record)
-        finally:
-            ray_cluster.stop()
-    return {
-        "setting": "cluster",
-        "hosts": args.hosts,
-        "rate": args.rate,
-        "rate_bytes": rate,
-        "link_bytes_per_s": link,
-        "aggregate_bytes_per_s": aggregate,
-        "records": records,
-    }
-
-
-def _parse_rate(text: str) -> float:
     from bench.common import parse_rate
+    from bench.peers.ray_peer import variants_on_cluster
 
-    return parse_rate(text)
+    result = variants_on_cluster(
+        args.hosts,
+        parse_rate(args.rate),
+        args.prefix,
+        _runs(args),
+        __file__,
+        # The learner's node holds a few versions of the weights and, in Ray mode, every gradient.
+        max(1 << 30, (args.workers + 6) * args.weights_bytes),
+        args.run_timeout + 120,
+        _print_record,
+        PROCESS_ENV,
+        aggregate=True,
+    )
+    return {**result, "rate": args.rate}
 
 
 # ---------------------------------------------------------------------------------------- reporting
 def _print_record(rec: dict[str, Any]) -> None:
-    if "error" in rec:
-        print(f"  {rec['name']}: FAILED: {rec['error']}", file=sys.stderr, flush=True)
-        return
     times = " ".join(f"{r['seconds']:.2f}" for r in rec["iterations"])
     print(
         f"  {rec['name']}: median iteration {rec['median_s']:.3f} s (weights via {rec['weights_via']}); "

@@ -592,7 +592,8 @@ def collect_variants(
     on_record: Callable[[dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
     """Start ``script --driver <config>`` on ``ray_cluster`` (see :func:`drive_variants`), let the
-    links settle before each variant, and return the records it reports."""
+    links settle before each variant, and return the records it reports (each shown with
+    ``on_record``, a failed variant's error here)."""
     records: list[dict[str, Any]] = []
     ray_cluster.start(
         config, driver=[sys.executable, os.path.abspath(script), "--driver", json.dumps(config)]
@@ -606,8 +607,59 @@ def collect_variants(
         elif msg["event"] == "start":
             print(f"{msg['name']} ...", file=sys.stderr, flush=True)
         elif msg["event"] == "result":
-            records.append(msg["record"])
-            on_record(records[-1])
+            record = msg["record"]
+            records.append(record)
+            if "error" in record:
+                print(f"  {record['name']}: FAILED: {record['error']}", file=sys.stderr, flush=True)
+            else:
+                on_record(record)
         else:
             raise RuntimeError(f"unexpected report from the driver: {msg}")
     return records
+
+
+#: A benchmark's own processes on the cluster: no token authentication. Ray 2.60 enables it when
+#: ~/.ray/auth_token exists (a local ``ray.init`` writes one), and then the nodes joining the head
+#: fail to authenticate.
+CLUSTER_ENV = {"RAY_AUTH_MODE": "disabled"}
+
+
+def variants_on_cluster(
+    hosts: int,
+    rate: float,
+    prefix: str,
+    runs: list[dict[str, Any]],
+    script: str,
+    store_bytes: int,
+    run_timeout: float,
+    on_record: Callable[[dict[str, Any]], None],
+    env: dict[str, str],
+    aggregate: bool = False,
+) -> dict[str, Any]:
+    """Run a benchmark's variants (``runs``, see :func:`drive_variants`) on an emulated cluster of
+    ``hosts`` hosts with links of ``rate`` bytes/s, one Ray node per host with ``store_bytes`` of
+    object store, its driver ``script --driver`` in host 0's namespace (``env`` added to this
+    process's environment, which the cluster's processes inherit). Returns the records with the
+    link's throughput measured first, and with ``aggregate`` what every link at once carries
+    (:func:`bench.cluster.aggregate_throughput`)."""
+    from bench.cluster import Cluster, aggregate_throughput, link_throughput
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ.update({**env, **CLUSTER_ENV})
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    config: dict[str, Any] = {"hosts": hosts, "address": "", "runs": runs}
+    result: dict[str, Any] = {"setting": "cluster", "hosts": hosts, "rate_bytes": rate}
+    with Cluster(hosts, rate, prefix=prefix) as cluster:
+        link = result["link_bytes_per_s"] = link_throughput(cluster)
+        line = f"link: {link / 1e6:.1f} MB/s (set {rate / 1e6:.0f} MB/s)"
+        if aggregate:
+            total = result["aggregate_bytes_per_s"] = aggregate_throughput(cluster)
+            line += f"; all links at once: {total / 1e6:.1f} MB/s in total"
+        print(line, file=sys.stderr, flush=True)
+        config["address"] = cluster.address(0)
+        ray_cluster = RayCluster(cluster, store_bytes)
+        try:
+            result["records"] = collect_variants(ray_cluster, config, script, run_timeout, on_record)
+        finally:
+            ray_cluster.stop()
+    return result
