@@ -130,13 +130,11 @@ class Group:
 
     def _named(self, exc: HopliteTimeoutError) -> HopliteTimeoutError:
         """``exc`` with the group, this member and the ranks whose objects it waited for."""
-        found: list[str] = []
-        for hex_id in dict.fromkeys([*_HEX_ID.findall(exc.message), str(exc.fields.get("object_id") or "")]):
-            if hex_id in self._described:
-                found.append(hex_id)
         waiting = []
         ranks: list[int] = []
-        for hex_id in found:
+        for hex_id in dict.fromkeys([*_HEX_ID.findall(exc.message), str(exc.fields.get("object_id") or "")]):
+            if hex_id not in self._described:
+                continue
             what, producer = self._described[hex_id]
             if producer is not None:
                 ranks.append(producer)
