@@ -22,7 +22,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e ".[test,lint,bench]"
+	$(PY) -m pip install --quiet -e ".[cpu,test,lint,bench]"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
