@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from . import device as devices
 from . import shm
 from .errors import InvalidArgumentError
 
@@ -38,13 +39,14 @@ class ArrayKind(enum.Enum):
     TORCH = "torch"
     CUDA = "cuda"  # another object exporting ``__cuda_array_interface__`` (device memory)
     HOST = "host"  # another object NumPy can view (``__array_interface__``, buffer, DLPack)
+    SIM = "sim"  # simulated device memory (:class:`hoplite_gpu.device.SimDeviceArray`, for tests)
     OTHER = "other"
 
 
 def kind_of(array: Any) -> ArrayKind:
     """Classify ``array`` (no import of CuPy or torch happens here)."""
     if isinstance(array, np.ndarray):
-        return ArrayKind.NUMPY
+        return ArrayKind.SIM if isinstance(array, devices.SimDeviceArray) else ArrayKind.NUMPY
     module = type(array).__module__.split(".")[0]
     if module == "cupy":
         return ArrayKind.CUPY
@@ -72,10 +74,10 @@ HOST_KINDS = frozenset({BufferKind.PRIVATE, BufferKind.SEGMENT, BufferKind.MAPPE
 
 
 def buffer_kind(data: Any) -> BufferKind:
-    """Where ``data`` (a flat store buffer: a NumPy array, or a CUDA array) lives."""
+    """Where ``data`` (a flat store buffer: a NumPy array, or a device array) lives."""
+    if on_device(data):
+        return BufferKind.DEVICE
     if not isinstance(data, np.ndarray):
-        if on_device(data):
-            return BufferKind.DEVICE
         raise InvalidArgumentError(f"not a store buffer: {type(data).__name__}", argument="data")
     if shm.segment_of(data) is not None:
         return BufferKind.SEGMENT
@@ -99,8 +101,9 @@ def _is_pinned(data: np.ndarray[Any, Any]) -> bool:
 class Buffer:
     """An object's bytes: a flat ``uint8`` array, where it lives, and who may recycle it.
 
-    ``array`` is a NumPy array for the host kinds and a CuPy array for :attr:`BufferKind.DEVICE`
-    (``device`` is then its CUDA device ordinal). ``pooled`` says the array came from the store's
+    ``array`` is a NumPy array for the host kinds and an array of a
+    :class:`~hoplite_gpu.device.DeviceBackend` for :attr:`BufferKind.DEVICE` (a CuPy array, or a
+    simulated one; ``device`` is then its device ordinal). ``pooled`` says the array came from the store's
     :class:`BufferPool` and goes back to it when the object is removed. Build one with
     :meth:`wrap`, which works out the kind.
     """
@@ -112,14 +115,14 @@ class Buffer:
 
     @classmethod
     def wrap(cls, array: Any, *, pooled: bool = False) -> Buffer:
-        """The buffer of a flat ``uint8`` ``array`` (NumPy, or CuPy for device memory)."""
+        """The buffer of a flat ``uint8`` ``array`` (NumPy, or a device backend's array)."""
         kind = buffer_kind(array)
         if array.ndim != 1 or array.dtype != np.uint8:
             raise InvalidArgumentError(
                 f"a buffer is a flat uint8 array, got shape {array.shape} of {array.dtype}", argument="array"
             )
-        device = int(array.device.id) if kind is BufferKind.DEVICE else None
-        return cls(array, kind, pooled, device)
+        backend = devices.backend_for(array)
+        return cls(array, kind, pooled, None if backend is None else backend.device_of(array))
 
     @classmethod
     def pinned(cls, nbytes: int) -> Buffer:
@@ -140,6 +143,14 @@ class Buffer:
         return self.kind is BufferKind.DEVICE
 
     @property
+    def backend(self) -> devices.DeviceBackend:
+        """The device backend of a device buffer (raises for host memory)."""
+        backend = devices.backend_for(self.array)
+        if backend is None:
+            raise InvalidArgumentError(f"a {self.kind.value} buffer is host memory", argument="buffer")
+        return backend
+
+    @property
     def host(self) -> np.ndarray[Any, Any]:
         """The bytes as a flat NumPy ``uint8`` array (raises for device memory: see :meth:`to_host`)."""
         if self.kind not in HOST_KINDS:
@@ -153,11 +164,24 @@ class Buffer:
         """Bytes ``[start, end)`` as an array of the same memory (what a transfer sends or fills)."""
         return self.array[start:end]
 
+    def host_chunk(self, start: int, end: int) -> np.ndarray[Any, Any]:
+        """Bytes ``[start, end)`` in host memory: a view of host memory, or a new host copy of
+        that chunk of device memory (what the data plane sends: it runs UCX's TCP transport,
+        which sends host memory only; its window of chunks in flight keeps the copies of the next
+        chunks running while earlier ones are on the wire)."""
+        if self.kind in HOST_KINDS:
+            return self.array[start:end]  # type: ignore[no-any-return]
+        staged = np.empty(end - start, np.uint8)
+        self.backend.to_host(staged, self.array[start:end])
+        return staged
+
     def to_host(self) -> np.ndarray[Any, Any]:
         """The bytes in host memory: the host view itself, or a copy of device memory."""
         if self.kind in HOST_KINDS:
             return self.array  # type: ignore[no-any-return]
-        return self.array.get()  # type: ignore[no-any-return]
+        out = np.empty(self.nbytes, np.uint8)
+        self.backend.to_host(out, self.array)
+        return out
 
     def digest(self) -> bytes:
         """:func:`digest_of` the bytes (device memory is hashed from a host copy)."""
@@ -165,6 +189,8 @@ class Buffer:
 
     def typed(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
         """The bytes viewed as ``dtype`` and ``shape``, read-only where the array type allows."""
+        if self.on_device:
+            return self.backend.typed(self.array, dtype, shape)
         view = self.array.view(dtype).reshape(shape)
         if isinstance(view, np.ndarray):
             view.flags.writeable = False
@@ -172,11 +198,8 @@ class Buffer:
 
 
 def on_device(array: Any) -> bool:
-    """Whether ``array`` lives in GPU memory."""
-    kind = kind_of(array)
-    if kind is ArrayKind.TORCH:
-        return bool(array.is_cuda)
-    return kind in (ArrayKind.CUPY, ArrayKind.CUDA)
+    """Whether ``array`` lives in GPU memory (of any :mod:`~hoplite_gpu.device` backend)."""
+    return devices.backend_for(array) is not None
 
 
 def to_host(array: Any) -> np.ndarray[Any, Any]:
@@ -184,14 +207,15 @@ def to_host(array: Any) -> np.ndarray[Any, Any]:
     kind = kind_of(array)
     if kind is ArrayKind.NUMPY:
         return array  # type: ignore[no-any-return]
-    if kind is ArrayKind.CUPY:
-        return array.get()  # type: ignore[no-any-return]
+    backend = devices.backend_for(array)
+    if backend is not None:
+        dtype, shape = backend.describe(array)
+        flat = backend.flat_bytes(array)
+        host = np.empty(int(flat.nbytes), np.uint8)
+        backend.to_host(host, flat)
+        return host.view(dtype).reshape(shape)
     if kind is ArrayKind.TORCH:
         return array.detach().cpu().numpy()  # type: ignore[no-any-return]
-    if kind is ArrayKind.CUDA:
-        import cupy
-
-        return cupy.asarray(array).get()  # type: ignore[no-any-return]
     if kind is ArrayKind.HOST:
         try:
             return np.from_dlpack(array) if not hasattr(array, "__array_interface__") else np.asarray(array)
@@ -213,12 +237,22 @@ def flat_view(array: Any) -> Any:
     return array.reshape(-1)
 
 
-def copy_into(out: Any, src: np.ndarray[Any, Any]) -> None:
-    """Copy host array ``src`` into ``out`` (NumPy or CuPy, same dtype and shape)."""
-    if kind_of(out) is ArrayKind.NUMPY:
-        np.copyto(out, src)
+def copy_into(out: Any, src: Any) -> None:
+    """Copy ``src`` (host, or a device array of any backend) into ``out`` (NumPy, or a device
+    array: CuPy or simulated), same dtype and shape."""
+    backend = devices.backend_for(out)
+    source = devices.backend_for(src)
+    if backend is None:
+        np.copyto(out, src if source is None else to_host(src))
+    elif source is backend and out.flags.c_contiguous:
+        backend.copy(backend.flat_bytes(out), backend.flat_bytes(src))
+    elif out.flags.c_contiguous:
+        host = np.ascontiguousarray(src if source is None else to_host(src))
+        backend.from_host(backend.flat_bytes(out), host.reshape(-1).view(np.uint8))
+    elif isinstance(out, np.ndarray):  # a non-contiguous simulated device array
+        np.copyto(out.view(np.ndarray), src if source is None else to_host(src))
     else:
-        out.set(src)  # CuPy
+        out.set(src if source is None else to_host(src))  # a non-contiguous CuPy array
 
 
 _SPECIAL_DTYPES = ("bfloat16",)

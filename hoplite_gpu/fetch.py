@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import buffers, shm, sources
+from . import buffers, device, shm, sources
 from . import protocol as p
 from .buffers import BufferKind, dtype_from_wire
 from .config import Config
@@ -33,7 +33,7 @@ from .errors import (
 )
 from .object_id import ObjectID
 from .session import DirectorySession
-from .store import LocalObject, LocalStore
+from .store import MEMORY_DEVICE, LocalObject, LocalStore
 from .transport import DataPlane
 from .vertex import ObjectReset
 
@@ -49,7 +49,7 @@ def check_out(out: Any) -> None:
     if out is None:
         return
     kind = buffers.kind_of(out)
-    if kind not in (buffers.ArrayKind.NUMPY, buffers.ArrayKind.CUPY):
+    if kind not in (buffers.ArrayKind.NUMPY, buffers.ArrayKind.CUPY, buffers.ArrayKind.SIM):
         raise InvalidArgumentError(
             f"out must be a NumPy or CuPy array, got {type(out).__name__}", argument="out"
         )
@@ -81,17 +81,35 @@ async def _follow(source: LocalObject, dst: np.ndarray[Any, Any]) -> LocalObject
 
 
 def deliver(obj: LocalObject, out: Any) -> Any:
-    """``obj``'s array, or ``out`` (any array kind, checked against it) filled with it."""
-    arr = obj.array()
+    """``obj``'s array, or ``out`` (any array kind, checked against it) filled with it.
+
+    Without ``out``: an object put from host memory is a read-only NumPy view of the store's
+    copy; one put from device memory is a new array on the caller's current device (CuPy; a
+    bfloat16 object as uint16, which CuPy lacks), or a host copy where this process has no usable
+    device.
+    """
+    dtype = dtype_from_wire(obj.dtype)
     if out is None:
-        return arr
-    if tuple(out.shape) != arr.shape or np.dtype(out.dtype) != arr.dtype:
+        if obj.memory == MEMORY_DEVICE:
+            result = device.device_result(obj.buffer.array, dtype, obj.shape)
+            if result is not None:
+                return result
+        if obj.buffer.on_device:  # a host copy of device bytes (read-only, like the store's views)
+            host = obj.buffer.to_host().view(dtype).reshape(obj.shape)
+            host.flags.writeable = False
+            return host
+        return obj.array()
+    bits = dtype.name == "bfloat16" and buffers.on_device(out) and np.dtype(out.dtype) == np.uint16
+    if tuple(out.shape) != obj.shape or (np.dtype(out.dtype) != dtype and not bits):
         raise InvalidArgumentError(
             f"out has dtype {out.dtype} and shape {tuple(out.shape)}, the object "
-            f"{obj.object_id} has dtype {arr.dtype} and shape {arr.shape}",
+            f"{obj.object_id} has dtype {dtype} and shape {obj.shape}",
             argument="out",
         )
-    buffers.copy_into(out, arr)
+    if obj.buffer.on_device and not buffers.on_device(out):
+        buffers.copy_into(out, obj.buffer.to_host().view(dtype).reshape(obj.shape))
+    else:
+        buffers.copy_into(out, obj.array())
     return out
 
 
@@ -185,7 +203,8 @@ class Fetcher:
             if started.done() and not fetch.done():
                 source = started.result()
                 dtype = dtype_from_wire(source.dtype)
-                if tuple(out.shape) == tuple(source.shape) and np.dtype(out.dtype) == dtype:
+                same = tuple(out.shape) == tuple(source.shape) and np.dtype(out.dtype) == dtype
+                if same and not source.buffer.on_device:
                     follower = asyncio.ensure_future(_follow(source, out.reshape(-1).view(np.uint8)))
             obj = await fetch
             if follower is not None and started.result() is obj:
@@ -328,5 +347,6 @@ class Fetcher:
                 owner=obj.owner,
                 inline=inline,
                 segment=publish(obj),
+                memory=obj.memory,
             )
         )

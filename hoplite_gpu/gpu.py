@@ -36,6 +36,9 @@ _OP_STRUCTS: dict[ReduceOp, str] = {
     ReduceOp.MAX: "OpMax",
 }
 
+#: The dtypes of weighted reductions (``hoplite_scale`` and ``hoplite_axpy``).
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 4096  # the kernels loop with a grid stride beyond this
 
@@ -52,6 +55,8 @@ def kernel_names() -> list[str]:
     for ctype in CUDA_TYPES.values():
         names += [f"hoplite_reduce<{ctype}, {s}>" for s in sorted(set(_OP_STRUCTS.values()))]
         names.append(f"hoplite_average<{ctype}>")
+    for dtype in FLOAT_DTYPES:
+        names += [f"hoplite_scale<{CUDA_TYPES[dtype]}>", f"hoplite_axpy<{CUDA_TYPES[dtype]}>"]
     return names
 
 
@@ -122,6 +127,38 @@ def finish(op: ReduceOp, acc: Any, count: int, dtype: str | None = None) -> None
         return
     kernel = _kernel(acc.device.id, f"hoplite_average<{_ctype(acc, dtype)}>")
     _launch(kernel, acc.size, (acc, np.uint64(acc.size), np.float64(count)))
+
+
+def _float_ctype(acc: Any, dtype: str | None) -> str:
+    ctype = _ctype(acc, dtype)
+    if (dtype or np.dtype(acc.dtype).name) not in FLOAT_DTYPES:
+        raise InvalidArgumentError(
+            f"weighted reductions need floats, got {dtype or acc.dtype}", argument="dtype"
+        )
+    return ctype
+
+
+def scale(acc: Any, weight: float, dtype: str | None = None) -> None:
+    """``acc = weight * acc`` elementwise on the GPU, in place (float dtypes; see :func:`reduce_into`)."""
+    if not acc.flags.c_contiguous:
+        raise InvalidArgumentError("GPU reductions need C-contiguous arrays", argument="acc")
+    name = f"hoplite_scale<{_float_ctype(acc, dtype)}>"
+    if acc.size:
+        _launch(_kernel(acc.device.id, name), acc.size, (acc, np.uint64(acc.size), np.float64(weight)))
+
+
+def axpy(acc: Any, other: Any, weight: float, dtype: str | None = None) -> None:
+    """``acc = acc + weight * other`` elementwise on the GPU, in place (float dtypes): one step of a
+    weighted SUM (see :func:`reduce_into`)."""
+    if acc.dtype != other.dtype or acc.size != other.size:
+        raise InvalidArgumentError(
+            f"GPU axpy of {acc.dtype}[{acc.size}] with {other.dtype}[{other.size}]", argument="other"
+        )
+    if not (acc.flags.c_contiguous and other.flags.c_contiguous):
+        raise InvalidArgumentError("GPU reductions need C-contiguous arrays", argument="acc")
+    name = f"hoplite_axpy<{_float_ctype(acc, dtype)}>"
+    if acc.size:
+        _launch(_kernel(acc.device.id, name), acc.size, (acc, other, np.uint64(acc.size), np.float64(weight)))
 
 
 def _kernel(device_id: int, name: str) -> Any:

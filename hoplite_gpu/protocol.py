@@ -116,9 +116,11 @@ class PutRequest(Message):
     # The sender is still copying the bytes into ``segment`` (it serves them as they come, and
     # sends CopyAdded once done): same-host readers wait for that rather than pull.
     copying: bool = False
+    memory: str = ""  # "device": put from device memory (readers get device arrays); "": host
 
     def check(self) -> None:
         _check_object(self.TYPE, self.object_id, self.size, self.dtype, self.shape, self.inline)
+        _check_memory(self.TYPE, self.memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +140,11 @@ class Restore(Message):
     owner: bool = False
     inline: bytes | None = None
     segment: str = ""
+    memory: str = ""  # as in PutRequest
 
     def check(self) -> None:
         _check_object(self.TYPE, self.object_id, self.size, self.dtype, self.shape, self.inline)
+        _check_memory(self.TYPE, self.memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +364,7 @@ class LookupReply(Message):
     error_kind: str = ""
     error_object_id: bytes = b""
     reduction_id: bytes = b""
+    memory: str = ""  # the memory the object was put from (see PutRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,6 +453,7 @@ class ReduceTask(Message):
     # weighted) by 1; a child not known yet has its weight in its ReduceChild.
     weights: list[float] = field(default_factory=list)
     await_weights: bool = False  # weighted, with weights chosen later (ReduceWeights)
+    memory: str = ""  # the memory kind of the output (that of the reduction's first input)
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,6 +566,15 @@ def _check_object(
         raise ProtocolError(f"{kind}: size {size} is not shape {tuple(shape)} x itemsize {itemsize}")
     if inline is not None and len(inline) != size:
         raise ProtocolError(f"{kind}: {len(inline)} inline bytes for an object of {size}")
+
+
+#: :attr:`PutRequest.memory` values: host memory, device memory.
+MEMORY_KINDS = ("", "device")
+
+
+def _check_memory(kind: str, memory: str) -> None:
+    if memory not in MEMORY_KINDS:
+        raise ProtocolError(f"{kind}: memory {memory[:40]!r} is not one of {list(MEMORY_KINDS)}")
 
 
 #: What nodes send the directory: the messages whose texts :func:`decode` bounds.

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import buffers, shm
+from . import buffers, device, shm
 from . import protocol as p
 from .buffers import Buffer, digest_of, dtype_to_wire
 from .config import Config
@@ -28,7 +28,7 @@ from .fetch import publish, segment_name
 from .object_id import ObjectID
 from .session import DirectorySession
 from .sources import as_hoplite_error
-from .store import LocalObject, LocalStore
+from .store import MEMORY_DEVICE, LocalObject, LocalStore
 
 #: Bytes a put copies at a time when it copies after publishing (see :meth:`Putter.prepare`).
 PUT_COPY_BYTES = 2 << 20
@@ -97,15 +97,12 @@ class Putter:
             raise InvalidArgumentError(
                 f"object_id must be an ObjectID, got {type(object_id).__name__}", argument="object_id"
             )
+        if buffers.on_device(array):
+            return Prepared(self._device_object(array, object_id, copy), None)
         host = buffers.to_host(array)
         dtype = dtype_to_wire(host.dtype)
         nbytes = int(host.nbytes)
-        if nbytes > self._config.max_object_bytes:
-            raise ObjectTooLargeError(
-                f"object of {nbytes} bytes exceeds Config.max_object_bytes={self._config.max_object_bytes}",
-                size=nbytes,
-                limit=self._config.max_object_bytes,
-            )
+        self._check_size(nbytes)
         contiguous = host.flags.c_contiguous
         shared = self._store.pool.shared_min_bytes
         detached = not copy and contiguous and shared > 0 and nbytes >= max(shared, 2 * PUT_COPY_BYTES)
@@ -135,6 +132,42 @@ class Putter:
         )
         return Prepared(obj, pending, detached)
 
+    def _device_object(self, array: Any, object_id: ObjectID | None, copy: bool) -> LocalObject:
+        """The local object of a device array: its bytes stay in device memory (copied device to
+        device, or kept as they are with ``copy=False`` when contiguous). Its digest is left
+        empty: hashing would copy every byte to host, and the directory compares content only
+        where both sides know a digest."""
+        backend = device.backend_for(array)
+        assert backend is not None
+        dt, shape = backend.describe(array)
+        dtype = dtype_to_wire(dt)
+        flat = backend.flat_bytes(array)
+        nbytes = int(flat.nbytes)
+        self._check_size(nbytes)
+        if copy:
+            data = backend.empty(nbytes, backend.device_of(flat))
+            backend.copy(data, flat)
+            flat = data
+        return LocalObject(
+            object_id=object_id or ObjectID.random(),
+            size=nbytes,
+            dtype=dtype,
+            shape=tuple(int(s) for s in shape),
+            digest=b"",
+            buffer=Buffer.wrap(flat),
+            progress=nbytes,
+            owner=True,
+            memory=MEMORY_DEVICE,
+        )
+
+    def _check_size(self, nbytes: int) -> None:
+        if nbytes > self._config.max_object_bytes:
+            raise ObjectTooLargeError(
+                f"object of {nbytes} bytes exceeds Config.max_object_bytes={self._config.max_object_bytes}",
+                size=nbytes,
+                limit=self._config.max_object_bytes,
+            )
+
     async def put(self, prepared: Prepared) -> ObjectID:
         """Publish the object; with bytes pending, copy them into it meanwhile (on a worker
         thread, advancing its progress chunk by chunk, so pulls of it stream behind the copy) and
@@ -144,7 +177,8 @@ class Putter:
         oid = obj.object_id
         existing = self._store.get(oid)
         if existing is not None:
-            if existing.digest == obj.digest and existing.dtype == obj.dtype and existing.shape == obj.shape:
+            same = existing.digest == obj.digest or not (existing.digest and obj.digest)
+            if same and existing.dtype == obj.dtype and existing.shape == obj.shape:
                 if existing.owner and not existing.complete:  # the same put, still copying
                     await existing.wait_progress(existing.size, self._config.request_timeout)
                 if existing.complete:
@@ -177,6 +211,7 @@ class Putter:
                     inline=inline,
                     segment=segment,
                     copying=copying is not None and bool(segment),
+                    memory=obj.memory,
                 ),
                 self._config.request_timeout,
             )

@@ -116,6 +116,7 @@ def from_reply(
         Buffer.wrap(data, pooled=pooled),
         progress=progress,
         reduction=reply.reduction_id,
+        memory=reply.memory,
     )
 
 
@@ -169,8 +170,7 @@ class InlineSource(Source):
         existing = self.ctx.store.get(oid)
         if existing is not None:
             return existing
-        obj = LocalObject(oid, reply.size, dtype, shape, reply.digest, Buffer.wrap(data), progress=reply.size)
-        return self.ctx.store.add(obj)
+        return self.ctx.store.add(from_reply(oid, reply, (dtype, shape), data, progress=reply.size))
 
 
 class SharedMemorySource(Source):

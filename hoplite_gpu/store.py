@@ -11,11 +11,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .buffers import Buffer, BufferPool, dtype_from_wire
 from .errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
 from .object_id import ObjectID
+
+#: :attr:`LocalObject.memory` of an object put from host memory (NumPy, CPU tensors).
+MEMORY_HOST = ""
+#: :attr:`LocalObject.memory` of an object put from device memory: readers get device arrays.
+MEMORY_DEVICE = "device"
+MEMORY_KINDS = (MEMORY_HOST, MEMORY_DEVICE)
 
 
 @dataclass(eq=False, slots=True)
@@ -34,6 +38,10 @@ class LocalObject:
     # The reduction computing it (an intermediate, or a result still being computed): a copy the
     # directory's restart makes void. Empty for ordinary objects and finished results.
     reduction: bytes = b""
+    # What kind of memory the object was put from (MEMORY_HOST or MEMORY_DEVICE), whatever this
+    # copy's buffer is: a reader's get returns that kind (a device object received into host
+    # memory is copied to the reader's device when read).
+    memory: str = MEMORY_HOST
     _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
 
     @property
@@ -41,8 +49,9 @@ class LocalObject:
         """All bytes are present."""
         return self.progress >= self.size and self.error is None
 
-    def array(self) -> np.ndarray[Any, Any]:
-        """Read-only typed view of the complete object."""
+    def array(self) -> Any:
+        """Typed view of the complete object's bytes (read-only for host memory; an array of the
+        buffer's device backend for device memory)."""
         return self.buffer.typed(dtype_from_wire(self.dtype), self.shape)
 
     def advance(self, progress: int) -> None:

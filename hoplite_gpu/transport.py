@@ -479,7 +479,7 @@ class DataPlane:
                     for fut in done:
                         fut.result()
                 tag = p.chunk_tag(transfer_id, pos, end)
-                window.add(asyncio.ensure_future(ep.send(obj.buffer.view(pos, end), tag=tag)))
+                window.add(asyncio.ensure_future(ep.send(obj.buffer.host_chunk(pos, end), tag=tag)))
                 sent += end - pos
                 pos = end
             if window:

@@ -126,15 +126,19 @@ class VertexRunner:
                 if stale is not None and stale.complete and not stale.owner:
                     self.store.remove(run.output_id)  # the result of a tree rebuilt since
                 self.store.reserve(task.size)
-                data = await self._allocate(task.size)
+                if own.buffer.on_device:  # reduced where the input is, by the device's kernels
+                    buffer = Buffer.wrap(own.buffer.backend.empty(task.size, own.buffer.device or 0))
+                else:
+                    buffer = Buffer.wrap(await self._allocate(task.size), pooled=True)
                 out = LocalObject(
                     run.output_id,
                     task.size,
                     task.dtype,
                     tuple(task.shape),
                     b"",
-                    Buffer.wrap(data, pooled=True),
+                    buffer,
                     reduction=task.reduction_id,
+                    memory=task.memory,
                 )
                 self.store.add(out)
                 children = await streams
@@ -323,6 +327,7 @@ async def reduce_stream(
     dtype = dtype_from_wire(task.dtype)
     op = as_op(task.op)
     step = max(dtype.itemsize, chunk_bytes - chunk_bytes % max(1, dtype.itemsize))
+    device_chunk = _device_reducer(task, own, children, out, step, weights) if out.buffer.on_device else None
     pos = 0
     while pos < task.size:
         end = min(pos + step, task.size)
@@ -335,15 +340,73 @@ async def reduce_stream(
             raise out.error
         if INJECTOR.armed:
             INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)
-        mine = own.buffer.host[pos:end].view(dtype)
-        parts = [c.buffer.host[pos:end].view(dtype) for c in children]
-        dest = out.buffer.host[pos:end].view(dtype)
-        if weights:
-            weighted_sum_chunk(mine, parts, dest, weights)
+        if device_chunk is not None:
+            device_chunk(pos, end)
         else:
-            reduce_chunk(op, mine, parts, dest, task.count)
+            mine = own.buffer.host[pos:end].view(dtype)
+            parts = [c.buffer.host_chunk(pos, end).view(dtype) for c in children]
+            dest = out.buffer.host[pos:end].view(dtype)
+            if weights:
+                weighted_sum_chunk(mine, parts, dest, weights)
+            else:
+                reduce_chunk(op, mine, parts, dest, task.count)
         out.advance(end)
         pos = end
         await asyncio.sleep(0)  # let transfers this node serves or receives run between chunks
     if INJECTOR.armed:
         INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)
+
+
+def _device_reducer(
+    task: p.ReduceTask,
+    own: LocalObject,
+    children: list[LocalObject],
+    out: LocalObject,
+    step: int,
+    weights: list[float] | None,
+) -> Callable[[int, int], None]:
+    """The chunk step of a vertex whose output is in device memory: the same arithmetic as the
+    host path, by the output's device backend (the CUDA kernels of ``kernels/reduce.cu``). A
+    child's chunk in host memory (received over the data plane) or on another device is copied
+    into a scratch chunk on the output's device first. The chunk is complete on the device when
+    the step returns (it synchronizes), so it may be published and served at once."""
+    backend = out.buffer.backend
+    dev = out.buffer.device or 0
+    dtype = dtype_from_wire(task.dtype)
+    op = as_op(task.op)
+    scratch: list[Any] = []
+
+    def here(src: LocalObject) -> bool:
+        return src.buffer.on_device and src.buffer.device == dev and src.buffer.backend is backend
+
+    def load(dst: Any, src: LocalObject, pos: int, end: int) -> None:
+        if src.buffer.on_device and src.buffer.backend is backend:
+            backend.copy(dst, src.buffer.view(pos, end))
+        else:  # host memory (or another backend's device memory, through host)
+            backend.from_host(dst, src.buffer.host_chunk(pos, end))
+
+    def operand(src: LocalObject, pos: int, end: int) -> Any:
+        if here(src):
+            return src.buffer.view(pos, end)
+        if not scratch:
+            scratch.append(backend.empty(step, dev))
+        staged = scratch[0][: end - pos]
+        load(staged, src, pos, end)
+        return staged
+
+    def chunk(pos: int, end: int) -> None:
+        dest = out.buffer.view(pos, end)
+        load(dest, own, pos, end)
+        if weights:
+            if weights[0] != 1:
+                backend.scale(dest, weights[0], dtype)
+            for child, weight in zip(children, weights[1:], strict=True):
+                backend.axpy(dest, operand(child, pos, end), weight, dtype)
+        else:
+            for child in children:
+                backend.reduce_into(op, dest, operand(child, pos, end), dtype)
+            if task.count:
+                backend.finish(op, dest, task.count, dtype)
+        backend.synchronize(dev)
+
+    return chunk

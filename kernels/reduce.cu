@@ -88,3 +88,30 @@ __global__ void hoplite_average(T* __restrict__ acc, unsigned long long n, doubl
         acc[i] = N::store(static_cast<C>(static_cast<double>(N::load(acc[i])) / count));
     }
 }
+
+// Weighted SUM (float dtypes): hoplite_scale<T>(acc, n, w) sets acc[i] = w * acc[i];
+// hoplite_axpy<T>(acc, other, n, w) sets acc[i] = acc[i] + w * other[i]. Computed in float (double
+// for double) and rounded once per step, like the host path's per-operation rounding for 16-bit floats.
+template <typename T>
+__global__ void hoplite_scale(T* __restrict__ acc, unsigned long long n, double w) {
+    typedef HopliteNum<T> N;
+    typedef typename N::calc C;
+    const C cw = static_cast<C>(w);
+    const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
+    for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
+        acc[i] = N::store(static_cast<C>(N::load(acc[i]) * cw));
+    }
+}
+
+template <typename T>
+__global__ void hoplite_axpy(T* __restrict__ acc, const T* __restrict__ other, unsigned long long n, double w) {
+    typedef HopliteNum<T> N;
+    typedef typename N::calc C;
+    const C cw = static_cast<C>(w);
+    const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
+    for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
+        acc[i] = N::store(static_cast<C>(N::load(acc[i]) + static_cast<C>(N::load(other[i]) * cw)));
+    }
+}

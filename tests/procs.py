@@ -93,6 +93,15 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             dtype, shape, seed, oid_hex = args
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
             return node.put(make_array(dtype, shape, seed), oid).hex()
+        if cmd == "put_device":  # put a simulated device array (HOPLITE_DEVICE_BACKEND=sim workers)
+            from hoplite_gpu import device
+
+            dtype, shape, seed, oid_hex = args
+            oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
+            return node.put(device.sim_array(make_array(dtype, shape, seed)), oid).hex()
+        if cmd == "get_typed":  # the kind of array get returned, and its digest
+            got = node.get(hg.ObjectID.from_hex(args[0]), timeout=args[1])
+            return type(got).__name__, digest(np.asarray(got).view(np.ndarray))
         if cmd == "arm":
             from hoplite_gpu import faults
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hoplite_gpu import gpu
+from hoplite_gpu.errors import InvalidArgumentError
 from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp
 from hoplite_gpu.reduce_ops import finish as host_finish
 from hoplite_gpu.reduce_ops import reduce_into as host_reduce_into
@@ -30,7 +31,7 @@ def test_every_dtype_and_op_has_a_kernel_in_the_source() -> None:
     for name in ("hoplite_reduce", "hoplite_average", "hoplite_bf16", "OpSum", "OpProd", "OpMin", "OpMax"):
         assert name in source
     names = gpu.kernel_names()
-    assert len(names) == len(set(names)) == len(SUPPORTED_DTYPES) * 5
+    assert len(names) == len(set(names)) == len(SUPPORTED_DTYPES) * 5 + 2 * len(gpu.FLOAT_DTYPES)
 
 
 def _dtype(name: str) -> np.dtype[Any]:
@@ -77,3 +78,33 @@ def test_kernel_matches_numpy(dtype_name: str, op: ReduceOp) -> None:
             assert np.array_equal(np.isnan(g), np.isnan(w)), (size, op)
             ok = ~np.isnan(w)
             assert np.all(np.abs(g[ok] - w[ok]) <= eps * np.abs(w[ok]) + 1e-30), (size, op)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype_name", gpu.FLOAT_DTYPES)
+def test_weighted_kernels_match_numpy(dtype_name: str) -> None:
+    """``scale`` then ``axpy``: the weighted SUM of two inputs, within one rounding per step."""
+    import cupy
+
+    dtype = _dtype(dtype_name)
+    bf16 = dtype_name == "bfloat16"
+    for size in SIZES:
+        a, b = _arrays(dtype, size, seed=size + 7)
+        want = a.astype(np.float64) * 0.25 + b.astype(np.float64) * -1.5
+        acc = cupy.asarray(a.view(np.uint16) if bf16 else a)
+        other = cupy.asarray(b.view(np.uint16) if bf16 else b)
+        gpu.scale(acc, 0.25, dtype=dtype_name)
+        gpu.axpy(acc, other, -1.5, dtype=dtype_name)
+        got = cupy.asnumpy(acc).view(dtype).astype(np.float64)
+        eps = float(ml_dtypes.finfo(dtype).eps)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), size
+        ok = ~np.isnan(want)
+        assert np.all(np.abs(got[ok] - want[ok]) <= 4 * eps * (np.abs(a[ok]) + 2 * np.abs(b[ok])) + 1e-30), (
+            size
+        )
+
+
+def test_weighted_kernels_refuse_integers() -> None:
+    with pytest.raises(InvalidArgumentError):
+        gpu.scale(np.zeros(4, np.int32), 2.0)

@@ -25,14 +25,15 @@ def instantiations() -> str:
     :func:`hoplite_gpu.gpu.kernel_names` asks CuPy for."""
     lines = [f'#include "{gpu.kernels_dir() / "reduce.cu"}"']
     for name in gpu.kernel_names():
-        match = re.fullmatch(r"(hoplite_reduce|hoplite_average)<([^,>]+)(?:, \w+)?>", name)
+        match = re.fullmatch(r"(hoplite_\w+)<([^,>]+)(?:, \w+)?>", name)
         assert match, name
         kernel, ctype = match.groups()
-        params = (
-            f"{ctype}* __restrict__, const {ctype}* __restrict__, unsigned long long"
-            if kernel == "hoplite_reduce"
-            else f"{ctype}* __restrict__, unsigned long long, double"
-        )
+        params = {
+            "hoplite_reduce": f"{ctype}* __restrict__, const {ctype}* __restrict__, unsigned long long",
+            "hoplite_average": f"{ctype}* __restrict__, unsigned long long, double",
+            "hoplite_scale": f"{ctype}* __restrict__, unsigned long long, double",
+            "hoplite_axpy": f"{ctype}* __restrict__, const {ctype}* __restrict__, unsigned long long, double",
+        }[kernel]
         lines.append(f"template __global__ void {name}({params});")
     return "\n".join(lines) + "\n"
 
@@ -54,7 +55,7 @@ def test_kernels_compile_without_warnings(tmp_path: Path, arch: str) -> None:
     done = nvcc(source, arch)
     assert done.returncode == 0, done.stderr
     cubin = source.with_suffix(".cubin").read_bytes()
-    for kernel in ("hoplite_reduce", "hoplite_average"):
+    for kernel in ("hoplite_reduce", "hoplite_average", "hoplite_scale", "hoplite_axpy"):
         assert kernel.encode() in cubin
 
 

@@ -219,6 +219,7 @@ class ObjectEntry:
     locations: dict[str, Location] = field(default_factory=dict)
     reduction: bytes = b""  # the reduction computing it (an intermediate, or its running result)
     charged: str = ""  # the node whose inline-bytes quota ``inline`` counts against
+    memory: str = ""  # "device": put from device memory, read back as device arrays ("" host)
 
 
 @dataclass(slots=True)
@@ -280,6 +281,7 @@ class Reduction:
     gather: DecodeTracker | None = None
     queries: list[PendingQuery] = field(default_factory=list)
     backlog: deque[bytes] = field(default_factory=deque)  # present inputs not offered yet (Resume)
+    memory: str | None = None  # the memory of the first input placed: its result's and vertices'
 
     @property
     def active(self) -> bool:
@@ -574,6 +576,7 @@ class DirectoryState:
             digest=msg.digest,
             owner=node_id,
             inline=msg.inline,
+            memory=msg.memory,
         )
         if msg.inline is None:
             self._add_complete(entry, node_id, msg.segment, copying=msg.copying)
@@ -630,7 +633,14 @@ class DirectoryState:
         entry = self.objects.get(oid)
         if entry is None:
             entry = ObjectEntry(
-                oid, msg.size, msg.dtype, list(msg.shape), msg.digest, node_id if msg.owner else "", inline
+                oid,
+                msg.size,
+                msg.dtype,
+                list(msg.shape),
+                msg.digest,
+                node_id if msg.owner else "",
+                inline,
+                memory=msg.memory,
             )
             if inline is not None:
                 self._charge_inline(entry, node_id)
@@ -726,6 +736,7 @@ class DirectoryState:
             shape=list(entry.shape),
             digest=entry.digest,
             reduction_id=entry.reduction,
+            memory=entry.memory,
         )
         if entry.inline is not None:
             # Recorded as a holder so that the owner's delete drops the reader's copy too.
@@ -1197,6 +1208,8 @@ class DirectoryState:
         if problem is not None:
             self._fail_reduction(red, problem[0], problem[1], now, culprit=oid)
             return
+        if red.memory is None:
+            red.memory = entry.memory
         if red.gather is not None:
             self._gather(red, entry, now)
             return
@@ -1302,6 +1315,7 @@ class DirectoryState:
                 digest=b"",
                 owner=red.requester if root else pl.node_id,
                 inline=None,
+                memory=red.memory or "",
                 locations={pl.node_id: Location(pl.node_id, LocationState.PARTIAL, 0, producing=True)},
                 reduction=plan.reduction_id,
             )
@@ -1321,6 +1335,7 @@ class DirectoryState:
                     epoch=plan.epoch,
                     weights=self._vertex_weights(red, pl),
                     await_weights=bool(red.coding) and not red.weights,
+                    memory=red.memory or "",
                 ),
             )
             self._serve_pending(pl.output_id, now)
@@ -1400,7 +1415,14 @@ class DirectoryState:
             reduce_chunk(as_op(red.op), arrays[0], arrays[1:], out, plan.num_objects)
         rid = plan.reduction_id
         self.objects[rid] = ObjectEntry(
-            rid, plan.size, plan.dtype, list(plan.shape), b"", red.requester, out.tobytes()
+            rid,
+            plan.size,
+            plan.dtype,
+            list(plan.shape),
+            b"",
+            red.requester,
+            out.tobytes(),
+            memory=red.memory or "",
         )
         red.done = True
         red.inline = []

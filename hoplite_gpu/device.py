@@ -1,0 +1,380 @@
+"""Device memory behind one small seam: the only module that moves bytes in or out of GPU memory.
+
+A device object's bytes are a flat ``uint8`` array of a :class:`DeviceBackend`. The rest of the
+package never calls CuPy or torch to copy or reduce device bytes: it asks the backend of the array
+(:func:`backend_for`) or, for memory it creates for a reader, :func:`default_backend`.
+
+Two backends:
+
+- :class:`CupyBackend`: CUDA memory through CuPy (CuPy arrays, CUDA torch tensors and any object
+  exporting ``__cuda_array_interface__`` go in; CuPy arrays come out). Copies are
+  ``cudaMemcpy`` calls; reductions run the kernels of ``kernels/reduce.cu`` (:mod:`hoplite_gpu.gpu`).
+- :class:`SimBackend`: host memory standing in for device memory (:class:`SimDeviceArray`, made
+  with :func:`sim_array`). It takes every path a real device object takes (no host view in the
+  store, staged sends, device results, device reductions) with NumPy doing the copies, so the
+  device-object logic is tested on machines without a GPU. Processes use it as their default when
+  ``HOPLITE_DEVICE_BACKEND=sim``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from .errors import HopliteError, InvalidArgumentError
+from .reduce_ops import ReduceOp
+from .reduce_ops import finish as host_finish
+from .reduce_ops import reduce_into as host_reduce_into
+
+#: Environment variable naming the default backend of a process (``cupy``, the default, or ``sim``).
+BACKEND_ENV = "HOPLITE_DEVICE_BACKEND"
+
+
+def _bfloat16() -> np.dtype[Any]:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class DeviceBackend:
+    """What the package needs of device memory. Arrays passed in are the backend's own flat
+    ``uint8`` arrays unless a method says otherwise; copies are complete when a method returns."""
+
+    name = "none"
+
+    def available(self) -> bool:
+        """Whether this process can create device memory with this backend."""
+        raise NotImplementedError
+
+    def owns(self, array: Any) -> bool:
+        """Whether ``array`` (any caller's array) lives in this backend's device memory."""
+        raise NotImplementedError
+
+    def current_device(self) -> int:
+        """The caller's current device ordinal."""
+        raise NotImplementedError
+
+    def device_of(self, array: Any) -> int:
+        """The device ordinal ``array`` lives on."""
+        raise NotImplementedError
+
+    def describe(self, array: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
+        """A caller's device array's dtype (as NumPy knows it) and shape."""
+        raise NotImplementedError
+
+    def flat_bytes(self, array: Any) -> Any:
+        """The bytes of a caller's device array as a flat ``uint8`` array of this backend: a view
+        when it is C-contiguous, else a contiguous copy."""
+        raise NotImplementedError
+
+    def empty(self, nbytes: int, device: int) -> Any:
+        """New device memory of ``nbytes`` on ``device``."""
+        raise NotImplementedError
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """Device to device (the same or another device), ``dst.nbytes == src.nbytes``."""
+        raise NotImplementedError
+
+    def to_host(self, dst: np.ndarray[Any, Any], src: Any) -> None:
+        """Device ``src`` into host ``dst`` (a C-contiguous NumPy array of the same size)."""
+        raise NotImplementedError
+
+    def from_host(self, dst: Any, src: np.ndarray[Any, Any]) -> None:
+        """Host ``src`` into device ``dst``."""
+        raise NotImplementedError
+
+    def typed(self, flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
+        """``flat`` viewed as ``dtype`` and ``shape`` (bfloat16, which CuPy lacks, as uint16)."""
+        raise NotImplementedError
+
+    def reduce_into(self, op: ReduceOp, acc: Any, other: Any, dtype: np.dtype[Any]) -> None:
+        """``acc = acc (op) other`` on flat byte arrays holding ``dtype`` elements."""
+        raise NotImplementedError
+
+    def finish(self, op: ReduceOp, acc: Any, count: int, dtype: np.dtype[Any]) -> None:
+        """The final step of ``op`` over ``count`` inputs (AVG divides)."""
+        raise NotImplementedError
+
+    def scale(self, acc: Any, weight: float, dtype: np.dtype[Any]) -> None:
+        """``acc = weight * acc`` (float dtypes)."""
+        raise NotImplementedError
+
+    def axpy(self, acc: Any, other: Any, weight: float, dtype: np.dtype[Any]) -> None:
+        """``acc = acc + weight * other`` (float dtypes)."""
+        raise NotImplementedError
+
+    def synchronize(self, device: int) -> None:
+        """Wait until the work this thread queued on ``device`` is done (reduced chunks are
+        published only after it)."""
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------- CUDA through CuPy
+class CupyBackend(DeviceBackend):
+    """CUDA device memory through CuPy (imported on first use)."""
+
+    name = "cupy"
+
+    def available(self) -> bool:
+        from . import gpu
+
+        return gpu.available()
+
+    def owns(self, array: Any) -> bool:
+        module = type(array).__module__.split(".")[0]
+        if module == "cupy":
+            return True
+        if module == "torch":
+            return bool(getattr(array, "is_cuda", False))
+        return hasattr(array, "__cuda_array_interface__")
+
+    def current_device(self) -> int:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDevice())
+
+    def device_of(self, array: Any) -> int:
+        return int(self._cupy(array).device.id)
+
+    def describe(self, array: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
+        if type(array).__module__.split(".")[0] == "torch":
+            import torch
+
+            if array.dtype == torch.bfloat16:
+                return _bfloat16(), tuple(array.shape)
+            return np.dtype(torch.empty((), dtype=array.dtype).numpy().dtype), tuple(array.shape)
+        arr = self._cupy(array)
+        return np.dtype(arr.dtype), tuple(arr.shape)
+
+    @staticmethod
+    def _cupy(array: Any) -> Any:
+        """A CuPy view of a caller's device array (torch through DLPack, as bytes for bfloat16)."""
+        import cupy
+
+        if type(array).__module__.split(".")[0] == "torch":
+            import torch
+
+            tensor = array.detach()
+            if tensor.dtype == torch.bfloat16:
+                tensor = tensor.view(torch.int16)
+            return cupy.from_dlpack(tensor)
+        return array if isinstance(array, cupy.ndarray) else cupy.asarray(array)
+
+    def flat_bytes(self, array: Any) -> Any:
+        import cupy
+
+        arr = self._cupy(array)
+        with cupy.cuda.Device(arr.device.id):
+            if not arr.flags.c_contiguous:
+                arr = cupy.ascontiguousarray(arr)
+            return arr.reshape(-1).view(cupy.uint8)
+
+    def empty(self, nbytes: int, device: int) -> Any:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            return cupy.empty(nbytes, cupy.uint8)
+
+    @staticmethod
+    def _memcpy(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+        import cupy
+
+        if nbytes:  # cudaMemcpyDefault: unified addressing works out the direction and devices
+            cupy.cuda.runtime.memcpy(dst_ptr, src_ptr, nbytes, cupy.cuda.runtime.memcpyDefault)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        _same_size(dst, src)
+        self._memcpy(dst.data.ptr, src.data.ptr, dst.nbytes)
+
+    def to_host(self, dst: np.ndarray[Any, Any], src: Any) -> None:
+        _same_size(dst, src)
+        _host_contiguous(dst)
+        self._memcpy(dst.ctypes.data, src.data.ptr, dst.nbytes)
+
+    def from_host(self, dst: Any, src: np.ndarray[Any, Any]) -> None:
+        _same_size(dst, src)
+        _host_contiguous(src)
+        self._memcpy(dst.data.ptr, src.ctypes.data, dst.nbytes)
+
+    def typed(self, flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
+        import cupy
+
+        storage = cupy.uint16 if dtype.name == "bfloat16" else dtype
+        return flat.view(storage).reshape(shape)
+
+    def _storage(self, flat: Any, dtype: np.dtype[Any]) -> Any:
+        return flat.view(np.uint16 if dtype.name == "bfloat16" else dtype)
+
+    def reduce_into(self, op: ReduceOp, acc: Any, other: Any, dtype: np.dtype[Any]) -> None:
+        from . import gpu
+
+        with _on(acc):
+            gpu.reduce_into(op, self._storage(acc, dtype), self._storage(other, dtype), dtype.name)
+
+    def finish(self, op: ReduceOp, acc: Any, count: int, dtype: np.dtype[Any]) -> None:
+        from . import gpu
+
+        with _on(acc):
+            gpu.finish(op, self._storage(acc, dtype), count, dtype.name)
+
+    def scale(self, acc: Any, weight: float, dtype: np.dtype[Any]) -> None:
+        from . import gpu
+
+        with _on(acc):
+            gpu.scale(self._storage(acc, dtype), weight, dtype.name)
+
+    def axpy(self, acc: Any, other: Any, weight: float, dtype: np.dtype[Any]) -> None:
+        from . import gpu
+
+        with _on(acc):
+            gpu.axpy(self._storage(acc, dtype), self._storage(other, dtype), weight, dtype.name)
+
+    def synchronize(self, device: int) -> None:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            cupy.cuda.get_current_stream().synchronize()
+
+
+def _on(array: Any) -> Any:
+    import cupy
+
+    return cupy.cuda.Device(array.device.id)
+
+
+def _same_size(dst: Any, src: Any) -> None:
+    if int(dst.nbytes) != int(src.nbytes):
+        raise InvalidArgumentError(f"copy of {src.nbytes} bytes into {dst.nbytes}", argument="dst")
+
+
+def _host_contiguous(arr: np.ndarray[Any, Any]) -> None:
+    if not arr.flags.c_contiguous:
+        raise InvalidArgumentError("host side of a device copy must be C-contiguous", argument="host")
+
+
+# ---------------------------------------------------------------- host memory posing as a device
+class SimDeviceArray(np.ndarray):  # type: ignore[type-arg]
+    """Host memory that the package treats as device memory of :class:`SimBackend` (device
+    ordinal ``device_id``). Views and slices stay simulated device arrays."""
+
+    device_id: int = 0
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.device_id = getattr(obj, "device_id", 0)
+
+
+def sim_array(array: Any, device: int = 0) -> SimDeviceArray:
+    """A copy of ``array`` in simulated device memory on ``device`` (for tests without a GPU)."""
+    out = np.array(array, copy=True, order="C").view(SimDeviceArray)
+    out.device_id = device
+    return out
+
+
+def _plain(array: Any) -> np.ndarray[Any, Any]:
+    return array.view(np.ndarray)  # type: ignore[no-any-return]
+
+
+class SimBackend(DeviceBackend):
+    """Simulated device memory: :class:`SimDeviceArray` (host memory), NumPy for the work."""
+
+    name = "sim"
+
+    def available(self) -> bool:
+        return True
+
+    def owns(self, array: Any) -> bool:
+        return isinstance(array, SimDeviceArray)
+
+    def current_device(self) -> int:
+        return int(os.environ.get("HOPLITE_SIM_DEVICE", "0"))
+
+    def device_of(self, array: Any) -> int:
+        return int(array.device_id)
+
+    def describe(self, array: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
+        return np.dtype(array.dtype), tuple(array.shape)
+
+    def flat_bytes(self, array: Any) -> Any:
+        arr = array if array.flags.c_contiguous else array.copy(order="C")
+        return arr.reshape(-1).view(np.uint8)
+
+    def empty(self, nbytes: int, device: int) -> Any:
+        out = np.empty(nbytes, np.uint8).view(SimDeviceArray)
+        out.device_id = device
+        return out
+
+    def copy(self, dst: Any, src: Any) -> None:
+        _same_size(dst, src)
+        np.copyto(_plain(dst), _plain(src))
+
+    def to_host(self, dst: np.ndarray[Any, Any], src: Any) -> None:
+        _same_size(dst, src)
+        np.copyto(dst, _plain(src))
+
+    def from_host(self, dst: Any, src: np.ndarray[Any, Any]) -> None:
+        _same_size(dst, src)
+        np.copyto(_plain(dst), src)
+
+    def typed(self, flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
+        return flat.view(dtype).reshape(shape)
+
+    def reduce_into(self, op: ReduceOp, acc: Any, other: Any, dtype: np.dtype[Any]) -> None:
+        host_reduce_into(op, _plain(acc).view(dtype), _plain(other).view(dtype))
+
+    def finish(self, op: ReduceOp, acc: Any, count: int, dtype: np.dtype[Any]) -> None:
+        host_finish(op, _plain(acc).view(dtype), count)
+
+    def scale(self, acc: Any, weight: float, dtype: np.dtype[Any]) -> None:
+        typed = _plain(acc).view(dtype)
+        np.multiply(typed, typed.dtype.type(weight), out=typed)
+
+    def axpy(self, acc: Any, other: Any, weight: float, dtype: np.dtype[Any]) -> None:
+        typed = _plain(acc).view(dtype)
+        np.add(typed, _plain(other).view(dtype) * typed.dtype.type(weight), out=typed)
+
+    def synchronize(self, device: int) -> None:
+        return None
+
+
+# ---------------------------------------------------------------- choosing one
+_BACKENDS: dict[str, DeviceBackend] = {"cupy": CupyBackend(), "sim": SimBackend()}
+
+
+def backend_for(array: Any) -> DeviceBackend | None:
+    """The backend whose device memory ``array`` is in (None: host memory)."""
+    if isinstance(array, np.ndarray):
+        return _BACKENDS["sim"] if isinstance(array, SimDeviceArray) else None
+    cupy_backend = _BACKENDS["cupy"]
+    return cupy_backend if cupy_backend.owns(array) else None
+
+
+@functools.cache
+def default_backend() -> DeviceBackend:
+    """The backend this process creates device memory with (``HOPLITE_DEVICE_BACKEND``)."""
+    name = os.environ.get(BACKEND_ENV, "cupy") or "cupy"
+    if name not in _BACKENDS:
+        raise HopliteError(f"{BACKEND_ENV}={name!r}: use one of {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def device_result(flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
+    """A reader's copy of a device object: new memory on the caller's current device of the
+    default backend, filled from ``flat`` (host bytes, or device bytes of any backend), typed.
+    None when this process has no usable device (the caller then keeps host memory)."""
+    backend = default_backend()
+    if not backend.available():
+        return None
+    out = backend.empty(int(flat.nbytes), backend.current_device())
+    source = backend_for(flat)
+    if source is None:
+        backend.from_host(out, np.ascontiguousarray(flat))
+    elif source is backend:
+        backend.copy(out, flat)
+    else:  # memory of another backend: through host
+        staged = np.empty(int(flat.nbytes), np.uint8)
+        source.to_host(staged, flat)
+        backend.from_host(out, staged)
+    return backend.typed(out, dtype, shape)
