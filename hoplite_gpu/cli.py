@@ -1,13 +1,16 @@
-"""Command line: ``hoplite-gpu directory``, ``hoplite-gpu health`` and ``hoplite-gpu demo``."""
+"""Command line: ``hoplite-gpu directory``, ``health``, ``demo`` and ``info``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from .auth import new_token, read_token_file, token_from_env
 from .config import Config
@@ -98,6 +101,94 @@ def _demo(args: argparse.Namespace) -> int:
     return main(workers=args.workers, sizes=args.sizes)
 
 
+def node_report() -> dict[str, Any]:
+    """What this node sees, as plain types: :meth:`~hoplite_gpu.topology.Inventory.to_dict` of
+    its GPU inventory plus ``cupy`` (installed, version, device_count, usable, error), ``ucxx``
+    (installed, version) and ``ucx_tls`` (the UCX transports hoplite_gpu runs UCX with: ``UCX_TLS``
+    when set, else hoplite_gpu's default) with ``ucx_tls_source`` ("env" or "hoplite_gpu default")."""
+    from . import gpu
+    from .config import UCX_DEFAULTS
+    from .topology import inventory
+
+    cupy: dict[str, Any] = {"installed": False, "version": None, "device_count": None}
+    cupy.update(usable=False, error="")
+    try:
+        import cupy as cp
+
+        cupy.update(installed=True, version=str(cp.__version__))
+        cupy["device_count"] = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # not installed, or no usable CUDA driver
+        cupy["error"] = f"{type(exc).__name__}: {exc}"
+    with contextlib.suppress(Exception):  # a broken CUDA install must not crash `info`
+        cupy["usable"] = gpu.available()
+    try:
+        import ucxx
+
+        ucx: dict[str, Any] = {"installed": True, "version": str(ucxx.__version__)}
+    except Exception as exc:
+        ucx = {"installed": False, "version": None, "error": f"{type(exc).__name__}: {exc}"}
+    tls = os.environ.get("UCX_TLS")
+    return inventory().to_dict() | {
+        "cupy": cupy,
+        "ucxx": ucx,
+        "ucx_tls": tls or UCX_DEFAULTS["UCX_TLS"],
+        "ucx_tls_source": "env" if tls else "hoplite_gpu default",
+    }
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f}"
+
+
+def _info(args: argparse.Namespace) -> int:
+    report = node_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    cupy, ucx = report["cupy"], report["ucxx"]
+    print(f"host: {report['host']}")
+    driver, cuda = report["driver_version"], report["cuda_driver_version"]
+    print(f"NVIDIA driver: {driver or 'none found'}" + (f" (CUDA {cuda})" if cuda else ""))
+    if cupy["installed"]:
+        count = cupy["device_count"] if cupy["device_count"] is not None else f"? ({cupy['error']})"
+        usable = "usable" if cupy["usable"] else "not usable"
+        print(f"CuPy: {cupy['version']}, {count} device(s), GPU buffers {usable}")
+    else:
+        print("CuPy: not installed (GPU buffers unavailable; pip install hoplite_gpu[cuda])")
+    print(f"ucxx: {ucx['version'] if ucx['installed'] else 'not importable: ' + ucx['error']}")
+    print(f"UCX transports: {report['ucx_tls']} ({report['ucx_tls_source']}; set UCX_TLS to change)")
+    gpus = report["gpus"]
+    if not gpus:
+        print(f"no NVIDIA GPU visible: {report['error'] or 'NVML lists no device'}")
+        return 0
+    index = {g["uuid"]: g["index"] for g in gpus}
+    rows = [("GPU", "name", "memory GiB (free)", "PCI bus", "NUMA", "NVLink peers", "CC")]
+    for g in gpus:
+        peers: dict[str, int] = {}
+        for n in g["nvlinks"]:
+            if n["active"]:
+                peer = f"GPU{index[n['remote_uuid']]}" if n["remote_uuid"] in index else n["remote_kind"]
+                peers[peer or "?"] = peers.get(peer or "?", 0) + 1
+        cc = g["compute_capability"]
+        rows.append(
+            (
+                str(g["index"]),
+                g["name"],
+                f"{_gib(g['memory_total_bytes'])} ({_gib(g['memory_free_bytes'])})",
+                g["pci_bus_id"] or "?",
+                "?" if g["numa_node"] is None else str(g["numa_node"]),
+                ", ".join(f"{p} x{c}" for p, c in peers.items()) or "-",
+                f"{cc[0]}.{cc[1]}" if cc else "?",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if report["error"]:
+        print(f"note: {report['error']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hoplite-gpu`` command."""
     from .demo import DEFAULT_SIZES
@@ -124,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--workers", type=int, default=4)
     m.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes, e.g. 1KiB,64MiB")
     m.set_defaults(func=_demo)
+    i = sub.add_parser("info", help="what this node sees: driver, CuPy, UCX and the GPUs with their links")
+    i.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    i.set_defaults(func=_info)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     return int(args.func(args))
