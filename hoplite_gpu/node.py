@@ -216,8 +216,9 @@ class Node:
         The bytes are copied (``copy=False`` stores a C-contiguous NumPy array without copying: the
         caller must then never modify it; on a node with shared memory a large one is still copied
         into a shared-memory segment, after ``put`` returned, so processes on this host map it
-        instead of pulling it). Non-contiguous arrays are always copied. CuPy arrays are staged
-        through host memory.
+        instead of pulling it). Non-contiguous arrays are always copied. GPU arrays (CuPy, CUDA
+        torch tensors, ``__cuda_array_interface__``) stay in device memory: copied device to
+        device (``copy=False``: kept as they are), and read back as device arrays (see :meth:`get`).
 
         Raises:
             ObjectExistsError: the id exists with different content, dtype or shape.
@@ -259,6 +260,8 @@ class Node:
                 it is returned. Without ``out`` the result is a read-only NumPy array that shares
                 memory with the local store (for an object held by another process on this host,
                 with that process's shared-memory segment, which stays valid while you use it).
+                An object put from device memory comes back as a new CuPy array on the caller's
+                current device (bfloat16 as uint16; a host copy where this process has no GPU).
             direct: Pull from the object's owner (for a reduction's result: the node computing it)
                 even while it serves other readers, instead of joining the pipelined chain of
                 readers. For collectives whose traffic pattern leaves the owner's link room for
