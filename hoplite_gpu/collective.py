@@ -476,11 +476,9 @@ def barrier(group: Group) -> None:
 
 
 def _copy(dst: Any, src: Any) -> None:
-    if isinstance(dst, np.ndarray):
-        if dst.shape != np.shape(src) or dst.dtype != src.dtype:
-            raise InvalidArgumentError(
-                "list_out entries must match the array's dtype and shape", argument="list_out"
-            )
-        np.copyto(dst, src)
-    else:
-        dst[...] = src  # CuPy
+    """Copy a result (host or device memory) into a caller's array (NumPy or CuPy)."""
+    if tuple(dst.shape) != tuple(src.shape) or np.dtype(dst.dtype) != np.dtype(src.dtype):
+        raise InvalidArgumentError(
+            "list_out entries must match the array's dtype and shape", argument="list_out"
+        )
+    buffers.copy_into(dst, src)
