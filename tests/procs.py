@@ -28,6 +28,22 @@ def make_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any,
     return raw.astype(dtype).reshape(shape)
 
 
+def device_array(backend: str, arr: np.ndarray[Any, Any]) -> Any:
+    """A device copy of ``arr``: simulated device memory (``"sim"``) or a CuPy array (``"cupy"``)."""
+    if backend == "sim":
+        from hoplite_gpu import device
+
+        return device.sim_array(arr)
+    import cupy
+
+    return cupy.asarray(arr)
+
+
+def array_type(arr: Any) -> str:
+    """``module.Class`` of an array (``numpy.ndarray``, ``cupy.ndarray``, ...)."""
+    return f"{type(arr).__module__.split('.')[0]}.{type(arr).__name__}"
+
+
 def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> None:
     import faulthandler
     import signal
@@ -93,15 +109,15 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             dtype, shape, seed, oid_hex = args
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
             return node.put(make_array(dtype, shape, seed), oid).hex()
-        if cmd == "put_device":  # put a simulated device array (HOPLITE_DEVICE_BACKEND=sim workers)
-            from hoplite_gpu import device
-
-            dtype, shape, seed, oid_hex = args
+        if cmd == "put_device":  # put a device array: "sim" (simulated device memory) or "cupy"
+            backend, dtype, shape, seed, oid_hex = args
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
-            return node.put(device.sim_array(make_array(dtype, shape, seed)), oid).hex()
-        if cmd == "get_typed":  # the kind of array get returned, and its digest
+            return node.put(device_array(backend, make_array(dtype, shape, seed)), oid).hex()
+        if cmd == "get_typed":  # the type of array get returned, and its digest
+            from hoplite_gpu.buffers import to_host
+
             got = node.get(hg.ObjectID.from_hex(args[0]), timeout=args[1])
-            return type(got).__name__, digest(np.asarray(got).view(np.ndarray))
+            return array_type(got), digest(to_host(got).view(np.ndarray))
         if cmd == "arm":
             from hoplite_gpu import faults
 

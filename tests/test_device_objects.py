@@ -1,10 +1,11 @@
 """Device objects end to end, through the device seam (:mod:`hoplite_gpu.device`).
 
 A CUDA array put stays in device memory; readers get device arrays; reductions of device inputs
-run on the device backend; device bytes are staged through host memory on the data plane. Here
-the simulated backend (host memory that every layer treats as device memory) takes those paths on
-machines without a GPU: a device buffer has no host view, so any layer that still read device
-bytes as host memory would fail these tests. The same paths with CuPy are in the GPU-marked tests.
+run on the device backend; device bytes are staged through host memory on the data plane. Every
+test runs with two backends: ``sim`` (host memory that every layer treats as device memory: a
+device buffer has no host view, so any layer that still read device bytes as host memory fails
+these tests) on every machine, and ``cupy`` (real GPU memory, the CUDA kernels) where CuPy sees a
+GPU (``make gpu-check``); without one the ``cupy`` cases skip.
 """
 
 from __future__ import annotations
@@ -18,36 +19,45 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import device, gpu
 from hoplite_gpu import protocol as p
-from hoplite_gpu.buffers import BufferKind
+from hoplite_gpu.buffers import BufferKind, to_host
 from hoplite_gpu.errors import ProtocolError
-from tests.procs import Worker, digest, make_array, start_workers
+from tests.procs import Worker, array_type, device_array, digest, make_array, start_workers
 
 pytestmark = pytest.mark.timeout(120)
 
 SHAPE = (3, 1 << 16)  # 768 KiB of float32: several data-plane chunks
+DEVICE_TYPE = {"sim": "hoplite_gpu.SimDeviceArray", "cupy": "cupy.ndarray"}
 
 
-@pytest.fixture(scope="module")
-def sim_env() -> Iterator[None]:
-    """This process and the workers it spawns create device memory with the simulated backend."""
+@pytest.fixture(
+    scope="module",
+    params=[
+        "sim",
+        pytest.param(
+            "cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason="no GPU")]
+        ),
+    ],
+)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The device backend of this process and of the workers it spawns."""
     mp = pytest.MonkeyPatch()
-    mp.setenv(device.BACKEND_ENV, "sim")
+    mp.setenv(device.BACKEND_ENV, request.param)
     device.default_backend.cache_clear()
-    yield
+    yield str(request.param)
     mp.undo()
     device.default_backend.cache_clear()
 
 
 @pytest.fixture(scope="module")
-def sim_owner(sim_env: None) -> Iterator[Any]:
+def dev_owner(backend: str) -> Iterator[Any]:
     node = hg.init()
     yield node
     node.close()
 
 
 @pytest.fixture(scope="module")
-def sim_workers(sim_owner: Any) -> Iterator[list[Worker]]:
-    ws = start_workers(sim_owner.directory_address, sim_owner.token, 3)
+def dev_workers(dev_owner: Any) -> Iterator[list[Worker]]:
+    ws = start_workers(dev_owner.directory_address, dev_owner.token, 3)
     yield ws
     for w in ws:
         w.stop()
@@ -59,35 +69,45 @@ def _local(node: Any, oid: hg.ObjectID) -> Any:
     return obj
 
 
-def test_a_device_put_stays_on_the_device(sim_owner: Any) -> None:
-    arr = device.sim_array(make_array("float32", SHAPE, 1), device=0)
-    oid = sim_owner.put(arr)
-    obj = _local(sim_owner, oid)
+def _same_memory(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return bool(np.shares_memory(a, b))
+    return bool(a.data.ptr == b.data.ptr)
+
+
+def test_a_device_put_stays_on_the_device(backend: str, dev_owner: Any) -> None:
+    want = make_array("float32", SHAPE, 1)
+    arr = device_array(backend, want)
+    oid = dev_owner.put(arr)
+    obj = _local(dev_owner, oid)
     assert obj.buffer.kind is BufferKind.DEVICE and obj.memory == "device"
-    assert not np.shares_memory(obj.buffer.array, arr)  # copied device to device
-    got = sim_owner.get(oid)
-    assert isinstance(got, device.SimDeviceArray) and got.shape == SHAPE
-    assert np.array_equal(got, arr)
+    assert not _same_memory(obj.buffer.array, arr)  # copied device to device
+    got = dev_owner.get(oid)
+    assert array_type(got) == DEVICE_TYPE[backend] and got.shape == SHAPE
+    assert np.array_equal(to_host(got), want)
     got[...] = -1  # the reader's own device copy: the stored object is unchanged
-    assert np.array_equal(sim_owner.get(oid), arr)
+    assert np.array_equal(to_host(dev_owner.get(oid)), want)
     host_out = np.zeros(SHAPE, np.float32)
-    assert sim_owner.get(oid, out=host_out) is host_out and np.array_equal(host_out, arr)
-    dev_out = device.sim_array(np.zeros(SHAPE, np.float32))
-    assert sim_owner.get(oid, out=dev_out) is dev_out and np.array_equal(dev_out, arr)
+    assert dev_owner.get(oid, out=host_out) is host_out and np.array_equal(host_out, want)
+    dev_out = device_array(backend, np.zeros(SHAPE, np.float32))
+    assert dev_owner.get(oid, out=dev_out) is dev_out and np.array_equal(to_host(dev_out), want)
+    # a host object into device memory
+    host_oid = dev_owner.put(want + 1)
+    assert dev_owner.get(host_oid, out=dev_out) is dev_out and np.array_equal(to_host(dev_out), want + 1)
 
 
-def test_copy_false_keeps_the_callers_device_memory(sim_owner: Any) -> None:
-    arr = device.sim_array(make_array("int64", (1000,), 2))
-    oid = sim_owner.put(arr, copy=False)
-    assert np.shares_memory(_local(sim_owner, oid).buffer.array, arr)
-    strided = device.sim_array(make_array("int64", (1000,), 3))[::2]  # not contiguous: copied
-    oid2 = sim_owner.put(strided, copy=False)
-    assert np.array_equal(sim_owner.get(oid2), strided)
+def test_copy_false_keeps_the_callers_device_memory(backend: str, dev_owner: Any) -> None:
+    arr = device_array(backend, make_array("int64", (1000,), 2))
+    oid = dev_owner.put(arr, copy=False)
+    assert _same_memory(_local(dev_owner, oid).buffer.array, arr)
+    strided = device_array(backend, make_array("int64", (1000,), 3))[::2]  # not contiguous: copied
+    oid2 = dev_owner.put(strided, copy=False)
+    assert np.array_equal(to_host(dev_owner.get(oid2)), to_host(strided))
 
 
-def test_host_objects_stay_host_objects(sim_owner: Any) -> None:
+def test_host_objects_stay_host_objects(backend: str, dev_owner: Any) -> None:
     arr = make_array("float32", SHAPE, 4)
-    got = sim_owner.get(sim_owner.put(arr))
+    got = dev_owner.get(dev_owner.put(arr))
     assert type(got) is np.ndarray and not got.flags.writeable
     assert np.array_equal(got, arr)
 
@@ -108,19 +128,22 @@ def test_a_reader_without_a_device_gets_host_memory(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.multiprocess
-def test_broadcast_from_device_memory(sim_owner: Any, sim_workers: list[Worker]) -> None:
+def test_broadcast_from_device_memory(backend: str, dev_owner: Any, dev_workers: list[Worker]) -> None:
     """Readers in other processes get device arrays; the source's bytes cross the data plane
     staged through host memory (a device buffer has no host view to send from)."""
-    oid = sim_workers[0].call("put_device", "float32", SHAPE, 11, "")
+    oid = dev_workers[0].call("put_device", backend, "float32", SHAPE, 11, "")
     want = digest(make_array("float32", SHAPE, 11))
-    for w in sim_workers[1:]:
+    for w in dev_workers[1:]:
         w.send("get_typed", oid, 60)
-    got = sim_owner.get(hg.ObjectID.from_hex(oid), timeout=60)
-    assert isinstance(got, device.SimDeviceArray) and digest(got.view(np.ndarray)) == want
-    for w in sim_workers[1:]:
-        assert w.result() == ("SimDeviceArray", want)
-    host = sim_workers[1].call("put", "float32", SHAPE, 12, "")
-    assert sim_workers[2].call("get_typed", host, 60) == ("ndarray", digest(make_array("float32", SHAPE, 12)))
+    got = dev_owner.get(hg.ObjectID.from_hex(oid), timeout=60)
+    assert array_type(got) == DEVICE_TYPE[backend] and digest(to_host(got)) == want
+    for w in dev_workers[1:]:
+        assert w.result() == (DEVICE_TYPE[backend], want)
+    host = dev_workers[1].call("put", "float32", SHAPE, 12, "")
+    assert dev_workers[2].call("get_typed", host, 60) == (
+        "numpy.ndarray",
+        digest(make_array("float32", SHAPE, 12)),
+    )
 
 
 def _expected(op: str, seeds: list[int], dtype: str) -> np.ndarray[Any, Any]:
@@ -135,31 +158,38 @@ def _expected(op: str, seeds: list[int], dtype: str) -> np.ndarray[Any, Any]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("op", "dtype"), [("sum", "float32"), ("sum", "int32"), ("max", "float64")])
 def test_reduce_of_device_inputs_runs_on_the_device(
-    sim_owner: Any, sim_workers: list[Worker], op: str, dtype: str
+    backend: str, dev_owner: Any, dev_workers: list[Worker], op: str, dtype: str
 ) -> None:
     """Every vertex's input is a device object, so every vertex reduces with the device backend
     (the host path cannot read a device buffer); the result is a device object."""
     seeds = [21, 22, 23, 24]
-    ids = [w.call("put_device", dtype, SHAPE, s, "") for w, s in zip(sim_workers, seeds, strict=False)]
-    ids.append(sim_owner.put(device.sim_array(make_array(dtype, SHAPE, seeds[-1]))).hex())
-    rid = sim_owner.reduce([hg.ObjectID.from_hex(h) for h in ids], op, degree=2, timeout=60)
-    got = sim_owner.get(rid, timeout=60)
-    assert isinstance(got, device.SimDeviceArray)
-    assert np.array_equal(got.view(np.ndarray), _expected(op, seeds, dtype))
-    name, value = sim_workers[0].call("get_typed", rid.hex(), 60)
-    assert (name, value) == ("SimDeviceArray", digest(_expected(op, seeds, dtype)))
+    ids = [
+        w.call("put_device", backend, dtype, SHAPE, s, "") for w, s in zip(dev_workers, seeds, strict=False)
+    ]
+    ids.append(dev_owner.put(device_array(backend, make_array(dtype, SHAPE, seeds[-1]))).hex())
+    rid = dev_owner.reduce([hg.ObjectID.from_hex(h) for h in ids], op, degree=2, timeout=60)
+    got = dev_owner.get(rid, timeout=60)
+    assert array_type(got) == DEVICE_TYPE[backend]
+    assert np.array_equal(to_host(got), _expected(op, seeds, dtype))
+    assert dev_workers[0].call("get_typed", rid.hex(), 60) == (
+        DEVICE_TYPE[backend],
+        digest(_expected(op, seeds, dtype)),
+    )
 
 
 @pytest.mark.multiprocess
-def test_weighted_reduce_of_device_inputs(sim_owner: Any, sim_workers: list[Worker]) -> None:
+def test_weighted_reduce_of_device_inputs(backend: str, dev_owner: Any, dev_workers: list[Worker]) -> None:
     seeds = [31, 32, 33]
-    ids = [w.call("put_device", "float64", SHAPE, s, "") for w, s in zip(sim_workers, seeds, strict=True)]
+    ids = [
+        w.call("put_device", backend, "float64", SHAPE, s, "")
+        for w, s in zip(dev_workers, seeds, strict=True)
+    ]
     weights = [0.5, -2.0, 0.25]
-    rid = sim_owner.reduce([hg.ObjectID.from_hex(h) for h in ids], "sum", weights=weights, timeout=60)
-    got = sim_owner.get(rid, timeout=60)
+    rid = dev_owner.reduce([hg.ObjectID.from_hex(h) for h in ids], "sum", weights=weights, timeout=60)
+    got = dev_owner.get(rid, timeout=60)
     want = sum(w * make_array("float64", SHAPE, s) for w, s in zip(weights, seeds, strict=True))
-    assert isinstance(got, device.SimDeviceArray)
-    np.testing.assert_allclose(got.view(np.ndarray), want, rtol=1e-12)
+    assert array_type(got) == DEVICE_TYPE[backend]
+    np.testing.assert_allclose(to_host(got), want, rtol=1e-12)
 
 
 def test_the_memory_kind_is_checked_on_the_wire() -> None:
