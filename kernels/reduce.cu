@@ -11,6 +11,11 @@
 
 #include <cuda_fp16.h>
 
+// Every kernel walks its n elements with a grid-stride loop (any grid size covers any n).
+#define HOPLITE_GRID_STRIDE(i, n)                                                                         \
+    for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; \
+         i < (n); i += static_cast<unsigned long long>(gridDim.x) * blockDim.x)
+
 struct hoplite_bf16 {
     unsigned short bits;
 };
@@ -71,9 +76,7 @@ struct OpMax {
 template <typename T, typename Op>
 __global__ void hoplite_reduce(T* __restrict__ acc, const T* __restrict__ other, unsigned long long n) {
     typedef HopliteNum<T> N;
-    const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
-    for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-         i += stride) {
+    HOPLITE_GRID_STRIDE(i, n) {
         acc[i] = N::store(Op::apply(N::load(acc[i]), N::load(other[i])));
     }
 }
@@ -82,9 +85,7 @@ template <typename T>
 __global__ void hoplite_average(T* __restrict__ acc, unsigned long long n, double count) {
     typedef HopliteNum<T> N;
     typedef typename N::calc C;
-    const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
-    for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-         i += stride) {
+    HOPLITE_GRID_STRIDE(i, n) {
         acc[i] = N::store(static_cast<C>(static_cast<double>(N::load(acc[i])) / count));
     }
 }
@@ -97,9 +98,7 @@ __global__ void hoplite_scale(T* __restrict__ acc, unsigned long long n, double 
     typedef HopliteNum<T> N;
     typedef typename N::calc C;
     const C cw = static_cast<C>(w);
-    const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
-    for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-         i += stride) {
+    HOPLITE_GRID_STRIDE(i, n) {
         acc[i] = N::store(static_cast<C>(N::load(acc[i]) * cw));
     }
 }
@@ -109,9 +108,7 @@ __global__ void hoplite_axpy(T* __restrict__ acc, const T* __restrict__ other, u
     typedef HopliteNum<T> N;
     typedef typename N::calc C;
     const C cw = static_cast<C>(w);
-    const unsigned long long stride = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
-    for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-         i += stride) {
+    HOPLITE_GRID_STRIDE(i, n) {
         acc[i] = N::store(static_cast<C>(N::load(acc[i]) + static_cast<C>(N::load(other[i]) * cw)));
     }
 }
