@@ -231,8 +231,10 @@ def to_host(array: Any) -> np.ndarray[Any, Any]:
 
 
 def flat_view(array: Any) -> Any:
-    """A one-dimensional view of a C-contiguous NumPy or CuPy ``array`` (None for anything else)."""
-    if kind_of(array) not in (ArrayKind.NUMPY, ArrayKind.CUPY) or not array.flags["C_CONTIGUOUS"]:
+    """A one-dimensional view of a C-contiguous NumPy, CuPy or simulated device ``array`` (None
+    for anything else)."""
+    kinds = (ArrayKind.NUMPY, ArrayKind.CUPY, ArrayKind.SIM)
+    if kind_of(array) not in kinds or not array.flags["C_CONTIGUOUS"]:
         return None
     return array.reshape(-1)
 

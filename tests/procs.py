@@ -183,7 +183,13 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
     if cmd == "destroy":
         return group.destroy()
     dtype, shape, seed = args[1:4]
+    memory, _, dtype = dtype.rpartition(":")  # "sim:float32" / "cupy:float32": a device array
     arr = make_array(dtype, shape, seed + group.rank)
+    if memory:
+        from hoplite_gpu.buffers import to_host
+
+        result = coll.allreduce(device_array(memory, arr), group, args[4]) if cmd == "allreduce" else None
+        return array_type(result), to_host(result).view(np.ndarray)
     if cmd == "allreduce":
         return coll.allreduce(arr, group, args[4])
     if cmd == "reduce_to":

@@ -192,6 +192,24 @@ def test_weighted_reduce_of_device_inputs(backend: str, dev_owner: Any, dev_work
     np.testing.assert_allclose(to_host(got), want, rtol=1e-12)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shape", [(5, 7), (3, 1 << 17)])  # one object; sharded (1.5 MiB)
+def test_allreduce_of_device_arrays(backend: str, dev_workers: list[Worker], shape: tuple[int, ...]) -> None:
+    """The group API in place on device arrays: every member ends with the sum in its own device
+    array (the sharded path puts device slices and reads shards into device slices)."""
+    name = f"dev-{backend}-{shape[-1]}"
+    for rank, w in enumerate(dev_workers):
+        w.send("group", name, rank, len(dev_workers))
+    assert [w.result() for w in dev_workers] == [0, 1, 2]
+    for w in dev_workers:
+        w.send("allreduce", name, f"{backend}:float32", shape, 40, "sum")
+    want = sum(make_array("float32", shape, 40 + r) for r in range(len(dev_workers)))
+    for w in dev_workers:
+        kind, got = w.result()
+        assert kind == DEVICE_TYPE[backend]
+        np.testing.assert_array_equal(got, want)
+
+
 def test_the_memory_kind_is_checked_on_the_wire() -> None:
     ok = p.PutRequest(
         request_id=1, object_id=b"x" * 20, size=4, dtype="<f4", shape=[1], digest=b"", memory="device"
