@@ -4,7 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: help venv demo test test-fast lint bench bench-cluster soak fuzz clean docker docker-test docker-tools
+.PHONY: help venv demo test test-fast lint bench bench-cluster soak fuzz clean docker docker-test docker-tools \
+	gpu-wheels gpu-check
 
 help:
 	@echo "make demo   - install into .venv and run the demo (broadcast, reduce, allreduce) locally"
@@ -16,6 +17,8 @@ help:
 	@echo "make fuzz   - the message fuzz suite, longer (HOPLITE_FUZZ_EXAMPLES, default 20000)"
 	@echo "make docker - build the directory, GPU worker and Ray images with podman (docker/README.md)"
 	@echo "make docker-test - build the images, check them and smoke-test them across containers (root)"
+	@echo "make gpu-wheels - download into .whl/ the wheels a GPU machine without network needs (README: GPU check)"
+	@echo "make gpu-check OUT=DIR - on a GPU machine: GPU tests and bench/gpu.py, logs and results copied to DIR"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +94,62 @@ docker: docker-tools
 
 docker-test: docker-tools
 	DOCKER_BASE=$(DOCKER_BASE) PYTHON=$(PYTHON) docker/test.sh
+
+# ---------------------------------------------------------------- GPU check (README.md: GPU check)
+# `make gpu-wheels`, where pip reaches PyPI: .whl/ gets the wheels that the GPU machine's image
+# lacks to run hoplite_gpu, its GPU tests and bench/gpu.py with its Python 3.12 on x86_64: the CUDA
+# 13 data plane, ucxx-cu13, and what it requires that the image does not have (about 51 MiB). The
+# image has the rest they require: numpy, nvidia-ml-py, cuda-core, cuda-bindings 13, cupy-cuda13x,
+# msgpack, xxhash, ml-dtypes, pytest, pytest-timeout, hypothesis. One version of each (two stop pip).
+GPU_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 \
+	librmm-cu13==26.10.0 rapids-logger==0.3.0
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+	manylinux1_x86_64
+
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl $(GPU_WHEELS)
+	@ls .whl && du -sh .whl
+
+# `make gpu-check OUT=$$OUT` on the GPU machine (root, no network; carry .whl): installs .whl/ into
+# GPU_SITE, uses hoplite_gpu from this checkout (no pip install: its build needs the network), shows
+# the GPU and versions, runs the GPU tests and the nvcc build of the kernels, then bench/gpu.py into
+# bench/results/gpu-<device>.{json,md}. Logs and results are copied to OUT when it is set (the files
+# the device tool brings back). Within the tool's 10 minutes: tests 4.5 min at most, bench 4.
+GPU_PYTHON ?= python3
+GPU_SITE   ?= /tmp/hoplite-site
+GPU_NAME    = $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr A-Z a-z \
+	| sed 's/^nvidia //; s/[^a-z0-9].*//')
+GPU_LOGS   := $(or $(OUT),/tmp/hoplite-gpu-check)
+GPU_FAILED := /tmp/hoplite-gpu-check.failed
+GPU_RESULT  = bench/results/gpu-$(or $(GPU_NAME),gpu)
+
+gpu-check: SHELL := /bin/bash
+gpu-check: .SHELLFLAGS := -o pipefail -c
+gpu-check: export PYTHONPATH := $(GPU_SITE):$(CURDIR)
+gpu-check: export PYTHONUNBUFFERED := 1
+gpu-check:
+	$(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU'),,$(error gpu-check: no NVIDIA GPU on this machine (nvidia-smi lists none)))
+	$(if $(wildcard .whl/*.whl),,$(error gpu-check: no wheels in .whl/: run make gpu-wheels where pip reaches PyPI, and carry .whl))
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_SITE) .whl/*.whl
+	@rm -f $(GPU_FAILED); mkdir -p $(GPU_LOGS)
+	@{ nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv; \
+		nvcc --version | tail -1; \
+		$(GPU_PYTHON) -c 'import sys, numpy, cupy, ucxx, hoplite_gpu as h; print("python", sys.version.split()[0], \
+			"numpy", numpy.__version__, "cupy", cupy.__version__, "ucxx", ucxx.__version__, "hoplite_gpu", h.__version__)'; \
+		$(GPU_PYTHON) -m pip check 2>&1 | grep -E '^(ucxx|libucxx|libucx|rmm|librmm|rapids)' \
+			|| echo "the carried wheels' requirements are all met"; } 2>&1 | tee $(GPU_LOGS)/gpu-env.txt
+	timeout 200 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee $(GPU_LOGS)/gpu-tests.log \
+		|| echo "GPU tests" >> $(GPU_FAILED)
+	timeout 70 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_kernels_compile.py 2>&1 \
+		| tee -a $(GPU_LOGS)/gpu-tests.log || echo "kernel build (nvcc)" >> $(GPU_FAILED)
+	timeout 240 $(GPU_PYTHON) bench/gpu.py --timeout 45 --json $(GPU_RESULT).json --md $(GPU_RESULT).md 2>&1 \
+		| tee $(GPU_LOGS)/gpu-bench.log || echo "bench/gpu.py" >> $(GPU_FAILED)
+	@cp $(GPU_RESULT).json $(GPU_RESULT).md $(GPU_LOGS)/ 2>/dev/null || true
+	@! test -s $(GPU_FAILED) || { echo "gpu-check: failed: $$(paste -sd, $(GPU_FAILED))" >&2; exit 1; }
+	@echo "gpu-check: passed; results in $(GPU_RESULT).{json,md}, logs in $(GPU_LOGS)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
