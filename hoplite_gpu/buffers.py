@@ -171,17 +171,13 @@ class Buffer:
         chunks running while earlier ones are on the wire)."""
         if self.kind in HOST_KINDS:
             return self.array[start:end]  # type: ignore[no-any-return]
-        staged = np.empty(end - start, np.uint8)
-        self.backend.to_host(staged, self.array[start:end])
-        return staged
+        return self.backend.host_copy(self.array[start:end])
 
     def to_host(self) -> np.ndarray[Any, Any]:
         """The bytes in host memory: the host view itself, or a copy of device memory."""
         if self.kind in HOST_KINDS:
             return self.array  # type: ignore[no-any-return]
-        out = np.empty(self.nbytes, np.uint8)
-        self.backend.to_host(out, self.array)
-        return out
+        return self.backend.host_copy(self.array)
 
     def digest(self) -> bytes:
         """:func:`digest_of` the bytes (device memory is hashed from a host copy)."""
@@ -210,10 +206,7 @@ def to_host(array: Any) -> np.ndarray[Any, Any]:
     backend = devices.backend_for(array)
     if backend is not None:
         dtype, shape = backend.describe(array)
-        flat = backend.flat_bytes(array)
-        host = np.empty(int(flat.nbytes), np.uint8)
-        backend.to_host(host, flat)
-        return host.view(dtype).reshape(shape)
+        return backend.host_copy(backend.flat_bytes(array)).view(dtype).reshape(shape)
     if kind is ArrayKind.TORCH:
         return array.detach().cpu().numpy()  # type: ignore[no-any-return]
     if kind is ArrayKind.HOST:
@@ -244,17 +237,18 @@ def copy_into(out: Any, src: Any) -> None:
     array: CuPy or simulated), same dtype and shape."""
     backend = devices.backend_for(out)
     source = devices.backend_for(src)
-    if backend is None:
-        np.copyto(out, src if source is None else to_host(src))
-    elif source is backend and out.flags.c_contiguous:
+    if backend is not None and source is backend and out.flags.c_contiguous:
         backend.copy(backend.flat_bytes(out), backend.flat_bytes(src))
+        return
+    host = src if source is None else to_host(src)
+    if backend is None:
+        np.copyto(out, host)
     elif out.flags.c_contiguous:
-        host = np.ascontiguousarray(src if source is None else to_host(src))
-        backend.from_host(backend.flat_bytes(out), host.reshape(-1).view(np.uint8))
+        backend.from_host(backend.flat_bytes(out), np.ascontiguousarray(host).reshape(-1).view(np.uint8))
     elif isinstance(out, np.ndarray):  # a non-contiguous simulated device array
-        np.copyto(out.view(np.ndarray), src if source is None else to_host(src))
+        np.copyto(out.view(np.ndarray), host)
     else:
-        out.set(src if source is None else to_host(src))  # a non-contiguous CuPy array
+        out.set(host)  # a non-contiguous CuPy array
 
 
 _SPECIAL_DTYPES = ("bfloat16",)

@@ -86,6 +86,12 @@ class DeviceBackend:
         """Host ``src`` into device ``dst``."""
         raise NotImplementedError
 
+    def host_copy(self, src: Any) -> np.ndarray[Any, Any]:
+        """A new flat ``uint8`` host copy of device ``src``'s bytes."""
+        out = np.empty(int(src.nbytes), np.uint8)
+        self.to_host(out, src)
+        return out
+
     def typed(self, flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
         """``flat`` viewed as ``dtype`` and ``shape`` (bfloat16, which CuPy lacks, as uint16)."""
         raise NotImplementedError
@@ -200,12 +206,10 @@ class CupyBackend(DeviceBackend):
         self._memcpy(dst.data.ptr, src.ctypes.data, dst.nbytes)
 
     def typed(self, flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
-        import cupy
-
-        storage = cupy.uint16 if dtype.name == "bfloat16" else dtype
-        return flat.view(storage).reshape(shape)
+        return self._storage(flat, dtype).reshape(shape)
 
     def _storage(self, flat: Any, dtype: np.dtype[Any]) -> Any:
+        """``flat`` viewed as the elements CuPy can hold for ``dtype`` (bfloat16 as uint16)."""
         return flat.view(np.uint16 if dtype.name == "bfloat16" else dtype)
 
     def reduce_into(self, op: ReduceOp, acc: Any, other: Any, dtype: np.dtype[Any]) -> None:
@@ -374,7 +378,5 @@ def device_result(flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> An
     elif source is backend:
         backend.copy(out, flat)
     else:  # memory of another backend: through host
-        staged = np.empty(int(flat.nbytes), np.uint8)
-        source.to_host(staged, flat)
-        backend.from_host(out, staged)
+        backend.from_host(out, source.host_copy(flat))
     return backend.typed(out, dtype, shape)

@@ -95,7 +95,7 @@ def deliver(obj: LocalObject, out: Any) -> Any:
             if result is not None:
                 return result
         if obj.buffer.on_device:  # a host copy of device bytes (read-only, like the store's views)
-            host = obj.buffer.to_host().view(dtype).reshape(obj.shape)
+            host = _host_copy(obj, dtype)
             host.flags.writeable = False
             return host
         return obj.array()
@@ -106,11 +106,15 @@ def deliver(obj: LocalObject, out: Any) -> Any:
             f"{obj.object_id} has dtype {dtype} and shape {obj.shape}",
             argument="out",
         )
-    if obj.buffer.on_device and not buffers.on_device(out):
-        buffers.copy_into(out, obj.buffer.to_host().view(dtype).reshape(obj.shape))
-    else:
-        buffers.copy_into(out, obj.array())
+    # Device bytes go to a host ``out`` as ``dtype`` (a device view of bfloat16 is uint16).
+    host_out = obj.buffer.on_device and not buffers.on_device(out)
+    buffers.copy_into(out, _host_copy(obj, dtype) if host_out else obj.array())
     return out
+
+
+def _host_copy(obj: LocalObject, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    """A host copy of a device object's bytes, typed."""
+    return obj.buffer.to_host().view(dtype).reshape(obj.shape)
 
 
 def _segment(obj: LocalObject) -> shm.Segment | None:
