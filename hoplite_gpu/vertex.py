@@ -23,7 +23,7 @@ from .buffers import Buffer, dtype_from_wire
 from .errors import HopliteError, ObjectDeletedError, ObjectLostError, ObjectNotFoundError, TransportError
 from .faults import INJECTOR
 from .object_id import ObjectID
-from .reduce_ops import as_op, reduce_chunk, weighted_sum_chunk
+from .reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
 from .store import LocalObject, LocalStore
 
 log = logging.getLogger("hoplite_gpu")
@@ -327,7 +327,9 @@ async def reduce_stream(
     dtype = dtype_from_wire(task.dtype)
     op = as_op(task.op)
     step = max(dtype.itemsize, chunk_bytes - chunk_bytes % max(1, dtype.itemsize))
-    device_chunk = _device_reducer(task, own, children, out, step, weights) if out.buffer.on_device else None
+    device_chunk = (
+        _device_reducer(task, dtype, op, own, children, out, step, weights) if out.buffer.on_device else None
+    )
     pos = 0
     while pos < task.size:
         end = min(pos + step, task.size)
@@ -359,6 +361,8 @@ async def reduce_stream(
 
 def _device_reducer(
     task: p.ReduceTask,
+    dtype: np.dtype[Any],
+    op: ReduceOp,
     own: LocalObject,
     children: list[LocalObject],
     out: LocalObject,
@@ -372,8 +376,6 @@ def _device_reducer(
     the step returns (it synchronizes), so it may be published and served at once."""
     backend = out.buffer.backend
     dev = out.buffer.device or 0
-    dtype = dtype_from_wire(task.dtype)
-    op = as_op(task.op)
     scratch: list[Any] = []
 
     def here(src: LocalObject) -> bool:
