@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.collectives import round_times
 from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
+from hoplite_gpu import topology
 
 PARTS = ("p2p", "kernel", "collectives", "failure")
 OPS = ("broadcast", "reduce", "allreduce")
@@ -466,19 +467,10 @@ def environment() -> dict[str, Any]:
         env["ucxx"] = ucxx.__version__
     except Exception as exc:
         env["ucxx"] = f"not importable: {exc}"
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-            env["driver"] = driver.decode() if isinstance(driver, bytes) else driver
-            env["nvml_device"] = name.decode() if isinstance(name, bytes) else name
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:
-        env["driver"] = f"NVML unavailable: {exc}"
+    inventory = topology.inventory()  # NVML's view, as `hoplite-gpu info` prints it
+    env["driver"] = inventory.driver_version or f"NVML unavailable: {inventory.error}"
+    if inventory.gpus:
+        env["nvml_device"] = inventory.gpus[0].name
     return env
 
 
