@@ -19,6 +19,7 @@ from ._version import __version__
 from .config import Config
 from .errors import (
     AuthenticationError,
+    DeviceIpcError,
     DirectoryUnavailableError,
     HopliteError,
     HopliteTimeoutError,
@@ -43,6 +44,7 @@ from .object_id import ObjectID
 __all__ = [
     "AuthenticationError",
     "Config",
+    "DeviceIpcError",
     "DirectoryUnavailableError",
     "HopliteError",
     "HopliteTimeoutError",

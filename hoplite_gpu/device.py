@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any
 
 import numpy as np
 
-from .errors import HopliteError, InvalidArgumentError
+from . import shm
+from .errors import DeviceIpcError, HopliteError, InvalidArgumentError
 from .reduce_ops import ReduceOp
 from .reduce_ops import finish as host_finish
 from .reduce_ops import reduce_into as host_reduce_into
@@ -73,6 +75,28 @@ class DeviceBackend:
     def empty(self, nbytes: int, device: int) -> Any:
         """New device memory of ``nbytes`` on ``device``."""
         raise NotImplementedError
+
+    def empty_shared(self, nbytes: int, device: int) -> Any:
+        """New device memory of ``nbytes`` on ``device`` that other processes on this host can open
+        (:meth:`export`): its own allocation, never a sub-allocation of a memory pool. The store
+        keeps objects in it, so same-host readers copy them device to device."""
+        return self.empty(nbytes, device)
+
+    def export(self, flat: Any) -> tuple[bytes, int] | None:
+        """The inter-process handle of the allocation holding ``flat`` and ``flat``'s byte offset
+        in it, or None when it cannot be shared (memory of :meth:`empty_shared` can)."""
+        return None
+
+    def open_export(self, handle: bytes, offset: int, nbytes: int, device: int) -> tuple[Any, Any]:
+        """Open another process's :meth:`export`: a flat ``uint8`` array of the ``nbytes`` at
+        ``offset`` of the allocation ``handle`` names, usable from ``device``, and a callable that
+        closes it (call it once the array is no longer used).
+
+        Raises:
+            DeviceIpcError: the handle cannot be opened here (its process is gone, no peer access,
+                another machine's handle).
+        """
+        raise DeviceIpcError(f"the {self.name} backend cannot open device memory of other processes")
 
     def copy(self, dst: Any, src: Any) -> None:
         """Device to device (the same or another device), ``dst.nbytes == src.nbytes``."""
@@ -123,6 +147,12 @@ class CupyBackend(DeviceBackend):
     """CUDA device memory through CuPy (imported on first use)."""
 
     name = "cupy"
+
+    def __init__(self) -> None:
+        # Handles this process has open, by (device, handle): [mapped address, users]. CUDA maps
+        # one handle once per context, so concurrent readers of one object share the mapping.
+        self._opened: dict[tuple[int, bytes], list[int]] = {}
+        self._opened_lock = threading.Lock()
 
     def available(self) -> bool:
         from . import gpu
@@ -184,12 +214,62 @@ class CupyBackend(DeviceBackend):
         with cupy.cuda.Device(device):
             return cupy.empty(nbytes, cupy.uint8)
 
+    def empty_shared(self, nbytes: int, device: int) -> Any:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            mem = cupy.cuda.memory.Memory(max(nbytes, 1))  # cudaMalloc, outside CuPy's pool
+            return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+    def export(self, flat: Any) -> tuple[bytes, int] | None:
+        import cupy
+
+        mem = flat.data.mem
+        if not isinstance(mem, cupy.cuda.memory.Memory) or not mem.ptr:
+            return None  # pooled (a sub-allocation) or not CuPy's: only whole allocations are shared
+        try:
+            with cupy.cuda.Device(mem.device_id):
+                handle = cupy.cuda.runtime.ipcGetMemHandle(mem.ptr)
+        except cupy.cuda.runtime.CUDARuntimeError:
+            return None
+        return bytes(handle), int(flat.data.ptr - mem.ptr)
+
+    def open_export(self, handle: bytes, offset: int, nbytes: int, device: int) -> tuple[Any, Any]:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        key = (device, handle)
+        with self._opened_lock, cupy.cuda.Device(device):
+            entry = self._opened.get(key)
+            if entry is None:
+                try:
+                    base = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+                except runtime.CUDARuntimeError as exc:
+                    raise DeviceIpcError(f"cannot open the CUDA IPC handle: {exc}") from None
+                entry = self._opened[key] = [base, 0]
+            entry[1] += 1
+            mem = cupy.cuda.UnownedMemory(entry[0] + offset, max(nbytes, 1), None, device)
+            array = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+        def close() -> None:
+            with self._opened_lock, cupy.cuda.Device(device):
+                cupy.cuda.Stream.null.synchronize()  # copies out of it are done
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._opened[key]
+                    runtime.ipcCloseMemHandle(entry[0])
+
+        return array, close
+
     @staticmethod
     def _memcpy(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         import cupy
 
         if nbytes:  # cudaMemcpyDefault: unified addressing works out the direction and devices
             cupy.cuda.runtime.memcpy(dst_ptr, src_ptr, nbytes, cupy.cuda.runtime.memcpyDefault)
+            # A device-to-device cudaMemcpy may return before it is done: complete it, so the
+            # caller may reuse or free either side (and a closed IPC mapping is not read later).
+            cupy.cuda.Stream.null.synchronize()
 
     def copy(self, dst: Any, src: Any) -> None:
         _same_size(dst, src)
@@ -309,6 +389,37 @@ class SimBackend(DeviceBackend):
         out = np.empty(nbytes, np.uint8).view(SimDeviceArray)
         out.device_id = device
         return out
+
+    def empty_shared(self, nbytes: int, device: int) -> Any:
+        payload = shm.create(nbytes)  # a file under /dev/shm stands in for a CUDA allocation
+        if payload is None:
+            return self.empty(nbytes, device)
+        out = payload.view(SimDeviceArray)
+        out.device_id = device
+        return out
+
+    def export(self, flat: Any) -> tuple[bytes, int] | None:
+        base: Any = flat
+        while isinstance(base, np.ndarray):
+            base = base.base
+        if not isinstance(base, shm.Segment):
+            return None
+        start = np.frombuffer(base, np.uint8).ctypes.data + shm.HEADER_BYTES
+        return base.name.encode(), int(flat.ctypes.data - start)
+
+    def open_export(self, handle: bytes, offset: int, nbytes: int, device: int) -> tuple[Any, Any]:
+        try:
+            name = handle.decode()
+        except UnicodeDecodeError:
+            name = ""
+        if not shm.exporter_alive(name):  # like CUDA: a dead process's memory cannot be opened
+            raise DeviceIpcError(f"the process that exported {name!r} is gone")
+        payload = shm.map_payload(name, offset, nbytes)
+        if payload is None:
+            raise DeviceIpcError(f"simulated device memory {name!r} cannot be opened")
+        array = payload.view(SimDeviceArray)
+        array.device_id = device
+        return array, lambda: None  # unmapped once the array is dropped
 
     def copy(self, dst: Any, src: Any) -> None:
         _same_size(dst, src)

@@ -134,6 +134,12 @@ class ObjectLostError(HopliteError):
     """
 
 
+class DeviceIpcError(HopliteError):
+    """Device memory of another process on this host could not be opened (CUDA IPC: its process is
+    gone, no peer access between the devices, or a handle of another machine). Reads fall back to
+    the data plane; this reaches a caller only from :mod:`hoplite_gpu.device` directly."""
+
+
 class NodeClosedError(HopliteError, RuntimeError):
     """The node was closed; create a new one with ``hoplite_gpu.init`` or ``hoplite_gpu.connect``."""
 
@@ -165,6 +171,7 @@ def from_kind(kind: str, message: str, **fields: Any) -> HopliteError:
 
 __all__ = [
     "AuthenticationError",
+    "DeviceIpcError",
     "DirectoryUnavailableError",
     "HopliteError",
     "HopliteTimeoutError",

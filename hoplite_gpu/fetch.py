@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import buffers, device, shm, sources
+from . import buffers, device, ipc, shm, sources
 from . import protocol as p
 from .buffers import BufferKind, dtype_from_wire
 from .config import Config
@@ -86,8 +86,17 @@ def deliver(obj: LocalObject, out: Any) -> Any:
     Without ``out``: an object put from host memory is a read-only NumPy view of the store's
     copy; one put from device memory is a new array on the caller's current device (CuPy; a
     bfloat16 object as uint16, which CuPy lacks), or a host copy where this process has no usable
-    device.
+    device. A lent copy (another process's device memory) is closed once read.
     """
+    if obj.lease is not None:
+        try:
+            return _deliver(obj, out)
+        finally:
+            obj.lease.close()
+    return _deliver(obj, out)
+
+
+def _deliver(obj: LocalObject, out: Any) -> Any:
     dtype = dtype_from_wire(obj.dtype)
     if out is None:
         if obj.memory == MEMORY_DEVICE:
@@ -123,13 +132,17 @@ def _segment(obj: LocalObject) -> shm.Segment | None:
 
 
 def segment_name(obj: LocalObject) -> str:
-    """The name of the segment holding ``obj``'s bytes, not published yet ("" if private)."""
+    """The name of the segment holding ``obj``'s bytes, not published yet ("" if private; device
+    objects are published complete, never announced before)."""
     seg = _segment(obj)
     return "" if seg is None else seg.name
 
 
 def publish(obj: LocalObject) -> str:
-    """Publish a complete pooled copy in its shared-memory segment; the segment's name, or ""."""
+    """Publish a complete pooled copy in its shared-memory segment, or a device copy in its
+    ticket (:mod:`hoplite_gpu.ipc`); the name same-host readers open, or ""."""
+    if obj.ticket is not None:
+        return obj.ticket.publish(obj.object_id.binary())
     seg = _segment(obj)
     if seg is None:
         return ""
@@ -174,7 +187,10 @@ class Fetcher:
         ctx = sources.Context(store, data, config, session.send, self.completed, self.abandon)
         self._inline = sources.InlineSource(ctx)
         self._mapped = sources.SharedMemorySource(ctx)
+        self._device = sources.DeviceIpcSource(ctx)
         self._pull = sources.PullSource(ctx)
+        # Whether this process opens same-host device copies (CUDA IPC, or the simulated backend).
+        self._device_ipc = shared_memory and device.default_backend().available()
 
     def abort(self, transfer_id: int, error: HopliteError) -> None:
         """The directory says a transfer's sender died: stop pulling from it."""
@@ -186,13 +202,19 @@ class Fetcher:
         timeout: float | None,
         started: asyncio.Future[LocalObject] | None = None,
         direct: bool = False,
+        lend: bool = False,
     ) -> LocalObject:
         """Fetch ``oid`` into the local store; ``started`` (if given) is resolved with the local
-        object as soon as it exists, while it is still filling."""
+        object as soon as it exists, while it is still filling.
+
+        ``lend``: the caller reads the object once and lets go (a ``get`` copying it into the
+        array it returns), so a device copy of another process on this host may be returned
+        open in place, outside the store: close its :attr:`~LocalObject.lease` once read.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return await self._fetch(sources.Attempt(oid, timeout, deadline), started, direct)
+                return await self._fetch(sources.Attempt(oid, timeout, deadline), started, direct, lend)
             except ObjectReset:
                 log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)
 
@@ -224,7 +246,11 @@ class Fetcher:
         return deliver(obj, out)
 
     async def _fetch(
-        self, attempt: sources.Attempt, started: asyncio.Future[LocalObject] | None, direct: bool
+        self,
+        attempt: sources.Attempt,
+        started: asyncio.Future[LocalObject] | None,
+        direct: bool,
+        lend: bool = False,
     ) -> LocalObject:
         """One attempt of :meth:`get` (raises :class:`ObjectReset` if its copy was voided)."""
         oid = attempt.object_id
@@ -251,7 +277,8 @@ class Fetcher:
             if left is not None and left <= 0:
                 raise attempt.timed_out()
             have = local.progress if local is not None else 0
-            reply = await self._session.lookup(oid, left, have, self._shm and local is None, direct)
+            same_host = self._shm and local is None
+            reply = await self._session.lookup(oid, left, have, same_host, direct, self._device_ipc)
             generation = self._session.generation  # a copy finished under a later one is restored
             if local is not None and local.error is not None:
                 # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
@@ -289,7 +316,16 @@ class Fetcher:
                 if reply.transfer_id:
                     self._session.send(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
                 return await filled(appeared)
-            if reply.status == "shm" and local is None:
+            if reply.status == "shm" and local is None and ipc.is_ticket(reply.segment):
+                if lend:
+                    lent = self._device.lend(reply, attempt)
+                    if lent is not None:
+                        return lent
+                else:
+                    copied = await self._device.fill(None, reply, attempt, generation)
+                    if copied is not None:
+                        return await filled(copied)
+            elif reply.status == "shm" and local is None:
                 mapped = await self._mapped.fill(None, reply, attempt, generation)
                 if mapped is not None:
                     return await filled(mapped)

@@ -279,7 +279,7 @@ class Node:
         check_out(out)
         if streamable(out):
             return self._io.run(self._fetcher.get_into(object_id, timeout, out, direct))
-        return deliver(self._io.run(self._fetcher.get(object_id, timeout, direct=direct)), out)
+        return deliver(self._io.run(self._fetcher.get(object_id, timeout, direct=direct, lend=True)), out)
 
     async def get_async(
         self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
@@ -291,7 +291,8 @@ class Node:
         check_out(out)
         if streamable(out):
             return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct))
-        return deliver(await self._io.run_async(self._fetcher.get(object_id, timeout, direct=direct)), out)
+        fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True)
+        return deliver(await self._io.run_async(fetch), out)
 
     @staticmethod
     def _check_oid(object_id: Any) -> None:

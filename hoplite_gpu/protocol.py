@@ -153,7 +153,8 @@ class LookupRequest(Message):
 
     ``timeout`` 0 waits until cancelled. ``have_bytes`` is how much of the object the requester
     already holds (a resumed transfer). ``shared_memory``: the requester can copy from a
-    complete copy's shared-memory segment on its own host. ``direct``: pull from the owner (or the
+    complete copy's shared-memory segment on its own host; ``device_ipc``: also open a same-host
+    device copy's memory (:mod:`hoplite_gpu.ipc`). ``direct``: pull from the owner (or the
     node computing the object) even while it serves others, rather than from the chain of readers.
     """
 
@@ -164,6 +165,7 @@ class LookupRequest(Message):
     have_bytes: int = 0
     shared_memory: bool = False
     direct: bool = False
+    device_ipc: bool = False
 
     def check(self) -> None:
         _check_id(self.TYPE, "object_id", self.object_id)
@@ -570,6 +572,9 @@ def _check_object(
 
 #: :attr:`PutRequest.memory` values: host memory, device memory.
 MEMORY_KINDS = ("", "device")
+#: What a copy's ``segment`` starts with when it names a device memory ticket
+#: (:mod:`hoplite_gpu.ipc`) rather than a shared-memory segment.
+IPC_SEGMENT_PREFIX = "ipc:"
 
 
 def _check_memory(kind: str, memory: str) -> None:

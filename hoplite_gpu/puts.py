@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import buffers, device, shm
+from . import buffers, device, ipc, shm
 from . import protocol as p
 from .buffers import Buffer, digest_of, dtype_to_wire
 from .config import Config
@@ -144,8 +144,9 @@ class Putter:
         flat = backend.flat_bytes(array)
         nbytes = int(flat.nbytes)
         self._check_size(nbytes)
-        if copy:
-            data = backend.empty(nbytes, backend.device_of(flat))
+        ticket = None
+        if copy:  # into memory same-host readers can open (the caller's is not ours to share)
+            data, ticket = ipc.allocate(backend, nbytes, backend.device_of(flat), self._store.shares)
             backend.copy(data, flat)
             flat = data
         return LocalObject(
@@ -158,6 +159,7 @@ class Putter:
             progress=nbytes,
             owner=True,
             memory=MEMORY_DEVICE,
+            ticket=ticket,
         )
 
     def _check_size(self, nbytes: int) -> None:

@@ -304,11 +304,15 @@ class DirectorySession:
         have: int,
         shared_memory: bool = False,
         direct: bool = False,
+        device_ipc: bool = False,
     ) -> p.LookupReply:
         """Ask where ``oid`` is (see :class:`~hoplite_gpu.protocol.LookupRequest`); the directory
         answers once a source is free, or at ``timeout``."""
         return await self.with_directory(
-            lambda control, left: self._lookup_once(control, oid, left, have, shared_memory, direct), timeout
+            lambda control, left: self._lookup_once(
+                control, oid, left, have, shared_memory, direct, device_ipc
+            ),
+            timeout,
         )
 
     async def _lookup_once(
@@ -319,6 +323,7 @@ class DirectorySession:
         have: int,
         shared_memory: bool,
         direct: bool,
+        device_ipc: bool,
     ) -> p.LookupReply:
         rid = control.next_id()
         fut = control.expect(rid)
@@ -331,6 +336,7 @@ class DirectorySession:
                     have_bytes=have,
                     shared_memory=shared_memory,
                     direct=direct,
+                    device_ipc=device_ipc and shared_memory,
                 )
             )
             # The directory enforces the deadline; the margin covers a directory that went silent.

@@ -225,6 +225,39 @@ def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] |
     return view
 
 
+def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | None:
+    """A read-only view of ``nbytes`` at ``offset`` of segment ``name``'s payload, whatever its
+    header says (simulated device memory, :class:`hoplite_gpu.device.SimBackend`, whose validity a
+    separate published segment vouches for), or None when the segment is not there or too small."""
+    if not valid_name(name) or offset < 0 or nbytes < 0:
+        return None
+    try:
+        fd = _open_segment(name)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size < HEADER_BYTES + offset + nbytes:
+            return None
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    view = np.ndarray((nbytes,), np.uint8, buffer=mm, offset=HEADER_BYTES + offset)
+    view.flags.writeable = False
+    return view
+
+
+def exporter_alive(name: str) -> bool:
+    """Whether the process that created segment ``name`` still runs (True when it is of another
+    pid namespace: that cannot be told from here)."""
+    m = _NAME.fullmatch(name)
+    if m is None:
+        return False
+    return int(m.group(1)) != _pid_namespace() or _alive(int(m.group(2)))
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -5,14 +5,15 @@ reply's status picks the source that fills the local copy:
 
 * ``inline``: small objects come with the reply (:class:`InlineSource`);
 * ``shm``: a complete copy in a shared-memory segment on this host is mapped, not copied
-  (:class:`SharedMemorySource`);
+  (:class:`SharedMemorySource`); a device copy on this host is opened through its ticket and
+  copied device to device (:class:`DeviceIpcSource`);
 * ``pull``: the bytes stream over the data plane from the node the directory chose, possibly a
   node still receiving them itself (:class:`PullSource`).
 
 A source's :meth:`Source.fill` returns the local object (complete, or being completed by someone
 else on this node), or None to ask the directory for another source; a copy voided by a reduce
-tree's repair raises :class:`~hoplite_gpu.vertex.ObjectReset`. A new way in (CUDA IPC) is a new
-class here, not a branch in the node.
+tree's repair raises :class:`~hoplite_gpu.vertex.ObjectReset`. A new way in is a new class here,
+not a branch in the node.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from . import device, ipc, shm
 from . import protocol as p
-from . import shm
 from .buffers import Buffer, digest_of, dtype_from_wire
 from .config import Config
 from .errors import (
@@ -198,6 +199,57 @@ class SharedMemorySource(Source):
             return existing
         obj = self.ctx.store.add(from_reply(oid, reply, meta, view, progress=reply.size))
         self.ctx.completed(obj, generation, 0)
+        return obj
+
+
+class DeviceIpcSource(Source):
+    """A same-host holder's device memory, opened through its ticket (:mod:`hoplite_gpu.ipc`) and
+    copied device to device into a store copy of this node's own (exported in turn, and reported,
+    so it serves later readers). None if the ticket is gone or its memory does not open here."""
+
+    async def fill(
+        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
+    ) -> LocalObject | None:
+        oid = attempt.object_id
+        meta = checked_meta(oid, reply)
+        opened = ipc.open_ticket(reply.segment, oid.binary(), reply.size)
+        if opened is None:
+            log.debug("device memory of %s at %s does not open here; pulling", oid, reply.sender_node[:8])
+            return None
+        try:
+            existing = self.ctx.store.get(oid)
+            if existing is not None:  # arrived meanwhile (a vertex here, another get): use that
+                return existing
+            self.ctx.store.reserve(reply.size)
+            backend = device.default_backend()
+            data, ticket = ipc.allocate(backend, reply.size, backend.current_device(), self.ctx.store.shares)
+            try:
+                backend.copy(data, opened.array)
+            except BaseException:
+                if ticket is not None:
+                    ticket.retire()
+                raise
+        finally:
+            opened.close()
+        obj = from_reply(oid, reply, meta, data, progress=reply.size)
+        obj.ticket = ticket
+        self.ctx.store.add(obj)
+        self.ctx.completed(obj, generation, 0)
+        return obj
+
+    def lend(self, reply: p.LookupReply, attempt: Attempt) -> LocalObject | None:
+        """The holder's memory itself, open for one reader (a ``get`` that copies it into the array
+        it returns: one device copy in all): a complete object outside the store, whose
+        :attr:`~hoplite_gpu.store.LocalObject.lease` the caller closes once it has read it.
+        None if it does not open here."""
+        oid = attempt.object_id
+        meta = checked_meta(oid, reply)
+        opened = ipc.open_ticket(reply.segment, oid.binary(), reply.size)
+        if opened is None:
+            log.debug("device memory of %s at %s does not open here; pulling", oid, reply.sender_node[:8])
+            return None
+        obj = from_reply(oid, reply, meta, opened.array, progress=reply.size)
+        obj.lease = opened
         return obj
 
 

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import ipc
 from .buffers import Buffer, BufferPool, dtype_from_wire
 from .errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
 from .object_id import ObjectID
@@ -42,6 +43,12 @@ class LocalObject:
     # copy's buffer is: a reader's get returns that kind (a device object received into host
     # memory is copied to the reader's device when read).
     memory: str = MEMORY_HOST
+    # The export of a device buffer the store allocated itself (:mod:`hoplite_gpu.ipc`): published
+    # with the complete copy, so same-host readers copy from it device to device; retired with it.
+    ticket: ipc.Ticket | None = None
+    # Another process's device memory this copy reads in place (a lent copy, outside the store:
+    # see :meth:`~hoplite_gpu.sources.DeviceIpcSource.lend`); closed by whoever read it.
+    lease: ipc.Opened | None = None
     _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
 
     @property
@@ -129,6 +136,12 @@ class LocalStore:
         self._arrivals: dict[ObjectID, list[asyncio.Future[LocalObject]]] = {}
         self._removed: OrderedDict[ObjectID, None] = OrderedDict()  # recent removals, oldest first
 
+    @property
+    def shares(self) -> bool:
+        """Whether processes on this host read this store's copies in place (shared-memory
+        segments, device memory tickets): the node runs with ``Config.shared_memory``."""
+        return self.pool.shared_min_bytes > 0
+
     def __contains__(self, oid: ObjectID) -> bool:
         return oid in self._objects
 
@@ -179,6 +192,8 @@ class LocalStore:
             obj.fail(error or ObjectDeletedError(f"object {oid} was deleted", object_id=oid.hex()))
         if obj.buffer.pooled:
             self.pool.release(obj.buffer.host)
+        if obj.ticket is not None:
+            obj.ticket.retire()  # its memory is freed once no reader on the host has it open
         return obj
 
     async def wait_for(self, oid: ObjectID, timeout: float, coming: bool = False) -> LocalObject | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import ipc
 from . import protocol as p
 from .buffers import Buffer, dtype_from_wire
 from .errors import HopliteError, ObjectDeletedError, ObjectLostError, ObjectNotFoundError, TransportError
@@ -126,8 +127,12 @@ class VertexRunner:
                 if stale is not None and stale.complete and not stale.owner:
                     self.store.remove(run.output_id)  # the result of a tree rebuilt since
                 self.store.reserve(task.size)
+                ticket = None
                 if own.buffer.on_device:  # reduced where the input is, by the device's kernels
-                    buffer = Buffer.wrap(own.buffer.backend.empty(task.size, own.buffer.device or 0))
+                    data, ticket = ipc.allocate(
+                        own.buffer.backend, task.size, own.buffer.device or 0, self.store.shares
+                    )
+                    buffer = Buffer.wrap(data)
                 else:
                     buffer = Buffer.wrap(await self._allocate(task.size), pooled=True)
                 out = LocalObject(
@@ -139,6 +144,7 @@ class VertexRunner:
                     buffer,
                     reduction=task.reduction_id,
                     memory=task.memory,
+                    ticket=ticket,
                 )
                 self.store.add(out)
                 children = await streams

@@ -118,6 +118,24 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
 
             got = node.get(hg.ObjectID.from_hex(args[0]), timeout=args[1])
             return array_type(got), digest(to_host(got).view(np.ndarray))
+        if cmd == "ticket":  # the device memory ticket of an object this node holds ("" if none)
+            obj = node._store.get(hg.ObjectID.from_hex(args[0]))
+            return "" if obj is None or obj.ticket is None else obj.ticket.name
+        if cmd == "ipc_open":  # open a same-host holder's device memory and keep it open
+            from hoplite_gpu import ipc
+            from hoplite_gpu.buffers import to_host
+
+            segment, oid_hex, dtype, shape = args
+            opened = ipc.open_ticket(
+                segment, bytes.fromhex(oid_hex), int(np.prod(shape)) * np.dtype(dtype).itemsize
+            )
+            if opened is None:
+                return None
+            held["ipc"] = opened
+            return digest(to_host(opened.array).view(np.ndarray).view(dtype).reshape(shape))
+        if cmd == "ipc_close":
+            held.pop("ipc").close()
+            return True
         if cmd == "arm":
             from hoplite_gpu import faults
 

@@ -233,6 +233,7 @@ class PendingLookup:
     deadline: float | None
     shared_memory: bool = False
     direct: bool = False  # from the owner even while it serves others (see LookupRequest)
+    device_ipc: bool = False  # can open a same-host device copy (see LookupRequest)
     live: bool = True  # still in its queue (answered, failed and cancelled lookups are not)
 
 
@@ -709,6 +710,7 @@ class DirectoryState:
             deadline,
             msg.shared_memory,
             msg.direct,
+            msg.device_ipc,
         )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
         by_object = self._pending_by_request.setdefault((node_id, msg.request_id), {})
@@ -750,7 +752,7 @@ class DirectoryState:
             # computes it (after the lookup was sent): nothing to transfer.
             self._send(pl.node_id, p.LookupReply(status="local", **meta))
             return True
-        shared = self._same_host_copy(entry, pl.node_id) if pl.shared_memory else None
+        shared = self._same_host_copy(entry, pl.node_id, pl.device_ipc) if pl.shared_memory else None
         if shared is not None and shared.copying:
             return False  # its segment is being filled: mapping it then beats pulling it now
         if shared is None and pl.shared_memory and self._root_on_host(entry, pl.node_id):
@@ -760,9 +762,8 @@ class DirectoryState:
                 pl.node_id,
                 p.LookupReply(status="shm", sender_node=shared.node_id, segment=shared.segment, **meta),
             )
-            self._log(
-                now, "lookup_shm", node=pl.node_id, object_id=entry.object_id.hex(), sender=shared.node_id
-            )
+            kind = "lookup_ipc" if shared.segment.startswith(p.IPC_SEGMENT_PREFIX) else "lookup_shm"
+            self._log(now, kind, node=pl.node_id, object_id=entry.object_id.hex(), sender=shared.node_id)
             return True
         sender = self._choose_sender(entry, pl.node_id, pl.direct)
         if sender is None:
@@ -815,9 +816,10 @@ class DirectoryState:
         loc = entry.locations.get(node_id)
         return loc is not None and bool(loc.segment)
 
-    def _same_host_copy(self, entry: ObjectEntry, receiver: str) -> Location | None:
+    def _same_host_copy(self, entry: ObjectEntry, receiver: str, device_ipc: bool = False) -> Location | None:
         """A complete copy in a shared-memory segment on ``receiver``'s host (the owner's first;
-        one still being copied into its segment, see :attr:`Location.copying`, only if no other)."""
+        one still being copied into its segment, see :attr:`Location.copying`, only if no other).
+        A device copy's ticket (:mod:`hoplite_gpu.ipc`) counts only for a ``device_ipc`` receiver."""
         key = self.nodes[receiver].host_key
         if not key:
             return None
@@ -827,6 +829,7 @@ class DirectoryState:
             if (
                 loc.state is LocationState.COMPLETE
                 and loc.segment
+                and (device_ipc or not loc.segment.startswith(p.IPC_SEGMENT_PREFIX))
                 and loc.node_id != receiver
                 and info is not None
                 and info.host_key == key

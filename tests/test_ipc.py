@@ -1,0 +1,238 @@
+"""Same-host device copies (:mod:`hoplite_gpu.ipc`): readers open the holder's device memory through
+its ticket and copy device to device, with no bytes on the data plane.
+
+The processes use the simulated device backend (:class:`hoplite_gpu.device.SimBackend`), whose
+exported memory is a file under ``/dev/shm`` that another process maps, and which, like CUDA,
+refuses memory of a process that is gone. The CUDA backend runs the same code through
+``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``; ``tests/test_device_objects.py`` runs its
+cases with CuPy where a GPU is present (``make gpu-check``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu import device, gpu, ipc, shm
+from hoplite_gpu import protocol as p
+from hoplite_gpu.buffers import to_host
+from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
+from tests.procs import Worker, array_type, device_array, digest, make_array, start_workers
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm"),
+]
+
+SHAPE = (4, 1 << 15)  # 512 KiB of float32: several data-plane chunks when pulled
+OID = b"o" * 20
+DEVICE_TYPE = {"sim": "hoplite_gpu.SimDeviceArray", "cupy": "cupy.ndarray"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "sim",
+        pytest.param(
+            "cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason="no GPU")]
+        ),
+    ],
+)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The device backend of this process and of the workers it spawns (CUDA IPC with ``cupy``)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(device.BACKEND_ENV, request.param)
+    device.default_backend.cache_clear()
+    yield str(request.param)
+    mp.undo()
+    device.default_backend.cache_clear()
+
+
+def _sim_only(backend: str) -> None:
+    if backend != "sim":
+        pytest.skip("reaches into simulated device memory's files")
+
+
+@pytest.fixture(scope="module")
+def ipc_owner(backend: str) -> Iterator[Any]:
+    node = hg.init(shared_memory=True)
+    yield node
+    node.close()
+
+
+@pytest.fixture(scope="module")
+def ipc_workers(ipc_owner: Any) -> Iterator[list[Worker]]:
+    ws = start_workers(ipc_owner.directory_address, ipc_owner.token, 3, shared_memory=True)
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+def _events(node: Any, oid: str, since: int) -> list[dict[str, Any]]:
+    return [e for e in node.event_log(since) if e.get("object_id") == oid]
+
+
+def _put(node: Any, backend: str, seed: int) -> tuple[hg.ObjectID, np.ndarray[Any, Any]]:
+    want = make_array("float32", SHAPE, seed)
+    return node.put(device_array(backend, want)), want
+
+
+# ---------------------------------------------------------------- through real processes
+def test_a_same_host_reader_copies_device_to_device(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    start = ipc_owner.event_log()[-1]["seq"] + 1
+    oid = ipc_workers[0].call("put_device", backend, "float32", SHAPE, 1, "")
+    before = ipc_workers[1].call("objects")
+    got = ipc_workers[1].call("get_typed", oid, 60)
+    assert got == (DEVICE_TYPE[backend], digest(make_array("float32", SHAPE, 1)))
+    kinds = [e["kind"] for e in _events(ipc_owner, oid, start)]
+    assert "lookup_ipc" in kinds and "transfer_start" not in kinds
+    # A get copies straight into the array it returns: the reader keeps no copy of its own.
+    assert ipc_workers[1].call("objects") == before
+    ipc_workers[0].call("delete", oid)
+
+
+def test_reduce_vertices_read_same_host_device_inputs_through_ipc(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    start = ipc_owner.event_log()[-1]["seq"] + 1
+    seeds = [2, 3, 4]
+    ids = [
+        w.call("put_device", backend, "float32", SHAPE, s, "")
+        for w, s in zip(ipc_workers, seeds, strict=True)
+    ]
+    rid = ipc_owner.reduce([hg.ObjectID.from_hex(h) for h in ids], "sum", timeout=60)
+    got = ipc_owner.get(rid, timeout=60)
+    want = np.sum([make_array("float32", SHAPE, s) for s in seeds], axis=0, dtype=np.float32)
+    assert array_type(got) == DEVICE_TYPE[backend] and np.array_equal(to_host(got), want)
+    events = ipc_owner.event_log(start)
+    kinds = {h: [e["kind"] for e in events if e.get("object_id") == h] for h in [*ids, rid.hex()]}
+    # One star on one host: its root holds one input and opens the other two; the caller opens
+    # the result at the root. Nothing crosses the data plane.
+    assert sorted("lookup_ipc" in kinds[h] for h in ids) == [False, True, True], kinds
+    assert "lookup_ipc" in kinds[rid.hex()], kinds
+    assert not any("transfer_start" in k for k in kinds.values()), kinds
+    for w, h in zip(ipc_workers, ids, strict=True):
+        w.call("delete", h)
+
+
+def test_a_reader_without_shared_memory_pulls_device_bytes_staged(backend: str, ipc_owner: Any) -> None:
+    (reader,) = start_workers(ipc_owner.directory_address, ipc_owner.token, 1, shared_memory=False)
+    try:
+        start = ipc_owner.event_log()[-1]["seq"] + 1
+        oid, want = _put(ipc_owner, backend, 5)
+        assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
+        kinds = [e["kind"] for e in _events(ipc_owner, oid.hex(), start)]
+        assert "transfer_start" in kinds and "lookup_ipc" not in kinds
+        ipc_owner.delete(oid)
+    finally:
+        reader.stop()
+
+
+def test_device_memory_that_does_not_open_falls_back_to_a_pull(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    _sim_only(backend)
+    oid, want = _put(ipc_owner, backend, 6)
+    ticket = ipc_owner._store.get(oid).ticket
+    record = ipc.read_ticket(ticket.name, oid.binary(), want.nbytes)
+    assert record is not None and record.backend == "sim"
+    os.unlink(os.path.join(shm.SHM_DIR, record.handle.decode()))  # the memory's file is gone
+    start = ipc_owner.event_log()[-1]["seq"] + 1
+    assert ipc_workers[0].call("get_typed", oid.hex(), 60) == ("hoplite_gpu.SimDeviceArray", digest(want))
+    kinds = [e["kind"] for e in _events(ipc_owner, oid.hex(), start)]
+    assert kinds[:3] == ["lookup", "lookup_ipc", "lookup"] and "transfer_start" in kinds, kinds
+    ipc_owner.delete(oid)
+
+
+def test_a_holder_frees_device_memory_only_once_its_readers_let_go(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    oid, want = _put(ipc_owner, backend, 7)
+    ticket = ipc_owner._store.get(oid).ticket
+    assert ticket is not None and ticket.held
+    reader = ipc_workers[0]
+    assert reader.call("ipc_open", ticket.name, oid.hex(), "float32", SHAPE) == digest(want)
+    assert ipc_owner.delete(oid)
+    assert ticket.held  # retired, but a reader has the memory open: not freed
+    assert ipc.open_ticket(ticket.name, oid.binary(), want.nbytes) is None  # no new reader
+    assert reader.call("ipc_close")
+    ipc.reap()
+    assert not ticket.held
+
+
+def test_memory_of_a_killed_holder_is_not_opened(backend: str, ipc_owner: Any) -> None:
+    (holder,) = start_workers(ipc_owner.directory_address, ipc_owner.token, 1, shared_memory=True)
+    try:
+        oid = holder.call("put_device", backend, "float32", SHAPE, 8, "")
+        name = holder.call("ticket", oid)
+        nbytes = int(np.prod(SHAPE)) * 4
+        assert ipc.read_ticket(name, bytes.fromhex(oid), nbytes) is not None
+        os.kill(holder.proc.pid, signal.SIGKILL)
+        holder.proc.join(30)
+        assert ipc.open_ticket(name, bytes.fromhex(oid), nbytes) is None
+    finally:
+        holder.stop()
+        shm.sweep_orphans()  # the killed holder's ticket and memory files
+
+
+# ---------------------------------------------------------------- tickets in one process
+def test_a_ticket_opens_only_for_its_object_and_size(backend: str) -> None:
+    ramp = np.arange(64, dtype=np.uint8)
+    array = device.default_backend().empty_shared(64, 0)
+    device.default_backend().from_host(array, ramp)
+    ticket = ipc.export(array)
+    assert ticket is not None and ipc.is_ticket(ticket.name)
+    assert ipc.open_ticket(ticket.name, OID, 64) is None  # not published yet
+    ticket.publish(OID)
+    opened = ipc.open_ticket(ticket.name, OID, 64)
+    assert opened is not None and np.array_equal(to_host(opened.array), ramp)
+    opened.close()
+    assert ipc.open_ticket(ticket.name, b"x" * 20, 64) is None  # another object
+    assert ipc.open_ticket(ticket.name, OID, 65) is None  # another size
+    assert ipc.open_ticket(ticket.name[len(ipc.PREFIX) :], OID, 64) is None  # not a ticket
+    assert ipc.open_ticket(ipc.PREFIX + "../etc/passwd", OID, 64) is None
+    ticket.retire()
+    assert ipc.open_ticket(ticket.name, OID, 64) is None and not ticket.held
+
+
+def test_memory_of_a_pool_is_not_exported(backend: str) -> None:
+    # not memory of empty_shared (for CuPy: a sub-allocation of its pool)
+    assert ipc.export(device_array(backend, np.zeros(8, np.uint8))) is None
+    assert ipc.export(np.zeros(8, np.uint8)) is None  # host memory
+    assert ipc.allocate(device.default_backend(), 8, 0, share=False)[1] is None
+
+
+# ---------------------------------------------------------------- the directory's choice
+def _state(**hosts: str) -> DirectoryState:
+    state = DirectoryState(lease_timeout=math.inf, validate=True)
+    for i, (node, key) in enumerate(hosts.items()):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, key))
+    return state
+
+
+@pytest.mark.parametrize(
+    ("device_ipc", "host", "status"),
+    [(True, "h1", "shm"), (False, "h1", "pull"), (True, "h2", "pull")],
+)
+def test_a_ticket_goes_only_to_same_host_readers_that_open_device_memory(
+    device_ipc: bool, host: str, status: str
+) -> None:
+    state = _state(A="h1", B=host)
+    name = ipc.PREFIX + "hoplite-1-2-3-ab"
+    put = p.PutRequest(1, OID, 1 << 20, "|u1", [1 << 20], b"", None, name, memory="device")
+    state.handle(Request("A", put, 0.0))
+    (send,) = state.handle(Request("B", p.LookupRequest(7, OID, 0.0, 0, True, device_ipc=device_ipc), 0.0))
+    assert isinstance(send.message, p.LookupReply)
+    assert send.message.status == status
+    if status == "shm":
+        assert send.message.segment == name and send.message.memory == "device" and not state.transfers
+        assert state.events[-1]["kind"] == "lookup_ipc"
