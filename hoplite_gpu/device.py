@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from typing import Any
 
@@ -50,6 +51,12 @@ class DeviceBackend:
     def available(self) -> bool:
         """Whether this process can create device memory with this backend."""
         raise NotImplementedError
+
+    def in_use(self) -> bool:
+        """Whether this process already works with this backend's device memory (and it is
+        available): asked on every lookup, so it loads nothing new (no CUDA start-up for a
+        process that never touches a GPU)."""
+        return self.available()
 
     def owns(self, array: Any) -> bool:
         """Whether ``array`` (any caller's array) lives in this backend's device memory."""
@@ -153,11 +160,17 @@ class CupyBackend(DeviceBackend):
         # one handle once per context, so concurrent readers of one object share the mapping.
         self._opened: dict[tuple[int, bytes], list[int]] = {}
         self._opened_lock = threading.Lock()
+        self._in_use: bool | None = None
 
     def available(self) -> bool:
         from . import gpu
 
         return gpu.available()
+
+    def in_use(self) -> bool:
+        if self._in_use is None and "cupy" in sys.modules:
+            self._in_use = self.available()  # asked once CuPy is loaded: then it stays as it is
+        return bool(self._in_use)
 
     def owns(self, array: Any) -> bool:
         module = type(array).__module__.split(".")[0]

@@ -189,8 +189,7 @@ class Fetcher:
         self._mapped = sources.SharedMemorySource(ctx)
         self._device = sources.DeviceIpcSource(ctx)
         self._pull = sources.PullSource(ctx)
-        # Whether this process opens same-host device copies (CUDA IPC, or the simulated backend).
-        self._device_ipc = shared_memory and device.default_backend().available()
+
 
     def abort(self, transfer_id: int, error: HopliteError) -> None:
         """The directory says a transfer's sender died: stop pulling from it."""
@@ -278,7 +277,10 @@ class Fetcher:
                 raise attempt.timed_out()
             have = local.progress if local is not None else 0
             same_host = self._shm and local is None
-            reply = await self._session.lookup(oid, left, have, same_host, direct, self._device_ipc)
+            # Same-host device copies are opened (CUDA IPC) once this process works with device
+            # memory; until then it receives them like host objects.
+            device_ipc = same_host and device.default_backend().in_use()
+            reply = await self._session.lookup(oid, left, have, same_host, direct, device_ipc)
             generation = self._session.generation  # a copy finished under a later one is restored
             if local is not None and local.error is not None:
                 # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.

@@ -236,3 +236,21 @@ def test_a_ticket_goes_only_to_same_host_readers_that_open_device_memory(
     if status == "shm":
         assert send.message.segment == name and send.message.memory == "device" and not state.transfers
         assert state.events[-1]["kind"] == "lookup_ipc"
+
+
+def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
+    """A node's tickets (and simulated device memory) go with its objects."""
+    ns = os.stat("/proc/self/ns/pid").st_ino
+
+    def ours() -> set[str]:
+        return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"hoplite-{ns}-{os.getpid()}-")}
+
+    before = ours()
+    node = hg.connect(ipc_owner.directory_address, token=ipc_owner.token, shared_memory=True)
+    oid, _ = _put(node, backend, 9)
+    assert ours() - before  # the ticket (and for the simulated backend, the memory)
+    node.delete(oid)
+    _put(node, backend, 10)
+    node.close()
+    ipc.reap()
+    assert ours() == before
