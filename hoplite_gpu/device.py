@@ -34,6 +34,8 @@ from .reduce_ops import reduce_into as host_reduce_into
 
 #: Environment variable naming the default backend of a process (``cupy``, the default, or ``sim``).
 BACKEND_ENV = "HOPLITE_DEVICE_BACKEND"
+#: Largest device-to-host copy made into pinned memory (:meth:`CupyBackend.host_copy`).
+PINNED_STAGING_BYTES = 64 << 20
 
 
 def _bfloat16() -> np.dtype[Any]:
@@ -292,6 +294,20 @@ class CupyBackend(DeviceBackend):
         _same_size(dst, src)
         _host_contiguous(dst)
         self._memcpy(dst.ctypes.data, src.data.ptr, dst.nbytes)
+
+    def host_copy(self, src: Any) -> np.ndarray[Any, Any]:
+        """As the base class, into pinned memory from CuPy's pinned pool for chunk-sized copies
+        (what the data plane stages: a copy out of the device runs at the link's full rate only
+        into page-locked memory, and the pool hands the same buffers out again once a chunk is
+        sent); larger ones into ordinary memory (page-locking gigabytes costs more than it saves)."""
+        import cupy
+
+        nbytes = int(src.nbytes)
+        if not 0 < nbytes <= PINNED_STAGING_BYTES:
+            return super().host_copy(src)
+        out = np.frombuffer(cupy.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+        self.to_host(out, src)
+        return out
 
     def from_host(self, dst: Any, src: np.ndarray[Any, Any]) -> None:
         _same_size(dst, src)

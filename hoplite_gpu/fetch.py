@@ -190,7 +190,6 @@ class Fetcher:
         self._device = sources.DeviceIpcSource(ctx)
         self._pull = sources.PullSource(ctx)
 
-
     def abort(self, transfer_id: int, error: HopliteError) -> None:
         """The directory says a transfer's sender died: stop pulling from it."""
         self._pull.abort(transfer_id, error)

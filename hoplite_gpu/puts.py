@@ -179,6 +179,8 @@ class Putter:
         oid = obj.object_id
         existing = self._store.get(oid)
         if existing is not None:
+            if obj.ticket is not None:  # this copy is not kept: neither is its export
+                obj.ticket.retire()
             same = existing.digest == obj.digest or not (existing.digest and obj.digest)
             if same and existing.dtype == obj.dtype and existing.shape == obj.shape:
                 if existing.owner and not existing.complete:  # the same put, still copying

@@ -179,6 +179,25 @@ def _open_segment(name: str) -> int:
     return os.open(os.path.join(SHM_DIR, name), flags)
 
 
+def _open_regular(name: str) -> int | None:
+    """A read-only descriptor of segment ``name`` (the caller closes it), or None when the name is
+    not one of ours, nothing is there, or it is not a regular file (a FIFO or device under a
+    segment's name is never read)."""
+    if not valid_name(name):
+        return None
+    try:
+        fd = _open_segment(name)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
 def valid_name(name: str) -> bool:
     """Whether ``name`` looks like one of our segments (it comes off the network)."""
     return bool(_NAME.fullmatch(name))
@@ -194,15 +213,10 @@ def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] |
     a segment a reader still maps (:meth:`Segment.mapped_elsewhere`), and a view outlives the
     holder's unlink or death (the memory stays until the last mapping goes).
     """
-    if not valid_name(name):
+    fd = _open_regular(name)
+    if fd is None:
         return None
     try:
-        fd = _open_segment(name)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None  # a FIFO or device under a segment's name: never read it
         # Lock before reading the header: a holder that reuses the segment first takes the lock
         # exclusively, and it marked the payload retired before that, so a reader that sees a
         # published header under the lock keeps valid bytes until it lets go.
@@ -229,16 +243,13 @@ def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | N
     """A read-only view of ``nbytes`` at ``offset`` of segment ``name``'s payload, whatever its
     header says (simulated device memory, :class:`hoplite_gpu.device.SimBackend`, whose validity a
     separate published segment vouches for), or None when the segment is not there or too small."""
-    if not valid_name(name) or offset < 0 or nbytes < 0:
+    fd = _open_regular(name) if offset >= 0 and nbytes >= 0 else None
+    if fd is None:
         return None
     try:
-        fd = _open_segment(name)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size < HEADER_BYTES + offset + nbytes:
-            return None
         size = os.fstat(fd).st_size
+        if size < HEADER_BYTES + offset + nbytes:
+            return None
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     except OSError:
         return None

@@ -211,10 +211,8 @@ class DeviceIpcSource(Source):
         self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
     ) -> LocalObject | None:
         oid = attempt.object_id
-        meta = checked_meta(oid, reply)
-        opened = ipc.open_ticket(reply.segment, oid.binary(), reply.size)
-        if opened is None:
-            log.debug("device memory of %s at %s does not open here; pulling", oid, reply.sender_node[:8])
+        lent = self.lend(reply, attempt)
+        if lent is None or lent.lease is None:
             return None
         try:
             existing = self.ctx.store.get(oid)
@@ -224,14 +222,14 @@ class DeviceIpcSource(Source):
             backend = device.default_backend()
             data, ticket = ipc.allocate(backend, reply.size, backend.current_device(), self.ctx.store.shares)
             try:
-                backend.copy(data, opened.array)
+                backend.copy(data, lent.buffer.array)
             except BaseException:
                 if ticket is not None:
                     ticket.retire()
                 raise
         finally:
-            opened.close()
-        obj = from_reply(oid, reply, meta, data, progress=reply.size)
+            lent.lease.close()
+        obj = from_reply(oid, reply, (lent.dtype, lent.shape), data, progress=reply.size)
         obj.ticket = ticket
         self.ctx.store.add(obj)
         self.ctx.completed(obj, generation, 0)

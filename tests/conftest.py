@@ -43,6 +43,33 @@ def broken_invariants() -> Iterator[list[str]]:
     assert not handler.found, handler.found[0]
 
 
+def _gpu() -> bool:
+    from hoplite_gpu import gpu
+
+    return gpu.available()
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "sim",
+        pytest.param("cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="no GPU")]),
+    ],
+)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The device backend (:mod:`hoplite_gpu.device`) of this process and of the workers it spawns
+    while the module's tests run: ``sim`` (host memory treated as device memory) everywhere, and
+    ``cupy`` (CUDA) where CuPy sees a GPU; without one the ``cupy`` cases skip."""
+    from hoplite_gpu import device
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv(device.BACKEND_ENV, request.param)
+    device.default_backend.cache_clear()
+    yield str(request.param)
+    mp.undo()
+    device.default_backend.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def owner() -> Iterator[Any]:
     """A node with an embedded directory, living in the test process."""

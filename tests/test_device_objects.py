@@ -29,25 +29,6 @@ SHAPE = (3, 1 << 16)  # 768 KiB of float32: several data-plane chunks
 DEVICE_TYPE = {"sim": "hoplite_gpu.SimDeviceArray", "cupy": "cupy.ndarray"}
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "sim",
-        pytest.param(
-            "cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason="no GPU")]
-        ),
-    ],
-)
-def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The device backend of this process and of the workers it spawns."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv(device.BACKEND_ENV, request.param)
-    device.default_backend.cache_clear()
-    yield str(request.param)
-    mp.undo()
-    device.default_backend.cache_clear()
-
-
 @pytest.fixture(scope="module")
 def dev_owner(backend: str) -> Iterator[Any]:
     node = hg.init()
@@ -220,3 +201,18 @@ def test_the_memory_kind_is_checked_on_the_wire() -> None:
     )
     with pytest.raises(ProtocolError):
         bad.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="no GPU")
+def test_chunks_staged_for_the_data_plane_are_pinned() -> None:
+    import cupy
+
+    from hoplite_gpu.buffers import buffer_kind
+
+    src = (cupy.arange(1 << 20, dtype=cupy.uint32) % 251).view(cupy.uint8)
+    chunk = device.CupyBackend().host_copy(src)
+    assert buffer_kind(chunk) is BufferKind.PINNED
+    assert np.array_equal(chunk, cupy.asnumpy(src))
+    big = device.CupyBackend().host_copy(cupy.zeros(device.PINNED_STAGING_BYTES + 1, cupy.uint8))
+    assert buffer_kind(big) is BufferKind.PRIVATE and not big.any()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
-from hoplite_gpu import device, gpu, ipc, shm
+from hoplite_gpu import device, ipc, shm
 from hoplite_gpu import protocol as p
 from hoplite_gpu.buffers import to_host
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
@@ -34,25 +34,6 @@ pytestmark = [
 SHAPE = (4, 1 << 15)  # 512 KiB of float32: several data-plane chunks when pulled
 OID = b"o" * 20
 DEVICE_TYPE = {"sim": "hoplite_gpu.SimDeviceArray", "cupy": "cupy.ndarray"}
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        "sim",
-        pytest.param(
-            "cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason="no GPU")]
-        ),
-    ],
-)
-def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The device backend of this process and of the workers it spawns (CUDA IPC with ``cupy``)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv(device.BACKEND_ENV, request.param)
-    device.default_backend.cache_clear()
-    yield str(request.param)
-    mp.undo()
-    device.default_backend.cache_clear()
 
 
 def _sim_only(backend: str) -> None:
@@ -247,8 +228,11 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
 
     before = ours()
     node = hg.connect(ipc_owner.directory_address, token=ipc_owner.token, shared_memory=True)
-    oid, _ = _put(node, backend, 9)
-    assert ours() - before  # the ticket (and for the simulated backend, the memory)
+    oid, want = _put(node, backend, 9)
+    after_put = ours()
+    assert after_put - before  # the ticket (and for the simulated backend, the memory)
+    assert node.put(device_array(backend, want), oid) == oid  # the same put again: not kept
+    assert ours() == after_put
     node.delete(oid)
     _put(node, backend, 10)
     node.close()
