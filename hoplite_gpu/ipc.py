@@ -72,19 +72,23 @@ class Ticket:
         self._record: np.ndarray[Any, Any] | None = record
         self._segment: shm.Segment | None = segment
         self._array: Any = array
+        self._retired = False
         self.name = PREFIX + segment.name
 
     def publish(self, object_id: bytes) -> str:
-        """Declare the memory to hold ``object_id`` (complete); the name for the directory."""
-        assert self._segment is not None, "publish after retire"
+        """Declare the memory to hold ``object_id`` (complete); the name for the directory ("" once
+        retired: a dropped copy is never offered again)."""
+        if self._retired or self._segment is None:
+            return ""
         self._segment.publish(object_id)
         return self.name
 
     def retire(self) -> None:
         """The object is dropped: readers reject the ticket from now on, and the memory is let go
-        as soon as no reader has it open."""
-        if self._segment is None:
+        as soon as no reader has it open. Idempotent."""
+        if self._retired or self._segment is None:
             return
+        self._retired = True
         self._segment.retire()
         with _draining_lock:
             _draining.append(self)
@@ -92,7 +96,8 @@ class Ticket:
 
     def _release(self) -> bool:
         """Let go if no reader holds the ticket; whether it did."""
-        assert self._segment is not None
+        if self._segment is None:
+            return True
         if self._segment.mapped_elsewhere():
             return False
         self._segment.unlink()

@@ -238,3 +238,13 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
     node.close()
     ipc.reap()
     assert ours() == before
+
+
+def test_a_retired_ticket_stays_retired(backend: str) -> None:
+    ticket = ipc.export(device.default_backend().empty_shared(16, 0))
+    assert ticket is not None
+    ticket.publish(OID)
+    ticket.retire()
+    ticket.retire()  # a second retirement (the store's, after a failed put's) changes nothing
+    ipc.reap()
+    assert ticket.publish(OID) == "" and not ticket.held
