@@ -34,6 +34,7 @@ device machine runs it after the GPU tests):
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -72,14 +73,19 @@ def _pattern(xp: Any, nbytes: int) -> Any:
 
 
 # ---------------------------------------------------------------- worker processes
-def _member(address: str, token: str, rank: int, world: int, fault: str, conn: Any) -> None:
-    """A worker process: one node; runs the commands the driver sends until it sends None."""
+def _member(address: str, token: str, rank: int, world: int, fault: str, staged: bool, conn: Any) -> None:
+    """A worker process: one node; runs the commands the driver sends until it sends None.
+    ``fault``: armed in it (:mod:`hoplite_gpu.faults`). ``staged``: without shared memory, so
+    objects reach it over the data plane in chunks, as from another host (a fault fires at a byte
+    offset of a transfer; on one host a reader copies the whole object through CUDA IPC at once)."""
     import cupy as cp
 
     import hoplite_gpu as hg
 
     _pattern(cp, 4).sum()  # a CUDA context before anything is timed, as a training process has one
     overrides: dict[str, Any] = {"fault_injection": fault} if fault else {}
+    if staged:
+        overrides["shared_memory"] = False
     node = hg.connect(address, token=token, **overrides)
     state: dict[str, Any] = {"rank": rank, "world": world}
     conn.send("ready")
@@ -266,11 +272,21 @@ def _p2p_get(node: Any, pipe: Any, src: Any, use_out: bool, timeout: float) -> f
     return float(seconds)
 
 
+def _paths(events: list[dict[str, Any]]) -> str:
+    """How the gets among ``events`` (the directory's event log) were served: ``ipc`` (opened the
+    holder's device memory on this host), ``shm`` (mapped a host segment), ``pull`` (the data plane,
+    staged through host memory), with counts where they differ."""
+    kinds = {"lookup_ipc": "ipc", "lookup_shm": "shm", "transfer_start": "pull"}
+    counts = collections.Counter(kinds[e["kind"]] for e in events if e["kind"] in kinds)
+    return ", ".join(f"{path} x{n}" for path, n in sorted(counts.items())) or "none"
+
+
 def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """A device-to-device get between two processes against cudaMemcpy of the same size."""
     import cupy as cp
 
-    pipes, procs = start_workers(_member, [(node.directory_address, node.token, 1, 2, "")], daemon=False)
+    receiver = (node.directory_address, node.token, 1, 2, "", False)
+    pipes, procs = start_workers(_member, [receiver], daemon=False)
     try:
         for size in args.p2p_sizes:
             src = _pattern(cp, size)
@@ -280,6 +296,7 @@ def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
                 (f"get, median of {args.repeat}", False, args.repeat),
                 (f"get(out=cupy), median of {args.repeat}", True, args.repeat),
             ):
+                since = node.event_log()[-1]["seq"] + 1
                 seconds = statistics.median(
                     _p2p_get(node, pipes[0], src, use_out, args.timeout) for _ in range(times)
                 )
@@ -293,6 +310,7 @@ def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
                         copy_gbps,
                         P2P_TARGET,
                         seconds=seconds,
+                        path=_paths(node.event_log(since)),
                     )
                 )
             del src
@@ -342,7 +360,7 @@ def part_kernel(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]])
 def part_collectives(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Broadcast, reduce, allreduce of CuPy arrays against the same with NumPy arrays."""
     world, size, rounds = args.workers, args.size, args.warmup + args.repeat
-    members = [(node.directory_address, node.token, r, world, "") for r in range(world)]
+    members = [(node.directory_address, node.token, r, world, "", False) for r in range(world)]
     pipes, procs = start_workers(_member, members, daemon=False)
     name = f"bench-gpu-{os.getpid()}-{time.time_ns()}"
     try:
@@ -381,14 +399,16 @@ def _replied(pipe: Any) -> bool:
 def _kill_broadcast(node: Any, args: argparse.Namespace, injected: bool) -> dict[str, Any]:
     """Member 0 puts an array that members 1.. are already getting; member 1 is SIGKILLed. With
     ``injected``, member 1 kills itself half way through receiving the object, or a quarter of the
-    way through relaying it, whichever comes first (:mod:`hoplite_gpu.faults`); else this process
-    kills it as soon as member 0's put returns."""
+    way through relaying it, whichever comes first (:mod:`hoplite_gpu.faults`; member 1 then
+    receives over the data plane, staged, as from another host); else this process kills it as
+    soon as member 0's put returns (every member on the same-host path, CUDA IPC)."""
     import hoplite_gpu as hg
 
     world, size = args.workers, args.size
     hex_id = hg.ObjectID.random().hex()
     fault = f"receive:{hex_id}:0.5:KILL,serve:{hex_id}:0.25:KILL" if injected else ""
-    members = [(node.directory_address, node.token, r, world, fault if r == 1 else "") for r in range(world)]
+    address, token = node.directory_address, node.token
+    members = [(address, token, r, world, fault if r == 1 else "", injected) for r in range(world)]
     pipes, procs = start_workers(_member, members, daemon=False)
     try:
         for r in range(1, world):  # gets before the put, member 1's first: later readers may stream from it
@@ -541,7 +561,9 @@ def format_markdown(record: dict[str, Any]) -> str:
     cells = [
         [
             r["part"],
-            r["measurement"] + (f" ({r['note']})" if r.get("note") else ""),
+            r["measurement"]
+            + (f" ({r['note']})" if r.get("note") else "")
+            + (f" [{r['path']}]" if r.get("path") else ""),
             format_size(r["size"]),
             _cell(r["gbps"], 1),
             r["baseline"],
