@@ -245,6 +245,8 @@ def open_ticket(segment: str, object_id: bytes, nbytes: int) -> Opened | None:
         if mine is None or mine._array is None:
             return None
         return Opened(mine._array[:nbytes], lambda: None, view)
+    if not shm.exporter_alive(segment[len(PREFIX) :]):
+        return None  # its process is gone: its memory with it (CUDA would refuse the handle)
     try:
         if not backend.available():
             return None
