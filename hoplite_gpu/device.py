@@ -119,9 +119,14 @@ class DeviceBackend:
         """Host ``src`` into device ``dst``."""
         raise NotImplementedError
 
+    def staging(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """A new flat ``uint8`` host buffer for staging ``nbytes`` on their way into or out of
+        device memory (the data plane's chunks)."""
+        return np.empty(nbytes, np.uint8)
+
     def host_copy(self, src: Any) -> np.ndarray[Any, Any]:
-        """A new flat ``uint8`` host copy of device ``src``'s bytes."""
-        out = np.empty(int(src.nbytes), np.uint8)
+        """A new flat ``uint8`` host copy of device ``src``'s bytes (in :meth:`staging` memory)."""
+        out = self.staging(int(src.nbytes))
         self.to_host(out, src)
         return out
 
@@ -295,19 +300,16 @@ class CupyBackend(DeviceBackend):
         _host_contiguous(dst)
         self._memcpy(dst.ctypes.data, src.data.ptr, dst.nbytes)
 
-    def host_copy(self, src: Any) -> np.ndarray[Any, Any]:
-        """As the base class, into pinned memory from CuPy's pinned pool for chunk-sized copies
-        (what the data plane stages: a copy out of the device runs at the link's full rate only
-        into page-locked memory, and the pool hands the same buffers out again once a chunk is
-        sent); larger ones into ordinary memory (page-locking gigabytes costs more than it saves)."""
+    def staging(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """Pinned memory from CuPy's pinned pool for chunk-sized buffers (copies between host and
+        device run at the link's full rate only from and into page-locked memory, and the pool
+        hands the same buffers out again once a chunk is done with); ordinary memory beyond
+        :data:`PINNED_STAGING_BYTES` (page-locking gigabytes costs more than it saves)."""
         import cupy
 
-        nbytes = int(src.nbytes)
         if not 0 < nbytes <= PINNED_STAGING_BYTES:
-            return super().host_copy(src)
-        out = np.frombuffer(cupy.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
-        self.to_host(out, src)
-        return out
+            return super().staging(nbytes)
+        return np.frombuffer(cupy.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
 
     def from_host(self, dst: Any, src: np.ndarray[Any, Any]) -> None:
         _same_size(dst, src)

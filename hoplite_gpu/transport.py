@@ -632,6 +632,11 @@ class DataPlane:
         )
         header = np.empty(p.PULL_RESPONSE.size, np.uint8)
         window: list[tuple[int, asyncio.Future[Any]]] = []
+        # Chunks of a copy in device memory land in host buffers first (UCX's TCP transport
+        # receives into host memory), each copied to the device as it lands, while later chunks
+        # are still on the wire: by chunk end, its start and its host buffer.
+        staged: dict[int, tuple[int, np.ndarray[Any, Any]]] = {}
+        backend = obj.buffer.backend if obj.buffer.on_device else None
         pos = start
         failed = obj.failure()
         stops = [failed] if abort is None else [failed, abort]
@@ -643,7 +648,12 @@ class DataPlane:
             while pos < obj.size and len(window) < cfg.chunks_in_flight:
                 end = min(pos + chunk, obj.size)
                 tag = p.chunk_tag(transfer_id, pos, end)
-                window.append((end, asyncio.ensure_future(ep.recv(obj.buffer.view(pos, end), tag=tag))))
+                if backend is None:
+                    target = obj.buffer.view(pos, end)
+                else:
+                    target = backend.staging(end - pos)
+                    staged[end] = (pos, target)
+                window.append((end, asyncio.ensure_future(ep.recv(target, tag=tag))))
                 pos = end
 
         sending: asyncio.Future[Any] | None = None
@@ -684,6 +694,9 @@ class DataPlane:
                 end, fut = window[0]
                 await _landed(fut, stops, cfg.stall_timeout, address, "receive")
                 window.pop(0)
+                if backend is not None:
+                    begin, landed = staged.pop(end)
+                    backend.from_host(obj.buffer.view(begin, end), landed)
                 obj.advance(end)
                 if INJECTOR.armed:
                     INJECTOR.check("receive", obj.object_id.hex(), obj.progress, obj.size)

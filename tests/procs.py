@@ -118,6 +118,9 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
 
             got = node.get(hg.ObjectID.from_hex(args[0]), timeout=args[1])
             return array_type(got), digest(to_host(got).view(np.ndarray))
+        if cmd == "buffer_kind":  # where this node's copy of an object lives (None: no copy)
+            obj = node._store.get(hg.ObjectID.from_hex(args[0]))
+            return None if obj is None else obj.buffer.kind.value
         if cmd == "ticket":  # the device memory ticket of an object this node holds ("" if none)
             obj = node._store.get(hg.ObjectID.from_hex(args[0]))
             return "" if obj is None or obj.ticket is None else obj.ticket.name

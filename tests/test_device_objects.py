@@ -10,6 +10,7 @@ GPU (``make gpu-check``); without one the ``cupy`` cases skip.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,7 +112,8 @@ def test_a_reader_without_a_device_gets_host_memory(monkeypatch: pytest.MonkeyPa
 @pytest.mark.multiprocess
 def test_broadcast_from_device_memory(backend: str, dev_owner: Any, dev_workers: list[Worker]) -> None:
     """Readers in other processes get device arrays; the source's bytes cross the data plane
-    staged through host memory (a device buffer has no host view to send from)."""
+    staged through host memory (a device buffer has no host view to send from, and none to
+    receive into): each reader's copy lands in its own device memory chunk by chunk."""
     oid = dev_workers[0].call("put_device", backend, "float32", SHAPE, 11, "")
     want = digest(make_array("float32", SHAPE, 11))
     for w in dev_workers[1:]:
@@ -120,11 +122,34 @@ def test_broadcast_from_device_memory(backend: str, dev_owner: Any, dev_workers:
     assert array_type(got) == DEVICE_TYPE[backend] and digest(to_host(got)) == want
     for w in dev_workers[1:]:
         assert w.result() == (DEVICE_TYPE[backend], want)
+        assert w.call("buffer_kind", oid) == "device"
+    assert _local(dev_owner, hg.ObjectID.from_hex(oid)).buffer.kind is BufferKind.DEVICE
     host = dev_workers[1].call("put", "float32", SHAPE, 12, "")
     assert dev_workers[2].call("get_typed", host, 60) == (
         "numpy.ndarray",
         digest(make_array("float32", SHAPE, 12)),
     )
+
+
+@pytest.mark.multiprocess
+def test_a_reader_killed_while_receiving_a_device_object(backend: str, dev_owner: Any) -> None:
+    """Readers receive a device object over the data plane into device memory chunk by chunk; one
+    is SIGKILLed half way through (fault injection): the other reader, which may be streaming
+    from it, finishes bit-exact."""
+    shape = (4, 1 << 20)  # 16 MiB of float32: several chunks
+    ws = start_workers(dev_owner.directory_address, dev_owner.token, 3)
+    try:
+        oid = hg.ObjectID.random().hex()
+        ws[1].call("arm", f"receive:{oid}:0.5:KILL")
+        ws[1].send("get_typed", oid, 60)  # both wait before the put; the victim asked first
+        ws[2].send("get_typed", oid, 60)
+        ws[0].call("put_device", backend, "float32", shape, 41, oid)
+        assert ws[2].result() == (DEVICE_TYPE[backend], digest(make_array("float32", shape, 41)))
+        ws[1].proc.join(30)
+        assert ws[1].proc.exitcode == -signal.SIGKILL
+    finally:
+        for w in ws:
+            w.stop()
 
 
 def _expected(op: str, seeds: list[int], dtype: str) -> np.ndarray[Any, Any]:
