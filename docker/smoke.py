@@ -150,8 +150,15 @@ def host_veth(container: str) -> str:
     raise SmokeError(f"no host interface with index {peer} (the veth of {container})")
 
 
-def tx_bytes(dev: str) -> int:
-    return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+def tx_bytes(dev: str, default: int | None = None) -> int:
+    """Bytes the host sent through ``dev`` (``default`` when the interface is gone: a killed
+    container's veth goes with its network namespace)."""
+    try:
+        return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+    except FileNotFoundError:
+        if default is None:
+            raise
+        return default
 
 
 def smoke(tag: str, logdir: Path) -> dict[str, Any]:
@@ -200,14 +207,16 @@ def smoke(tag: str, logdir: Path) -> dict[str, Any]:
         start = time.monotonic()
         for m in (c1, victim, c3):
             m.send(op="get", name="bcast", seeds=[1], timeout=STEP_TIMEOUT)
-        while tx_bytes(veth) - base < KILL_AFTER_BYTES:
+        while (sent := tx_bytes(veth)) - base < KILL_AFTER_BYTES:
             if time.monotonic() - start > 60:
-                raise SmokeError(f"the victim received {tx_bytes(veth) - base} bytes in 60 s")
+                raise SmokeError(f"the victim received {sent - base} bytes in 60 s")
             if victim.proc.poll() is not None:
                 raise SmokeError(f"the victim exited before it was killed: {victim.tail()}")
             time.sleep(0.01)  # polling a counter: the kill must land while the transfer runs
         podman("kill", "-s", "KILL", victim.name)
-        received = tx_bytes(veth) - base
+        # Read again after the kill (what it received up to its death), or, if the veth is gone
+        # already, the count that triggered the kill.
+        received = tx_bytes(veth, default=sent) - base
         if received >= BCAST_BYTES:
             raise SmokeError(f"the victim had all {received} bytes before the kill")
         summary["victim_bytes_at_kill"] = received
