@@ -349,15 +349,12 @@ class Fetcher:
                 limit=self._config.max_object_bytes,
             )
         self._store.reserve(reply.size)
-        backend = device.default_backend()
-        if reply.memory == MEMORY_DEVICE and backend.in_use():
+        if reply.memory == MEMORY_DEVICE and device.default_backend().in_use():
             # A device object is received into this process's device memory, chunk by chunk as
             # it lands (see DataPlane.pull): readers here then copy device to device, and
             # same-host processes open it through CUDA IPC once it is complete.
-            data, ticket = ipc.allocate(backend, reply.size, backend.current_device(), self._store.shares)
-            obj = sources.from_reply(oid, reply, meta, data, progress=0)
-            obj.ticket = ticket
-            return self._store.add(obj)
+            data, ticket = ipc.allocate_here(reply.size, self._store.shares)
+            return self._store.add(sources.from_reply(oid, reply, meta, data, progress=0, ticket=ticket))
         data = self._store.pool.allocate(reply.size)
         return self._store.add(sources.from_reply(oid, reply, meta, data, progress=0, pooled=True))
 

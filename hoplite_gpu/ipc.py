@@ -69,7 +69,6 @@ class Ticket:
     def __init__(self, record: np.ndarray[Any, Any], array: Any) -> None:
         segment = shm.segment_of(record)
         assert segment is not None
-        self._record: np.ndarray[Any, Any] | None = record
         self._segment: shm.Segment | None = segment
         self._array: Any = array
         self._retired = False
@@ -101,7 +100,7 @@ class Ticket:
         if self._segment.mapped_elsewhere():
             return False
         self._segment.unlink()
-        self._record = self._segment = self._array = None
+        self._segment = self._array = None
         _local.pop(self.name, None)
         return True
 
@@ -161,6 +160,13 @@ def allocate(
         return backend.empty(nbytes, dev), None
     array = backend.empty_shared(nbytes, dev)
     return array, export(array)
+
+
+def allocate_here(nbytes: int, share: bool) -> tuple[Any, Ticket | None]:
+    """:func:`allocate` with this process's default backend, on its current device (a reader's
+    copy of another node's device object)."""
+    backend = device.default_backend()
+    return allocate(backend, nbytes, backend.current_device(), share)
 
 
 _local: dict[str, Ticket] = {}  # this process's tickets by name (a process cannot open its own)

@@ -336,7 +336,7 @@ class DirectorySession:
                     have_bytes=have,
                     shared_memory=shared_memory,
                     direct=direct,
-                    device_ipc=device_ipc and shared_memory,
+                    device_ipc=device_ipc,
                 )
             )
             # The directory enforces the deadline; the margin covers a directory that went silent.

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import device, ipc, shm
+from . import ipc, shm
 from . import protocol as p
 from .buffers import Buffer, digest_of, dtype_from_wire
 from .config import Config
@@ -104,6 +104,7 @@ def from_reply(
     *,
     progress: int,
     pooled: bool = False,
+    ticket: ipc.Ticket | None = None,
 ) -> LocalObject:
     """The local object of ``oid`` as a lookup ``reply`` describes it (``meta``: its dtype and shape
     from :func:`checked_meta`), holding ``data`` with ``progress`` bytes present."""
@@ -118,6 +119,7 @@ def from_reply(
         progress=progress,
         reduction=reply.reduction_id,
         memory=reply.memory,
+        ticket=ticket,
     )
 
 
@@ -219,18 +221,16 @@ class DeviceIpcSource(Source):
             if existing is not None:  # arrived meanwhile (a vertex here, another get): use that
                 return existing
             self.ctx.store.reserve(reply.size)
-            backend = device.default_backend()
-            data, ticket = ipc.allocate(backend, reply.size, backend.current_device(), self.ctx.store.shares)
+            data, ticket = ipc.allocate_here(reply.size, self.ctx.store.shares)
             try:
-                backend.copy(data, lent.buffer.array)
+                lent.buffer.backend.copy(data, lent.buffer.array)
             except BaseException:
                 if ticket is not None:
                     ticket.retire()
                 raise
         finally:
             lent.lease.close()
-        obj = from_reply(oid, reply, (lent.dtype, lent.shape), data, progress=reply.size)
-        obj.ticket = ticket
+        obj = from_reply(oid, reply, (lent.dtype, lent.shape), data, progress=reply.size, ticket=ticket)
         self.ctx.store.add(obj)
         self.ctx.completed(obj, generation, 0)
         return obj

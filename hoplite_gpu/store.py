@@ -20,7 +20,6 @@ from .object_id import ObjectID
 MEMORY_HOST = ""
 #: :attr:`LocalObject.memory` of an object put from device memory: readers get device arrays.
 MEMORY_DEVICE = "device"
-MEMORY_KINDS = (MEMORY_HOST, MEMORY_DEVICE)
 
 
 @dataclass(eq=False, slots=True)

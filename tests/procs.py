@@ -39,6 +39,10 @@ def device_array(backend: str, arr: np.ndarray[Any, Any]) -> Any:
     return cupy.asarray(arr)
 
 
+#: What :func:`array_type` names a device array of each backend (see :func:`device_array`).
+DEVICE_TYPE = {"sim": "hoplite_gpu.SimDeviceArray", "cupy": "cupy.ndarray"}
+
+
 def array_type(arr: Any) -> str:
     """``module.Class`` of an array (``numpy.ndarray``, ``cupy.ndarray``, ...)."""
     return f"{type(arr).__module__.split('.')[0]}.{type(arr).__name__}"

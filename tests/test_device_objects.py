@@ -22,12 +22,11 @@ from hoplite_gpu import device, gpu
 from hoplite_gpu import protocol as p
 from hoplite_gpu.buffers import BufferKind, to_host
 from hoplite_gpu.errors import ProtocolError
-from tests.procs import Worker, array_type, device_array, digest, make_array, start_workers
+from tests.procs import DEVICE_TYPE, Worker, array_type, device_array, digest, make_array, start_workers
 
 pytestmark = pytest.mark.timeout(120)
 
 SHAPE = (3, 1 << 16)  # 768 KiB of float32: several data-plane chunks
-DEVICE_TYPE = {"sim": "hoplite_gpu.SimDeviceArray", "cupy": "cupy.ndarray"}
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,11 @@
 its ticket and copy device to device, with no bytes on the data plane.
 
 The processes use the simulated device backend (:class:`hoplite_gpu.device.SimBackend`), whose
-exported memory is a file under ``/dev/shm`` that another process maps, and which, like CUDA,
-refuses memory of a process that is gone. The CUDA backend runs the same code through
-``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``; ``tests/test_device_objects.py`` runs its
-cases with CuPy where a GPU is present (``make gpu-check``).
+exported memory is a file under ``/dev/shm`` that another process maps (memory of a process that
+is gone is refused by :func:`hoplite_gpu.ipc.open_ticket`, for every backend). The CUDA backend
+runs the same code through ``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``;
+``tests/test_device_objects.py`` runs its cases with CuPy where a GPU is present
+(``make gpu-check``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hoplite_gpu import device, ipc, shm
 from hoplite_gpu import protocol as p
 from hoplite_gpu.buffers import to_host
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
-from tests.procs import Worker, array_type, device_array, digest, make_array, start_workers
+from tests.procs import DEVICE_TYPE, Worker, array_type, device_array, digest, make_array, start_workers
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -33,7 +34,6 @@ pytestmark = [
 
 SHAPE = (4, 1 << 15)  # 512 KiB of float32: several data-plane chunks when pulled
 OID = b"o" * 20
-DEVICE_TYPE = {"sim": "hoplite_gpu.SimDeviceArray", "cupy": "cupy.ndarray"}
 
 
 def _sim_only(backend: str) -> None:
