@@ -279,7 +279,9 @@ class Fetcher:
             # Same-host device copies are opened (CUDA IPC) once this process works with device
             # memory; until then it receives them like host objects.
             device_ipc = same_host and device.default_backend().in_use()
-            reply = await self._session.lookup(oid, left, have, same_host, direct, device_ipc)
+            # ``local`` exists only after an answer of this get, so the object was known then.
+            resume = local is not None
+            reply = await self._session.lookup(oid, left, have, same_host, direct, device_ipc, resume)
             generation = self._session.generation  # a copy finished under a later one is restored
             if local is not None and local.error is not None:
                 # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.

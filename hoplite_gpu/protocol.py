@@ -152,7 +152,10 @@ class LookupRequest(Message):
     """Ask for the object or a source to pull it from; blocks until one exists or ``timeout``.
 
     ``timeout`` 0 waits until cancelled. ``have_bytes`` is how much of the object the requester
-    already holds (a resumed transfer). ``shared_memory``: the requester can copy from a
+    already holds (a resumed transfer). ``resume``: the requester holds a copy of it from an
+    earlier answer, perhaps still empty, so an object the directory no longer knows was lost or
+    deleted meanwhile (it fails the lookup) rather than not put yet (the lookup waits).
+    ``shared_memory``: the requester can copy from a
     complete copy's shared-memory segment on its own host; ``device_ipc``: also open a same-host
     device copy's memory (:mod:`hoplite_gpu.ipc`). ``direct``: pull from the owner (or the
     node computing the object) even while it serves others, rather than from the chain of readers.
@@ -166,6 +169,7 @@ class LookupRequest(Message):
     shared_memory: bool = False
     direct: bool = False
     device_ipc: bool = False
+    resume: bool = False
 
     def check(self) -> None:
         _check_id(self.TYPE, "object_id", self.object_id)

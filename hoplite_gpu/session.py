@@ -305,12 +305,13 @@ class DirectorySession:
         shared_memory: bool = False,
         direct: bool = False,
         device_ipc: bool = False,
+        resume: bool = False,
     ) -> p.LookupReply:
         """Ask where ``oid`` is (see :class:`~hoplite_gpu.protocol.LookupRequest`); the directory
         answers once a source is free, or at ``timeout``."""
         return await self.with_directory(
             lambda control, left: self._lookup_once(
-                control, oid, left, have, shared_memory, direct, device_ipc
+                control, oid, left, have, shared_memory, direct, device_ipc, resume
             ),
             timeout,
         )
@@ -324,6 +325,7 @@ class DirectorySession:
         shared_memory: bool,
         direct: bool,
         device_ipc: bool,
+        resume: bool,
     ) -> p.LookupReply:
         rid = control.next_id()
         fut = control.expect(rid)
@@ -337,6 +339,7 @@ class DirectorySession:
                     shared_memory=shared_memory,
                     direct=direct,
                     device_ipc=device_ipc,
+                    resume=resume,
                 )
             )
             # The directory enforces the deadline; the margin covers a directory that went silent.

@@ -135,6 +135,24 @@ def test_an_object_whose_last_complete_copy_died_is_lost_until_put_again() -> No
     assert [(n, m.sender_node) for n, m in sent(out, LookupReply)] == [("H", "E")]
 
 
+def test_a_receiver_whose_sender_died_before_any_byte_learns_the_object_was_lost() -> None:
+    # Found by tests/test_soak.py: the sender is killed as it starts serving; the receiver reports
+    # the failed transfer with nothing received before the directory sees the sender die, so its
+    # empty copy is no location to drop. Its next lookup (have_bytes 0) says it resumes.
+    state = make_state()
+    put(state, "A", 0, BIG)
+    b = lookup(state, "B", 0)
+    req(state, "B", TransferDone(b.transfer_id, False, 0, sender_failed=True), now=1.0)
+    assert "B" not in state.objects[oid(0)].locations
+    out = state.handle(NodeLeft("A", 1.1))
+    assert sent(out, DropObject) == [] and kinds(state, "object_lost")
+    resumed = LookupRequest(5, oid(0), 0.0, have_bytes=0, resume=True)
+    ((node, reply),) = sent(req(state, "B", resumed, 1.2), LookupReply)
+    assert (node, reply.status, reply.error_kind) == ("B", "error", "ObjectLostError")
+    # A first lookup of the same id is a get before the (next) put: it waits.
+    assert sent(req(state, "C", LookupRequest(6, oid(0), 0.0), 1.2), LookupReply) == []
+
+
 def test_a_surviving_complete_copy_keeps_the_object() -> None:
     state = make_state()
     put(state, "A", 0, BIG)
@@ -282,6 +300,15 @@ def test_a_resumed_lookup_of_an_object_nobody_restored_is_lost_when_recovery_end
     # Recovery over: a resumed lookup of an unknown object fails at once again.
     ((_, reply),) = sent(req(state, "D", LookupRequest(6, oid(1), 0.0, have_bytes=1), 106.0), LookupReply)
     assert reply.error_kind == "ObjectLostError"
+
+
+def test_a_resumed_empty_lookup_of_an_object_nobody_restored_is_lost_when_recovery_ends() -> None:
+    state = restarted()
+    req(state, "B", LookupRequest(4, oid(0), 0.0, resume=True), 100.1)  # waits for a restore
+    for node in NODES:
+        req(state, node, Heartbeat(), 104.0)
+    ((node, reply),) = sent(state.handle(Tick(105.0)), LookupReply)
+    assert (node, reply.error_kind) == ("B", "ObjectLostError")
 
 
 def test_a_node_the_directory_declared_dead_rejoining_does_not_start_a_recovery() -> None:

@@ -102,7 +102,8 @@ def _request(draw: st.DrawFn) -> p.Message:
     if choice == 1:
         return p.Restore(oid, size, dtype, shape, b"d" * 16, owner=draw(st.booleans()), inline=inline)
     if choice == 2:
-        return p.LookupRequest(rid, oid, timeout, have_bytes=draw(st.sampled_from([0, 4])))
+        have, resume = draw(st.sampled_from([0, 4])), draw(st.booleans())
+        return p.LookupRequest(rid, oid, timeout, have_bytes=have, resume=resume)
     if choice == 3:
         return p.CancelLookup(rid)
     if choice == 4:

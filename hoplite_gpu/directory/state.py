@@ -234,6 +234,7 @@ class PendingLookup:
     shared_memory: bool = False
     direct: bool = False  # from the owner even while it serves others (see LookupRequest)
     device_ipc: bool = False  # can open a same-host device copy (see LookupRequest)
+    resume: bool = False  # holds a copy from an earlier answer, perhaps empty (see LookupRequest)
     live: bool = True  # still in its queue (answered, failed and cancelled lookups are not)
 
 
@@ -681,13 +682,15 @@ class DirectoryState:
             self._send(node_id, self._failed_lookup(msg.request_id, msg.object_id, red.error))
             return
         if (
-            msg.have_bytes > 0
+            (msg.have_bytes > 0 or msg.resume)
             and msg.object_id not in self.objects
             and (red is None or not red.active)
             and self.recovering_until is None
         ):
             # It was receiving an object that has since been lost (or deleted): it cannot complete.
             # (While copies are being restored, it waits: its source may not have rejoined yet.)
+            # A receiver whose sender died before any byte arrived asks with have_bytes 0 and
+            # ``resume``: its empty copy was no location to drop (tests/test_soak.py found it).
             self._send(node_id, self._lost_lookup(msg.request_id, msg.object_id))
             return
         if self._pending_per_node.get(node_id, 0) >= self.max_pending_lookups:
@@ -711,6 +714,7 @@ class DirectoryState:
             msg.shared_memory,
             msg.direct,
             msg.device_ipc,
+            msg.resume,
         )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
         by_object = self._pending_by_request.setdefault((node_id, msg.request_id), {})
@@ -1817,7 +1821,7 @@ class DirectoryState:
                 continue
 
             def fail(pl: PendingLookup, oid: bytes = oid) -> bool:
-                if pl.have_bytes == 0:
+                if pl.have_bytes == 0 and not pl.resume:
                     return True  # a get before the put: it waits, as always
                 self._send(pl.node_id, self._lost_lookup(pl.request_id, oid))
                 return False
