@@ -44,6 +44,23 @@ def _bfloat16() -> np.dtype[Any]:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+@functools.cache
+def cupy_bfloat16() -> np.dtype[Any] | None:
+    """``ml_dtypes.bfloat16`` where CuPy computes with it (CuPy 14 and later: cupy/cupy#9494), else
+    None: older CuPy has no bfloat16, so bfloat16 data lives in uint16 CuPy arrays. Asked only
+    where a GPU is in use (it runs one small kernel, once per process)."""
+    try:
+        import cupy
+
+        dtype = _bfloat16()
+        probe = cupy.zeros(2, dtype)
+        probe += probe  # an elementwise kernel: older CuPy has no type for it
+        cupy.cuda.Stream.null.synchronize()
+    except Exception:  # no bfloat16 in this CuPy (TypeError, NotImplementedError, ...), or no GPU
+        return None
+    return dtype
+
+
 class DeviceBackend:
     """What the package needs of device memory. Arrays passed in are the backend's own flat
     ``uint8`` arrays unless a method says otherwise; copies are complete when a method returns."""
@@ -131,7 +148,8 @@ class DeviceBackend:
         return out
 
     def typed(self, flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
-        """``flat`` viewed as ``dtype`` and ``shape`` (bfloat16, which CuPy lacks, as uint16)."""
+        """``flat`` viewed as ``dtype`` and ``shape`` (bfloat16 as uint16 where CuPy lacks it:
+        :func:`cupy_bfloat16`)."""
         raise NotImplementedError
 
     def reduce_into(self, op: ReduceOp, acc: Any, other: Any, dtype: np.dtype[Any]) -> None:
@@ -157,6 +175,23 @@ class DeviceBackend:
 
 
 # ---------------------------------------------------------------- CUDA through CuPy
+def cupy_view(array: Any) -> Any:
+    """A CuPy array sharing memory with a caller's CUDA array: a CuPy array itself, a torch tensor
+    through DLPack, or any object exporting ``__cuda_array_interface__``. A bfloat16 tensor comes
+    out as bfloat16 where CuPy has it (:func:`cupy_bfloat16`), else as its bits (uint16)."""
+    import cupy
+
+    if type(array).__module__.split(".")[0] == "torch":
+        import torch
+
+        tensor = array.detach()
+        if tensor.dtype != torch.bfloat16:
+            return cupy.from_dlpack(tensor)
+        bits = cupy.from_dlpack(tensor.view(torch.int16)).view(cupy.uint16)
+        return bits.view(cupy_bfloat16() or np.uint16)
+    return array if isinstance(array, cupy.ndarray) else cupy.asarray(array)
+
+
 class CupyBackend(DeviceBackend):
     """CUDA device memory through CuPy (imported on first use)."""
 
@@ -193,7 +228,7 @@ class CupyBackend(DeviceBackend):
         return int(cupy.cuda.runtime.getDevice())
 
     def device_of(self, array: Any) -> int:
-        return int(self._cupy(array).device.id)
+        return int(cupy_view(array).device.id)
 
     def describe(self, array: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
         if type(array).__module__.split(".")[0] == "torch":
@@ -202,27 +237,13 @@ class CupyBackend(DeviceBackend):
             if array.dtype == torch.bfloat16:
                 return _bfloat16(), tuple(array.shape)
             return np.dtype(torch.empty((), dtype=array.dtype).numpy().dtype), tuple(array.shape)
-        arr = self._cupy(array)
+        arr = cupy_view(array)
         return np.dtype(arr.dtype), tuple(arr.shape)
-
-    @staticmethod
-    def _cupy(array: Any) -> Any:
-        """A CuPy view of a caller's device array (torch through DLPack, as bytes for bfloat16)."""
-        import cupy
-
-        if type(array).__module__.split(".")[0] == "torch":
-            import torch
-
-            tensor = array.detach()
-            if tensor.dtype == torch.bfloat16:
-                tensor = tensor.view(torch.int16)
-            return cupy.from_dlpack(tensor)
-        return array if isinstance(array, cupy.ndarray) else cupy.asarray(array)
 
     def flat_bytes(self, array: Any) -> Any:
         import cupy
 
-        arr = self._cupy(array)
+        arr = cupy_view(array)
         with cupy.cuda.Device(arr.device.id):
             if not arr.flags.c_contiguous:
                 arr = cupy.ascontiguousarray(arr)
@@ -320,8 +341,11 @@ class CupyBackend(DeviceBackend):
         return self._storage(flat, dtype).reshape(shape)
 
     def _storage(self, flat: Any, dtype: np.dtype[Any]) -> Any:
-        """``flat`` viewed as the elements CuPy can hold for ``dtype`` (bfloat16 as uint16)."""
-        return flat.view(np.uint16 if dtype.name == "bfloat16" else dtype)
+        """``flat`` viewed as the elements CuPy can hold for ``dtype`` (bfloat16 as uint16 where
+        this CuPy lacks it)."""
+        if dtype.name == "bfloat16":
+            return flat.view(cupy_bfloat16() or np.uint16)
+        return flat.view(dtype)
 
     def reduce_into(self, op: ReduceOp, acc: Any, other: Any, dtype: np.dtype[Any]) -> None:
         from . import gpu

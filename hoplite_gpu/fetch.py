@@ -85,7 +85,7 @@ def deliver(obj: LocalObject, out: Any) -> Any:
 
     Without ``out``: an object put from host memory is a read-only NumPy view of the store's
     copy; one put from device memory is a new array on the caller's current device (CuPy; a
-    bfloat16 object as uint16, which CuPy lacks), or a host copy where this process has no usable
+    bfloat16 object as uint16 where CuPy lacks bfloat16), or a host copy where this process has no usable
     device. A lent copy (another process's device memory) is closed once read.
     """
     if obj.lease is not None:
@@ -115,7 +115,7 @@ def _deliver(obj: LocalObject, out: Any) -> Any:
             f"{obj.object_id} has dtype {dtype} and shape {obj.shape}",
             argument="out",
         )
-    # Device bytes go to a host ``out`` as ``dtype`` (a device view of bfloat16 is uint16).
+    # Device bytes go to a host ``out`` as ``dtype`` (bfloat16 may be viewed as uint16 on a device).
     host_out = obj.buffer.on_device and not buffers.on_device(out)
     buffers.copy_into(out, _host_copy(obj, dtype) if host_out else obj.array())
     return out

@@ -89,7 +89,7 @@ def _module(device_id: int) -> Any:
 
 def _ctype(arr: Any, dtype: str | None) -> str:
     """CUDA storage type for ``arr`` (or for the dtype named ``dtype``, which overrides the
-    array's own: CuPy has no bfloat16, so bfloat16 data travels as uint16 arrays)."""
+    array's own: CuPy before 14 has no bfloat16, so bfloat16 data travels as uint16 arrays)."""
     name = dtype or np.dtype(arr.dtype).name
     if name not in CUDA_TYPES:
         check_dtype(np.dtype(name))  # raises with the list of supported dtypes

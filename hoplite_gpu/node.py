@@ -261,7 +261,8 @@ class Node:
                 memory with the local store (for an object held by another process on this host,
                 with that process's shared-memory segment, which stays valid while you use it).
                 An object put from device memory comes back as a new CuPy array on the caller's
-                current device (bfloat16 as uint16; a host copy where this process has no GPU).
+                current device (bfloat16 as uint16 before CuPy 14; a host copy where this process
+                has no GPU).
             direct: Pull from the object's owner (for a reduction's result: the node computing it)
                 even while it serves other readers, instead of joining the pipelined chain of
                 readers. For collectives whose traffic pattern leaves the owner's link room for

@@ -287,7 +287,11 @@ def as_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
     function that copies it back into ``tensor`` (None when they share memory).
 
     Accepts NumPy and CuPy arrays and torch tensors (CPU: a NumPy view, bfloat16 through
-    ``ml_dtypes``; CUDA: a CuPy view).
+    ``ml_dtypes``; CUDA: a CuPy view, bfloat16 as CuPy 14's ``ml_dtypes.bfloat16``).
+
+    Raises:
+        InvalidArgumentError: not an array, a read-only NumPy array, or a bfloat16 CUDA tensor
+            with a CuPy that has no bfloat16 (before 14).
     """
     kind = buffers.kind_of(tensor)
     if kind is buffers.ArrayKind.TORCH:
@@ -317,9 +321,15 @@ def _torch_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
     t = tensor.detach()
     contiguous = t if t.is_contiguous() else t.contiguous()
     if contiguous.is_cuda:
-        import cupy
+        from . import device
 
-        array = cupy.asarray(contiguous)
+        if contiguous.dtype == torch.bfloat16 and device.cupy_bfloat16() is None:
+            raise InvalidArgumentError(
+                "collectives on bfloat16 CUDA tensors need CuPy 14 or later (with ml_dtypes), "
+                "whose kernels take bfloat16; this CuPy would reduce the bits as integers",
+                argument="tensor",
+            )
+        array = device.cupy_view(contiguous)
     elif contiguous.dtype == torch.bfloat16:
         import ml_dtypes
 

@@ -240,3 +240,27 @@ def test_chunks_staged_for_the_data_plane_are_pinned() -> None:
     assert np.array_equal(chunk, cupy.asnumpy(src))
     big = device.CupyBackend().host_copy(cupy.zeros(device.PINNED_STAGING_BYTES + 1, cupy.uint8))
     assert buffer_kind(big) is BufferKind.PRIVATE and not big.any()
+
+
+def test_bfloat16_cuda_tensors_reduce_as_bfloat16(backend: str, dev_owner: Any) -> None:
+    """Torch bfloat16 CUDA tensors are put as bfloat16 objects, reduced by the bfloat16 kernels, and
+    read back as bfloat16 CuPy arrays where CuPy has the type (14 and later), else as their bits."""
+    if backend != "cupy":
+        pytest.skip("CUDA torch tensors: the cupy backend only")
+    torch = pytest.importorskip("torch")
+    import cupy
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    # Small integers: bfloat16 holds them and their sums exactly, in any order of reduction.
+    host = [((np.arange(4096) * seed) % 64 - 32).astype(bf16) for seed in (3, 5, 7)]
+    tensors = [torch.from_numpy(h.view(np.int16)).view(torch.bfloat16).cuda() for h in host]
+    oids = [dev_owner.put(t) for t in tensors]
+    assert _local(dev_owner, oids[0]).dtype == "bfloat16"
+    result = dev_owner.get(dev_owner.reduce(oids, op="sum"), timeout=60)  # the bfloat16 kernels
+    want = sum(h.astype(np.float32) for h in host).astype(bf16)
+    native = device.cupy_bfloat16()
+    assert result.dtype == (native if native is not None else np.uint16)
+    assert np.array_equal(cupy.asnumpy(result.view(cupy.uint16)), want.view(np.uint16))
+    back = dev_owner.get(oids[1])
+    assert np.array_equal(cupy.asnumpy(back.view(cupy.uint16)), host[1].view(np.uint16))

@@ -17,7 +17,7 @@ pytest.importorskip("ray")
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hgray  # noqa: E402
 import hoplite_gpu.torch as hgt  # noqa: E402
-from hoplite_gpu import gpu  # noqa: E402
+from hoplite_gpu import device, gpu  # noqa: E402
 
 WORLD = 3
 
@@ -167,7 +167,21 @@ def _gpu_tensors(rank: int, world: int, group: str) -> dict[str, Any]:
     col.allreduce(t, group)
     b = torch.from_numpy(_value(rank, (16,))).cuda()
     col.broadcast(b, 1, group)
-    return {"cupy": cupy.asnumpy(a), "torch": t.cpu().numpy(), "broadcast": b.cpu().numpy()}
+    bits = _bf16_value(rank).view(np.int16)
+    h = torch.from_numpy(bits).view(torch.bfloat16).cuda()
+    try:
+        col.allreduce(h, group)
+        half: Any = h.view(torch.int16).cpu().numpy()
+    except hg.InvalidArgumentError as exc:  # a CuPy without bfloat16 (before 14)
+        half = str(exc)
+    return {"cupy": cupy.asnumpy(a), "torch": t.cpu().numpy(), "broadcast": b.cpu().numpy(), "bf16": half}
+
+
+def _bf16_value(rank: int) -> Any:
+    """Small integers as bfloat16: their sums are exact, whatever the order of reduction."""
+    import ml_dtypes
+
+    return ((np.arange(4096) * (rank + 3)) % 64 - 32).astype(ml_dtypes.bfloat16)
 
 
 SCENARIOS = {
@@ -331,6 +345,11 @@ def test_gpu_tensors_through_the_backend(ray_session: Any) -> None:
         np.testing.assert_array_equal(out["cupy"], _value(0, (1000,)) + _value(1, (1000,)))
         np.testing.assert_array_equal(out["torch"], _value(0, (700_000,)) + _value(1, (700_000,)))
         np.testing.assert_array_equal(out["broadcast"], _value(1, (16,)))
+        if device.cupy_bfloat16() is None:
+            assert "CuPy 14" in out["bf16"]
+        else:
+            want = (_bf16_value(0).astype(np.float32) + _bf16_value(1)).astype(_bf16_value(0).dtype)
+            np.testing.assert_array_equal(out["bf16"], want.view(np.int16))
 
 
 def test_buckets_fuse_by_device_and_dtype_within_the_size() -> None:
