@@ -338,14 +338,15 @@ class CupyBackend(DeviceBackend):
         self._memcpy(dst.data.ptr, src.ctypes.data, dst.nbytes)
 
     def typed(self, flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
-        return self._storage(flat, dtype).reshape(shape)
-
-    def _storage(self, flat: Any, dtype: np.dtype[Any]) -> Any:
-        """``flat`` viewed as the elements CuPy can hold for ``dtype`` (bfloat16 as uint16 where
-        this CuPy lacks it)."""
         if dtype.name == "bfloat16":
-            return flat.view(cupy_bfloat16() or np.uint16)
-        return flat.view(dtype)
+            return flat.view(cupy_bfloat16() or np.uint16).reshape(shape)
+        return flat.view(dtype).reshape(shape)
+
+    @staticmethod
+    def _storage(flat: Any, dtype: np.dtype[Any]) -> Any:
+        """``flat`` as the kernels' operand for ``dtype`` elements (bfloat16 as its uint16 bits: the
+        kernels are named by the dtype, whatever CuPy makes of the array's own)."""
+        return flat.view(np.uint16 if dtype.name == "bfloat16" else dtype)
 
     def reduce_into(self, op: ReduceOp, acc: Any, other: Any, dtype: np.dtype[Any]) -> None:
         from . import gpu
