@@ -1,6 +1,6 @@
 """GPU benchmark: CuPy objects kept on the device, each figure a ratio measured in the same run.
 
-Four parts, each in its own function; a part that fails is recorded in the JSON with its error and
+Five parts, each in its own function; a part that fails is recorded in the JSON with its error and
 the others still run:
 
 * ``p2p``: a device-to-device ``get`` between two processes on one GPU (the sender puts a CuPy
@@ -23,6 +23,12 @@ the others still run:
   relaying, if that comes first), and by this process right after the root's ``put`` returned.
   Pass: the member died before it had its copy and every survivor's copy is bit-exact; the time
   runs from the ``put`` to the last survivor's copy.
+* ``wire``: the same get between two processes that do not share memory, so the object crosses
+  the data plane in chunks as between hosts: the device object staged through pinned host buffers
+  on both sides (the default), and handed to UCX as device memory (``HOPLITE_UCX_CUDA=1``: its
+  ``cuda_copy`` transport), each against a host object's get over the same data plane in the same
+  pair of processes. No target: it shows what moving device memory costs on the wire, and which of
+  the two ways to default to (each row's path is read from the receiver's ``staged_bytes``).
 
 Exits 2 with one line where there is no CUDA GPU, 1 if a part failed to run, else 0 (a ratio
 below its target is a result, not an error). Run it on a GPU host (``make gpu-check`` on the
@@ -55,7 +61,7 @@ from bench.collectives import round_times
 from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
 from hoplite_gpu import topology
 
-PARTS = ("p2p", "kernel", "collectives", "failure")
+PARTS = ("p2p", "kernel", "collectives", "failure", "wire")
 OPS = ("broadcast", "reduce", "allreduce")
 P2P_TARGET = 0.7
 KERNEL_TARGET = 0.8
@@ -73,11 +79,24 @@ def _pattern(xp: Any, nbytes: int) -> Any:
 
 
 # ---------------------------------------------------------------- worker processes
-def _member(address: str, token: str, rank: int, world: int, fault: str, staged: bool, conn: Any) -> None:
+def _member(
+    address: str,
+    token: str,
+    rank: int,
+    world: int,
+    fault: str,
+    staged: bool,
+    conn: Any,
+    ucx_cuda: bool = False,
+) -> None:
     """A worker process: one node; runs the commands the driver sends until it sends None.
     ``fault``: armed in it (:mod:`hoplite_gpu.faults`). ``staged``: without shared memory, so
     objects reach it over the data plane in chunks, as from another host (a fault fires at a byte
-    offset of a transfer; on one host a reader copies the whole object through CUDA IPC at once)."""
+    offset of a transfer; on one host a reader copies the whole object through CUDA IPC at once).
+    ``ucx_cuda``: its data plane hands device chunks to UCX as they are (``HOPLITE_UCX_CUDA``)."""
+    from hoplite_gpu.config import UCX_CUDA_ENV
+
+    os.environ[UCX_CUDA_ENV] = "1" if ucx_cuda else "0"  # read when UCX loads, at the node's start
     import cupy as cp
 
     import hoplite_gpu as hg
@@ -119,6 +138,22 @@ def _command(node: Any, state: dict[str, Any], what: str, *args: Any) -> Any:
         if not isinstance(arr, cp.ndarray):
             raise TypeError(f"get returned a {type(arr).__module__}.{type(arr).__name__}, not a CuPy array")
         return seconds, bool(cp.array_equal(arr.reshape(-1), state["want"]))
+    if what == "put_new":  # part wire: the sender puts a fresh object, device or host
+        nbytes, on_device = args
+        return node.put(_pattern(cp if on_device else np, nbytes)).hex()
+    if what == "delete":
+        node.delete(hg.ObjectID.from_hex(args[0]))
+        return None
+    if what == "get_any":  # part wire: the receiver's get, timed, of a device or host object
+        hex_id, nbytes, timeout = args
+        _sync()
+        t0 = time.perf_counter()
+        arr = node.get(hg.ObjectID.from_hex(hex_id), timeout=timeout)
+        _sync()
+        seconds = time.perf_counter() - t0
+        on_device = isinstance(arr, cp.ndarray)
+        ok = bool(np.array_equal(cp.asnumpy(arr) if on_device else arr, _pattern(np, nbytes)))
+        return seconds, ok, on_device, node.stats()["staged_bytes_received"]
     if what == "collective":  # part collectives: rounds of one collective, spans of each
         name, kind, op, nbytes, rounds, timeout = args
         if "group" not in state:
@@ -319,6 +354,52 @@ def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
         stop_workers(pipes, procs)
 
 
+def _wire_get(pipes: list[Any], size: int, on_device: bool, timeout: float) -> tuple[float, int]:
+    """Member 0 puts a fresh object of ``size``, member 1 gets it: the get's seconds, and the
+    device bytes member 1 has received through host staging buffers so far."""
+    pipes[0].send(("put_new", size, on_device))
+    hex_id = _answer(pipes[0], timeout)
+    try:
+        pipes[1].send(("get_any", hex_id, size, timeout))
+        seconds, ok, device_copy, staged = _answer(pipes[1], timeout)
+    finally:
+        pipes[0].send(("delete", hex_id))
+        _answer(pipes[0], timeout)
+    if not ok or device_copy != on_device:
+        raise AssertionError(f"get of {format_size(size)}: wrong bytes or memory (device: {device_copy})")
+    return float(seconds), int(staged)
+
+
+def part_wire(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """A device object over the data plane between two processes (as between hosts): staged through
+    pinned host buffers, and as device memory handed to UCX, each against a host object's get."""
+    for ucx_cuda in (False, True):
+        specs = [(node.directory_address, node.token, r, 2, "", True, ucx_cuda) for r in (1, 2)]
+        pipes, procs = start_workers(_member, specs, daemon=False)
+        try:
+            for size in args.p2p_sizes:
+                host = [_wire_get(pipes, size, False, args.timeout) for _ in range(args.repeat)]
+                device = [_wire_get(pipes, size, True, args.timeout) for _ in range(args.repeat)]
+                seconds = statistics.median(t for t, _ in device)
+                staged = device[-1][1] - host[-1][1]  # during the device gets
+                rows.append(
+                    _row(
+                        "wire",
+                        f"device get over the data plane, {'UCX cuda_copy' if ucx_cuda else 'staged'},"
+                        f" median of {args.repeat}",
+                        size,
+                        size / seconds / 1e9,
+                        "host get, same pair",
+                        size / statistics.median(t for t, _ in host) / 1e9,
+                        None,
+                        seconds=seconds,
+                        path="staged" if staged else "device memory to UCX",
+                    )
+                )
+        finally:
+            stop_workers(pipes, procs)
+
+
 def part_kernel(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """The reduce kernel's bandwidth (3 x bytes) against the device's copy bandwidth (2 x bytes)."""
     import functools
@@ -455,6 +536,7 @@ def part_failure(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]
 
 PART_FUNCTIONS = {
     "p2p": part_p2p,
+    "wire": part_wire,
     "kernel": part_kernel,
     "collectives": part_collectives,
     "failure": part_failure,

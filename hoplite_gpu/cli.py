@@ -107,7 +107,7 @@ def node_report() -> dict[str, Any]:
     (installed, version) and ``ucx_tls`` (the UCX transports hoplite_gpu runs UCX with: ``UCX_TLS``
     when set, else hoplite_gpu's default) with ``ucx_tls_source`` ("env" or "hoplite_gpu default")."""
     from . import gpu
-    from .config import UCX_DEFAULTS
+    from .config import default_ucx_tls
     from .topology import inventory
 
     cupy: dict[str, Any] = {"installed": False, "version": None, "device_count": None}
@@ -131,7 +131,7 @@ def node_report() -> dict[str, Any]:
     return inventory().to_dict() | {
         "cupy": cupy,
         "ucxx": ucx,
-        "ucx_tls": tls or UCX_DEFAULTS["UCX_TLS"],
+        "ucx_tls": tls or default_ucx_tls(),
         "ucx_tls_source": "env" if tls else "hoplite_gpu default",
     }
 

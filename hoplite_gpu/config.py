@@ -382,8 +382,29 @@ def is_loopback(host: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
+#: Environment variable: ``1`` hands device chunks to UCX as they are (its ``cuda_copy`` transport
+#: moves them), instead of staging them through pinned host buffers here. It adds ``cuda_copy`` to
+#: the default ``UCX_TLS`` (a ``UCX_TLS`` set by the user is left alone: include ``cuda_copy``).
+#: Read when UCX is first loaded; create a CUDA context before the node starts (UCX looks for one).
+#: Off by default: ``bench/gpu.py``'s p2p part measures both ways, and on a machine whose UCX has
+#: no CUDA transports, UCX warns and the device chunks would fail to send.
+UCX_CUDA_ENV = "HOPLITE_UCX_CUDA"
+
+
+def ucx_cuda() -> bool:
+    """Whether device chunks go to UCX as they are (:data:`UCX_CUDA_ENV` is ``1``)."""
+    return os.environ.get(UCX_CUDA_ENV, "") == "1"
+
+
+def default_ucx_tls() -> str:
+    """The UCX transports used where ``UCX_TLS`` is not set: ``UCX_DEFAULTS``'s, plus ``cuda_copy``
+    with :data:`UCX_CUDA_ENV`."""
+    return UCX_DEFAULTS["UCX_TLS"] + (",cuda_copy" if ucx_cuda() else "")
+
+
 def apply_ucx_defaults() -> None:
     """Set the measured UCX defaults in the environment unless the user set them already."""
+    os.environ.setdefault("UCX_TLS", default_ucx_tls())
     for key, value in UCX_DEFAULTS.items():
         os.environ.setdefault(key, value)
 

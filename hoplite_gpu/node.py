@@ -618,8 +618,10 @@ class Node:
         return self._io.run(fetch())
 
     def stats(self) -> dict[str, Any]:
-        """Local store figures: objects, bytes used, capacity, data-plane auth failures, and the
-        unreceived messages the data plane dropped (``stale_*``: see ``DataPlane._sweep_unexpected``)."""
+        """Local store figures: objects, bytes used, capacity, data-plane auth failures, the
+        unreceived messages the data plane dropped (``stale_*``: see ``DataPlane._sweep_unexpected``),
+        and the device bytes it sent and received staged through host buffers (``staged_*``; none
+        with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself)."""
         return {
             "node_id": self.node_id,
             "objects": len(self._store),
@@ -628,6 +630,8 @@ class Node:
             "data_auth_failures": self._data.auth_failures,
             "stale_messages_dropped": self._data.stale_messages,
             "stale_bytes_dropped": self._data.stale_bytes,
+            "staged_bytes_sent": self._data.staged_sent,
+            "staged_bytes_received": self._data.staged_received,
             "pid": os.getpid(),
         }
 

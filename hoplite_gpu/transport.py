@@ -27,7 +27,7 @@ import numpy as np
 
 from . import auth
 from . import protocol as p
-from .config import Config, apply_ucx_defaults, interface_of
+from .config import Config, apply_ucx_defaults, interface_of, ucx_cuda
 from .errors import (
     AuthenticationError,
     HopliteError,
@@ -203,6 +203,10 @@ class DataPlane:
         self._server_eps: set[Any] = set()
         self._closed = False
         self._rates: dict[str, float] = {}  # peer address -> measured pull throughput, bytes/s
+        # Device chunks go to UCX as they are (its cuda_copy transport), else staged through host.
+        self._device_wire = ucx_cuda()
+        self.staged_sent = 0  # device bytes this node sent through host staging buffers
+        self.staged_received = 0  # ... and received through them
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, host: str = "") -> int:
@@ -479,7 +483,14 @@ class DataPlane:
                     for fut in done:
                         fut.result()
                 tag = p.chunk_tag(transfer_id, pos, end)
-                window.add(asyncio.ensure_future(ep.send(obj.buffer.host_chunk(pos, end), tag=tag)))
+                if not obj.buffer.on_device:
+                    data = obj.buffer.view(pos, end)
+                elif self._device_wire:
+                    data = obj.buffer.view(pos, end)  # device memory: UCX's cuda_copy moves it
+                else:
+                    data = obj.buffer.host_chunk(pos, end)  # copied out while earlier chunks fly
+                    self.staged_sent += end - pos
+                window.add(asyncio.ensure_future(ep.send(data, tag=tag)))
                 sent += end - pos
                 pos = end
             if window:
@@ -634,9 +645,10 @@ class DataPlane:
         window: list[tuple[int, asyncio.Future[Any]]] = []
         # Chunks of a copy in device memory land in host buffers first (UCX's TCP transport
         # receives into host memory), each copied to the device as it lands, while later chunks
-        # are still on the wire: by chunk end, its start and its host buffer.
+        # are still on the wire: by chunk end, its start and its host buffer. With UCX's CUDA
+        # transports (HOPLITE_UCX_CUDA), UCX receives into the device memory itself.
         staged: dict[int, tuple[int, np.ndarray[Any, Any]]] = {}
-        backend = obj.buffer.backend if obj.buffer.on_device else None
+        backend = obj.buffer.backend if obj.buffer.on_device and not self._device_wire else None
         pos = start
         failed = obj.failure()
         stops = [failed] if abort is None else [failed, abort]
@@ -697,6 +709,7 @@ class DataPlane:
                 if backend is not None:
                     begin, landed = staged.pop(end)
                     backend.from_host(obj.buffer.view(begin, end), landed)
+                    self.staged_received += end - begin
                 obj.advance(end)
                 if INJECTOR.armed:
                     INJECTOR.check("receive", obj.object_id.hex(), obj.progress, obj.size)

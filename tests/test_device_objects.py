@@ -21,6 +21,7 @@ import hoplite_gpu as hg
 from hoplite_gpu import device, gpu
 from hoplite_gpu import protocol as p
 from hoplite_gpu.buffers import BufferKind, to_host
+from hoplite_gpu.config import UCX_CUDA_ENV
 from hoplite_gpu.errors import ProtocolError
 from tests.procs import DEVICE_TYPE, Worker, array_type, device_array, digest, make_array, start_workers
 
@@ -158,6 +159,28 @@ def _expected(op: str, seeds: list[int], dtype: str) -> np.ndarray[Any, Any]:
     if op == "max":
         return np.max(arrays, axis=0)
     raise AssertionError(op)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ucx_cuda", [False, True], ids=["staged", "ucx-cuda"])
+def test_device_chunks_are_staged_unless_ucx_moves_device_memory(
+    backend: str, dev_owner: Any, monkeypatch: pytest.MonkeyPatch, ucx_cuda: bool
+) -> None:
+    """By default a device object's chunks cross the data plane through host staging buffers on
+    both sides; with ``HOPLITE_UCX_CUDA=1`` UCX is handed the device memory itself (its
+    ``cuda_copy`` transport; the simulated backend's memory is host memory, which UCX moves as it
+    is). Either way the reader's device copy is exact."""
+    monkeypatch.setenv(UCX_CUDA_ENV, "1" if ucx_cuda else "0")
+    ws = start_workers(dev_owner.directory_address, dev_owner.token, 2)  # they inherit it
+    try:
+        oid = ws[0].call("put_device", backend, "float32", SHAPE, 31, "")
+        want = make_array("float32", SHAPE, 31)
+        assert ws[1].call("get_typed", oid, 60) == (DEVICE_TYPE[backend], digest(want))
+        staged = (ws[0].call("stats")["staged_bytes_sent"], ws[1].call("stats")["staged_bytes_received"])
+        assert staged == ((0, 0) if ucx_cuda else (want.nbytes, want.nbytes))
+    finally:
+        for w in ws:
+            w.stop()
 
 
 @pytest.mark.multiprocess
