@@ -12,6 +12,7 @@ from collections.abc import Callable
 from . import auth
 from . import protocol as p
 from .errors import AuthenticationError, DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
+from .topology import GpuPlace
 
 log = logging.getLogger("hoplite_gpu.control")
 
@@ -68,11 +69,14 @@ class ControlClient:
         host_key: str = "",
         previous_directory: str = "",
         tls: ssl.SSLContext | None = None,
+        place: GpuPlace | None = None,
     ) -> None:
         """Connect, authenticate both ways, and start reading (``host_key``: see
         :func:`hoplite_gpu.shm.host_key`; ``previous_directory``: see
         :class:`~hoplite_gpu.protocol.Hello`; ``tls``: connect over TLS with this context, which
-        checks the directory's certificate and host)."""
+        checks the directory's certificate and host; ``place``: the node's GPU, see
+        :func:`hoplite_gpu.topology.node_place`)."""
+        place = place or GpuPlace()
         self.address = address
         host, port = parse_address(address)
         try:
@@ -107,6 +111,8 @@ class ControlClient:
                         data_port=data_port,
                         host_key=host_key,
                         previous_directory=previous_directory,
+                        gpu=place.uuid,
+                        gpus=place.inventory,
                     )
                 )
             )

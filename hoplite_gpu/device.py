@@ -93,6 +93,11 @@ class DeviceBackend:
         """A caller's device array's dtype (as NumPy knows it) and shape."""
         raise NotImplementedError
 
+    def device_uuid(self, device: int) -> str:
+        """The UUID of device ordinal ``device`` as NVML writes it (``GPU-8-4-4-4-12`` hex digits),
+        or "" when unknown (:mod:`hoplite_gpu.topology` matches it with NVML's inventory)."""
+        return ""
+
     def flat_bytes(self, array: Any) -> Any:
         """The bytes of a caller's device array as a flat ``uint8`` array of this backend: a view
         when it is C-contiguous, else a contiguous copy."""
@@ -229,6 +234,18 @@ class CupyBackend(DeviceBackend):
 
     def device_of(self, array: Any) -> int:
         return int(cupy_view(array).device.id)
+
+    def device_uuid(self, device: int) -> str:
+        import cupy
+
+        try:
+            raw = bytes(cupy.cuda.runtime.getDeviceProperties(device)["uuid"])
+        except Exception:  # an old CuPy without the field, or no usable device
+            return ""
+        if len(raw) != 16:
+            return ""
+        h = raw.hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
     def describe(self, array: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
         if type(array).__module__.split(".")[0] == "torch":

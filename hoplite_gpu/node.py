@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import faults, shm, sources
+from . import faults, shm, sources, topology
 from . import protocol as p
 from .config import WILDCARD_HOSTS, Config, host_of, is_loopback
 from .directory.service import DirectoryService
@@ -114,6 +114,7 @@ class Node:
             self._on_lost,
             self._on_rejoined,
             resolve_directory,
+            topology.node_place(),
         )
         self._fetcher = Fetcher(
             self._store,

@@ -77,9 +77,22 @@ class Hello(Message):
     # Reconnecting after losing its directory: the id of the one it lost (its copies follow as
     # Restore messages); "" on a first join.
     previous_directory: str = ""
+    # Where its device objects live (:class:`hoplite_gpu.topology.GpuPlace`): a GPU's UUID and its
+    # host's GPU inventory; the directory prefers same-GPU and NVLink holders for CUDA IPC.
+    gpu: str = ""
+    gpus: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         _check_name(self.TYPE, "node_id", self.node_id)
+        if self.gpus or self.gpu:
+            from .topology import Inventory
+
+            try:
+                known = Inventory.from_dict(self.gpus).gpu(self.gpu)
+            except InvalidArgumentError as exc:
+                raise ProtocolError(f"{self.TYPE}: gpus: {exc}") from None
+            if known is None:
+                raise ProtocolError(f"{self.TYPE}: gpu {self.gpu[:64]!r} is not in its inventory")
         if len(self.host_key) > MAX_NAME_CHARS or not self.host_key.isprintable() or " " in self.host_key:
             raise ProtocolError(f"{self.TYPE}: host_key must be up to {MAX_NAME_CHARS} printable characters")
         _check_name(self.TYPE, "previous_directory", self.previous_directory, empty=True)

@@ -27,6 +27,7 @@ from .config import Config
 from .control import ControlClient
 from .errors import DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
 from .object_id import ObjectID
+from .topology import GpuPlace
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -58,6 +59,7 @@ class DirectorySession:
         resolve: Where the directory is now: called (on a worker thread, with the seconds left)
             before each attempt to reach a lost directory, for one that may come back at another
             address (a restarted Ray actor); None: it comes back at ``address``.
+        place: This node's GPU (:func:`hoplite_gpu.topology.node_place`), told at every join.
     """
 
     def __init__(
@@ -73,8 +75,10 @@ class DirectorySession:
         on_lost: Callable[[bool], None],
         on_rejoined: Callable[[], None],
         resolve: Callable[[float], str] | None = None,
+        place: GpuPlace | None = None,
     ) -> None:
         self.address = address
+        self._place = place
         self._resolve = resolve
         self.config = config
         self._token = token
@@ -117,6 +121,7 @@ class DirectorySession:
             host_key=self._host_key,
             previous_directory=previous_directory,
             tls=self._tls,
+            place=self._place,
         )
 
     async def start(self) -> None:

@@ -21,7 +21,7 @@ import enum
 import reprlib
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from . import shm
@@ -246,6 +246,36 @@ def rank_sources(reader: tuple[Inventory, str], candidates: Sequence[tuple[Inven
     :func:`link_between` to ``reader``, best first; equally good ones keep their order."""
     kinds = [link_between(inv, uuid, reader[0], reader[1]) for inv, uuid in candidates]
     return sorted(range(len(candidates)), key=kinds.__getitem__)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlace:
+    """Where a node's device objects live, as it tells the directory when it joins.
+
+    Attributes:
+        uuid: the UUID of the GPU that was the node's current CUDA device when it started ("" when
+            it used no GPU then). A node that moves between GPUs is placed by this one.
+        inventory: its host's :meth:`Inventory.to_dict` ({} with ``uuid`` "").
+    """
+
+    uuid: str = ""
+    inventory: dict[str, Any] = field(default_factory=dict)
+
+
+def node_place() -> GpuPlace:
+    """This process's :class:`GpuPlace`: empty unless it already works with CUDA device memory
+    (:meth:`~hoplite_gpu.device.DeviceBackend.in_use`: no CUDA or NVML start-up for a process that
+    never touches a GPU) and NVML lists its current device."""
+    from . import device
+
+    backend = device.default_backend()
+    if not backend.in_use():
+        return GpuPlace()
+    uuid = backend.device_uuid(backend.current_device())
+    inv = inventory() if uuid else None
+    if inv is None or inv.gpu(uuid) is None:
+        return GpuPlace()
+    return GpuPlace(uuid, inv.to_dict())
 
 
 def inventory() -> Inventory:

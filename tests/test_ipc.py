@@ -25,6 +25,8 @@ from hoplite_gpu import device, ipc, shm
 from hoplite_gpu import protocol as p
 from hoplite_gpu.buffers import to_host
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
+from hoplite_gpu.errors import ProtocolError
+from hoplite_gpu.topology import GpuInfo, Inventory, NvLink
 from tests.procs import DEVICE_TYPE, Worker, array_type, device_array, digest, make_array, start_workers
 
 pytestmark = [
@@ -217,6 +219,55 @@ def test_a_ticket_goes_only_to_same_host_readers_that_open_device_memory(
     if status == "shm":
         assert send.message.segment == name and send.message.memory == "device" and not state.transfers
         assert state.events[-1]["kind"] == "lookup_ipc"
+
+
+def _gpus(*uuids: str, nvlink: tuple[str, str] = ("", "")) -> Inventory:
+    """One host's GPUs, all on NUMA node 0; ``nvlink`` joins two of them."""
+    gpus = [
+        GpuInfo(
+            i,
+            u,
+            "test GPU",
+            numa_node=0,
+            nvlinks=(NvLink(0, True, remote_uuid=nvlink[1]),) if u == nvlink[0] else (),
+        )
+        for i, u in enumerate(uuids)
+    ]
+    return Inventory("host", "h1", gpus=tuple(gpus))
+
+
+def test_a_reader_opens_the_holder_whose_gpu_reaches_its_own_best() -> None:
+    """Among same-host holders of a device object, the directory gives a ticket of one on the
+    reader's own GPU, else one on NVLink to it, else the owner's (as without GPU information)."""
+    inv = _gpus("G0", "G1", "G2", "G3", nvlink=("G2", "G1"))
+    state = DirectoryState(lease_timeout=math.inf, validate=True)
+    for i, (node, gpu) in enumerate({"A": "G0", "B": "G1", "C": "G2", "D": "G3", "E": "", "F": ""}.items()):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, "h1", gpu=gpu, gpus=inv if gpu else None))
+    tickets = {n: ipc.PREFIX + f"hoplite-1-2-{i}-ab" for i, n in enumerate("AB")}
+    put = p.PutRequest(1, OID, 1 << 20, "|u1", [1 << 20], b"", None, tickets["A"], memory="device")
+    state.handle(Request("A", put, 0.0))
+    state.handle(Request("B", p.CopyAdded(OID, tickets["B"]), 0.0))
+
+    def ticket_for(reader: str, rid: int) -> str:
+        (send,) = state.handle(Request(reader, p.LookupRequest(rid, OID, 0.0, 0, True, device_ipc=True), 0.0))
+        assert send.message.status == "shm"
+        return str(send.message.segment)
+
+    assert ticket_for("C", 2) == tickets["B"]  # NVLink G2-G1 beats PCIe to the owner's G0
+    assert ticket_for("D", 3) == tickets["A"]  # equally far: the owner's
+    assert ticket_for("E", 4) == tickets["A"]  # a reader that named no GPU: the owner's
+    state.handle(NodeJoined("G", "127.0.0.1", 7010, 0.0, "h1", gpu="G1", gpus=inv))
+    assert ticket_for("G", 5) == tickets["B"]  # on the holder's own GPU
+
+
+def test_a_hello_names_a_gpu_of_its_inventory() -> None:
+    inv = _gpus("G0").to_dict()
+    hello = {"node_id": "n1", "nonce": b"n" * 16, "proof": b"p" * 32, "data_host": "h", "data_port": 1}
+    p.Hello(**hello, gpu="G0", gpus=inv).check()
+    p.Hello(**hello).check()  # no GPU
+    for gpu, gpus in (("G9", inv), ("G0", {}), ("", inv), ("G0", {"gpus": "not a list"})):
+        with pytest.raises(ProtocolError):
+            p.Hello(**hello, gpu=gpu, gpus=gpus).check()
 
 
 def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:

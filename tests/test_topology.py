@@ -476,6 +476,22 @@ def test_from_dict_never_fails_otherwise(data: st.DataObject) -> None:
     assert Inventory.from_dict(inv.to_dict()) == inv
 
 
+def test_a_process_without_a_gpu_in_use_names_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA or NVML start-up for a node whose process works with no GPU: its place is empty
+    (CuPy not loaded; or the simulated backend, which has no UUIDs)."""
+    from hoplite_gpu import device
+
+    if "cupy" not in sys.modules:
+        assert topology.node_place() == topology.GpuPlace()
+    monkeypatch.setenv(device.BACKEND_ENV, "sim")
+    device.default_backend.cache_clear()
+    try:
+        assert device.default_backend().in_use() and topology.node_place() == topology.GpuPlace()
+    finally:
+        monkeypatch.undo()
+        device.default_backend.cache_clear()
+
+
 # --- on a machine with a GPU ----------------------------------------------------------------
 
 
@@ -497,3 +513,26 @@ def test_inventory_matches_cupy() -> None:
         assert g.memory_total_bytes and g.compute_capability and g.pci_bus_id
         assert link_between(inv, g.uuid, inv, g.uuid) is LinkKind.SAME_GPU
     assert Inventory.from_dict(json.loads(json.dumps(inv.to_dict()))) == inv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+def test_a_node_names_its_gpu_to_the_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's UUID of the current device is NVML's, so the directory can rank holders by link."""
+    import cupy
+
+    import hoplite_gpu as hg
+    from hoplite_gpu import device
+
+    monkeypatch.delenv(device.BACKEND_ENV, raising=False)
+    device.default_backend.cache_clear()
+    try:
+        cupy.zeros(1)  # this process works with the GPU
+        place = topology.node_place()
+        assert place.uuid.startswith("GPU-")
+        assert Inventory.from_dict(place.inventory).gpu(place.uuid) is not None
+        with hg.init() as node:
+            joined = [e for e in node.event_log() if e["kind"] == "node_joined"]
+            assert joined[-1]["gpu"] == place.uuid
+    finally:
+        device.default_backend.cache_clear()

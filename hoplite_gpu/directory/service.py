@@ -21,6 +21,7 @@ from .. import auth
 from .. import protocol as p
 from ..config import Config
 from ..errors import HopliteError, ProtocolError
+from ..topology import Inventory
 from .state import (
     AuthFailed,
     ContinueReduce,
@@ -301,6 +302,8 @@ class DirectoryService:
                 hello.host_key,
                 # A restart of this directory, not a node it declared dead coming back.
                 rejoin=bool(hello.previous_directory) and hello.previous_directory != self.directory_id,
+                gpu=hello.gpu,
+                gpus=Inventory.from_dict(hello.gpus) if hello.gpu else None,  # checked by Hello
             )
         )
         return hello.node_id

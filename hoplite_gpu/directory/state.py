@@ -66,6 +66,7 @@ from ..coding import DECODE_TOLERANCE, DecodeTracker, solve_decoding
 from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op, check_dtype, reduce_chunk, weighted_sum_chunk
 from ..store import dtype_from_wire
+from ..topology import Inventory, LinkKind, link_between
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
 
 log = logging.getLogger("hoplite_gpu.directory")
@@ -109,6 +110,8 @@ class NodeJoined:
     now: float
     host_key: str = ""
     rejoin: bool = False  # it lost its directory (this one restarted): its copies follow as Restore
+    gpu: str = ""  # the GPU its device objects live on (see protocol.Hello), and its host's GPUs:
+    gpus: Inventory | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +305,8 @@ class NodeInfo:
     host_key: str = ""
     last_seen: float = 0.0
     suspect_since: float | None = None  # a receiver reported it failed; it serves nobody
+    gpu: str = ""  # see NodeJoined
+    gpus: Inventory | None = None
 
 
 class DirectoryState:
@@ -401,9 +406,16 @@ class DirectoryState:
             self._on_request(event)
         elif isinstance(event, NodeJoined):
             self.nodes[event.node_id] = NodeInfo(
-                event.node_id, event.data_host, event.data_port, event.now, event.host_key, event.now
+                event.node_id,
+                event.data_host,
+                event.data_port,
+                event.now,
+                event.host_key,
+                event.now,
+                gpu=event.gpu,
+                gpus=event.gpus,
             )
-            self._log(event.now, "node_joined", node=event.node_id, rejoin=event.rejoin)
+            self._log(event.now, "node_joined", node=event.node_id, rejoin=event.rejoin, gpu=event.gpu)
             if event.rejoin and self.recovering_until is None:
                 self.recovering_until = event.now + self.lease_timeout
                 self._log(event.now, "directory_recovering", until=self.recovering_until)
@@ -821,13 +833,16 @@ class DirectoryState:
         return loc is not None and bool(loc.segment)
 
     def _same_host_copy(self, entry: ObjectEntry, receiver: str, device_ipc: bool = False) -> Location | None:
-        """A complete copy in a shared-memory segment on ``receiver``'s host (the owner's first;
-        one still being copied into its segment, see :attr:`Location.copying`, only if no other).
-        A device copy's ticket (:mod:`hoplite_gpu.ipc`) counts only for a ``device_ipc`` receiver."""
-        key = self.nodes[receiver].host_key
-        if not key:
+        """A complete copy in a shared-memory segment on ``receiver``'s host. A device copy's
+        ticket (:mod:`hoplite_gpu.ipc`) counts only for a ``device_ipc`` receiver, and the holders
+        whose GPU reaches the receiver's best come first (the same GPU, then NVLink, then PCIe on
+        its NUMA node: :func:`hoplite_gpu.topology.link_between`, from the GPUs nodes named when
+        they joined). Then the owner's copy, and one still being copied into its segment (see
+        :attr:`Location.copying`) only if no other."""
+        reader = self.nodes[receiver]
+        if not reader.host_key:
             return None
-        found: Location | None = None
+        found: list[Location] = []
         for loc in entry.locations.values():
             info = self.nodes.get(loc.node_id)
             if (
@@ -836,14 +851,19 @@ class DirectoryState:
                 and (device_ipc or not loc.segment.startswith(p.IPC_SEGMENT_PREFIX))
                 and loc.node_id != receiver
                 and info is not None
-                and info.host_key == key
+                and info.host_key == reader.host_key
                 and info.suspect_since is None
             ):
-                if loc.node_id == entry.owner and not loc.copying:
-                    return loc
-                if found is None or (found.copying and not loc.copying):
-                    found = loc
-        return found
+                found.append(loc)
+
+        def rank(loc: Location) -> tuple[int, bool, bool]:
+            holder = self.nodes[loc.node_id]
+            link = LinkKind.SAME_HOST
+            if loc.segment.startswith(p.IPC_SEGMENT_PREFIX) and holder.gpus and reader.gpus:
+                link = link_between(holder.gpus, holder.gpu, reader.gpus, reader.gpu)
+            return link, loc.copying, loc.node_id != entry.owner
+
+        return min(found, key=rank, default=None)  # the first of equals: in the order copies came
 
     def _root_on_host(self, entry: ObjectEntry, receiver: str) -> bool:
         """Whether ``entry`` is a reduction's result whose root vertex runs on ``receiver``'s host
