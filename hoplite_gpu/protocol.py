@@ -529,6 +529,8 @@ _NAME = re.compile(r"[A-Za-z0-9._:-]+")
 #: ``inline`` (object bytes) and ``events`` are bounded by the frame size alone. Peers' texts end
 #: up in the directory's state and event log, whose size these limits bound.
 MAX_TEXT_CHARS = 4096
+#: Largest hello a directory reads (before the node is authenticated): its GPU inventory included.
+MAX_HELLO_BYTES = 64 * 1024
 _MAX_FIELD = {
     "reason": 1024,
     "segment": MAX_NAME_CHARS,

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import msgpack
+
 from . import shm
 from .errors import InvalidArgumentError
 
@@ -32,6 +34,10 @@ MAX_GPUS = 64
 MAX_LINKS = 64
 MAX_STR = 256
 _MAX_INT = 2**63 - 1
+
+#: Largest encoded inventory a node sends in its hello (which the directory reads before it has
+#: authenticated the node, so it bounds it: ``protocol.MAX_HELLO_BYTES``).
+MAX_PLACE_BYTES = 48 * 1024
 
 #: Where Linux lists PCI devices (``<bus id>/numa_node``); a test may point it elsewhere.
 SYSFS_PCI = "/sys/bus/pci/devices"
@@ -116,6 +122,22 @@ class Inventory:
     def gpu(self, uuid: str) -> GpuInfo | None:
         """The GPU with this UUID, or ``None``."""
         return next((g for g in self.gpus if uuid and g.uuid == uuid), None)
+
+    def for_routing(self) -> Inventory:
+        """Only what :func:`link_between` reads: each GPU's UUID, index and NUMA node, and one
+        active NVLink per GPU it reaches (plus one to an NVSwitch): a few hundred bytes per GPU,
+        where the full inventory of a GPU with 18 NVLinks to switches takes kilobytes."""
+        gpus = []
+        for g in self.gpus:
+            links: dict[tuple[str, str | None], NvLink] = {}
+            for n in g.nvlinks:
+                if n.active and (n.remote_uuid or n.remote_kind == "switch"):
+                    key = ("switch", None) if n.remote_kind == "switch" else ("gpu", n.remote_uuid)
+                    links.setdefault(
+                        key, NvLink(len(links), True, remote_kind=n.remote_kind, remote_uuid=n.remote_uuid)
+                    )
+            gpus.append(GpuInfo(g.index, g.uuid, "", numa_node=g.numa_node, nvlinks=tuple(links.values())))
+        return Inventory(self.host, self.host_key, gpus=tuple(gpus))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (str, int, bool, None, list, dict): JSON and msgpack encode it."""
@@ -272,10 +294,13 @@ def node_place() -> GpuPlace:
     if not backend.in_use():
         return GpuPlace()
     uuid = backend.device_uuid(backend.current_device())
-    inv = inventory() if uuid else None
+    inv = inventory().for_routing() if uuid else None
     if inv is None or inv.gpu(uuid) is None:
         return GpuPlace()
-    return GpuPlace(uuid, inv.to_dict())
+    place = GpuPlace(uuid, inv.to_dict())
+    if len(msgpack.packb(place.inventory)) > MAX_PLACE_BYTES:
+        return GpuPlace()  # more GPUs and links than a hello carries: no ranking, as without
+    return place
 
 
 def inventory() -> Inventory:

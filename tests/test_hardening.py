@@ -21,6 +21,7 @@ from hoplite_gpu.control import ControlClient
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request
 from hoplite_gpu.errors import InvalidArgumentError, ProtocolError
 from hoplite_gpu.iothread import IOThread
+from hoplite_gpu.topology import GpuInfo, Inventory
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,6 +61,17 @@ BAD = {
     "a node id with a newline": _hello(node_id="a\nb"),
     "a node id with an ANSI escape": _hello(node_id="\x1b[31mred"),
     "a data port of 0": _hello(data_port=0),
+    "a hello naming a GPU its inventory lacks": _hello(
+        gpu="GPU-9", gpus={"host": "h", "host_key": "k", "gpus": []}
+    ),
+    "a hello with an inventory of 65 GPUs": _hello(
+        gpu="G0",
+        gpus={
+            "host": "h",
+            "host_key": "k",
+            "gpus": [{"index": i, "uuid": f"G{i}", "name": ""} for i in range(65)],
+        },
+    ),
     "a lookup of a 1 MiB id": p.LookupRequest(request_id=1, object_id=b"a" * (1 << 20), timeout=1.0),
     "a transfer_done reason of 1 MiB": p.TransferDone(
         transfer_id=1, ok=False, progress=0, reason="r" * (1 << 20)
@@ -84,6 +96,7 @@ def test_valid_messages_still_decode() -> None:
         _put(dtype="<f8", size=8, shape=[]),
         _put(dtype="|u1", size=0, shape=[0, 5]),
         _hello(node_id="0123456789abcdef0123456789abcdef", host_key=shm.host_key() or "boot:1:2"),
+        _hello(gpu="G0", gpus=Inventory("h", "k", gpus=(GpuInfo(0, "G0", "GPU"),)).to_dict()),
         p.LookupRequest(request_id=1, object_id=ID, timeout=0.0),
         p.ErrorReply(request_id=1, kind="HopliteError", message="m" * 100_000),  # the directory's texts
     ]

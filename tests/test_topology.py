@@ -476,6 +476,18 @@ def test_from_dict_never_fails_otherwise(data: st.DataObject) -> None:
     assert Inventory.from_dict(inv.to_dict()) == inv
 
 
+def test_the_inventory_a_node_sends_keeps_every_link_kind_in_little_space() -> None:
+    routing = NODE.for_routing()
+    uuids = [g.uuid for g in NODE.gpus]
+    for a in uuids:
+        for b in uuids:
+            assert link_between(routing, a, routing, b) is link_between(NODE, a, NODE, b), (a, b)
+    switched = tuple(NvLink(i, True, remote_bus_id="0000:01:00.0", remote_kind="switch") for i in range(18))
+    dgx = _node("h1", *(_g(f"GPU-{i}", i // 4, *switched, index=i) for i in range(8)))
+    assert len(msgpack.packb(dgx.to_dict())) > 8 * 1024 > 4 * len(msgpack.packb(dgx.for_routing().to_dict()))
+    assert Inventory.from_dict(dgx.for_routing().to_dict()) == dgx.for_routing()
+
+
 def test_a_process_without_a_gpu_in_use_names_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """No CUDA or NVML start-up for a node whose process works with no GPU: its place is empty
     (CuPy not loaded; or the simulated backend, which has no UUIDs)."""

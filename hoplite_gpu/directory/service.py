@@ -258,7 +258,7 @@ class DirectoryService:
         writer.write(p.encode(p.Challenge(nonce=nonce)))
         await writer.drain()
         try:
-            hello = await asyncio.wait_for(p.read_frame(reader, 4096), HANDSHAKE_TIMEOUT)
+            hello = await asyncio.wait_for(p.read_frame(reader, p.MAX_HELLO_BYTES), HANDSHAKE_TIMEOUT)
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 self.auth_failures += 1
