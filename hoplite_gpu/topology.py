@@ -298,6 +298,10 @@ def node_place() -> GpuPlace:
     if inv is None or inv.gpu(uuid) is None:
         return GpuPlace()
     place = GpuPlace(uuid, inv.to_dict())
+    try:
+        Inventory.from_dict(place.inventory)  # as the directory checks it: a refused hello would
+    except InvalidArgumentError:  # keep the node out (NVML reporting a UUID twice, say)
+        return GpuPlace()
     if len(msgpack.packb(place.inventory)) > MAX_PLACE_BYTES:
         return GpuPlace()  # more GPUs and links than a hello carries: no ranking, as without
     return place
