@@ -82,6 +82,29 @@ def test_kernel_matches_numpy(dtype_name: str, op: ReduceOp) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("dtype_name", SUPPORTED_DTYPES)
+@pytest.mark.parametrize("offsets", [(1, 1), (0, 1), (1, 0)])
+def test_arrays_off_a_16_byte_boundary_reduce_one_by_one(dtype_name: str, offsets: tuple[int, int]) -> None:
+    """The kernels move 16 bytes per load where both arrays are aligned; views that start an
+    element in (or only one of them) take the element-by-element path, with the same result."""
+    import cupy
+
+    dtype = _dtype(dtype_name)
+    bf16 = dtype_name == "bfloat16"
+    size = 1000
+    a, b = _arrays(dtype, size + 1, seed=3)
+    want = a[offsets[0] : offsets[0] + size].copy()
+    host_reduce_into(ReduceOp.SUM, want, b[offsets[1] : offsets[1] + size])
+    acc_all = cupy.asarray(a.view(np.uint16) if bf16 else a)
+    other_all = cupy.asarray(b.view(np.uint16) if bf16 else b)
+    acc = acc_all[offsets[0] : offsets[0] + size]
+    gpu.reduce_into(ReduceOp.SUM, acc, other_all[offsets[1] : offsets[1] + size], dtype=dtype_name)
+    got, want = cupy.asnumpy(acc).view(dtype).astype(np.float64), want.astype(np.float64)
+    assert np.array_equal(got, want, equal_nan=True), (dtype_name, offsets)  # one rounding, as on the host
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("dtype_name", gpu.FLOAT_DTYPES)
 def test_weighted_kernels_match_numpy(dtype_name: str) -> None:
     """``scale`` then ``axpy``: the weighted SUM of two inputs, within one rounding per step."""
