@@ -86,8 +86,8 @@ def _member(
     world: int,
     fault: str,
     staged: bool,
+    ucx_cuda: bool,
     conn: Any,
-    ucx_cuda: bool = False,
 ) -> None:
     """A worker process: one node; runs the commands the driver sends until it sends None.
     ``fault``: armed in it (:mod:`hoplite_gpu.faults`). ``staged``: without shared memory, so
@@ -152,7 +152,13 @@ def _command(node: Any, state: dict[str, Any], what: str, *args: Any) -> Any:
         _sync()
         seconds = time.perf_counter() - t0
         on_device = isinstance(arr, cp.ndarray)
-        ok = bool(np.array_equal(cp.asnumpy(arr) if on_device else arr, _pattern(np, nbytes)))
+        # Against the pattern as the sender made it (float32 arange past 2**24 differs between
+        # NumPy and CuPy: a 1 GiB CuPy object is not NumPy's pattern).
+        ok = bool(
+            cp.array_equal(arr, _pattern(cp, nbytes))
+            if on_device
+            else np.array_equal(arr, _pattern(np, nbytes))
+        )
         return seconds, ok, on_device, node.stats()["staged_bytes_received"]
     if what == "collective":  # part collectives: rounds of one collective, spans of each
         name, kind, op, nbytes, rounds, timeout = args
@@ -320,7 +326,7 @@ def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
     """A device-to-device get between two processes against cudaMemcpy of the same size."""
     import cupy as cp
 
-    receiver = (node.directory_address, node.token, 1, 2, "", False)
+    receiver = (node.directory_address, node.token, 1, 2, "", False, False)
     pipes, procs = start_workers(_member, [receiver], daemon=False)
     try:
         for size in args.p2p_sizes:
@@ -441,7 +447,7 @@ def part_kernel(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]])
 def part_collectives(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Broadcast, reduce, allreduce of CuPy arrays against the same with NumPy arrays."""
     world, size, rounds = args.workers, args.size, args.warmup + args.repeat
-    members = [(node.directory_address, node.token, r, world, "", False) for r in range(world)]
+    members = [(node.directory_address, node.token, r, world, "", False, False) for r in range(world)]
     pipes, procs = start_workers(_member, members, daemon=False)
     name = f"bench-gpu-{os.getpid()}-{time.time_ns()}"
     try:
@@ -489,7 +495,7 @@ def _kill_broadcast(node: Any, args: argparse.Namespace, injected: bool) -> dict
     hex_id = hg.ObjectID.random().hex()
     fault = f"receive:{hex_id}:0.5:KILL,serve:{hex_id}:0.25:KILL" if injected else ""
     address, token = node.directory_address, node.token
-    members = [(address, token, r, world, fault if r == 1 else "", injected) for r in range(world)]
+    members = [(address, token, r, world, fault if r == 1 else "", injected, False) for r in range(world)]
     pipes, procs = start_workers(_member, members, daemon=False)
     try:
         for r in range(1, world):  # gets before the put, member 1's first: later readers may stream from it

@@ -384,7 +384,7 @@ def is_loopback(host: str) -> bool:
 
 #: Environment variable: ``1`` hands device chunks to UCX as they are (its ``cuda_copy`` transport
 #: moves them), instead of staging them through pinned host buffers here. It adds ``cuda_copy`` to
-#: the default ``UCX_TLS`` (a ``UCX_TLS`` set by the user is left alone: include ``cuda_copy``).
+#: ``UCX_TLS`` (unless that lists ``all`` or ``cuda``, or is an exclusion list, ``^...``).
 #: Read when UCX is first loaded; create a CUDA context before the node starts (UCX looks for one).
 #: Off by default: ``bench/gpu.py``'s p2p part measures both ways, and on a machine whose UCX has
 #: no CUDA transports, UCX warns and the device chunks would fail to send.
@@ -399,12 +399,25 @@ def ucx_cuda() -> bool:
 def default_ucx_tls() -> str:
     """The UCX transports used where ``UCX_TLS`` is not set: ``UCX_DEFAULTS``'s, plus ``cuda_copy``
     with :data:`UCX_CUDA_ENV`."""
-    return UCX_DEFAULTS["UCX_TLS"] + (",cuda_copy" if ucx_cuda() else "")
+    return _with_cuda_copy(UCX_DEFAULTS["UCX_TLS"]) if ucx_cuda() else UCX_DEFAULTS["UCX_TLS"]
+
+
+def _with_cuda_copy(tls: str) -> str:
+    """``tls`` listing ``cuda_copy`` (kept as it is where it already does, or where it is ``all``
+    or an exclusion list, ``^...``)."""
+    names = [t.strip() for t in tls.split(",") if t.strip()]
+    if not names or names[0].startswith("^") or {"all", "cuda", "cuda_copy"} & set(names):
+        return tls
+    return ",".join([*names, "cuda_copy"])
 
 
 def apply_ucx_defaults() -> None:
-    """Set the measured UCX defaults in the environment unless the user set them already."""
+    """Set the measured UCX defaults in the environment unless the user set them already. With
+    :data:`UCX_CUDA_ENV`, ``UCX_TLS`` lists ``cuda_copy`` even where it was set (a process started
+    by a node inherits the node's ``UCX_TLS=tcp``): ucxx refuses device buffers without it."""
     os.environ.setdefault("UCX_TLS", default_ucx_tls())
+    if ucx_cuda():
+        os.environ["UCX_TLS"] = _with_cuda_copy(os.environ["UCX_TLS"])
     for key, value in UCX_DEFAULTS.items():
         os.environ.setdefault(key, value)
 

@@ -88,3 +88,30 @@ def test_chunk_tags_name_the_transfer_and_the_bytes() -> None:
         for start, end in ((0, CHUNK), (CHUNK, 2 * CHUNK), (0, CHUNK // 2))
     }
     assert len(tags) == 6
+
+
+def test_ucx_cuda_adds_cuda_copy_to_the_transports_a_process_inherited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With HOPLITE_UCX_CUDA=1, UCX_TLS lists cuda_copy even where a parent node set it to its default
+    (ucxx refuses device buffers otherwise: found on an H100); lists that cover it stay as they are."""
+    from hoplite_gpu import config
+
+    monkeypatch.setenv(config.UCX_CUDA_ENV, "1")
+    for before, after in [
+        ("tcp", "tcp,cuda_copy"),
+        ("tcp,sm", "tcp,sm,cuda_copy"),
+        ("tcp,cuda_copy", "tcp,cuda_copy"),
+        ("all", "all"),
+        ("^sm", "^sm"),
+    ]:
+        monkeypatch.setenv("UCX_TLS", before)
+        config.apply_ucx_defaults()
+        assert config.os.environ["UCX_TLS"] == after
+    monkeypatch.delenv("UCX_TLS")
+    config.apply_ucx_defaults()
+    assert config.os.environ["UCX_TLS"] == config.default_ucx_tls() == "tcp,cuda_copy"
+    monkeypatch.setenv(config.UCX_CUDA_ENV, "0")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    config.apply_ucx_defaults()
+    assert config.os.environ["UCX_TLS"] == "tcp" and config.default_ucx_tls() == "tcp"
