@@ -180,6 +180,15 @@ class DeviceBackend:
 
 
 # ---------------------------------------------------------------- CUDA through CuPy
+def _torch_cuda_started() -> bool:
+    """Whether torch is loaded and has initialised CUDA in this process (without loading it)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:  # a partly imported or unusual torch
+        return False
+
+
 def cupy_view(array: Any) -> Any:
     """A CuPy array sharing memory with a caller's CUDA array: a CuPy array itself, a torch tensor
     through DLPack, or any object exporting ``__cuda_array_interface__``. A bfloat16 tensor comes
@@ -215,8 +224,8 @@ class CupyBackend(DeviceBackend):
         return gpu.available()
 
     def in_use(self) -> bool:
-        if self._in_use is None and "cupy" in sys.modules:
-            self._in_use = self.available()  # asked once CuPy is loaded: then it stays as it is
+        if self._in_use is None and ("cupy" in sys.modules or _torch_cuda_started()):
+            self._in_use = self.available()  # asked once CuPy (or torch's CUDA) is loaded: then kept
         return bool(self._in_use)
 
     def owns(self, array: Any) -> bool:

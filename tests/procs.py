@@ -113,6 +113,11 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             dtype, shape, seed, oid_hex = args
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
             return node.put(make_array(dtype, shape, seed), oid).hex()
+        if cmd == "use_device":  # work with a device, as a GPU process does before it gets objects
+            from hoplite_gpu import device
+
+            device_array(args[0], np.zeros(1, np.uint8))
+            return device.default_backend().in_use()
         if cmd == "put_device":  # put a device array: "sim" (simulated device memory) or "cupy"
             backend, dtype, shape, seed, oid_hex = args
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
@@ -291,6 +296,17 @@ def start_workers(address: str, token: str, n: int, **overrides: Any) -> list[Wo
     workers = [Worker(address, token, **overrides) for _ in range(n)]
     for w in workers:
         w.wait_ready()
+    return workers
+
+
+def start_device_workers(address: str, token: str, n: int, backend: str, **overrides: Any) -> list[Worker]:
+    """:func:`start_workers` whose processes already work with ``backend``'s device memory (a
+    process that never touched a GPU receives device objects into host memory, without CUDA IPC,
+    until it has: :meth:`hoplite_gpu.device.DeviceBackend.in_use`)."""
+    workers = start_workers(address, token, n, **overrides)
+    for w in workers:
+        if not w.call("use_device", backend):
+            raise RuntimeError(f"worker {w.proc.pid} has no usable {backend} device")
     return workers
 
 

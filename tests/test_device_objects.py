@@ -23,7 +23,15 @@ from hoplite_gpu import protocol as p
 from hoplite_gpu.buffers import BufferKind, to_host
 from hoplite_gpu.config import UCX_CUDA_ENV
 from hoplite_gpu.errors import ProtocolError
-from tests.procs import DEVICE_TYPE, Worker, array_type, device_array, digest, make_array, start_workers
+from tests.procs import (
+    DEVICE_TYPE,
+    Worker,
+    array_type,
+    device_array,
+    digest,
+    make_array,
+    start_device_workers,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,8 +46,8 @@ def dev_owner(backend: str) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def dev_workers(dev_owner: Any) -> Iterator[list[Worker]]:
-    ws = start_workers(dev_owner.directory_address, dev_owner.token, 3)
+def dev_workers(backend: str, dev_owner: Any) -> Iterator[list[Worker]]:
+    ws = start_device_workers(dev_owner.directory_address, dev_owner.token, 3, backend)
     yield ws
     for w in ws:
         w.stop()
@@ -137,7 +145,7 @@ def test_a_reader_killed_while_receiving_a_device_object(backend: str, dev_owner
     is SIGKILLed half way through (fault injection): the other reader, which may be streaming
     from it, finishes bit-exact."""
     shape = (4, 1 << 20)  # 16 MiB of float32: several chunks
-    ws = start_workers(dev_owner.directory_address, dev_owner.token, 3)
+    ws = start_device_workers(dev_owner.directory_address, dev_owner.token, 3, backend)
     try:
         oid = hg.ObjectID.random().hex()
         ws[1].call("arm", f"receive:{oid}:0.5:KILL")
@@ -171,7 +179,7 @@ def test_device_chunks_are_staged_unless_ucx_moves_device_memory(
     ``cuda_copy`` transport; the simulated backend's memory is host memory, which UCX moves as it
     is). Either way the reader's device copy is exact."""
     monkeypatch.setenv(UCX_CUDA_ENV, "1" if ucx_cuda else "0")
-    ws = start_workers(dev_owner.directory_address, dev_owner.token, 2)  # they inherit it
+    ws = start_device_workers(dev_owner.directory_address, dev_owner.token, 2, backend)  # they inherit it
     try:
         oid = ws[0].call("put_device", backend, "float32", SHAPE, 31, "")
         want = make_array("float32", SHAPE, 31)

@@ -27,7 +27,16 @@ from hoplite_gpu.buffers import to_host
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
 from hoplite_gpu.errors import ProtocolError
 from hoplite_gpu.topology import GpuInfo, Inventory, NvLink
-from tests.procs import DEVICE_TYPE, Worker, array_type, device_array, digest, make_array, start_workers
+from tests.procs import (
+    DEVICE_TYPE,
+    Worker,
+    array_type,
+    device_array,
+    digest,
+    make_array,
+    start_device_workers,
+    start_workers,
+)
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -51,8 +60,8 @@ def ipc_owner(backend: str) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def ipc_workers(ipc_owner: Any) -> Iterator[list[Worker]]:
-    ws = start_workers(ipc_owner.directory_address, ipc_owner.token, 3, shared_memory=True)
+def ipc_workers(backend: str, ipc_owner: Any) -> Iterator[list[Worker]]:
+    ws = start_device_workers(ipc_owner.directory_address, ipc_owner.token, 3, backend, shared_memory=True)
     yield ws
     for w in ws:
         w.stop()
@@ -108,7 +117,9 @@ def test_reduce_vertices_read_same_host_device_inputs_through_ipc(
 
 
 def test_a_reader_without_shared_memory_pulls_device_bytes_staged(backend: str, ipc_owner: Any) -> None:
-    (reader,) = start_workers(ipc_owner.directory_address, ipc_owner.token, 1, shared_memory=False)
+    (reader,) = start_device_workers(
+        ipc_owner.directory_address, ipc_owner.token, 1, backend, shared_memory=False
+    )
     try:
         start = ipc_owner.event_log()[-1]["seq"] + 1
         oid, want = _put(ipc_owner, backend, 5)
