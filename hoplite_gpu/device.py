@@ -201,8 +201,7 @@ def cupy_view(array: Any) -> Any:
         tensor = array.detach()
         if tensor.dtype != torch.bfloat16:
             return cupy.from_dlpack(tensor)
-        bits = cupy.from_dlpack(tensor.view(torch.int16)).view(cupy.uint16)
-        return bits.view(cupy_bfloat16() or np.uint16)
+        return cupy.from_dlpack(tensor.view(torch.int16)).view(cupy_bfloat16() or np.uint16)
     return array if isinstance(array, cupy.ndarray) else cupy.asarray(array)
 
 

@@ -490,13 +490,11 @@ class DataPlane:
                     for fut in done:
                         fut.result()
                 tag = p.chunk_tag(transfer_id, pos, end)
-                if not obj.buffer.on_device:
-                    data = obj.buffer.view(pos, end)
-                elif self._device_wire:
-                    data = obj.buffer.view(pos, end)  # device memory: UCX's cuda_copy moves it
-                else:
+                if obj.buffer.on_device and not self._device_wire:
                     data = obj.buffer.host_chunk(pos, end)  # copied out while earlier chunks fly
                     self.staged_sent += end - pos
+                else:
+                    data = obj.buffer.view(pos, end)  # host memory, or device memory for cuda_copy
                 window.add(asyncio.ensure_future(ep.send(data, tag=tag)))
                 sent += end - pos
                 pos = end
