@@ -112,6 +112,11 @@ class Config:
         store_capacity_bytes: Total bytes a node's local store may hold.
         buffer_pool_bytes: Bytes of removed objects' buffers a node keeps for reuse by new objects
             of the same size (saves page faults; 0 disables). Not counted in the capacity.
+        device_pool_bytes: Bytes of dropped device objects' exported allocations a process keeps
+            for new device copies of the same size on the same device (:class:`hoplite_gpu.ipc.
+            DevicePool`; 0 disables): a put then skips ``cudaMalloc`` and a delete skips
+            ``cudaFree``, which waits for the whole device. Process-wide (the last node started
+            sets it); not counted in the capacity.
         shared_memory: Keep objects larger than ``inline_threshold_bytes`` in ``/dev/shm``
             segments, and copy objects held by a node on the same host straight from its segment
             instead of over the data plane (:mod:`hoplite_gpu.shm`: 5-8 GB/s against 2.8 GB/s
@@ -194,6 +199,7 @@ class Config:
     max_object_bytes: int = 16 * GiB
     store_capacity_bytes: int = 64 * GiB
     buffer_pool_bytes: int = 1 * GiB
+    device_pool_bytes: int = 1 * GiB
     shared_memory: bool = True
     max_control_message_bytes: int = 0  # 0: derived from inline_threshold_bytes
     connect_timeout: float = 10.0
@@ -261,6 +267,7 @@ class Config:
                 self.inline_threshold_bytes,
                 self.send_rate_limit,
                 self.buffer_pool_bytes,
+                self.device_pool_bytes,
                 self.reconnect_timeout,
             )
             < 0

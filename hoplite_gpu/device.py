@@ -118,6 +118,13 @@ class DeviceBackend:
         in it, or None when it cannot be shared (memory of :meth:`empty_shared` can)."""
         return None
 
+    def references(self, flat: Any) -> tuple[int, ...]:
+        """Reference counts that rise while anything else uses the memory of ``flat`` (an array of
+        :meth:`empty_shared`): views of it, arrays sharing its memory. Compared only with the
+        counts of an allocation nothing else uses (:class:`hoplite_gpu.ipc.DevicePool`). Here:
+        ``flat``'s own (NumPy views refer to the array that owns their memory)."""
+        return (sys.getrefcount(flat),)
+
     def open_export(self, handle: bytes, offset: int, nbytes: int, device: int) -> tuple[Any, Any]:
         """Open another process's :meth:`export`: a flat ``uint8`` array of the ``nbytes`` at
         ``offset`` of the allocation ``handle`` names, usable from ``device``, and a callable that
@@ -299,6 +306,12 @@ class CupyBackend(DeviceBackend):
         except cupy.cuda.runtime.CUDARuntimeError:
             return None
         return bytes(handle), int(flat.data.ptr - mem.ptr)
+
+    def references(self, flat: Any) -> tuple[int, ...]:
+        # A CuPy view holds the memory pointer (``view``) or a new pointer to the same Memory
+        # (slicing), never the array it came from: all three counts.
+        data = flat.data
+        return (sys.getrefcount(flat), sys.getrefcount(data), sys.getrefcount(data.mem))
 
     def open_export(self, handle: bytes, offset: int, nbytes: int, device: int) -> tuple[Any, Any]:
         import cupy

@@ -12,10 +12,15 @@ vertex, into a store copy of its own (exported in turn).
 
 The ticket is the lifetime guard, as for shared-memory segments: a reader holds a shared lock on
 it for as long as it has the holder's memory open (:func:`open_ticket`), the holder marks it
-retired when it drops the object and frees the memory only once no reader holds the lock
+retired when it drops the object and lets the memory go only once no reader holds the lock
 (:meth:`Ticket.retire`; until then the memory is kept in a draining list, checked again at every
 later retirement and export). A ticket whose process is gone, whose object is another, or whose
 handle does not open here yields None, and the reader pulls over the data plane instead.
+
+Memory let go goes to the process's :data:`POOL` (:class:`DevicePool`), which hands it to the next
+device copy of the same size on the same device: a training loop that puts same-sized gradients
+every step allocates once, rather than paying ``cudaMalloc`` at every put and ``cudaFree`` (which
+waits for the whole device) at every delete, and its readers see the same allocation again.
 
 Record layout (the ticket's payload, little-endian)::
 
@@ -64,13 +69,18 @@ def is_ticket(segment: str) -> bool:
 
 class Ticket:
     """The holder's export of one device buffer: the published record and the memory it names
-    (referenced until the ticket is retired and no reader holds it)."""
+    (referenced until the ticket is retired and no reader holds it; then offered to :data:`POOL`
+    when ``pooled``)."""
 
-    def __init__(self, record: np.ndarray[Any, Any], array: Any) -> None:
+    def __init__(
+        self, record: np.ndarray[Any, Any], array: Any, backend: device.DeviceBackend, pooled: bool
+    ) -> None:
         segment = shm.segment_of(record)
         assert segment is not None
         self._segment: shm.Segment | None = segment
         self._array: Any = array
+        self._backend = backend
+        self._pooled = pooled
         self._retired = False
         self.name = PREFIX + segment.name
 
@@ -100,8 +110,10 @@ class Ticket:
         if self._segment.mapped_elsewhere():
             return False
         self._segment.unlink()
-        self._segment = self._array = None
+        array, self._segment, self._array = self._array, None, None
         _local.pop(self.name, None)
+        if self._pooled:
+            POOL.give(self._backend, array)
         return True
 
     @property
@@ -118,9 +130,10 @@ def reap() -> int:
         return len(_draining)
 
 
-def export(array: Any) -> Ticket | None:
+def export(array: Any, pooled: bool = False) -> Ticket | None:
     """A ticket for the flat device ``array`` (not published yet), or None when its backend
-    cannot share it with other processes or ``/dev/shm`` has no room."""
+    cannot share it with other processes or ``/dev/shm`` has no room. With ``pooled`` the memory
+    goes to :data:`POOL` once let go (only for memory nothing else owns: :func:`allocate`'s)."""
     backend = device.backend_for(array)
     if backend is None:
         return None
@@ -144,7 +157,7 @@ def export(array: Any) -> Ticket | None:
         len(handle),
     )
     record[_RECORD.size : _RECORD.size + len(handle)] = np.frombuffer(handle, np.uint8)
-    ticket = Ticket(record, array)
+    ticket = Ticket(record, array, backend, pooled)
     with _draining_lock:
         _local[ticket.name] = ticket
     reap()
@@ -155,11 +168,14 @@ def allocate(
     backend: device.DeviceBackend, nbytes: int, dev: int, share: bool = True
 ) -> tuple[Any, Ticket | None]:
     """Device memory for a store copy of ``nbytes`` on device ``dev``, and its ticket (None where
-    it cannot be shared, or without ``share``: the store then serves it over the data plane only)."""
+    it cannot be shared, or without ``share``: the store then serves it over the data plane only).
+    Shared memory comes from :data:`POOL` where it holds an allocation of that size."""
     if not share:
         return backend.empty(nbytes, dev), None
-    array = backend.empty_shared(nbytes, dev)
-    return array, export(array)
+    array = POOL.take(backend, nbytes, dev)
+    if array is None:
+        array = backend.empty_shared(nbytes, dev)
+    return array, export(array, pooled=True)
 
 
 def allocate_here(nbytes: int, share: bool) -> tuple[Any, Ticket | None]:
@@ -170,6 +186,113 @@ def allocate_here(nbytes: int, share: bool) -> tuple[Any, Ticket | None]:
 
 
 _local: dict[str, Ticket] = {}  # this process's tickets by name (a process cannot open its own)
+
+
+@dataclass(slots=True)
+class _Spare:
+    backend: device.DeviceBackend
+    device: int
+    array: Any
+
+
+class DevicePool:
+    """Recycles the exported device allocations of dropped objects for new device copies of the
+    same size on the same device (puts, received copies, reduce outputs).
+
+    An allocation is handed out again only once nothing refers to it any more
+    (:meth:`DeviceBackend.references <hoplite_gpu.device.DeviceBackend.references>` against the
+    count of an allocation only the pool holds, measured once per backend): a transfer still
+    sending from it or a vertex still reading it keeps it out of use. Beyond ``max_bytes`` the
+    oldest are freed. Process-wide like the tickets: every node of a process shares it, sized by
+    the largest ``Config.device_pool_bytes`` of the nodes open (:meth:`attach`; 0 without any).
+    Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self.held_bytes = 0
+        self.reused = 0
+        self._sizes: dict[str, int] = {}
+        self._spares: list[_Spare] = []
+        self._unreferenced: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def max_bytes(self) -> int:
+        """Bytes the pool keeps at most."""
+        return max(self._sizes.values(), default=0)
+
+    def attach(self, user: str, max_bytes: int) -> None:
+        """A node opened: ``user`` (its ID) wants up to ``max_bytes`` kept."""
+        with self._lock:
+            self._sizes[user] = max_bytes
+
+    def detach(self, user: str) -> None:
+        """A node closed: what it asked for no longer counts (spares beyond the rest are freed)."""
+        with self._lock:
+            self._sizes.pop(user, None)
+            self._trim()
+
+    def __len__(self) -> int:
+        return len(self._spares)
+
+    def take(self, backend: device.DeviceBackend, nbytes: int, dev: int) -> Any | None:
+        """An unreferenced allocation of exactly ``nbytes`` on ``dev`` of ``backend``, or None."""
+        with self._lock:
+            if not self._spares:
+                return None
+            unreferenced = self._baseline(backend, dev)
+            for i, spare in enumerate(self._spares):
+                if (
+                    spare.backend is backend
+                    and spare.device == dev
+                    and spare.array.nbytes == nbytes
+                    and _not_above(backend.references(spare.array), unreferenced)
+                ):
+                    del self._spares[i]
+                    self.held_bytes -= nbytes
+                    self.reused += 1
+                    return spare.array
+        return None
+
+    def give(self, backend: device.DeviceBackend, array: Any) -> None:
+        """Offer an allocation no object uses any more (it may still be referenced elsewhere)."""
+        nbytes = int(array.nbytes)
+        if not 0 < nbytes <= self.max_bytes:
+            return
+        with self._lock:
+            self._spares.append(_Spare(backend, backend.device_of(array), array))
+            self.held_bytes += nbytes
+            self._trim()
+
+    def clear(self) -> None:
+        """Free every held allocation now."""
+        with self._lock:
+            self._spares.clear()
+            self.held_bytes = 0
+
+    def _trim(self) -> None:
+        limit = self.max_bytes
+        while self.held_bytes > limit:
+            self.held_bytes -= int(self._spares.pop(0).array.nbytes)
+
+    def _baseline(self, backend: device.DeviceBackend, dev: int) -> tuple[int, ...]:
+        """What :meth:`DeviceBackend.references` says of an allocation only a pool entry holds,
+        seen from :meth:`take`'s loop (measured on a one-byte allocation of the backend's own)."""
+        known = self._unreferenced.get(backend.name)
+        if known is None:
+            probe = [_Spare(backend, dev, backend.empty_shared(1, dev))]
+            for spare in probe:  # the same shape as take's loop
+                known = self._unreferenced[backend.name] = backend.references(spare.array)
+            assert known is not None
+        return known
+
+
+def _not_above(counts: tuple[int, ...], limits: tuple[int, ...]) -> bool:
+    return len(counts) == len(limits) and all(c <= limit for c, limit in zip(counts, limits, strict=True))
+
+
+#: The process's pool of device allocations (see :class:`DevicePool`); sized by its nodes.
+POOL = DevicePool()
 
 
 class Opened:

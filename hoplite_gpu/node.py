@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import faults, shm, sources, topology
+from . import faults, ipc, shm, sources, topology
 from . import protocol as p
 from .config import WILDCARD_HOSTS, Config, host_of, is_loopback
 from .directory.service import DirectoryService
@@ -101,6 +101,7 @@ class Node:
             self.config.buffer_pool_bytes,
             shared_min_bytes=self.config.inline_threshold_bytes + 1 if self._shm else 0,
         )
+        ipc.POOL.attach(self.node_id, self.config.device_pool_bytes)
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
         self._session = DirectorySession(
             directory_address,
@@ -202,6 +203,7 @@ class Node:
         self._vertices.cancel()
         await self._data.close(grace=self.config.close_grace)
         self._store.clear(err)
+        ipc.POOL.detach(self.node_id)
         await self._session.close()
         if self._embedded is not None:
             await self._embedded.stop()
@@ -621,8 +623,9 @@ class Node:
     def stats(self) -> dict[str, Any]:
         """Local store figures: objects, bytes used, capacity, data-plane auth failures, the
         unreceived messages the data plane dropped (``stale_*``: see ``DataPlane._sweep_unexpected``),
-        and the device bytes it sent and received staged through host buffers (``staged_*``; none
-        with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself)."""
+        the device bytes it sent and received staged through host buffers (``staged_*``; none
+        with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself), and the process's
+        pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)."""
         return {
             "node_id": self.node_id,
             "objects": len(self._store),
@@ -633,6 +636,8 @@ class Node:
             "stale_bytes_dropped": self._data.stale_bytes,
             "staged_bytes_sent": self._data.staged_sent,
             "staged_bytes_received": self._data.staged_received,
+            "device_pool_bytes": ipc.POOL.held_bytes,
+            "device_pool_reused": ipc.POOL.reused,
             "pid": os.getpid(),
         }
 

@@ -145,6 +145,8 @@ def test_device_memory_that_does_not_open_falls_back_to_a_pull(
     kinds = [e["kind"] for e in _events(ipc_owner, oid.hex(), start)]
     assert kinds[:3] == ["lookup", "lookup_ipc", "lookup"] and "transfer_start" in kinds, kinds
     ipc_owner.delete(oid)
+    ipc.reap()
+    ipc.POOL.clear()  # its memory, broken above, must not serve the next tests' objects
 
 
 def test_a_holder_frees_device_memory_only_once_its_readers_let_go(
@@ -288,18 +290,19 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
     def ours() -> set[str]:
         return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"hoplite-{ns}-{os.getpid()}-")}
 
+    ipc.POOL.clear()
     before = ours()
     node = hg.connect(ipc_owner.directory_address, token=ipc_owner.token, shared_memory=True)
     oid, want = _put(node, backend, 9)
     after_put = ours()
     assert after_put - before  # the ticket (and for the simulated backend, the memory)
     assert node.put(device_array(backend, want), oid) == oid  # the same put again: not kept
-    assert ours() == after_put
+    assert ours() - after_put == _spare_files(backend)  # but its memory stays for the next
     node.delete(oid)
-    _put(node, backend, 10)
+    _put(node, backend, 10)  # into the deleted object's memory, from the process's pool
     node.close()
     ipc.reap()
-    assert ours() == before
+    assert ours() - _spare_files(backend) == before  # kept for the process's next device copies
 
 
 def test_a_retired_ticket_stays_retired(backend: str) -> None:
@@ -310,3 +313,108 @@ def test_a_retired_ticket_stays_retired(backend: str) -> None:
     ticket.retire()  # a second retirement (the store's, after a failed put's) changes nothing
     ipc.reap()
     assert ticket.publish(OID) == "" and not ticket.held
+
+
+# ---------------------------------------------------------------- the pool of device allocations
+def _address(flat: Any) -> int:
+    return int(flat.ctypes.data) if isinstance(flat, np.ndarray) else int(flat.data.ptr)
+
+
+def _spare_files(backend: str) -> set[str]:
+    """The ``/dev/shm`` files of the pool's spares (simulated device memory lives in such files)."""
+    if backend != "sim":
+        return set()
+    return {shm.segment_of(s.array.base).name for s in ipc.POOL._spares}  # type: ignore[union-attr]
+
+
+def _stored(node: Any, oid: hg.ObjectID) -> Any:
+    return node._store.get(oid).buffer.array
+
+
+def test_a_deleted_device_objects_memory_takes_the_next_of_its_size(backend: str) -> None:
+    ipc.POOL.clear()  # spares of earlier tests' objects of the same size
+    node = hg.init(shared_memory=True)
+    try:
+        oid, _ = _put(node, backend, 11)
+        first = _address(_stored(node, oid))
+        reused = ipc.POOL.reused
+        node.delete(oid)
+        ipc.reap()
+        assert ipc.POOL.held_bytes >= int(np.prod(SHAPE)) * 4
+        small = node.put(device_array(backend, np.zeros(8, np.float32)))  # another size: new memory
+        assert _address(_stored(node, small)) != first and ipc.POOL.reused == reused
+        again, want = _put(node, backend, 12)
+        assert _address(_stored(node, again)) == first and ipc.POOL.reused == reused + 1
+        assert np.array_equal(to_host(node.get(again, timeout=30)), want)
+        assert node.stats()["device_pool_reused"] == ipc.POOL.reused
+    finally:
+        node.close()
+
+
+def test_memory_something_still_uses_is_not_handed_out(backend: str) -> None:
+    ipc.POOL.clear()  # spares of earlier tests' objects of the same size
+    node = hg.init(shared_memory=True)
+    try:
+        oid, _ = _put(node, backend, 13)
+        view = node._store.get(oid).buffer.view(0, 64)  # as a transfer still sending from it
+        first = _address(_stored(node, oid))
+        node.delete(oid)
+        ipc.reap()
+        assert len(ipc.POOL) == 1
+        other, _ = _put(node, backend, 14)
+        assert _address(_stored(node, other)) != first
+        del view
+        node.delete(other)
+        ipc.reap()
+        third, want = _put(node, backend, 15)
+        assert _address(_stored(node, third)) == first  # the oldest spare, free again
+        assert np.array_equal(to_host(node.get(third, timeout=30)), want)
+    finally:
+        node.close()
+
+
+def test_the_pool_keeps_what_its_largest_user_asks_oldest_freed_first(backend: str) -> None:
+    pool, dev = ipc.DevicePool(), device.default_backend()
+    pool.attach("a", 100)
+    pool.attach("b", 300)
+    addresses = []
+    for _ in range(4):
+        array = dev.empty_shared(100, 0)
+        addresses.append(_address(array))
+        pool.give(dev, array)
+    del array
+    assert pool.held_bytes == 300 and [_address(s.array) for s in pool._spares] == addresses[1:]
+    assert pool.take(dev, 99, 0) is None and pool.take(dev, 100, 1) is None  # size, device
+    taken = pool.take(dev, 100, 0)
+    assert _address(taken) == addresses[1] and pool.reused == 1
+    pool.give(dev, taken)  # while still referenced (by ``taken``): kept, but not handed out
+    others = [pool.take(dev, 100, 0), pool.take(dev, 100, 0)]
+    assert [_address(a) for a in others] == addresses[2:4]
+    assert pool.take(dev, 100, 0) is None
+    del taken
+    last = pool.take(dev, 100, 0)
+    assert _address(last) == addresses[1] and pool.reused == 4 and len(pool) == 0
+    for array in (*others, last):
+        pool.give(dev, array)
+    del others, last, array
+    pool.detach("b")
+    assert pool.held_bytes == 100 and [_address(s.array) for s in pool._spares] == addresses[1:2]
+    pool.detach("a")
+    assert len(pool) == 0
+    pool.give(dev, dev.empty_shared(100, 0))  # nobody wants any kept
+    assert len(pool) == 0
+
+
+def test_a_reader_on_the_host_reads_each_object_of_reused_memory(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    reader = ipc_workers[2]
+    ipc.POOL.clear()
+    seen = set()
+    for seed in (40, 41, 42):
+        oid, want = _put(ipc_owner, backend, seed)
+        seen.add(_address(_stored(ipc_owner, oid)))
+        assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
+        assert ipc_owner.delete(oid)
+        ipc.reap()
+    assert len(seen) == 1  # one allocation served all three
