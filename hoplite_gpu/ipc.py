@@ -22,6 +22,17 @@ device copy of the same size on the same device: a training loop that puts same-
 every step allocates once, rather than paying ``cudaMalloc`` at every put and ``cudaFree`` (which
 waits for the whole device) at every delete, and its readers see the same allocation again.
 
+Readers keep what they opened: opening a handle maps the holder's whole allocation and closing it
+unmaps it again, a fixed cost of every read. A reader keeps up to :data:`MAX_MAPPINGS` mappings
+open after reading (:func:`open_ticket`) and uses one again when a later ticket names the same
+allocation. CUDA leaves undefined what happens when an exporter frees memory another process still
+has open, so each exported allocation has a *pin*: an empty shared-memory segment its tickets
+name. A reader holds a shared lock on the pin while it keeps the mapping; the holder retires the
+pin before it frees the allocation, and frees it only once it can take the lock exclusively (until
+then it stays referenced, checked again at every :func:`reap`). Readers close the mappings of
+retired pins, and of processes that are gone, at their next open and at every :func:`sweep` (each
+node calls both once per heartbeat interval).
+
 Record layout (the ticket's payload, little-endian)::
 
     0   8s   device backend name ("cupy", "sim")
@@ -31,14 +42,18 @@ Record layout (the ticket's payload, little-endian)::
     24  Q    object size in bytes
     32  H    handle length
     34  ...  handle (at most HANDLE_BYTES)
+    162 H    pin name length (0: none; the reader then closes what it opened after reading)
+    164 ...  pin name (at most PIN_BYTES)
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +70,43 @@ PREFIX = IPC_SEGMENT_PREFIX
 #: The longest handle a ticket holds (a CUDA IPC handle is 64 bytes).
 HANDLE_BYTES = 128
 _RECORD = struct.Struct("<8sIIQQH")
+#: The longest pin name a ticket holds.
+PIN_BYTES = 64
+_PIN = struct.Struct("<H")
+_PIN_AT = _RECORD.size + HANDLE_BYTES
 #: Payload bytes of a ticket.
-RECORD_BYTES = _RECORD.size + HANDLE_BYTES
+RECORD_BYTES = _PIN_AT + _PIN.size + PIN_BYTES
+#: What a pin is published as (it stands for an allocation, not an object).
+_PIN_ID = bytes(20)
+#: How many holders' allocations a process keeps open after reading them (0: none).
+MAX_MAPPINGS = 16
 
 _draining: list[Ticket] = []  # retired tickets whose memory a reader may still read
 _draining_lock = threading.Lock()
+_pinned: list[tuple[Any, shm.Segment]] = []  # allocations let go that a reader still keeps open
+_pinned_lock = threading.Lock()
+
+
+def _new_pin() -> shm.Segment | None:
+    """A published pin for a new exported allocation (None when ``/dev/shm`` has no room)."""
+    buf = shm.create(0)
+    pin = None if buf is None else shm.segment_of(buf)
+    if pin is not None:
+        pin.publish(_PIN_ID)
+    return pin
+
+
+def _let_go(array: Any, pin: shm.Segment | None) -> None:
+    """Free an exported allocation no object uses any more: now, or (when a reader keeps it open)
+    once the reader has closed it, which it does when it sees the retired pin."""
+    if pin is None:
+        return  # ``array`` goes with its last reference
+    pin.retire()
+    if pin.mapped_elsewhere():
+        with _pinned_lock:
+            _pinned.append((array, pin))
+    else:
+        pin.unlink()
 
 
 def is_ticket(segment: str) -> bool:
@@ -73,7 +120,12 @@ class Ticket:
     when ``pooled``)."""
 
     def __init__(
-        self, record: np.ndarray[Any, Any], array: Any, backend: device.DeviceBackend, pooled: bool
+        self,
+        record: np.ndarray[Any, Any],
+        array: Any,
+        backend: device.DeviceBackend,
+        pooled: bool,
+        pin: shm.Segment | None,
     ) -> None:
         segment = shm.segment_of(record)
         assert segment is not None
@@ -81,6 +133,7 @@ class Ticket:
         self._array: Any = array
         self._backend = backend
         self._pooled = pooled
+        self._pin = pin
         self._retired = False
         self.name = PREFIX + segment.name
 
@@ -113,7 +166,9 @@ class Ticket:
         array, self._segment, self._array = self._array, None, None
         _local.pop(self.name, None)
         if self._pooled:
-            POOL.give(self._backend, array)
+            POOL.give(self._backend, array, self._pin)
+        else:
+            _let_go(array, self._pin)
         return True
 
     @property
@@ -123,29 +178,39 @@ class Ticket:
 
 
 def reap() -> int:
-    """Free the memory of retired tickets no reader holds any more; how many are still held.
-    Called at every export and retirement (a reader letting go is not seen before that)."""
+    """Free the memory of retired tickets no reader holds any more, and allocations let go that no
+    reader keeps open any more; how many tickets are still held. Called at every export and
+    retirement and by each node once per heartbeat interval (a reader letting go is not seen
+    before that)."""
+    with _pinned_lock:
+        kept = []
+        for array, pin in _pinned:
+            if pin.mapped_elsewhere():
+                kept.append((array, pin))
+            else:
+                pin.unlink()  # and ``array`` goes with its last reference
+        _pinned[:] = kept
     with _draining_lock:
         _draining[:] = [t for t in _draining if not t._release()]
         return len(_draining)
 
 
-def export(array: Any, pooled: bool = False) -> Ticket | None:
+def export(array: Any, pooled: bool = False, pin: shm.Segment | None = None) -> Ticket | None:
     """A ticket for the flat device ``array`` (not published yet), or None when its backend
     cannot share it with other processes or ``/dev/shm`` has no room. With ``pooled`` the memory
-    goes to :data:`POOL` once let go (only for memory nothing else owns: :func:`allocate`'s)."""
+    goes to :data:`POOL` once let go (only for memory nothing else owns: :func:`allocate`'s).
+    ``pin``: the allocation's, from an earlier export (a new one is made without)."""
     backend = device.backend_for(array)
-    if backend is None:
-        return None
-    exported = backend.export(array)
-    if exported is None:
+    exported = None if backend is None or len(backend.name) > 8 else backend.export(array)
+    record = None
+    if backend is not None and exported is not None and len(exported[0]) <= HANDLE_BYTES:
+        record = shm.create(RECORD_BYTES)
+    if record is None or backend is None or exported is None:
+        _let_go(array, pin)
         return None
     handle, offset = exported
-    if len(handle) > HANDLE_BYTES or len(backend.name) > 8:
-        return None
-    record = shm.create(RECORD_BYTES)
-    if record is None:
-        return None
+    pin = pin or _new_pin()
+    pin_name = b"" if pin is None else pin.name.encode()
     _RECORD.pack_into(
         record.data,
         0,
@@ -157,7 +222,9 @@ def export(array: Any, pooled: bool = False) -> Ticket | None:
         len(handle),
     )
     record[_RECORD.size : _RECORD.size + len(handle)] = np.frombuffer(handle, np.uint8)
-    ticket = Ticket(record, array, backend, pooled)
+    _PIN.pack_into(record.data, _PIN_AT, len(pin_name))
+    record[_PIN_AT + _PIN.size : _PIN_AT + _PIN.size + len(pin_name)] = np.frombuffer(pin_name, np.uint8)
+    ticket = Ticket(record, array, backend, pooled, pin)
     with _draining_lock:
         _local[ticket.name] = ticket
     reap()
@@ -172,10 +239,11 @@ def allocate(
     Shared memory comes from :data:`POOL` where it holds an allocation of that size."""
     if not share:
         return backend.empty(nbytes, dev), None
-    array = POOL.take(backend, nbytes, dev)
-    if array is None:
+    spare = POOL.take(backend, nbytes, dev)
+    if spare is None:
         array = backend.empty_shared(nbytes, dev)
-    return array, export(array, pooled=True)
+        return array, export(array, pooled=True)
+    return spare.array, export(spare.array, pooled=True, pin=spare.pin)
 
 
 def allocate_here(nbytes: int, share: bool) -> tuple[Any, Ticket | None]:
@@ -189,10 +257,14 @@ _local: dict[str, Ticket] = {}  # this process's tickets by name (a process cann
 
 
 @dataclass(slots=True)
-class _Spare:
+class Spare:
+    """An allocation :class:`DevicePool` holds: its memory (a flat ``uint8`` array of its
+    backend), and its pin (see the module docstring)."""
+
     backend: device.DeviceBackend
     device: int
     array: Any
+    pin: shm.Segment | None
 
 
 class DevicePool:
@@ -212,9 +284,14 @@ class DevicePool:
         self.held_bytes = 0
         self.reused = 0
         self._sizes: dict[str, int] = {}
-        self._spares: list[_Spare] = []
+        self._spares: list[Spare] = []
         self._unreferenced: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def users(self) -> int:
+        """How many nodes are attached."""
+        return len(self._sizes)
 
     @property
     def max_bytes(self) -> int:
@@ -235,7 +312,7 @@ class DevicePool:
     def __len__(self) -> int:
         return len(self._spares)
 
-    def take(self, backend: device.DeviceBackend, nbytes: int, dev: int) -> Any | None:
+    def take(self, backend: device.DeviceBackend, nbytes: int, dev: int) -> Spare | None:
         """An unreferenced allocation of exactly ``nbytes`` on ``dev`` of ``backend``, or None."""
         with self._lock:
             if not self._spares:
@@ -251,36 +328,42 @@ class DevicePool:
                     del self._spares[i]
                     self.held_bytes -= nbytes
                     self.reused += 1
-                    return spare.array
+                    return spare
         return None
 
-    def give(self, backend: device.DeviceBackend, array: Any) -> None:
-        """Offer an allocation no object uses any more (it may still be referenced elsewhere)."""
+    def give(self, backend: device.DeviceBackend, array: Any, pin: shm.Segment | None = None) -> None:
+        """Offer an allocation no object uses any more (it may still be referenced elsewhere),
+        with its pin."""
         nbytes = int(array.nbytes)
         if not 0 < nbytes <= self.max_bytes:
+            _let_go(array, pin)
             return
         with self._lock:
-            self._spares.append(_Spare(backend, backend.device_of(array), array))
+            self._spares.append(Spare(backend, backend.device_of(array), array, pin))
             self.held_bytes += nbytes
             self._trim()
 
     def clear(self) -> None:
-        """Free every held allocation now."""
+        """Free every held allocation (once readers that keep one open have closed it)."""
         with self._lock:
+            for spare in self._spares:
+                _let_go(spare.array, spare.pin)
             self._spares.clear()
             self.held_bytes = 0
 
     def _trim(self) -> None:
         limit = self.max_bytes
         while self.held_bytes > limit:
-            self.held_bytes -= int(self._spares.pop(0).array.nbytes)
+            spare = self._spares.pop(0)
+            self.held_bytes -= int(spare.array.nbytes)
+            _let_go(spare.array, spare.pin)
 
     def _baseline(self, backend: device.DeviceBackend, dev: int) -> tuple[int, ...]:
         """What :meth:`DeviceBackend.references` says of an allocation only a pool entry holds,
         seen from :meth:`take`'s loop (measured on a one-byte allocation of the backend's own)."""
         known = self._unreferenced.get(backend.name)
         if known is None:
-            probe = [_Spare(backend, dev, backend.empty_shared(1, dev))]
+            probe = [Spare(backend, dev, backend.empty_shared(1, dev), None)]
             for spare in probe:  # the same shape as take's loop
                 known = self._unreferenced[backend.name] = backend.references(spare.array)
             assert known is not None
@@ -329,6 +412,7 @@ class Record:
     offset: int
     nbytes: int
     handle: bytes
+    pin: str
 
 
 def _map(segment: str, object_id: bytes, nbytes: int) -> tuple[np.ndarray[Any, Any], Record] | None:
@@ -347,7 +431,12 @@ def _map(segment: str, object_id: bytes, nbytes: int) -> tuple[np.ndarray[Any, A
     except UnicodeDecodeError:
         return None
     handle = bytes(view[_RECORD.size : _RECORD.size + length])
-    return view, Record(backend, dev, pid, offset, size, handle)
+    (pin_length,) = _PIN.unpack_from(view.data, _PIN_AT)
+    try:
+        pin = bytes(view[_PIN_AT + _PIN.size : _PIN_AT + _PIN.size + min(pin_length, PIN_BYTES)]).decode()
+    except UnicodeDecodeError:
+        pin = ""
+    return view, Record(backend, dev, pid, offset, size, handle, pin if shm.valid_name(pin) else "")
 
 
 def read_ticket(segment: str, object_id: bytes, nbytes: int) -> Record | None:
@@ -379,8 +468,118 @@ def open_ticket(segment: str, object_id: bytes, nbytes: int) -> Opened | None:
     try:
         if not backend.available():
             return None
-        opened = backend.open_export(record.handle, record.offset, nbytes, backend.current_device())
+        array, close = _open(backend, record, backend.current_device())
     except Exception as exc:  # DeviceIpcError, or the driver's own error
         log.debug("cannot open device memory %s of pid %d: %s", segment, record.pid, exc)
         return None
-    return Opened(opened[0], opened[1], view)
+    return Opened(array, close, view)
+
+
+# ---------------------------------------------------------------- mappings a reader keeps
+@dataclass(eq=False, slots=True)
+class _Mapping:
+    """Another process's allocation this process keeps open (see the module docstring)."""
+
+    key: tuple[str, bytes, int, int, int]
+    backend: device.DeviceBackend
+    device: int
+    array: Any
+    close: Callable[[], None]
+    pin: np.ndarray[Any, Any] | None  # the pin's mapping, holding its shared lock
+    users: int = 0
+    stale: bool = False  # close once the last user is done
+
+    def valid(self) -> bool:
+        """The holder still has the allocation and is not letting it go."""
+        return (
+            not self.stale
+            and self.pin is not None
+            and shm.view_published(self.pin)
+            and shm.exporter_alive(self.key[0])
+        )
+
+
+_mappings: OrderedDict[tuple[str, bytes, int, int, int], _Mapping] = OrderedDict()
+_mappings_lock = threading.Lock()
+_counts = {"opened": 0, "reused": 0}
+
+
+def mapping_stats() -> dict[str, int]:
+    """This process's reads of other processes' device memory: how many mappings it opened, how
+    many reads used one it kept, and how many it keeps now."""
+    with _mappings_lock:
+        return {**_counts, "kept": len(_mappings)}
+
+
+def _open(backend: device.DeviceBackend, record: Record, dev: int) -> tuple[Any, Callable[[], None]]:
+    """The memory ``record`` names, open on ``dev``, and what to call once it is read: from a
+    mapping this process keeps where it has one of that allocation, or a new mapping (kept when
+    the ticket names a pin that is still published)."""
+    sweep()
+    key = (record.pin, record.handle, record.offset, record.nbytes, dev)
+    with _mappings_lock:
+        entry = _mappings.get(key)
+        if entry is not None and entry.backend is backend and entry.valid():
+            _mappings.move_to_end(key)
+            entry.users += 1
+            _counts["reused"] += 1
+            return entry.array, functools.partial(_read, entry)
+        _counts["opened"] += 1
+    pin = shm.map_view(record.pin, _PIN_ID, 0) if record.pin and MAX_MAPPINGS > 0 else None
+    if pin is None:  # no pin, or being let go: open it for this read only
+        return backend.open_export(record.handle, record.offset, record.nbytes, dev)
+    array, close = backend.open_export(record.handle, record.offset, record.nbytes, dev)
+    entry = _Mapping(key, backend, dev, array, close, pin, users=1)
+    closing = []
+    with _mappings_lock:
+        old = _mappings.pop(key, None)
+        if old is not None:
+            old.stale = True
+            if not old.users:
+                closing.append(old)
+        _mappings[key] = entry
+        while len(_mappings) > MAX_MAPPINGS:
+            idle = next((m for m in _mappings.values() if not m.users), None)
+            if idle is None:
+                break
+            del _mappings[idle.key]
+            closing.append(idle)
+    for m in closing:
+        _close(m)
+    return array, functools.partial(_read, entry)
+
+
+def _read(entry: _Mapping) -> None:
+    """A reader is done with a kept mapping (its copies out of it are complete)."""
+    entry.backend.synchronize(entry.device)
+    with _mappings_lock:
+        entry.users -= 1
+        done = entry.stale and not entry.users
+    if done:
+        _close(entry)
+
+
+def _close(entry: _Mapping) -> None:
+    """Close a kept mapping and let go of its pin (the holder may then free the allocation)."""
+    try:
+        entry.close()
+    except Exception as exc:  # a CUDA error while closing: nothing more to do than say so
+        log.warning("closing a device IPC mapping failed: %s", exc)
+    entry.array = entry.pin = None
+
+
+def sweep(everything: bool = False) -> int:
+    """Close the kept mappings whose holder is letting the allocation go or is gone (with
+    ``everything``, every one not being read); how many stay open."""
+    closing = []
+    with _mappings_lock:
+        for key, entry in list(_mappings.items()):
+            if everything or not entry.valid():
+                del _mappings[key]
+                entry.stale = True
+                if not entry.users:
+                    closing.append(entry)
+        left = len(_mappings)
+    for entry in closing:
+        _close(entry)
+    return left

@@ -93,6 +93,7 @@ class Node:
                 directory_address,
             )
         self._io = IOThread.get()
+        self._ipc_sweeper: asyncio.Future[None] | None = None
         self._shm = self.config.shared_memory and shm.available()
         if self._shm:
             shm.sweep_orphans()
@@ -186,6 +187,16 @@ class Node:
         except BaseException:
             await self._data.close()
             raise
+        if self._shm:
+            self._ipc_sweeper = asyncio.ensure_future(self._sweep_ipc())
+
+    async def _sweep_ipc(self) -> None:
+        """Free device memory same-host readers let go of, and close mappings of other processes'
+        device memory that their holders let go (:mod:`hoplite_gpu.ipc`), once per heartbeat."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)  # a period, not synchronisation
+            ipc.sweep()
+            ipc.reap()
 
     def close(self) -> None:
         """Leave the directory, close every connection and drop local objects. Idempotent."""
@@ -200,10 +211,14 @@ class Node:
     async def _close(self) -> None:
         err = NodeClosedError("the node was closed")
         self._session.closing()
+        if self._ipc_sweeper is not None:
+            self._ipc_sweeper.cancel()
         self._vertices.cancel()
         await self._data.close(grace=self.config.close_grace)
         self._store.clear(err)
         ipc.POOL.detach(self.node_id)
+        if not ipc.POOL.users:  # the process's last node: close what it kept of other processes'
+            ipc.sweep(everything=True)
         await self._session.close()
         if self._embedded is not None:
             await self._embedded.stop()
@@ -625,7 +640,9 @@ class Node:
         unreceived messages the data plane dropped (``stale_*``: see ``DataPlane._sweep_unexpected``),
         the device bytes it sent and received staged through host buffers (``staged_*``; none
         with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself), and the process's
-        pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)."""
+        pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)
+        and its reads of same-host processes' device memory (``device_ipc_*``: mappings opened,
+        reads from a mapping kept open, mappings kept now; see :mod:`hoplite_gpu.ipc`)."""
         return {
             "node_id": self.node_id,
             "objects": len(self._store),
@@ -638,6 +655,7 @@ class Node:
             "staged_bytes_received": self._data.staged_received,
             "device_pool_bytes": ipc.POOL.held_bytes,
             "device_pool_reused": ipc.POOL.reused,
+            **{f"device_ipc_{k}": v for k, v in ipc.mapping_stats().items()},
             "pid": os.getpid(),
         }
 

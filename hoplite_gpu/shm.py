@@ -239,6 +239,13 @@ def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] |
     return view
 
 
+def view_published(view: np.ndarray[Any, Any]) -> bool:
+    """Whether the segment a :func:`map_view` view maps is still published (its holder has not
+    retired or rewritten it since)."""
+    mm = view.base
+    return isinstance(mm, mmap.mmap) and not _WORD.unpack_from(mm, 0)[0] % 2
+
+
 def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | None:
     """A read-only view of ``nbytes`` at ``offset`` of segment ``name``'s payload, whatever its
     header says (simulated device memory, :class:`hoplite_gpu.device.SimBackend`, whose validity a

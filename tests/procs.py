@@ -148,6 +148,10 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
         if cmd == "ipc_close":
             held.pop("ipc").close()
             return True
+        if cmd == "ipc_sweep":  # close kept mappings of memory their holders let go; how many stay
+            from hoplite_gpu import ipc
+
+            return ipc.sweep()
         if cmd == "arm":
             from hoplite_gpu import faults
 

@@ -321,10 +321,16 @@ def _address(flat: Any) -> int:
 
 
 def _spare_files(backend: str) -> set[str]:
-    """The ``/dev/shm`` files of the pool's spares (simulated device memory lives in such files)."""
-    if backend != "sim":
-        return set()
-    return {shm.segment_of(s.array.base).name for s in ipc.POOL._spares}  # type: ignore[union-attr]
+    """The ``/dev/shm`` files of the pool's spares: their pins, and simulated device memory."""
+    names = {s.pin.name for s in ipc.POOL._spares if s.pin is not None}
+    if backend == "sim":
+        names |= {shm.segment_of(s.array.base).name for s in ipc.POOL._spares}  # type: ignore[union-attr]
+    return names
+
+
+def _taken(spare: ipc.Spare | None) -> Any:
+    assert spare is not None
+    return spare.array
 
 
 def _stored(node: Any, oid: hg.ObjectID) -> Any:
@@ -385,14 +391,14 @@ def test_the_pool_keeps_what_its_largest_user_asks_oldest_freed_first(backend: s
     del array
     assert pool.held_bytes == 300 and [_address(s.array) for s in pool._spares] == addresses[1:]
     assert pool.take(dev, 99, 0) is None and pool.take(dev, 100, 1) is None  # size, device
-    taken = pool.take(dev, 100, 0)
+    taken = _taken(pool.take(dev, 100, 0))
     assert _address(taken) == addresses[1] and pool.reused == 1
     pool.give(dev, taken)  # while still referenced (by ``taken``): kept, but not handed out
-    others = [pool.take(dev, 100, 0), pool.take(dev, 100, 0)]
+    others = [_taken(pool.take(dev, 100, 0)), _taken(pool.take(dev, 100, 0))]
     assert [_address(a) for a in others] == addresses[2:4]
     assert pool.take(dev, 100, 0) is None
     del taken
-    last = pool.take(dev, 100, 0)
+    last = _taken(pool.take(dev, 100, 0))
     assert _address(last) == addresses[1] and pool.reused == 4 and len(pool) == 0
     for array in (*others, last):
         pool.give(dev, array)
@@ -418,3 +424,43 @@ def test_a_reader_on_the_host_reads_each_object_of_reused_memory(
         assert ipc_owner.delete(oid)
         ipc.reap()
     assert len(seen) == 1  # one allocation served all three
+
+
+# ---------------------------------------------------------------- mappings a reader keeps
+def test_a_reader_keeps_the_holders_allocation_open_across_its_objects(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    reader = ipc_workers[1]
+    ipc.POOL.clear()
+    reader.call("ipc_sweep")
+    before = reader.call("stats")
+    for seed in (50, 51, 52):  # each object in the memory the one before was deleted from
+        oid, want = _put(ipc_owner, backend, seed)
+        assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
+        assert ipc_owner.delete(oid)
+        ipc.reap()
+    after = reader.call("stats")
+    assert after["device_ipc_opened"] - before["device_ipc_opened"] == 1
+    assert after["device_ipc_reused"] - before["device_ipc_reused"] == 2
+    assert after["device_ipc_kept"] >= 1
+
+
+def test_an_allocation_a_reader_keeps_open_is_freed_once_it_closed_it(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    reader = ipc_workers[1]
+    ipc.POOL.clear()
+    ipc.reap()
+    oid, want = _put(ipc_owner, backend, 53)
+    (spare_pin,) = [ipc_owner._store.get(oid).ticket._pin]
+    assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
+    assert ipc_owner.delete(oid)
+    ipc.reap()
+    ipc.POOL.clear()  # the holder lets the allocation go while the reader keeps it open
+    assert any(pin is spare_pin for _, pin in ipc._pinned)  # so it is not freed yet
+    path = os.path.join(shm.SHM_DIR, spare_pin.name)
+    assert os.path.exists(path)
+    kept = reader.call("ipc_sweep")  # the reader sees the retired pin and closes its mapping
+    ipc.reap()
+    assert not any(pin is spare_pin for _, pin in ipc._pinned) and not os.path.exists(path)
+    assert reader.call("stats")["device_ipc_kept"] == kept
