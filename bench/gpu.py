@@ -8,6 +8,9 @@ the others still run:
   same size on that GPU, at 64 MiB and 1 GiB. A fresh ObjectID for every get; the first get of
   each size has no warm-up (as users call it), then the median of ``--repeat`` gets, and of as
   many ``get(out=...)`` into a CuPy array the receiver allocated once. Target: 0.7x the copy.
+  Each row also says how many CUDA IPC mappings the receiver opened and how many gets read
+  through one it kept open: the sender deletes each object after its get and its next put gets
+  that allocation again (``ipc.DevicePool``), so a mapping the receiver kept serves it.
 * ``kernel``: ``hoplite_gpu.gpu.reduce_into(SUM)`` at 256 MiB for float32 and bfloat16 (uint16
   storage), as bandwidth (3 x bytes: two reads and one write, over the median of CUDA-event times
   after a warm-up) against the device's copy bandwidth (2 x bytes over the median time of a
@@ -138,6 +141,8 @@ def _command(node: Any, state: dict[str, Any], what: str, *args: Any) -> Any:
         if not isinstance(arr, cp.ndarray):
             raise TypeError(f"get returned a {type(arr).__module__}.{type(arr).__name__}, not a CuPy array")
         return seconds, bool(cp.array_equal(arr.reshape(-1), state["want"]))
+    if what == "stats":
+        return node.stats()
     if what == "put_new":  # part wire: the sender puts a fresh object, device or host
         nbytes, on_device = args
         return node.put(_pattern(cp if on_device else np, nbytes)).hex()
@@ -338,8 +343,15 @@ def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
                 (f"get(out=cupy), median of {args.repeat}", True, args.repeat),
             ):
                 since = node.event_log()[-1]["seq"] + 1
+                pipes[0].send(("stats",))
+                before = _answer(pipes[0], args.timeout)
                 seconds = statistics.median(
                     _p2p_get(node, pipes[0], src, use_out, args.timeout) for _ in range(times)
+                )
+                pipes[0].send(("stats",))
+                after = _answer(pipes[0], args.timeout)
+                opened, kept = (
+                    after[f"device_ipc_{k}"] - before[f"device_ipc_{k}"] for k in ("opened", "reused")
                 )
                 rows.append(
                     _row(
@@ -351,7 +363,9 @@ def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
                         copy_gbps,
                         P2P_TARGET,
                         seconds=seconds,
-                        path=_paths(node.event_log(since)),
+                        path=f"{_paths(node.event_log(since))}; mappings opened {opened}, kept {kept}",
+                        mappings_opened=opened,
+                        mappings_kept=kept,
                     )
                 )
             del src
