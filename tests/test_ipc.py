@@ -302,7 +302,10 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
     _put(node, backend, 10)  # into the deleted object's memory, from the process's pool
     node.close()
     ipc.reap()
-    assert ours() - _spare_files(backend) == before  # kept for the process's next device copies
+    # Nothing of this node's is left but the pool's spares (kept for the process's next device
+    # copies). Files of earlier tests may go meanwhile: memory their readers kept open until
+    # their next sweep.
+    assert not ours() - _spare_files(backend) - before
 
 
 def test_a_retired_ticket_stays_retired(backend: str) -> None:
