@@ -115,8 +115,8 @@ class Config:
         device_pool_bytes: Bytes of dropped device objects' exported allocations a process keeps
             for new device copies of the same size on the same device (:class:`hoplite_gpu.ipc.
             DevicePool`; 0 disables): a put then skips ``cudaMalloc`` and a delete skips
-            ``cudaFree``, which waits for the whole device. Process-wide (the last node started
-            sets it); not counted in the capacity.
+            ``cudaFree``, which waits for the whole device. Process-wide (the largest setting of
+            the process's open nodes counts); not counted in the capacity.
         shared_memory: Keep objects larger than ``inline_threshold_bytes`` in ``/dev/shm``
             segments, and copy objects held by a node on the same host straight from its segment
             instead of over the data plane (:mod:`hoplite_gpu.shm`: 5-8 GB/s against 2.8 GB/s

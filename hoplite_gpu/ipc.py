@@ -395,11 +395,18 @@ class Opened:
         self.array = None
         try:
             if close is not None:
-                close()
-        except Exception as exc:  # a CUDA error while closing: nothing more to do than say so
-            log.warning("closing a device IPC mapping failed: %s", exc)
+                _close_mapping(close)
         finally:
             self._record = None  # the ticket's mapping, and with it its lock, goes now
+
+
+def _close_mapping(close: Callable[[], None]) -> None:
+    """Call a mapping's ``close`` (from :meth:`DeviceBackend.open_export
+    <hoplite_gpu.device.DeviceBackend.open_export>`), logging a failure."""
+    try:
+        close()
+    except Exception as exc:  # a CUDA error while closing: nothing more to do than say so
+        log.warning("closing a device IPC mapping failed: %s", exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,29 +531,35 @@ def _open(backend: device.DeviceBackend, record: Record, dev: int) -> tuple[Any,
             entry.users += 1
             _counts["reused"] += 1
             return entry.array, functools.partial(_read, entry)
-        _counts["opened"] += 1
     pin = shm.map_view(record.pin, _PIN_ID, 0) if record.pin and MAX_MAPPINGS > 0 else None
-    if pin is None:  # no pin, or being let go: open it for this read only
-        return backend.open_export(record.handle, record.offset, record.nbytes, dev)
     array, close = backend.open_export(record.handle, record.offset, record.nbytes, dev)
-    entry = _Mapping(key, backend, dev, array, close, pin, users=1)
-    closing = []
+    closing: list[_Mapping] = []
     with _mappings_lock:
-        old = _mappings.pop(key, None)
+        _counts["opened"] += 1
+        if pin is None:  # no pin, or being let go: open for this read only
+            return array, close
+        entry = _Mapping(key, backend, dev, array, close, pin, users=1)
+        old = _mappings.get(key)
         if old is not None:
-            old.stale = True
-            if not old.users:
-                closing.append(old)
+            _drop_locked(old, closing)
         _mappings[key] = entry
         while len(_mappings) > MAX_MAPPINGS:
             idle = next((m for m in _mappings.values() if not m.users), None)
             if idle is None:
                 break
-            del _mappings[idle.key]
-            closing.append(idle)
+            _drop_locked(idle, closing)
     for m in closing:
         _close(m)
     return array, functools.partial(_read, entry)
+
+
+def _drop_locked(entry: _Mapping, closing: list[_Mapping]) -> None:
+    """Stop keeping ``entry`` (under ``_mappings_lock``): into ``closing`` if nobody reads it now,
+    else closed by its last reader."""
+    del _mappings[entry.key]
+    entry.stale = True
+    if not entry.users:
+        closing.append(entry)
 
 
 def _read(entry: _Mapping) -> None:
@@ -561,24 +574,18 @@ def _read(entry: _Mapping) -> None:
 
 def _close(entry: _Mapping) -> None:
     """Close a kept mapping and let go of its pin (the holder may then free the allocation)."""
-    try:
-        entry.close()
-    except Exception as exc:  # a CUDA error while closing: nothing more to do than say so
-        log.warning("closing a device IPC mapping failed: %s", exc)
+    _close_mapping(entry.close)
     entry.array = entry.pin = None
 
 
 def sweep(everything: bool = False) -> int:
     """Close the kept mappings whose holder is letting the allocation go or is gone (with
     ``everything``, every one not being read); how many stay open."""
-    closing = []
+    closing: list[_Mapping] = []
     with _mappings_lock:
-        for key, entry in list(_mappings.items()):
+        for entry in list(_mappings.values()):
             if everything or not entry.valid():
-                del _mappings[key]
-                entry.stale = True
-                if not entry.users:
-                    closing.append(entry)
+                _drop_locked(entry, closing)
         left = len(_mappings)
     for entry in closing:
         _close(entry)

@@ -102,7 +102,6 @@ class Node:
             self.config.buffer_pool_bytes,
             shared_min_bytes=self.config.inline_threshold_bytes + 1 if self._shm else 0,
         )
-        ipc.POOL.attach(self.node_id, self.config.device_pool_bytes)
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
         self._session = DirectorySession(
             directory_address,
@@ -187,6 +186,7 @@ class Node:
         except BaseException:
             await self._data.close()
             raise
+        ipc.POOL.attach(self.node_id, self.config.device_pool_bytes)  # detached by _close
         if self._shm:
             self._ipc_sweeper = asyncio.ensure_future(self._sweep_ipc())
 
