@@ -96,28 +96,38 @@ docker-test: docker-tools
 	DOCKER_BASE=$(DOCKER_BASE) PYTHON=$(PYTHON) docker/test.sh
 
 # ---------------------------------------------------------------- GPU check (README.md: GPU check)
-# `make gpu-wheels`, where pip reaches PyPI: .whl/ gets the wheels that the GPU machine's image
-# lacks to run hoplite_gpu, its GPU tests and bench/gpu.py with its Python 3.12 on x86_64: the CUDA
-# 13 data plane, ucxx-cu13, and what it requires that the image does not have (about 51 MiB). The
+# `make gpu-wheels`, where pip reaches PyPI: .whl/site.tar.xz gets what the GPU machine's image lacks
+# to run hoplite_gpu, its GPU tests (the Ray ones too) and bench/gpu.py with its Python 3.12 on
+# x86_64: the CUDA 13 data plane, ucxx-cu13, and what it requires that the image does not have; Ray
+# and the jsonschema packages Ray requires. The wheels (about 130 MiB) are more than the device tool
+# carries in one call (64 MiB), so bench/gpu_bundle.py unpacks them, leaves out what is never loaded
+# (Ray's Java jars and libraries, static libraries) and writes one xz archive (about 45 MiB). The
 # image has the rest they require: numpy, nvidia-ml-py, cuda-core, cuda-bindings 13, cupy-cuda13x,
-# msgpack, xxhash, ml-dtypes, pytest, pytest-timeout, hypothesis. One version of each (two stop pip).
+# msgpack, xxhash, ml-dtypes, torch, pytest, pytest-timeout, hypothesis, and Ray's other
+# requirements (click, protobuf, aiohttp's packages, ...). One version of each (two stop pip).
 GPU_WHEELS := ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 \
-	librmm-cu13==26.10.0 rapids-logger==0.3.0
+	librmm-cu13==26.10.0 rapids-logger==0.3.0 ray==2.60.0 jsonschema==4.26.0 \
+	jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
 	manylinux1_x86_64
 
 gpu-wheels:
-	rm -rf .whl
+	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl $(GPU_WHEELS)
-	@ls .whl && du -sh .whl
+		$(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl/wheels $(GPU_WHEELS)
+	$(PYTHON) bench/gpu_bundle.py .whl/wheels .whl/site.tar.xz
+	rm -rf .whl/wheels
+	@du -sh .whl
 
-# `make gpu-check OUT=$$OUT` on the GPU machine (root, no network; carry .whl): installs .whl/ into
+# `make gpu-check OUT=$$OUT` on the GPU machine (root, no network; carry .whl): unpacks .whl/ into
 # GPU_SITE, uses hoplite_gpu from this checkout (no pip install: its build needs the network), shows
 # the GPU and versions, runs the GPU tests and the nvcc build of the kernels, then bench/gpu.py into
 # bench/results/gpu-<device>.{json,md}. Logs and results are copied to OUT when it is set (the files
-# the device tool brings back). Within the tool's 10 minutes: tests 4.5 min at most, bench 4.
+# the device tool brings back). Within the tool's 10 minutes: tests 4.3 min at most (Ray's start
+# included), the kernel build 1, bench 4. GPU_PARTS=tests or GPU_PARTS=bench runs one part (two
+# calls of the tool, where one would be too short).
 GPU_PYTHON ?= python3
+GPU_PARTS  ?= tests bench
 GPU_SITE   ?= /tmp/hoplite-site
 GPU_NAME    = $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr A-Z a-z \
 	| sed 's/^nvidia //; s/[^a-z0-9].*//')
@@ -131,23 +141,23 @@ gpu-check: export PYTHONPATH := $(GPU_SITE):$(CURDIR)
 gpu-check: export PYTHONUNBUFFERED := 1
 gpu-check:
 	$(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU'),,$(error gpu-check: no NVIDIA GPU on this machine (nvidia-smi lists none)))
-	$(if $(wildcard .whl/*.whl),,$(error gpu-check: no wheels in .whl/: run make gpu-wheels where pip reaches PyPI, and carry .whl))
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-		--target $(GPU_SITE) .whl/*.whl
+	$(if $(wildcard .whl/site.tar.xz),,$(error gpu-check: no .whl/site.tar.xz: run make gpu-wheels where pip reaches PyPI, and carry .whl))
+	rm -rf $(GPU_SITE) && mkdir -p $(GPU_SITE) && tar -xJf .whl/site.tar.xz -C $(GPU_SITE)
 	@rm -f $(GPU_FAILED); mkdir -p $(GPU_LOGS)
 	@{ nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv; \
 		nvcc --version | tail -1; \
-		$(GPU_PYTHON) -c 'import sys, numpy, cupy, ucxx, hoplite_gpu as h; print("python", sys.version.split()[0], \
-			"numpy", numpy.__version__, "cupy", cupy.__version__, "ucxx", ucxx.__version__, "hoplite_gpu", h.__version__)'; \
-		$(GPU_PYTHON) -m pip check 2>&1 | grep -E '^(ucxx|libucxx|libucx|rmm|librmm|rapids)' \
+		$(GPU_PYTHON) -c 'import sys, numpy, cupy, ucxx, ray, torch, hoplite_gpu as h; print("python", sys.version.split()[0], \
+			"numpy", numpy.__version__, "cupy", cupy.__version__, "ucxx", ucxx.__version__, "ray", ray.__version__, \
+			"torch", torch.__version__, "hoplite_gpu", h.__version__)'; \
+		$(GPU_PYTHON) -m pip check 2>&1 | grep -E '^(ucxx|libucxx|libucx|rmm|librmm|rapids|ray|jsonschema|referencing|rpds)' \
 			|| echo "the carried wheels' requirements are all met"; } 2>&1 | tee $(GPU_LOGS)/gpu-env.txt
-	timeout 200 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee $(GPU_LOGS)/gpu-tests.log \
-		|| echo "GPU tests" >> $(GPU_FAILED)
-	timeout 70 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_kernels_compile.py 2>&1 \
-		| tee -a $(GPU_LOGS)/gpu-tests.log || echo "kernel build (nvcc)" >> $(GPU_FAILED)
-	timeout 240 $(GPU_PYTHON) bench/gpu.py --timeout 45 --json $(GPU_RESULT).json --md $(GPU_RESULT).md 2>&1 \
-		| tee $(GPU_LOGS)/gpu-bench.log || echo "bench/gpu.py" >> $(GPU_FAILED)
-	@cp $(GPU_RESULT).json $(GPU_RESULT).md $(GPU_LOGS)/ 2>/dev/null || true
+	$(if $(filter tests,$(GPU_PARTS)),timeout 260 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 \
+		| tee $(GPU_LOGS)/gpu-tests.log || echo "GPU tests" >> $(GPU_FAILED))
+	$(if $(filter tests,$(GPU_PARTS)),timeout 60 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_kernels_compile.py \
+		2>&1 | tee -a $(GPU_LOGS)/gpu-tests.log || echo "kernel build (nvcc)" >> $(GPU_FAILED))
+	$(if $(filter bench,$(GPU_PARTS)),timeout 240 $(GPU_PYTHON) bench/gpu.py --timeout 45 --json $(GPU_RESULT).json \
+		--md $(GPU_RESULT).md 2>&1 | tee $(GPU_LOGS)/gpu-bench.log || echo "bench/gpu.py" >> $(GPU_FAILED))
+	$(if $(filter bench,$(GPU_PARTS)),@cp $(GPU_RESULT).json $(GPU_RESULT).md $(GPU_LOGS)/ 2>/dev/null || true)
 	@! test -s $(GPU_FAILED) || { echo "gpu-check: failed: $$(paste -sd, $(GPU_FAILED))" >&2; exit 1; }
 	@echo "gpu-check: passed; results in $(GPU_RESULT).{json,md}, logs in $(GPU_LOGS)"
 

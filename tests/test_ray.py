@@ -17,7 +17,7 @@ pytest.importorskip("ray")
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hgray  # noqa: E402
 import hoplite_gpu.torch as hgt  # noqa: E402
-from hoplite_gpu import device, gpu  # noqa: E402
+from hoplite_gpu import device, gpu, shm  # noqa: E402
 
 WORLD = 3
 
@@ -112,6 +112,7 @@ def _collectives(rank: int, world: int, group: str) -> dict[str, Any]:
         col.send(first + second.numpy(), 0, group)
         out["recv"] = np.stack([first, second.numpy()])
     col.barrier(group)
+    out["shared_memory"] = hgray.node().config.shared_memory
     return out
 
 
@@ -174,7 +175,13 @@ def _gpu_tensors(rank: int, world: int, group: str) -> dict[str, Any]:
         half: Any = h.view(torch.int16).cpu().numpy()
     except hg.InvalidArgumentError as exc:  # a CuPy without bfloat16 (before 14)
         half = str(exc)
-    return {"cupy": cupy.asnumpy(a), "torch": t.cpu().numpy(), "broadcast": b.cpu().numpy(), "bf16": half}
+    return {
+        "cupy": cupy.asnumpy(a),
+        "torch": t.cpu().numpy(),
+        "broadcast": b.cpu().numpy(),
+        "bf16": half,
+        "stats": hgray.node().stats(),
+    }
 
 
 def _bf16_value(rank: int) -> Any:
@@ -192,9 +199,21 @@ SCENARIOS = {
 }
 
 
-def _run(ray: Any, scenario: str, group: str, world: int = WORLD, gpus: float = 0) -> list[Any]:
-    """Run ``scenario`` on ``world`` member actors (Ray hides the GPUs of actors that ask for none)."""
-    actor = ray.remote(num_cpus=0, num_gpus=gpus)(Member)
+def _run(
+    ray: Any,
+    scenario: str,
+    group: str,
+    world: int = WORLD,
+    gpus: float = 0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``scenario`` on ``world`` member actors (Ray hides the GPUs of actors that ask for none),
+    with ``env`` added to their environment (a runtime environment of their own: fresh worker
+    processes, whose nodes read it)."""
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": gpus}
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    actor = ray.remote(**options)(Member)
     members = [actor.remote(r, world) for r in range(world)]
     try:
         return list(ray.get([m.run.remote(scenario, group) for m in members], timeout=150))
@@ -253,11 +272,16 @@ def test_object_ids_through_tasks_and_actors(ray_session: Any) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_every_collective_call_matches_numpy(ray_session: Any) -> None:
-    results = _run(ray_session, "collectives", "every-call")
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["network", "shared-memory"])
+def test_every_collective_call_matches_numpy(ray_session: Any, shared_memory: bool) -> None:
+    # The suite turns shared memory off (every byte over the data plane); members on one host
+    # with it on read each other's objects in /dev/shm.
+    env = {"HOPLITE_SHARED_MEMORY": str(int(shared_memory))}
+    results = _run(ray_session, "collectives", f"every-call-{int(shared_memory)}", env=env)
     w = WORLD
     ins = [_value(r, (5, 7)) for r in range(w)]
     for r, out in enumerate(results):
+        assert out["shared_memory"] is (shared_memory and shm.available())
         np.testing.assert_array_equal(out["allreduce_sum"], np.sum(ins, axis=0))
         np.testing.assert_array_equal(out["allreduce_prod"], np.prod(ins, axis=0))
         np.testing.assert_array_equal(out["allreduce_min"], np.min(ins, axis=0))
@@ -340,8 +364,14 @@ def test_gradient_helpers(ray_session: Any) -> None:
 @pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
 @pytest.mark.timeout(180)
 def test_gpu_tensors_through_the_backend(ray_session: Any) -> None:
-    results = _run(ray_session, "gpu_tensors", "gpu-tensors", world=2, gpus=0.5)
+    # Shared memory on (the suite turns it off): members on one host read each other's device
+    # memory through CUDA IPC, never staged through host buffers.
+    env = {"HOPLITE_SHARED_MEMORY": "1"}
+    results = _run(ray_session, "gpu_tensors", "gpu-tensors", world=2, gpus=0.5, env=env)
     for out in results:
+        stats = out["stats"]
+        assert stats["staged_bytes_sent"] == stats["staged_bytes_received"] == 0, stats
+        assert stats["device_ipc_opened"] + stats["device_ipc_reused"] > 0, stats
         np.testing.assert_array_equal(out["cupy"], _value(0, (1000,)) + _value(1, (1000,)))
         np.testing.assert_array_equal(out["torch"], _value(0, (700_000,)) + _value(1, (700_000,)))
         np.testing.assert_array_equal(out["broadcast"], _value(1, (16,)))
