@@ -10,7 +10,9 @@ the others still run:
   many ``get(out=...)`` into a CuPy array the receiver allocated once. Target: 0.7x the copy.
   Each row also says how many CUDA IPC mappings the receiver opened and how many gets read
   through one it kept open: the sender deletes each object after its get and its next put gets
-  that allocation again (``ipc.DevicePool``), so a mapping the receiver kept serves it.
+  that allocation again (``ipc.DevicePool``), so a mapping the receiver kept serves it; and how
+  many gets found the object through its index link, with no lookup (``same_host_index``). One
+  more row has a second receiver ask the directory for every object (``same_host_index=False``).
 * ``kernel``: ``hoplite_gpu.gpu.reduce_into(SUM)`` at 256 MiB for float32 and bfloat16 (uint16
   storage), as bandwidth (3 x bytes: two reads and one write, over the median of CUDA-event times
   after a warm-up) against the device's copy bandwidth (2 x bytes over the median time of a
@@ -90,13 +92,16 @@ def _member(
     fault: str,
     staged: bool,
     ucx_cuda: bool,
+    index: bool,
     conn: Any,
 ) -> None:
     """A worker process: one node; runs the commands the driver sends until it sends None.
     ``fault``: armed in it (:mod:`hoplite_gpu.faults`). ``staged``: without shared memory, so
     objects reach it over the data plane in chunks, as from another host (a fault fires at a byte
     offset of a transfer; on one host a reader copies the whole object through CUDA IPC at once).
-    ``ucx_cuda``: its data plane hands device chunks to UCX as they are (``HOPLITE_UCX_CUDA``)."""
+    ``ucx_cuda``: its data plane hands device chunks to UCX as they are (``HOPLITE_UCX_CUDA``).
+    ``index``: it finds same-host device objects through their index links (``same_host_index``;
+    without, every get asks the directory)."""
     from hoplite_gpu.config import UCX_CUDA_ENV
 
     os.environ[UCX_CUDA_ENV] = "1" if ucx_cuda else "0"  # read when UCX loads, at the node's start
@@ -108,6 +113,7 @@ def _member(
     overrides: dict[str, Any] = {"fault_injection": fault} if fault else {}
     if staged:
         overrides["shared_memory"] = False
+    overrides["same_host_index"] = index
     node = hg.connect(address, token=token, **overrides)
     state: dict[str, Any] = {"rank": rank, "world": world}
     conn.send("ready")
@@ -331,27 +337,31 @@ def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
     """A device-to-device get between two processes against cudaMemcpy of the same size."""
     import cupy as cp
 
-    receiver = (node.directory_address, node.token, 1, 2, "", False, False)
-    pipes, procs = start_workers(_member, [receiver], daemon=False)
+    # Receiver 1 finds the sender's objects through their index links (the default); receiver 2
+    # asks the directory for each (same_host_index off), for the row that shows what that costs.
+    receivers = [(node.directory_address, node.token, r, 3, "", False, False, r == 1) for r in (1, 2)]
+    pipes, procs = start_workers(_member, receivers, daemon=False)
     try:
         for size in args.p2p_sizes:
             src = _pattern(cp, size)
             copy_gbps = size / copy_seconds(size, max(args.repeat, 20)) / 1e9
-            for name, use_out, times in (
-                ("get, first (no warm-up)", False, 1),
-                (f"get, median of {args.repeat}", False, args.repeat),
-                (f"get(out=cupy), median of {args.repeat}", True, args.repeat),
+            for name, use_out, times, pipe in (
+                ("get, first (no warm-up)", False, 1, pipes[0]),
+                (f"get, median of {args.repeat}", False, args.repeat, pipes[0]),
+                (f"get(out=cupy), median of {args.repeat}", True, args.repeat, pipes[0]),
+                (f"get asking the directory, median of {args.repeat}", False, args.repeat, pipes[1]),
             ):
                 since = node.event_log()[-1]["seq"] + 1
-                pipes[0].send(("stats",))
-                before = _answer(pipes[0], args.timeout)
+                pipe.send(("stats",))
+                before = _answer(pipe, args.timeout)
                 seconds = statistics.median(
-                    _p2p_get(node, pipes[0], src, use_out, args.timeout) for _ in range(times)
+                    _p2p_get(node, pipe, src, use_out, args.timeout) for _ in range(times)
                 )
-                pipes[0].send(("stats",))
-                after = _answer(pipes[0], args.timeout)
-                opened, kept = (
-                    after[f"device_ipc_{k}"] - before[f"device_ipc_{k}"] for k in ("opened", "reused")
+                pipe.send(("stats",))
+                after = _answer(pipe, args.timeout)
+                opened, kept, indexed = (
+                    after[f"device_ipc_{k}"] - before[f"device_ipc_{k}"]
+                    for k in ("opened", "reused", "indexed")
                 )
                 rows.append(
                     _row(
@@ -363,9 +373,13 @@ def part_p2p(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
                         copy_gbps,
                         P2P_TARGET,
                         seconds=seconds,
-                        path=f"{_paths(node.event_log(since))}; mappings opened {opened}, kept {kept}",
+                        path=(
+                            f"{_paths(node.event_log(since))}; index links {indexed}; "
+                            f"mappings opened {opened}, kept {kept}"
+                        ),
                         mappings_opened=opened,
                         mappings_kept=kept,
+                        indexed=indexed,
                     )
                 )
             del src
@@ -394,7 +408,7 @@ def part_wire(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -
     """A device object over the data plane between two processes (as between hosts): staged through
     pinned host buffers, and as device memory handed to UCX, each against a host object's get."""
     for ucx_cuda in (False, True):
-        specs = [(node.directory_address, node.token, r, 2, "", True, ucx_cuda) for r in (1, 2)]
+        specs = [(node.directory_address, node.token, r, 2, "", True, ucx_cuda, True) for r in (1, 2)]
         pipes, procs = start_workers(_member, specs, daemon=False)
         try:
             for size in args.p2p_sizes:
@@ -461,7 +475,7 @@ def part_kernel(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]])
 def part_collectives(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Broadcast, reduce, allreduce of CuPy arrays against the same with NumPy arrays."""
     world, size, rounds = args.workers, args.size, args.warmup + args.repeat
-    members = [(node.directory_address, node.token, r, world, "", False, False) for r in range(world)]
+    members = [(node.directory_address, node.token, r, world, "", False, False, True) for r in range(world)]
     pipes, procs = start_workers(_member, members, daemon=False)
     name = f"bench-gpu-{os.getpid()}-{time.time_ns()}"
     try:
@@ -509,7 +523,9 @@ def _kill_broadcast(node: Any, args: argparse.Namespace, injected: bool) -> dict
     hex_id = hg.ObjectID.random().hex()
     fault = f"receive:{hex_id}:0.5:KILL,serve:{hex_id}:0.25:KILL" if injected else ""
     address, token = node.directory_address, node.token
-    members = [(address, token, r, world, fault if r == 1 else "", injected, False) for r in range(world)]
+    members = [
+        (address, token, r, world, fault if r == 1 else "", injected, False, True) for r in range(world)
+    ]
     pipes, procs = start_workers(_member, members, daemon=False)
     try:
         for r in range(1, world):  # gets before the put, member 1's first: later readers may stream from it

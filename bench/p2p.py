@@ -8,11 +8,20 @@ moves the same bytes ``--repeat`` times between two processes over a connection 
 timing, into a reused buffer. Both are reported as median and best GB/s; the ratios compare median
 with median and best with best. memcpy is an in-process ``np.copyto`` into a pre-faulted buffer.
 
-Two paths are measured (``--paths``): ``shm``, the default, where the receiver copies from the
+Two paths are measured by default (``--paths``): ``shm``, where the receiver copies from the
 sender's shared-memory segment, and ``ucx``, with ``shared_memory=False``, where every byte goes
 through the UCX data plane (the path between hosts).
 
+Two more take device objects in simulated device memory (``HOPLITE_DEVICE_BACKEND=sim``:
+:class:`hoplite_gpu.device.SimBackend`, host memory behind the CUDA IPC code path): the receiver
+opens the sender's memory through its ticket and copies it into a new array, as a GPU reader does
+through CUDA IPC. ``sim-index`` finds the ticket through its index link
+(``Config.same_host_index``, the default), ``sim-lookup`` asks the directory for it
+(``same_host_index=False``). Their difference at small sizes is what a same-host device get saves
+without the lookup and the hop to the I/O thread; the copy itself is host memory here, not a GPU's.
+
     python bench/p2p.py --sizes 16MiB,64MiB,256MiB --repeat 9
+    python bench/p2p.py --paths sim-index,sim-lookup --sizes 1MiB,16MiB,64MiB --repeat 21
 """
 
 from __future__ import annotations
@@ -32,11 +41,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import memcpy_gbps, parse_size, socket_copy_times, stop_workers
 
+PATHS = ("shm", "ucx", "sim-index", "sim-lookup")
 
-def _receiver(address: str, token: str, shared_memory: bool, conn: Any) -> None:
+
+def _receiver(address: str, token: str, path: str, conn: Any) -> None:
+    if path.startswith("sim"):
+        os.environ["HOPLITE_DEVICE_BACKEND"] = "sim"
     import hoplite_gpu as hg
+    from hoplite_gpu.buffers import to_host
 
-    node = hg.connect(address, token=token, shared_memory=shared_memory)
+    node = hg.connect(address, token=token, shared_memory=path != "ucx", same_host_index=path != "sim-lookup")
     try:
         while True:
             msg = conn.recv()
@@ -46,7 +60,8 @@ def _receiver(address: str, token: str, shared_memory: bool, conn: Any) -> None:
             t0 = time.perf_counter()
             arr = node.get(oid, timeout=120)
             dt = time.perf_counter() - t0
-            ok = bool(arr.reshape(-1)[-1] == arr.size - 1) if arr.size else True
+            arr = to_host(arr).view(np.ndarray).reshape(-1)
+            ok = bool(arr[-1] == arr.size - 1) if arr.size else True
             node.delete(oid)
             conn.send((dt, ok))
     finally:
@@ -54,14 +69,14 @@ def _receiver(address: str, token: str, shared_memory: bool, conn: Any) -> None:
 
 
 def run(sizes: list[int], repeat: int, warmup: int = 3, path: str = "shm") -> list[dict[str, Any]]:
-    """Measure each size over ``path`` ("shm" or "ucx"); one row per size."""
+    """Measure each size over ``path`` (one of :data:`PATHS`); one row per size."""
     import hoplite_gpu as hg
+    from hoplite_gpu import device
 
-    shared = path == "shm"
-    node = hg.init(shared_memory=shared)
+    node = hg.init(shared_memory=path != "ucx")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(node.directory_address, node.token, shared, child))
+    proc = ctx.Process(target=_receiver, args=(node.directory_address, node.token, path, child))
     proc.start()
     rows = []
     try:
@@ -69,7 +84,7 @@ def run(sizes: list[int], repeat: int, warmup: int = 3, path: str = "shm") -> li
             times = []
             for i in range(warmup + repeat):
                 arr = np.arange(size // 8, dtype=np.int64)
-                oid = node.put(arr)
+                oid = node.put(device.sim_array(arr) if path.startswith("sim") else arr)
                 parent.send(oid.hex())
                 if not parent.poll(180):
                     raise TimeoutError("receiver did not answer")
@@ -87,6 +102,7 @@ def run(sizes: list[int], repeat: int, warmup: int = 3, path: str = "shm") -> li
                 {
                     "path": path,
                     "size": size,
+                    "hoplite_seconds_median": statistics.median(times),
                     "hoplite_gbps_median": ours[0],
                     "hoplite_gbps_best": ours[1],
                     "socket_gbps_median": theirs[0],
@@ -108,26 +124,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="16MiB,64MiB,256MiB")
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=3, help="untimed gets per size before timing")
-    ap.add_argument("--paths", default="shm,ucx", help="comma-separated: shm, ucx")
+    ap.add_argument("--paths", default="shm,ucx", help="comma-separated: " + ", ".join(PATHS))
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    if not paths or set(paths) - {"shm", "ucx"}:
-        ap.error("--paths takes shm and/or ucx")
+    if not paths or set(paths) - set(PATHS):
+        ap.error(f"--paths takes some of {', '.join(PATHS)}")
     rows = [r for path in paths for r in run(sizes, args.repeat, args.warmup, path)]
     print(
-        f"{'path':>4} {'size':>8} {'hoplite GB/s':>16} {'socket GB/s':>16} {'x socket':>14} "
-        f"{'memcpy GB/s':>12} {'x memcpy':>9}"
+        f"{'path':>10} {'size':>8} {'hoplite GB/s':>16} {'socket GB/s':>16} {'x socket':>14} "
+        f"{'memcpy GB/s':>12} {'x memcpy':>9} {'get ms':>7}"
     )
-    print(f"{'':>4} {'':>8} {'median / best':>16} {'median / best':>16} {'median / best':>14}")
+    print(f"{'':>10} {'':>8} {'median / best':>16} {'median / best':>16} {'median / best':>14}")
     for r in rows:
         print(
-            f"{r['path']:>4} {r['size'] / 2**20:>6.0f}Mi"
+            f"{r['path']:>10} {r['size'] / 2**20:>6.0f}Mi"
             f" {r['hoplite_gbps_median']:>7.2f} / {r['hoplite_gbps_best']:<6.2f}"
             f" {r['socket_gbps_median']:>7.2f} / {r['socket_gbps_best']:<6.2f}"
             f" {r['ratio_vs_socket_median']:>6.2f} / {r['ratio_vs_socket_best']:<5.2f}"
             f" {r['memcpy_gbps']:>12.2f} {r['ratio_vs_memcpy']:>9.2f}"
+            f" {r['hoplite_seconds_median'] * 1e3:>7.3f}"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -123,6 +123,14 @@ class Config:
             for a plain socket). Turn off (``HOPLITE_SHARED_MEMORY=0``) to force every transfer
             through UCX, as the emulated-cluster benchmarks do (network namespaces share
             ``/dev/shm``). When ``/dev/shm`` is full a buffer falls back to private memory.
+        same_host_index: With ``shared_memory``: link each device object this node puts under a
+            name same-host nodes of the cluster derive from its ObjectID, once the directory has
+            registered the put, and look for such a link before asking the directory at a
+            ``get`` (:func:`hoplite_gpu.ipc.open_indexed`): a same-host device ``get`` then makes
+            no round trip to the directory and no hop to the I/O thread. The directory then does
+            not choose the source (on a host of several GPUs, the owner's copy is read even where
+            another copy sits on the reader's GPU). Off (``HOPLITE_SAME_HOST_INDEX=0``): every
+            ``get`` asks the directory.
         max_control_message_bytes: Control messages larger than this are rejected (connection closed).
         connect_timeout: Seconds to connect and authenticate to the directory or a peer.
         request_timeout: Seconds to wait for a directory reply to a non-blocking request.
@@ -201,6 +209,7 @@ class Config:
     buffer_pool_bytes: int = 1 * GiB
     device_pool_bytes: int = 1 * GiB
     shared_memory: bool = True
+    same_host_index: bool = True
     max_control_message_bytes: int = 0  # 0: derived from inline_threshold_bytes
     connect_timeout: float = 10.0
     request_timeout: float = 30.0

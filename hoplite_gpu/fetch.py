@@ -21,7 +21,7 @@ import numpy as np
 
 from . import buffers, device, ipc, shm, sources
 from . import protocol as p
-from .buffers import BufferKind, dtype_from_wire
+from .buffers import Buffer, BufferKind, dtype_from_wire
 from .config import Config
 from .errors import (
     HopliteError,
@@ -142,7 +142,7 @@ def publish(obj: LocalObject) -> str:
     """Publish a complete pooled copy in its shared-memory segment, or a device copy in its
     ticket (:mod:`hoplite_gpu.ipc`); the name same-host readers open, or ""."""
     if obj.ticket is not None:
-        return obj.ticket.publish(obj.object_id.binary())
+        return obj.ticket.publish(obj.object_id.binary(), obj.dtype, obj.shape)
     seg = _segment(obj)
     if seg is None:
         return ""
@@ -168,6 +168,7 @@ class Fetcher:
         session: The node's directory link.
         shared_memory: Whether this node may map same-host segments.
         computes: Whether a reduce vertex on this node computes an object (its output).
+        index: The cluster's key for index links (:func:`hoplite_gpu.ipc.open_indexed`; "": none).
     """
 
     def __init__(
@@ -178,8 +179,10 @@ class Fetcher:
         session: DirectorySession,
         shared_memory: bool,
         computes: Callable[[ObjectID], bool],
+        index: str = "",
     ) -> None:
         self._store = store
+        self._index = index
         self._config = config
         self._session = session
         self._shm = shared_memory
@@ -193,6 +196,38 @@ class Fetcher:
     def abort(self, transfer_id: int, error: HopliteError) -> None:
         """The directory says a transfer's sender died: stop pulling from it."""
         self._pull.abort(transfer_id, error)
+
+    def indexed(self, oid: ObjectID) -> LocalObject | None:
+        """A device object another process on this host put, found through its index link and
+        open in place (a lent copy, as :meth:`get` with ``lend`` returns; close its lease once
+        read), with no lookup and no hop to the I/O thread; None when there is none (or this
+        node holds the object, or this process works with no device memory yet): then ask the
+        directory. Called from the caller's thread."""
+        if not self._index or self._store.get(oid) is not None or not device.default_backend().in_use():
+            return None
+        found = ipc.open_indexed(self._index, oid.binary())
+        if found is None:
+            return None
+        opened, record = found
+        try:
+            dtype = dtype_from_wire(record.dtype)
+        except HopliteError:
+            dtype = None
+        if dtype is None or int(np.prod(record.shape, dtype=np.int64)) * dtype.itemsize != record.nbytes:
+            opened.close()
+            return None
+        obj = LocalObject(
+            oid,
+            record.nbytes,
+            record.dtype,
+            record.shape,
+            b"",
+            Buffer.wrap(opened.array),
+            progress=record.nbytes,
+            memory=MEMORY_DEVICE,
+        )
+        obj.lease = opened
+        return obj
 
     async def get(
         self,

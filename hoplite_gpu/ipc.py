@@ -44,11 +44,21 @@ Record layout (the ticket's payload, little-endian)::
     34  ...  handle (at most HANDLE_BYTES)
     162 H    pin name length (0: none; the reader then closes what it opened after reading)
     164 ...  pin name (at most PIN_BYTES)
+    228 16s  dtype of the object (wire form; empty: not described)
+    244 B    number of dimensions (at most MAX_DIMS)
+    245 ...  shape, one Q per dimension
+
+Readers of the same cluster find the ticket of an object its owner put without asking the
+directory (:func:`open_indexed`): once the directory has registered the put, the owner links the
+ticket under a name derived from the ObjectID and a key of the cluster (:meth:`Ticket.index`,
+:func:`hoplite_gpu.shm.index_name`); the record's dtype and shape give the reader what a lookup
+would have. The link goes when the ticket is retired (the object deleted), and with its process.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import struct
@@ -74,8 +84,13 @@ _RECORD = struct.Struct("<8sIIQQH")
 PIN_BYTES = 64
 _PIN = struct.Struct("<H")
 _PIN_AT = _RECORD.size + HANDLE_BYTES
+#: The most dimensions a ticket describes (an object of more is not indexed).
+MAX_DIMS = 32
+_META = struct.Struct("<16sB")
+_META_AT = _PIN_AT + _PIN.size + PIN_BYTES
+_SHAPE_AT = _META_AT + _META.size
 #: Payload bytes of a ticket.
-RECORD_BYTES = _PIN_AT + _PIN.size + PIN_BYTES
+RECORD_BYTES = _SHAPE_AT + 8 * MAX_DIMS
 #: What a pin is published as (it stands for an allocation, not an object).
 _PIN_ID = bytes(20)
 #: How many holders' allocations a process keeps open after reading them (0: none).
@@ -109,6 +124,13 @@ def _let_go(array: Any, pin: shm.Segment | None) -> None:
         pin.unlink()
 
 
+def cluster_key(token: str, directory_address: str) -> str:
+    """The key every node of one cluster derives alike for index links (16 hex digits of a hash of
+    the cluster's token and its directory's address: two clusters on one host never share one)."""
+    digest = hashlib.sha256(b"hoplite-index\0" + token.encode() + b"\0" + directory_address.encode())
+    return digest.hexdigest()[:16]
+
+
 def is_ticket(segment: str) -> bool:
     """Whether a copy's ``segment`` names a device ticket (not a shared-memory segment)."""
     return segment.startswith(PREFIX)
@@ -137,13 +159,27 @@ class Ticket:
         self._retired = False
         self.name = PREFIX + segment.name
 
-    def publish(self, object_id: bytes) -> str:
-        """Declare the memory to hold ``object_id`` (complete); the name for the directory ("" once
-        retired: a dropped copy is never offered again)."""
+    def publish(self, object_id: bytes, dtype: str = "", shape: tuple[int, ...] = ()) -> str:
+        """Declare the memory to hold ``object_id`` (complete), of ``dtype`` (wire form) and
+        ``shape``; the name for the directory ("" once retired: a dropped copy is never offered
+        again)."""
         if self._retired or self._segment is None:
             return ""
+        self._segment.begin_write()
+        described = len(dtype.encode()) <= 16 and len(shape) <= MAX_DIMS
+        name = dtype.encode() if described else b""
+        dims = shape if described else ()
+        _META.pack_into(self._segment, shm.HEADER_BYTES + _META_AT, name, len(dims))
+        struct.pack_into(f"<{len(dims)}Q", self._segment, shm.HEADER_BYTES + _SHAPE_AT, *dims)
         self._segment.publish(object_id)
         return self.name
+
+    def index(self, cluster: str, object_id: bytes) -> bool:
+        """Link the published ticket under ``object_id``'s index name in ``cluster`` (see the
+        module docstring); whether readers find it there (not when another live holder's is)."""
+        if self._retired or self._segment is None or not self._segment.published:
+            return False
+        return self._segment.link(shm.index_name(cluster, object_id))
 
     def retire(self) -> None:
         """The object is dropped: readers reject the ticket from now on, and the memory is let go
@@ -420,6 +456,8 @@ class Record:
     nbytes: int
     handle: bytes
     pin: str
+    dtype: str = ""  # wire form; "" where the holder did not describe the object
+    shape: tuple[int, ...] = ()
 
 
 def _map(segment: str, object_id: bytes, nbytes: int) -> tuple[np.ndarray[Any, Any], Record] | None:
@@ -427,23 +465,33 @@ def _map(segment: str, object_id: bytes, nbytes: int) -> tuple[np.ndarray[Any, A
     is gone, retired, of another object or of another size."""
     if not is_ticket(segment):
         return None
-    view = shm.map_view(segment[len(PREFIX) :], object_id, RECORD_BYTES)
+    mapped = _map_name(segment[len(PREFIX) :], object_id)
+    return None if mapped is None or mapped[1].nbytes != nbytes else mapped
+
+
+def _map_name(name: str, object_id: bytes) -> tuple[np.ndarray[Any, Any], Record] | None:
+    """:func:`_map` of the segment (or index link) ``name``, whatever the object's size."""
+    view = shm.map_view(name, object_id, RECORD_BYTES)
     if view is None:
         return None
-    name, dev, pid, offset, size, length = _RECORD.unpack_from(view.data, 0)
-    if size != nbytes or length > HANDLE_BYTES:
+    backend_name, dev, pid, offset, size, length = _RECORD.unpack_from(view.data, 0)
+    (pin_length,) = _PIN.unpack_from(view.data, _PIN_AT)
+    dtype_name, ndim = _META.unpack_from(view.data, _META_AT)
+    if length > HANDLE_BYTES or ndim > MAX_DIMS:
         return None
     try:
-        backend = name.rstrip(b"\0").decode("ascii")
+        backend = backend_name.rstrip(b"\0").decode("ascii")
+        dtype = dtype_name.rstrip(b"\0").decode("ascii")
     except UnicodeDecodeError:
         return None
     handle = bytes(view[_RECORD.size : _RECORD.size + length])
-    (pin_length,) = _PIN.unpack_from(view.data, _PIN_AT)
     try:
         pin = bytes(view[_PIN_AT + _PIN.size : _PIN_AT + _PIN.size + min(pin_length, PIN_BYTES)]).decode()
     except UnicodeDecodeError:
         pin = ""
-    return view, Record(backend, dev, pid, offset, size, handle, pin if shm.valid_name(pin) else "")
+    shape = struct.unpack_from(f"<{ndim}Q", view.data, _SHAPE_AT)
+    pin = pin if shm.valid_name(pin) else ""
+    return view, Record(backend, dev, pid, offset, size, handle, pin, dtype, tuple(shape))
 
 
 def read_ticket(segment: str, object_id: bytes, nbytes: int) -> Record | None:
@@ -461,10 +509,9 @@ def open_ticket(segment: str, object_id: bytes, nbytes: int) -> Opened | None:
     if mapped is None:
         return None
     view, record = mapped
-    backend = device.default_backend()
-    if record.backend != backend.name:
-        return None
     if record.pid == os.getpid():
+        if record.backend != device.default_backend().name:
+            return None
         with _draining_lock:
             mine = _local.get(segment)
         if mine is None or mine._array is None:
@@ -472,12 +519,41 @@ def open_ticket(segment: str, object_id: bytes, nbytes: int) -> Opened | None:
         return Opened(mine._array[:nbytes], lambda: None, view)
     if not shm.exporter_alive(segment[len(PREFIX) :]):
         return None  # its process is gone: its memory with it (CUDA would refuse the handle)
+    return _open_record(view, record)
+
+
+def open_indexed(cluster: str, object_id: bytes) -> tuple[Opened, Record] | None:
+    """Open the device memory of ``object_id`` that its owner in ``cluster`` put on this host and
+    indexed (:meth:`Ticket.index`), without asking the directory: the memory open for reading
+    (close it once read) and the ticket's record, whose ``dtype`` and ``shape`` describe the
+    object. None when there is no such index link, or the ticket is retired, undescribed, of this
+    process, of a process that is gone, or does not open here: the caller asks the directory."""
+    mapped = _map_name(shm.index_name(cluster, object_id), object_id)
+    if mapped is None:
+        return None
+    view, record = mapped
+    if not record.dtype or record.pid == os.getpid() or not shm.creator_alive(view):
+        return None
+    opened = _open_record(view, record)
+    if opened is None:
+        return None
+    with _mappings_lock:
+        _counts["indexed"] += 1
+    return opened, record
+
+
+def _open_record(view: np.ndarray[Any, Any], record: Record) -> Opened | None:
+    """Open the memory of another process's ticket (``view`` maps it) with this process's
+    default backend; None when it does not open here."""
+    backend = device.default_backend()
+    if record.backend != backend.name:
+        return None
     try:
         if not backend.available():
             return None
         array, close = _open(backend, record, backend.current_device())
     except Exception as exc:  # DeviceIpcError, or the driver's own error
-        log.debug("cannot open device memory %s of pid %d: %s", segment, record.pid, exc)
+        log.debug("cannot open device memory of pid %d: %s", record.pid, exc)
         return None
     return Opened(array, close, view)
 
@@ -508,12 +584,13 @@ class _Mapping:
 
 _mappings: OrderedDict[tuple[str, bytes, int, int, int], _Mapping] = OrderedDict()
 _mappings_lock = threading.Lock()
-_counts = {"opened": 0, "reused": 0}
+_counts = {"opened": 0, "reused": 0, "indexed": 0}
 
 
 def mapping_stats() -> dict[str, int]:
     """This process's reads of other processes' device memory: how many mappings it opened, how
-    many reads used one it kept, and how many it keeps now."""
+    many reads used one it kept, how many found the memory through an index link rather than the
+    directory (:func:`open_indexed`), and how many mappings it keeps now."""
     with _mappings_lock:
         return {**_counts, "kept": len(_mappings)}
 

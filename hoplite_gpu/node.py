@@ -117,6 +117,8 @@ class Node:
             resolve_directory,
             topology.node_place(),
         )
+        # Same-host readers find device objects put here without a lookup (see ipc.open_indexed).
+        index = ipc.cluster_key(token, directory_address) if self._shm and self.config.same_host_index else ""
         self._fetcher = Fetcher(
             self._store,
             self._data,
@@ -124,6 +126,7 @@ class Node:
             self._session,
             self._shm,
             lambda oid: self._vertices.computes(oid),
+            index,
         )
         self._vertices = VertexRunner(
             self._store,
@@ -134,7 +137,9 @@ class Node:
             lambda oid: self._in_background(self._delete(oid)),
             self.config.reduce_chunk_bytes,
         )
-        self._putter = Putter(self._store, self.config, self._session, self._delete, self._in_background)
+        self._putter = Putter(
+            self._store, self.config, self._session, self._delete, self._in_background, index
+        )
         self._background: set[asyncio.Future[Any]] = set()  # see _in_background
         self._closed = False
         if self.config.fault_injection:
@@ -296,6 +301,9 @@ class Node:
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
         check_out(out)
+        indexed = self._fetcher.indexed(object_id)
+        if indexed is not None:
+            return deliver(indexed, out)
         if streamable(out):
             return self._io.run(self._fetcher.get_into(object_id, timeout, out, direct))
         return deliver(self._io.run(self._fetcher.get(object_id, timeout, direct=direct, lend=True)), out)
@@ -308,6 +316,9 @@ class Node:
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
         check_out(out)
+        indexed = self._fetcher.indexed(object_id)
+        if indexed is not None:
+            return deliver(indexed, out)
         if streamable(out):
             return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct))
         fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True)
@@ -642,7 +653,8 @@ class Node:
         with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself), and the process's
         pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)
         and its reads of same-host processes' device memory (``device_ipc_*``: mappings opened,
-        reads from a mapping kept open, mappings kept now; see :mod:`hoplite_gpu.ipc`)."""
+        reads from a mapping kept open, gets that found the memory through an index link with no
+        lookup, mappings kept now; see :mod:`hoplite_gpu.ipc`)."""
         return {
             "node_id": self.node_id,
             "objects": len(self._store),

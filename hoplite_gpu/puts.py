@@ -67,6 +67,8 @@ class Putter:
         session: The node's directory link.
         delete: Deletes an object (a put published, then failed, is withdrawn).
         in_background: Runs a coroutine nobody waits for (its failure is only logged).
+        index: The cluster's key for index links: a device object put here is linked under it
+            once the directory registered it (:meth:`hoplite_gpu.ipc.Ticket.index`; "": never).
     """
 
     def __init__(
@@ -76,8 +78,10 @@ class Putter:
         session: DirectorySession,
         delete: Callable[[ObjectID], Coroutine[Any, Any, bool]],
         in_background: Callable[[Coroutine[Any, Any, Any]], None],
+        index: str = "",
     ) -> None:
         self._store = store
+        self._index = index
         self._config = config
         self._session = session
         self._delete = delete
@@ -224,6 +228,8 @@ class Putter:
             if reply.error:
                 raise from_kind(reply.error_kind, reply.error, object_id=oid.hex())
             registered = True
+            if obj.ticket is not None and self._index:
+                obj.ticket.index(self._index, oid.binary())
             if copying is not None and prepared.detached:
                 self._in_background(self._copied(obj, copying, stop))
                 return oid

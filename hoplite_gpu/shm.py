@@ -13,6 +13,7 @@ offset bytes  field
 0      8      sequence number: odd while the buffer is being written or is retired
 8      8      payload size
 16     20     ObjectID of the published payload
+36     4      id of the process that created the segment
 ====== ====== =====================================================================
 
 A reader takes a shared ``flock`` on the segment, checks that the sequence number is even and
@@ -25,6 +26,14 @@ holder never reuses memory under a reader.
 Segments are named ``hoplite-<pid namespace>-<pid>-<n>-<random>``; a file is unlinked when its
 buffer leaves the store's pool, when its last mapping in the holder goes away, and, for processes
 that were killed, by :func:`sweep_orphans` in the next node that starts on the host.
+
+A segment may also be *indexed*: hard-linked under a name that readers of the same cluster can
+derive from an ObjectID alone (:func:`index_name`: ``hoplite-i-<pid namespace>-<cluster
+key>-<ObjectID>``), so they find it without asking the directory (:meth:`Segment.link`). The link
+is the same file, so the header, the published ObjectID and the lock are those of the segment. Its
+holder removes the link when it retires or unlinks the segment; links of killed processes go in
+:func:`sweep_orphans` (the header says who created the file). Only files of this user are read
+under an index name (anyone may create files in ``/dev/shm``).
 """
 
 from __future__ import annotations
@@ -52,15 +61,29 @@ HEADER_BYTES = 64
 _OID = slice(16, 36)
 _WORD = struct.Struct("<Q")
 _HEADER = struct.Struct("<QQ")
+_CREATOR = struct.Struct("<I")
+_CREATOR_AT = 36
 _NAME = re.compile(r"hoplite-(\d+)-(\d+)-\d+-[0-9a-f]+")
+#: What an index name starts with (see :func:`index_name`).
+INDEX_PREFIX = "hoplite-i-"
+_INDEX = re.compile(r"hoplite-i-(\d+)-[0-9a-f]{16}-[0-9a-f]{40}")
 _counter = itertools.count()
 
 
+_namespace: tuple[int, int] | None = None  # (pid, its pid namespace), see _pid_namespace
+
+
 def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
+    """This process's pid namespace (0 where it cannot be told); looked up once per process."""
+    global _namespace
+    pid = os.getpid()
+    if _namespace is None or _namespace[0] != pid:  # a forked child looks again
+        try:
+            ns = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            ns = 0
+        _namespace = (pid, ns)
+    return _namespace[1]
 
 
 def available() -> bool:
@@ -92,6 +115,8 @@ class Segment(mmap.mmap):
 
     name: str
     _finalizer: weakref.finalize
+    _inode: int
+    _links: dict[str, weakref.finalize]
 
     def _bump(self) -> None:
         _WORD.pack_into(self, 0, _WORD.unpack_from(self, 0)[0] + 1)
@@ -108,12 +133,44 @@ class Segment(mmap.mmap):
         self._bump()
 
     def retire(self) -> None:
-        """The store no longer holds this payload as an object (readers reject it)."""
+        """The store no longer holds this payload as an object (readers reject it); its index
+        links go."""
         self.begin_write()
+        self.unlink_links()
 
     def unlink(self) -> None:
-        """Remove the file now (mappings, ours and readers', stay valid until closed)."""
+        """Remove the file now, and its index links (mappings, ours and readers', stay valid until
+        closed)."""
+        self.unlink_links()
         self._finalizer()
+
+    def link(self, name: str) -> bool:
+        """Hard-link the segment under the index name ``name`` (:func:`index_name`); whether it
+        is there now. A link left by a process that is gone is replaced; a live one is kept (its
+        holder has the same object: readers find that one)."""
+        if not _INDEX.fullmatch(name) or name in self._links:
+            return name in self._links
+        path = os.path.join(SHM_DIR, name)
+        for _ in range(2):
+            try:
+                os.link(os.path.join(SHM_DIR, self.name), path)
+            except FileExistsError:
+                if _creator_alive(path):
+                    return False
+                _unlink(path)  # a killed holder's: replace it
+                continue
+            except OSError as exc:
+                log.debug("cannot link segment %s as %s: %s", self.name, name, exc)
+                return False
+            self._links[name] = weakref.finalize(self, _unlink_if, path, self._inode)
+            return True
+        return False
+
+    def unlink_links(self) -> None:
+        """Remove the segment's index links (each only while it still is this segment's)."""
+        links, self._links = self._links, {}
+        for finalizer in links.values():
+            finalizer()
 
     def mapped_elsewhere(self) -> bool:
         """Whether a reader still maps the payload (:func:`map_view`): then it must not be reused."""
@@ -161,7 +218,10 @@ def create(nbytes: int) -> np.ndarray[Any, Any] | None:
         os.close(fd)
     seg.name = name
     seg._finalizer = weakref.finalize(seg, _unlink, path)
+    seg._inode = os.stat(path).st_ino
+    seg._links = {}
     _WORD.pack_into(seg, 8, nbytes)
+    _CREATOR.pack_into(seg, _CREATOR_AT, os.getpid())
     seg.begin_write()
     return np.ndarray((nbytes,), np.uint8, buffer=seg, offset=HEADER_BYTES)
 
@@ -182,7 +242,7 @@ def _open_segment(name: str) -> int:
 def _open_regular(name: str) -> int | None:
     """A read-only descriptor of segment ``name`` (the caller closes it), or None when the name is
     not one of ours, nothing is there, or it is not a regular file (a FIFO or device under a
-    segment's name is never read)."""
+    segment's name is never read), or, under an index name, not this user's."""
     if not valid_name(name):
         return None
     try:
@@ -190,7 +250,8 @@ def _open_regular(name: str) -> int | None:
     except OSError:
         return None
     try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and (st.st_uid == os.geteuid() or not name.startswith(INDEX_PREFIX)):
             return fd
     except OSError:
         pass
@@ -199,8 +260,47 @@ def _open_regular(name: str) -> int | None:
 
 
 def valid_name(name: str) -> bool:
-    """Whether ``name`` looks like one of our segments (it comes off the network)."""
-    return bool(_NAME.fullmatch(name))
+    """Whether ``name`` looks like one of our segments, or an index name (it comes off the
+    network)."""
+    return bool(_NAME.fullmatch(name) or _INDEX.fullmatch(name))
+
+
+def index_name(cluster: str, object_id: bytes) -> str:
+    """The name under which a holder of ``cluster`` (a key of 16 hex digits every node of one
+    cluster derives alike) indexes the segment of ``object_id``, in this pid namespace."""
+    return f"{INDEX_PREFIX}{_pid_namespace()}-{cluster}-{object_id.hex()}"
+
+
+def _unlink_if(path: str, inode: int) -> None:
+    """Unlink ``path`` if it still is the file ``inode`` (an index link, not a later holder's)."""
+    with contextlib.suppress(OSError):
+        if os.stat(path, follow_symlinks=False).st_ino == inode:
+            os.unlink(path)
+
+
+def _creator_alive(path: str) -> bool:
+    """Whether the process that created the file at ``path`` (its header says) still runs (True
+    when that cannot be read: it is left alone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        raw = os.pread(fd, _CREATOR.size, _CREATOR_AT)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return len(raw) < _CREATOR.size or _alive(_CREATOR.unpack(raw)[0])
+
+
+def creator_alive(view: np.ndarray[Any, Any]) -> bool:
+    """Whether the process that created the segment a :func:`map_view` view maps still runs (a
+    view of an index name says nothing of it in its name)."""
+    mm = view.base
+    return isinstance(mm, mmap.mmap) and _alive(_CREATOR.unpack_from(mm, _CREATOR_AT)[0])
 
 
 def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] | None:
@@ -297,10 +397,15 @@ def sweep_orphans() -> int:
     except OSError:
         return 0
     for name in names:
-        m = _NAME.fullmatch(name)
-        if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
-            continue
         path = os.path.join(SHM_DIR, name)
+        index = _INDEX.fullmatch(name)
+        if index is not None:  # an index link: its header names its creator
+            if int(index.group(1)) != ns or _creator_alive(path):
+                continue
+        else:
+            m = _NAME.fullmatch(name)
+            if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
+                continue
         with contextlib.suppress(OSError):
             if os.stat(path).st_uid == uid:
                 os.unlink(path)

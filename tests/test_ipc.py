@@ -83,10 +83,12 @@ def test_a_same_host_reader_copies_device_to_device(
     start = ipc_owner.event_log()[-1]["seq"] + 1
     oid = ipc_workers[0].call("put_device", backend, "float32", SHAPE, 1, "")
     before = ipc_workers[1].call("objects")
+    indexed = ipc_workers[1].call("stats")["device_ipc_indexed"]
     got = ipc_workers[1].call("get_typed", oid, 60)
     assert got == (DEVICE_TYPE[backend], digest(make_array("float32", SHAPE, 1)))
-    kinds = [e["kind"] for e in _events(ipc_owner, oid, start)]
-    assert "lookup_ipc" in kinds and "transfer_start" not in kinds
+    # The reader found the owner's ticket through its index link: the directory saw only the put.
+    assert [e["kind"] for e in _events(ipc_owner, oid, start)] == ["put"]
+    assert ipc_workers[1].call("stats")["device_ipc_indexed"] == indexed + 1
     # A get copies straight into the array it returns: the reader keeps no copy of its own.
     assert ipc_workers[1].call("objects") == before
     ipc_workers[0].call("delete", oid)
@@ -298,10 +300,13 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
     assert after_put - before  # the ticket (and for the simulated backend, the memory)
     assert node.put(device_array(backend, want), oid) == oid  # the same put again: not kept
     assert ours() - after_put == _spare_files(backend)  # but its memory stays for the next
+    assert os.path.exists(_index_path(node, oid.hex()))  # the put was indexed
     node.delete(oid)
-    _put(node, backend, 10)  # into the deleted object's memory, from the process's pool
+    assert not os.path.exists(_index_path(node, oid.hex()))
+    last, _ = _put(node, backend, 10)  # into the deleted object's memory, from the process's pool
     node.close()
     ipc.reap()
+    assert not os.path.exists(_index_path(node, last.hex()))
     # Nothing of this node's is left but the pool's spares (kept for the process's next device
     # copies). Files of earlier tests may go meanwhile: memory their readers kept open until
     # their next sweep.
@@ -467,3 +472,52 @@ def test_an_allocation_a_reader_keeps_open_is_freed_once_it_closed_it(
     ipc.reap()
     assert not any(pin is spare_pin for _, pin in ipc._pinned) and not os.path.exists(path)
     assert reader.call("stats")["device_ipc_kept"] == kept
+
+
+# ---------------------------------------------------------------- index links
+def _index_path(node: Any, oid_hex: str) -> str:
+    key = ipc.cluster_key(node.token, node.directory_address)
+    return os.path.join(shm.SHM_DIR, shm.index_name(key, bytes.fromhex(oid_hex)))
+
+
+def test_a_deleted_object_is_not_found_through_its_index_link(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    owner, reader = ipc_workers[0], ipc_workers[1]
+    oid = owner.call("put_device", backend, "float32", SHAPE, 60, "")
+    path = _index_path(ipc_owner, oid)
+    assert os.path.exists(path)
+    assert owner.call("delete", oid)
+    assert not os.path.exists(path)  # gone with the object, before delete returned
+    indexed = reader.call("stats")["device_ipc_indexed"]
+    with pytest.raises(RuntimeError, match=r"HopliteTimeoutError|ObjectDeletedError"):
+        reader.call("get_typed", oid, 0.5)
+    assert reader.call("stats")["device_ipc_indexed"] == indexed
+
+
+def test_an_index_link_is_of_one_cluster_and_goes_with_a_killed_owner(backend: str, ipc_owner: Any) -> None:
+    (holder,) = start_workers(ipc_owner.directory_address, ipc_owner.token, 1, shared_memory=True)
+    try:
+        oid = holder.call("put_device", backend, "float32", SHAPE, 62, "")
+        path = _index_path(ipc_owner, oid)
+        key = ipc.cluster_key(ipc_owner.token, ipc_owner.directory_address)
+        other = ipc.cluster_key("another-token", ipc_owner.directory_address)
+        assert ipc.open_indexed(other, bytes.fromhex(oid)) is None  # another cluster's name
+        found = ipc.open_indexed(key, bytes.fromhex(oid))
+        assert found is not None
+        opened, record = found
+        assert (np.dtype(record.dtype), record.shape) == (np.float32, SHAPE)
+        assert digest(to_host(opened.array).view(np.ndarray).view(np.float32).reshape(SHAPE)) == digest(
+            make_array("float32", SHAPE, 62)
+        )
+        opened.close()
+        os.kill(holder.proc.pid, signal.SIGKILL)
+        holder.proc.join(30)
+        assert os.path.exists(path)  # a killed process removes nothing
+        assert ipc.open_indexed(key, bytes.fromhex(oid)) is None  # its process is gone
+        shm.sweep_orphans()
+        assert not os.path.exists(path)
+    finally:
+        holder.stop()
+        shm.sweep_orphans()
+        ipc.sweep()
