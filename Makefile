@@ -142,7 +142,8 @@ gpu-check: export PYTHONUNBUFFERED := 1
 gpu-check:
 	$(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU'),,$(error gpu-check: no NVIDIA GPU on this machine (nvidia-smi lists none)))
 	$(if $(wildcard .whl/site.tar.xz),,$(error gpu-check: no .whl/site.tar.xz: run make gpu-wheels where pip reaches PyPI, and carry .whl))
-	rm -rf $(GPU_SITE) && mkdir -p $(GPU_SITE) && tar -xJf .whl/site.tar.xz -C $(GPU_SITE)
+	rm -rf $(GPU_SITE) && $(GPU_PYTHON) -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="tar")' \
+		.whl/site.tar.xz $(GPU_SITE)
 	@rm -f $(GPU_FAILED); mkdir -p $(GPU_LOGS)
 	@{ nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv; \
 		nvcc --version | tail -1; \
