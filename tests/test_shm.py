@@ -124,6 +124,61 @@ def test_orphaned_segments_of_a_killed_process_are_swept() -> None:
     assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
 
 
+# ---------------------------------------------------------------- index links
+CLUSTER = "0123456789abcdef"
+
+
+def test_an_index_link_is_one_live_holders_and_goes_with_its_segment() -> None:
+    oid = os.urandom(20)
+    name = shm.index_name(CLUSTER, oid)
+    path = os.path.join(shm.SHM_DIR, name)
+    a, b = (shm.segment_of(shm.create(64)) for _ in range(2))
+    assert a is not None and b is not None
+    a.publish(oid)
+    assert a.link(name) and os.path.samefile(path, os.path.join(shm.SHM_DIR, a.name))
+    view = shm.map_view(name, oid, 64)  # a reader finds the segment under the index name
+    assert view is not None and shm.creator_alive(view)
+    del view
+    assert not b.link(name)  # a live holder's link stays
+    a.retire()
+    assert not os.path.exists(path)  # gone with the object
+    assert b.link(name) and os.path.samefile(path, os.path.join(shm.SHM_DIR, b.name))
+    a.unlink()  # a's links went at retire: b's stays
+    assert os.path.exists(path)
+    b.unlink()
+    assert not os.path.exists(path)
+    assert not a.link("hoplite-i-not-an-index-name")
+
+
+def test_index_links_of_a_killed_process_are_replaced_or_swept() -> None:
+    import subprocess
+    import sys
+
+    oids = [os.urandom(20), os.urandom(20)]
+    names = [shm.index_name(CLUSTER, oid) for oid in oids]
+    code = (
+        "import os, sys, signal; from hoplite_gpu import shm; s = shm.segment_of(shm.create(64)); "
+        f"s.publish(bytes.fromhex('{oids[0].hex()}')); "
+        f"assert s.link('{names[0]}') and s.link('{names[1]}'); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    paths = [os.path.join(shm.SHM_DIR, n) for n in names]
+    assert all(os.path.exists(path) for path in paths)  # a killed process removes nothing
+    view = shm.map_view(names[0], oids[0], 64)  # still published, but its creator is gone, which
+    assert view is not None and not shm.creator_alive(view)  # readers check (ipc.open_indexed)
+    del view
+    mine = shm.segment_of(shm.create(64))
+    assert mine is not None
+    assert mine.link(names[1])  # the dead holder's link is replaced
+    assert os.path.samefile(paths[1], os.path.join(shm.SHM_DIR, mine.name))
+    assert shm.sweep_orphans() >= 2  # the killed process's segment and its other link
+    assert not os.path.exists(paths[0]) and os.path.exists(paths[1])
+    mine.unlink()
+    assert not os.path.exists(paths[1])
+
+
 # ---------------------------------------------------------------- directory decisions
 def _state(**hosts: str) -> DirectoryState:
     state = DirectoryState(lease_timeout=math.inf, validate=True)
