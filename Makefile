@@ -17,7 +17,7 @@ help:
 	@echo "make fuzz   - the message fuzz suite, longer (HOPLITE_FUZZ_EXAMPLES, default 20000)"
 	@echo "make docker - build the directory, GPU worker and Ray images with podman (docker/README.md)"
 	@echo "make docker-test - build the images, check them and smoke-test them across containers (root)"
-	@echo "make gpu-wheels - download into .whl/ the wheels a GPU machine without network needs (README: GPU check)"
+	@echo "make gpu-wheels - pack into .whl/site.tar.xz what a GPU machine without network needs (README: GPU check)"
 	@echo "make gpu-check OUT=DIR - on a GPU machine: GPU tests and bench/gpu.py, logs and results copied to DIR"
 
 $(PY):
