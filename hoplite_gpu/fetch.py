@@ -210,17 +210,15 @@ class Fetcher:
             return None
         opened, record = found
         try:
-            dtype = dtype_from_wire(record.dtype)
+            dtype, shape = sources.check_meta(oid, record.dtype, record.shape, record.nbytes, "ticket")
         except HopliteError:
-            dtype = None
-        if dtype is None or int(np.prod(record.shape, dtype=np.int64)) * dtype.itemsize != record.nbytes:
             opened.close()
             return None
         obj = LocalObject(
             oid,
             record.nbytes,
-            record.dtype,
-            record.shape,
+            dtype,
+            shape,
             b"",
             Buffer.wrap(opened.array),
             progress=record.nbytes,

@@ -155,7 +155,7 @@ class Segment(mmap.mmap):
             try:
                 os.link(os.path.join(SHM_DIR, self.name), path)
             except FileExistsError:
-                if _creator_alive(path):
+                if _creator_alive(name):
                     return False
                 _unlink(path)  # a killed holder's: replace it
                 continue
@@ -210,6 +210,7 @@ def create(nbytes: int) -> np.ndarray[Any, Any] | None:
     try:
         os.posix_fallocate(fd, 0, HEADER_BYTES + nbytes)
         seg = Segment(fd, HEADER_BYTES + nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        seg._inode = os.fstat(fd).st_ino
     except OSError as exc:
         _unlink(path)
         log.debug("no room for a %d-byte shared-memory segment: %s", nbytes, exc)
@@ -218,7 +219,6 @@ def create(nbytes: int) -> np.ndarray[Any, Any] | None:
         os.close(fd)
     seg.name = name
     seg._finalizer = weakref.finalize(seg, _unlink, path)
-    seg._inode = os.stat(path).st_ino
     seg._links = {}
     _WORD.pack_into(seg, 8, nbytes)
     _CREATOR.pack_into(seg, _CREATOR_AT, os.getpid())
@@ -278,11 +278,11 @@ def _unlink_if(path: str, inode: int) -> None:
             os.unlink(path)
 
 
-def _creator_alive(path: str) -> bool:
-    """Whether the process that created the file at ``path`` (its header says) still runs (True
-    when that cannot be read: it is left alone)."""
+def _creator_alive(name: str) -> bool:
+    """Whether the process that created segment (or index link) ``name`` (its header says) still
+    runs (True when that cannot be read: it is left alone)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+        fd = _open_segment(name)
     except FileNotFoundError:
         return False
     except OSError:
@@ -400,7 +400,7 @@ def sweep_orphans() -> int:
         path = os.path.join(SHM_DIR, name)
         index = _INDEX.fullmatch(name)
         if index is not None:  # an index link: its header names its creator
-            if int(index.group(1)) != ns or _creator_alive(path):
+            if int(index.group(1)) != ns or _creator_alive(name):
                 continue
         else:
             m = _NAME.fullmatch(name)

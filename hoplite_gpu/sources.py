@@ -89,11 +89,17 @@ def as_hoplite_error(exc: BaseException, oid: ObjectID) -> HopliteError:
 
 def checked_meta(oid: ObjectID, reply: p.LookupReply) -> tuple[str, tuple[int, ...]]:
     """The dtype (wire form) and shape a lookup reply gives, checked against its size."""
-    shape = tuple(int(s) for s in reply.shape)
-    dtype = dtype_from_wire(reply.dtype)
-    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != reply.size:
-        raise ProtocolError(f"directory metadata of {oid} is inconsistent", object_id=oid.hex())
-    return reply.dtype, shape
+    return check_meta(oid, reply.dtype, reply.shape, reply.size, "directory")
+
+
+def check_meta(oid: ObjectID, dtype: str, shape: Any, size: int, source: str) -> tuple[str, tuple[int, ...]]:
+    """``dtype`` (wire form) and ``shape`` of ``oid`` as ``source`` gave them, checked against its
+    ``size``: raises :class:`InvalidArgumentError` for a dtype that is not one,
+    :class:`ProtocolError` where they do not add up to ``size``."""
+    dims = tuple(int(s) for s in shape)
+    if int(np.prod(dims, dtype=np.int64)) * dtype_from_wire(dtype).itemsize != size:
+        raise ProtocolError(f"{source} metadata of {oid} is inconsistent", object_id=oid.hex())
+    return dtype, dims
 
 
 def from_reply(
