@@ -223,11 +223,16 @@ class CupyBackend(DeviceBackend):
         self._opened: dict[tuple[int, bytes], list[int]] = {}
         self._opened_lock = threading.Lock()
         self._in_use: bool | None = None
+        self._available = False
 
     def available(self) -> bool:
         from . import gpu
 
-        return gpu.available()
+        # Asked at every read of device memory; a device once seen stays (a process's CUDA
+        # devices do not go away), so only a missing one is asked about again.
+        if not self._available:
+            self._available = gpu.available()
+        return self._available
 
     def in_use(self) -> bool:
         if self._in_use is None and ("cupy" in sys.modules or _torch_cuda_started()):

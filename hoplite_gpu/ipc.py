@@ -6,8 +6,9 @@ allocation's inter-process handle into a small *ticket*, a shared-memory segment
 :mod:`hoplite_gpu.shm` published under the object's ID, and tells the directory its name (``ipc:``
 followed by the segment's name, in the copy's ``segment`` field). A reader on the same host that
 can open device memory (``LookupRequest.device_ipc``) is answered with the ticket like a
-shared-memory segment; it maps the ticket, opens the handle (``cudaIpcOpenMemHandle``) and copies
-the bytes device to device: for a ``get``, straight into the array it returns; for a reduce
+shared-memory segment; it reads the ticket under the ticket's lock (:func:`shm.read_locked`: one
+``pread``, fewer system calls than a mapping), opens the handle (``cudaIpcOpenMemHandle``) and
+copies the bytes device to device: for a ``get``, straight into the array it returns; for a reduce
 vertex, into a store copy of its own (exported in turn).
 
 The ticket is the lifetime guard, as for shared-memory segments: a reader holds a shared lock on
@@ -60,7 +61,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import struct
 import threading
 from collections import OrderedDict
@@ -252,7 +252,7 @@ def export(array: Any, pooled: bool = False, pin: shm.Segment | None = None) -> 
         0,
         backend.name.encode(),
         backend.device_of(array),
-        os.getpid(),
+        shm.own_pid(),
         offset,
         int(array.nbytes),
         len(handle),
@@ -418,22 +418,24 @@ class Opened:
     """A holder's device memory, open for reading: ``array`` (flat ``uint8``, of this process's
     default backend) until :meth:`close`, which also lets go of the ticket's lock."""
 
-    __slots__ = ("_close", "_record", "array")
+    __slots__ = ("_close", "_ticket", "array")
 
-    def __init__(self, array: Any, close: Callable[[], None], record: np.ndarray[Any, Any]) -> None:
+    def __init__(self, array: Any, close: Callable[[], None], ticket: shm.Locked) -> None:
         self.array = array
         self._close: Callable[[], None] | None = close
-        self._record: np.ndarray[Any, Any] | None = record
+        self._ticket: shm.Locked | None = ticket
 
     def close(self) -> None:
         """Close the memory and let go of the ticket (the holder may then free it); idempotent."""
         close, self._close = self._close, None
+        ticket, self._ticket = self._ticket, None
         self.array = None
         try:
             if close is not None:
                 _close_mapping(close)
         finally:
-            self._record = None  # the ticket's mapping, and with it its lock, goes now
+            if ticket is not None:
+                ticket.close()  # the ticket's lock goes now
 
 
 def _close_mapping(close: Callable[[], None]) -> None:
@@ -460,23 +462,35 @@ class Record:
     shape: tuple[int, ...] = ()
 
 
-def _map(segment: str, object_id: bytes, nbytes: int) -> tuple[np.ndarray[Any, Any], Record] | None:
-    """The ticket's mapping (holding its shared lock while referenced) and record, or None when it
-    is gone, retired, of another object or of another size."""
+def _map(segment: str, object_id: bytes, nbytes: int) -> tuple[shm.Locked, Record] | None:
+    """The ticket, read under its shared lock (held until the first item is closed), and its
+    record, or None when it is gone, retired, of another object or of another size."""
     if not is_ticket(segment):
         return None
     mapped = _map_name(segment[len(PREFIX) :], object_id)
-    return None if mapped is None or mapped[1].nbytes != nbytes else mapped
-
-
-def _map_name(name: str, object_id: bytes) -> tuple[np.ndarray[Any, Any], Record] | None:
-    """:func:`_map` of the segment (or index link) ``name``, whatever the object's size."""
-    view = shm.map_view(name, object_id, RECORD_BYTES)
-    if view is None:
+    if mapped is not None and mapped[1].nbytes != nbytes:
+        mapped[0].close()
         return None
-    backend_name, dev, pid, offset, size, length = _RECORD.unpack_from(view.data, 0)
-    (pin_length,) = _PIN.unpack_from(view.data, _PIN_AT)
-    dtype_name, ndim = _META.unpack_from(view.data, _META_AT)
+    return mapped
+
+
+def _map_name(name: str, object_id: bytes) -> tuple[shm.Locked, Record] | None:
+    """:func:`_map` of the segment (or index link) ``name``, whatever the object's size."""
+    ticket = shm.read_locked(name, object_id, RECORD_BYTES)
+    if ticket is None:
+        return None
+    record = _parse(ticket.payload)
+    if record is None:
+        ticket.close()
+        return None
+    return ticket, record
+
+
+def _parse(raw: bytes) -> Record | None:
+    """A ticket's record from its payload (None when it makes no sense)."""
+    backend_name, dev, pid, offset, size, length = _RECORD.unpack_from(raw, 0)
+    (pin_length,) = _PIN.unpack_from(raw, _PIN_AT)
+    dtype_name, ndim = _META.unpack_from(raw, _META_AT)
     if length > HANDLE_BYTES or ndim > MAX_DIMS:
         return None
     try:
@@ -484,20 +498,23 @@ def _map_name(name: str, object_id: bytes) -> tuple[np.ndarray[Any, Any], Record
         dtype = dtype_name.rstrip(b"\0").decode("ascii")
     except UnicodeDecodeError:
         return None
-    handle = bytes(view[_RECORD.size : _RECORD.size + length])
+    handle = raw[_RECORD.size : _RECORD.size + length]
     try:
-        pin = bytes(view[_PIN_AT + _PIN.size : _PIN_AT + _PIN.size + min(pin_length, PIN_BYTES)]).decode()
+        pin = raw[_PIN_AT + _PIN.size : _PIN_AT + _PIN.size + min(pin_length, PIN_BYTES)].decode()
     except UnicodeDecodeError:
         pin = ""
-    shape = struct.unpack_from(f"<{ndim}Q", view.data, _SHAPE_AT)
+    shape = struct.unpack_from(f"<{ndim}Q", raw, _SHAPE_AT)
     pin = pin if shm.valid_name(pin) else ""
-    return view, Record(backend, dev, pid, offset, size, handle, pin, dtype, tuple(shape))
+    return Record(backend, dev, pid, offset, size, handle, pin, dtype, tuple(shape))
 
 
 def read_ticket(segment: str, object_id: bytes, nbytes: int) -> Record | None:
     """The record of a published ticket (None: see :func:`open_ticket`), without opening it."""
     mapped = _map(segment, object_id, nbytes)
-    return None if mapped is None else mapped[1]
+    if mapped is None:
+        return None
+    mapped[0].close()
+    return mapped[1]
 
 
 def open_ticket(segment: str, object_id: bytes, nbytes: int) -> Opened | None:
@@ -508,18 +525,20 @@ def open_ticket(segment: str, object_id: bytes, nbytes: int) -> Opened | None:
     mapped = _map(segment, object_id, nbytes)
     if mapped is None:
         return None
-    view, record = mapped
-    if record.pid == os.getpid():
-        if record.backend != device.default_backend().name:
-            return None
-        with _draining_lock:
-            mine = _local.get(segment)
-        if mine is None or mine._array is None:
-            return None
-        return Opened(mine._array[:nbytes], lambda: None, view)
-    if not shm.exporter_alive(segment[len(PREFIX) :]):
+    ticket, record = mapped
+    if record.pid == shm.own_pid():
+        if record.backend == device.default_backend().name:
+            with _draining_lock:
+                mine = _local.get(segment)
+            if mine is not None and mine._array is not None:
+                return Opened(mine._array[:nbytes], lambda: None, ticket)
+        ticket.close()
+        return None
+    known: dict[int, bool] = {}
+    if not shm.exporter_alive(segment[len(PREFIX) :], known):
+        ticket.close()
         return None  # its process is gone: its memory with it (CUDA would refuse the handle)
-    return _open_record(view, record)
+    return _open_record(ticket, record, known)
 
 
 def open_indexed(cluster: str, object_id: bytes) -> tuple[Opened, Record] | None:
@@ -531,10 +550,12 @@ def open_indexed(cluster: str, object_id: bytes) -> tuple[Opened, Record] | None
     mapped = _map_name(shm.index_name(cluster, object_id), object_id)
     if mapped is None:
         return None
-    view, record = mapped
-    if not record.dtype or record.pid == os.getpid() or not shm.creator_alive(view):
+    ticket, record = mapped
+    known: dict[int, bool] = {}
+    if not record.dtype or record.pid == shm.own_pid() or not shm.alive(ticket.creator, known):
+        ticket.close()
         return None
-    opened = _open_record(view, record)
+    opened = _open_record(ticket, record, known)
     if opened is None:
         return None
     with _mappings_lock:
@@ -542,20 +563,21 @@ def open_indexed(cluster: str, object_id: bytes) -> tuple[Opened, Record] | None
     return opened, record
 
 
-def _open_record(view: np.ndarray[Any, Any], record: Record) -> Opened | None:
-    """Open the memory of another process's ticket (``view`` maps it) with this process's
-    default backend; None when it does not open here."""
+def _open_record(ticket: shm.Locked, record: Record, known: dict[int, bool]) -> Opened | None:
+    """Open the memory of another process's ticket (read under its lock, which the result holds;
+    closed here when the memory does not open) with this process's default backend; None when it
+    does not open here. ``known``: the processes found alive during this read (:func:`shm.alive`)."""
     backend = device.default_backend()
-    if record.backend != backend.name:
-        return None
     try:
-        if not backend.available():
+        if record.backend != backend.name or not backend.available():
+            ticket.close()
             return None
-        array, close = _open(backend, record, backend.current_device())
+        array, close = _open(backend, record, backend.current_device(), known)
     except Exception as exc:  # DeviceIpcError, or the driver's own error
         log.debug("cannot open device memory of pid %d: %s", record.pid, exc)
+        ticket.close()
         return None
-    return Opened(array, close, view)
+    return Opened(array, close, ticket)
 
 
 # ---------------------------------------------------------------- mappings a reader keeps
@@ -572,13 +594,14 @@ class _Mapping:
     users: int = 0
     stale: bool = False  # close once the last user is done
 
-    def valid(self) -> bool:
-        """The holder still has the allocation and is not letting it go."""
+    def valid(self, known: dict[int, bool] | None = None) -> bool:
+        """The holder still has the allocation and is not letting it go (``known``: see
+        :func:`shm.alive`)."""
         return (
             not self.stale
             and self.pin is not None
             and shm.view_published(self.pin)
-            and shm.exporter_alive(self.key[0])
+            and shm.exporter_alive(self.key[0], known)
         )
 
 
@@ -595,15 +618,18 @@ def mapping_stats() -> dict[str, int]:
         return {**_counts, "kept": len(_mappings)}
 
 
-def _open(backend: device.DeviceBackend, record: Record, dev: int) -> tuple[Any, Callable[[], None]]:
+def _open(
+    backend: device.DeviceBackend, record: Record, dev: int, known: dict[int, bool] | None = None
+) -> tuple[Any, Callable[[], None]]:
     """The memory ``record`` names, open on ``dev``, and what to call once it is read: from a
     mapping this process keeps where it has one of that allocation, or a new mapping (kept when
-    the ticket names a pin that is still published)."""
-    sweep()
+    the ticket names a pin that is still published). ``known``: see :func:`shm.alive`."""
+    known = {} if known is None else known
+    sweep(known=known)
     key = (record.pin, record.handle, record.offset, record.nbytes, dev)
     with _mappings_lock:
         entry = _mappings.get(key)
-        if entry is not None and entry.backend is backend and entry.valid():
+        if entry is not None and entry.backend is backend and entry.valid(known):
             _mappings.move_to_end(key)
             entry.users += 1
             _counts["reused"] += 1
@@ -655,13 +681,16 @@ def _close(entry: _Mapping) -> None:
     entry.array = entry.pin = None
 
 
-def sweep(everything: bool = False) -> int:
+def sweep(everything: bool = False, known: dict[int, bool] | None = None) -> int:
     """Close the kept mappings whose holder is letting the allocation go or is gone (with
-    ``everything``, every one not being read); how many stay open."""
+    ``everything``, every one not being read); how many stay open. ``known``: see
+    :func:`shm.alive` (one liveness check per holder process, however many mappings of it are
+    kept)."""
+    known = {} if known is None else known
     closing: list[_Mapping] = []
     with _mappings_lock:
         for entry in list(_mappings.values()):
-            if everything or not entry.valid():
+            if everything or not entry.valid(known):
                 _drop_locked(entry, closing)
         left = len(_mappings)
     for entry in closing:

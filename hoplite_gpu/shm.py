@@ -70,20 +70,41 @@ _INDEX = re.compile(r"hoplite-i-(\d+)-[0-9a-f]{16}-[0-9a-f]{40}")
 _counter = itertools.count()
 
 
-_namespace: tuple[int, int] | None = None  # (pid, its pid namespace), see _pid_namespace
+_identity: tuple[int, int, int] | None = None  # (pid, pid namespace, effective uid): _whoami
 
 
-def _pid_namespace() -> int:
-    """This process's pid namespace (0 where it cannot be told); looked up once per process."""
-    global _namespace
-    pid = os.getpid()
-    if _namespace is None or _namespace[0] != pid:  # a forked child looks again
+def _whoami() -> tuple[int, int, int]:
+    """This process's id, pid namespace (0 where it cannot be told) and effective user id, looked
+    up once per process (a forked child looks again): the same-host read paths ask for them at
+    every read, and each lookup is a system call (costly where system calls are intercepted, as
+    in gVisor). A process that changes its effective user later keeps the old one here, which
+    makes :func:`_open_regular` refuse index links rather than trust another user's."""
+    global _identity
+    if _identity is None:
         try:
             ns = os.stat("/proc/self/ns/pid").st_ino
         except OSError:
             ns = 0
-        _namespace = (pid, ns)
-    return _namespace[1]
+        _identity = (os.getpid(), ns, os.geteuid())
+    return _identity
+
+
+def _forget_identity() -> None:
+    global _identity
+    _identity = None
+
+
+os.register_at_fork(after_in_child=_forget_identity)
+
+
+def own_pid() -> int:
+    """This process's id (``os.getpid()`` without a system call each time)."""
+    return _whoami()[0]
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (0 where it cannot be told)."""
+    return _whoami()[1]
 
 
 def available() -> bool:
@@ -200,7 +221,7 @@ def create(nbytes: int) -> np.ndarray[Any, Any] | None:
     Returns None when ``/dev/shm`` has no room (the space is reserved up front, so a full
     ``/dev/shm`` never turns into a SIGBUS on a later write).
     """
-    name = f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    name = f"{PREFIX}{_pid_namespace()}-{own_pid()}-{next(_counter)}-{secrets.token_hex(4)}"
     path = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -221,7 +242,7 @@ def create(nbytes: int) -> np.ndarray[Any, Any] | None:
     seg._finalizer = weakref.finalize(seg, _unlink, path)
     seg._links = {}
     _WORD.pack_into(seg, 8, nbytes)
-    _CREATOR.pack_into(seg, _CREATOR_AT, os.getpid())
+    _CREATOR.pack_into(seg, _CREATOR_AT, own_pid())
     seg.begin_write()
     return np.ndarray((nbytes,), np.uint8, buffer=seg, offset=HEADER_BYTES)
 
@@ -239,10 +260,11 @@ def _open_segment(name: str) -> int:
     return os.open(os.path.join(SHM_DIR, name), flags)
 
 
-def _open_regular(name: str) -> int | None:
-    """A read-only descriptor of segment ``name`` (the caller closes it), or None when the name is
-    not one of ours, nothing is there, or it is not a regular file (a FIFO or device under a
-    segment's name is never read), or, under an index name, not this user's."""
+def _open_regular(name: str) -> tuple[int, int] | None:
+    """A read-only descriptor of segment ``name`` (the caller closes it) and the file's size, or
+    None when the name is not one of ours, nothing is there, or it is not a regular file (a FIFO
+    or device under a segment's name is never read), or, under an index name, not this user's.
+    (A segment's size is fixed when it is created, so the size stays right while it is open.)"""
     if not valid_name(name):
         return None
     try:
@@ -251,8 +273,8 @@ def _open_regular(name: str) -> int | None:
         return None
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and (st.st_uid == os.geteuid() or not name.startswith(INDEX_PREFIX)):
-            return fd
+        if stat.S_ISREG(st.st_mode) and (st.st_uid == _whoami()[2] or not name.startswith(INDEX_PREFIX)):
+            return fd, st.st_size
     except OSError:
         pass
     os.close(fd)
@@ -296,13 +318,6 @@ def _creator_alive(name: str) -> bool:
     return len(raw) < _CREATOR.size or _alive(_CREATOR.unpack(raw)[0])
 
 
-def creator_alive(view: np.ndarray[Any, Any]) -> bool:
-    """Whether the process that created the segment a :func:`map_view` view maps still runs (a
-    view of an index name says nothing of it in its name)."""
-    mm = view.base
-    return isinstance(mm, mmap.mmap) and _alive(_CREATOR.unpack_from(mm, _CREATOR_AT)[0])
-
-
 def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] | None:
     """A read-only view of the payload published as ``object_id`` in segment ``name`` (flat uint8,
     ``nbytes`` long), or None when the segment is gone, has another size, does not hold
@@ -313,15 +328,16 @@ def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] |
     a segment a reader still maps (:meth:`Segment.mapped_elsewhere`), and a view outlives the
     holder's unlink or death (the memory stays until the last mapping goes).
     """
-    fd = _open_regular(name)
-    if fd is None:
+    opened = _open_regular(name)
+    if opened is None:
         return None
+    fd, size = opened
     try:
         # Lock before reading the header: a holder that reuses the segment first takes the lock
         # exclusively, and it marked the payload retired before that, so a reader that sees a
         # published header under the lock keeps valid bytes until it lets go.
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        if os.fstat(fd).st_size != HEADER_BYTES + nbytes:
+        if size != HEADER_BYTES + nbytes:
             return None
         mm = mmap.mmap(
             fd, HEADER_BYTES + nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
@@ -339,6 +355,52 @@ def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] |
     return view
 
 
+class Locked:
+    """A published segment's payload, read (not mapped) under its shared lock (:func:`read_locked`):
+    ``payload`` (bytes) and ``creator`` (the id of the process that created the segment). The
+    lock is held until :meth:`close`, or until this object is garbage (or its process dies)."""
+
+    __slots__ = ("_fd", "creator", "payload")
+
+    def __init__(self, fd: int, creator: int, payload: bytes) -> None:
+        self._fd = fd
+        self.creator = creator
+        self.payload = payload
+
+    def close(self) -> None:
+        """Let go of the lock; idempotent."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def read_locked(name: str, object_id: bytes, nbytes: int) -> Locked | None:
+    """:func:`map_view` for small payloads that are read once (IPC tickets): the ``nbytes`` of the
+    payload published as ``object_id`` in segment ``name``, read with one ``pread`` under the
+    segment's shared lock, which the result holds until it is closed; None as for :func:`map_view`.
+    Five system calls (open, fstat, flock, pread, and the close), where a mapping takes nine."""
+    opened = _open_regular(name)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # before the header: see map_view
+        raw = os.pread(fd, HEADER_BYTES + nbytes, 0) if size == HEADER_BYTES + nbytes else b""
+    except OSError:
+        raw = b""
+    if len(raw) != HEADER_BYTES + nbytes:
+        os.close(fd)
+        return None
+    seq, size = _HEADER.unpack_from(raw, 0)
+    if seq % 2 or size != nbytes or raw[_OID] != object_id:
+        os.close(fd)
+        return None
+    return Locked(fd, _CREATOR.unpack_from(raw, _CREATOR_AT)[0], raw[HEADER_BYTES:])
+
+
 def view_published(view: np.ndarray[Any, Any]) -> bool:
     """Whether the segment a :func:`map_view` view maps is still published (its holder has not
     retired or rewritten it since)."""
@@ -350,11 +412,11 @@ def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | N
     """A read-only view of ``nbytes`` at ``offset`` of segment ``name``'s payload, whatever its
     header says (simulated device memory, :class:`hoplite_gpu.device.SimBackend`, whose validity a
     separate published segment vouches for), or None when the segment is not there or too small."""
-    fd = _open_regular(name) if offset >= 0 and nbytes >= 0 else None
-    if fd is None:
+    opened = _open_regular(name) if offset >= 0 and nbytes >= 0 else None
+    if opened is None:
         return None
+    fd, size = opened
     try:
-        size = os.fstat(fd).st_size
         if size < HEADER_BYTES + offset + nbytes:
             return None
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -367,13 +429,25 @@ def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | N
     return view
 
 
-def exporter_alive(name: str) -> bool:
+def exporter_alive(name: str, known: dict[int, bool] | None = None) -> bool:
     """Whether the process that created segment ``name`` still runs (True when it is of another
-    pid namespace: that cannot be told from here)."""
+    pid namespace: that cannot be told from here); ``known``: see :func:`alive`."""
     m = _NAME.fullmatch(name)
     if m is None:
         return False
-    return int(m.group(1)) != _pid_namespace() or _alive(int(m.group(2)))
+    return int(m.group(1)) != _pid_namespace() or alive(int(m.group(2)), known)
+
+
+def alive(pid: int, known: dict[int, bool] | None = None) -> bool:
+    """Whether process ``pid`` (of this pid namespace) still runs. ``known``: answers already
+    found during the same read, used instead of asking again and added to (one system call per
+    process and read, however many segments of it the read checks)."""
+    if known is not None and pid in known:
+        return known[pid]
+    found = _alive(pid)
+    if known is not None:
+        known[pid] = found
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ def check_meta(oid: ObjectID, dtype: str, shape: Any, size: int, source: str) ->
     ``size``: raises :class:`InvalidArgumentError` for a dtype that is not one,
     :class:`ProtocolError` where they do not add up to ``size``."""
     dims = tuple(int(s) for s in shape)
-    if int(np.prod(dims, dtype=np.int64)) * dtype_from_wire(dtype).itemsize != size:
+    if math.prod(dims) * dtype_from_wire(dtype).itemsize != size:
         raise ProtocolError(f"{source} metadata of {oid} is inconsistent", object_id=oid.hex())
     return dtype, dims
 

@@ -34,25 +34,53 @@ def _ours() -> set[str]:
 
 
 # ---------------------------------------------------------------- segments
-def test_published_payload_is_mapped_and_anything_else_is_refused() -> None:
+def _read(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] | None:
+    """:func:`shm.read_locked` as :func:`shm.map_view` answers: the payload's bytes, or None."""
+    read = shm.read_locked(name, object_id, nbytes)
+    if read is None:
+        return None
+    read.close()
+    return np.frombuffer(read.payload, np.uint8)
+
+
+@pytest.mark.parametrize("reader", [shm.map_view, _read], ids=["map_view", "read_locked"])
+def test_published_payload_is_mapped_and_anything_else_is_refused(reader: Any) -> None:
     buf = shm.create(1000)
     assert buf is not None
     seg = shm.segment_of(buf)
     assert seg is not None and os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
     buf[:] = np.arange(1000) % 251
-    assert shm.map_view(seg.name, OID, 1000) is None  # not published yet
+    assert reader(seg.name, OID, 1000) is None  # not published yet
     seg.publish(OID)
-    view = shm.map_view(seg.name, OID, 1000)
+    view = reader(seg.name, OID, 1000)
     assert view is not None and np.array_equal(view, buf) and not view.flags.writeable
-    assert shm.map_view(seg.name, b"x" * 20, 1000) is None  # another object
-    assert shm.map_view(seg.name, OID, 999) is None  # another size
+    assert reader(seg.name, b"x" * 20, 1000) is None  # another object
+    assert reader(seg.name, OID, 999) is None  # another size
+    assert reader(seg.name, OID, 1001) is None
     seg.retire()
-    assert shm.map_view(seg.name, OID, 1000) is None
+    assert reader(seg.name, OID, 1000) is None
     seg.publish(b"y" * 20)  # reused for another object
-    assert shm.map_view(seg.name, OID, 1000) is None
+    assert reader(seg.name, OID, 1000) is None
     seg.unlink()
     assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
-    assert shm.map_view(seg.name, b"y" * 20, 1000) is None
+    assert reader(seg.name, b"y" * 20, 1000) is None
+
+
+def test_a_read_holds_the_lock_until_closed_or_dropped() -> None:
+    buf = shm.create(64)
+    seg = shm.segment_of(buf)
+    assert seg is not None
+    seg.publish(OID)
+    read = shm.read_locked(seg.name, OID, 64)
+    assert read is not None and seg.mapped_elsewhere()
+    read.close()
+    read.close()  # idempotent
+    assert not seg.mapped_elsewhere()
+    read = shm.read_locked(seg.name, OID, 64)
+    assert read is not None and seg.mapped_elsewhere()
+    del read  # garbage: the lock goes with it
+    assert not seg.mapped_elsewhere()
+    seg.unlink()
 
 
 def test_a_mapped_segment_is_not_reused_and_outlives_its_file() -> None:
@@ -87,6 +115,7 @@ def test_a_mapped_segment_is_not_reused_and_outlives_its_file() -> None:
 def test_names_from_the_network_are_checked(name: str) -> None:
     assert not shm.valid_name(name)
     assert shm.map_view(name, OID, 8) is None
+    assert shm.read_locked(name, OID, 8) is None
 
 
 def test_pool_puts_large_buffers_in_segments_and_unlinks_them_when_dropped() -> None:
@@ -137,8 +166,13 @@ def test_an_index_link_is_one_live_holders_and_goes_with_its_segment() -> None:
     a.publish(oid)
     assert a.link(name) and os.path.samefile(path, os.path.join(shm.SHM_DIR, a.name))
     view = shm.map_view(name, oid, 64)  # a reader finds the segment under the index name
-    assert view is not None and shm.creator_alive(view)
+    assert view is not None
     del view
+    read = shm.read_locked(name, oid, 64)  # ... or reads it, and its creator (this process)
+    assert read is not None and read.creator == os.getpid() and shm.alive(read.creator)
+    assert a.mapped_elsewhere()  # the read holds the segment's lock
+    read.close()
+    assert not a.mapped_elsewhere()
     assert not b.link(name)  # a live holder's link stays
     a.retire()
     assert not os.path.exists(path)  # gone with the object
@@ -166,9 +200,9 @@ def test_index_links_of_a_killed_process_are_replaced_or_swept() -> None:
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     paths = [os.path.join(shm.SHM_DIR, n) for n in names]
     assert all(os.path.exists(path) for path in paths)  # a killed process removes nothing
-    view = shm.map_view(names[0], oids[0], 64)  # still published, but its creator is gone, which
-    assert view is not None and not shm.creator_alive(view)  # readers check (ipc.open_indexed)
-    del view
+    read = shm.read_locked(names[0], oids[0], 64)  # still published, but its creator is gone,
+    assert read is not None and not shm.alive(read.creator)  # which readers check (open_indexed)
+    read.close()
     mine = shm.segment_of(shm.create(64))
     assert mine is not None
     assert mine.link(names[1])  # the dead holder's link is replaced
