@@ -77,8 +77,9 @@ def _whoami() -> tuple[int, int, int]:
     """This process's id, pid namespace (0 where it cannot be told) and effective user id, looked
     up once per process (a forked child looks again): the same-host read paths ask for them at
     every read, and each lookup is a system call (costly where system calls are intercepted, as
-    in gVisor). A process that changes its effective user later keeps the old one here, which
-    makes :func:`_open_regular` refuse index links rather than trust another user's."""
+    in gVisor). A process that changes its effective user later keeps the old one here:
+    :func:`_open_regular` then reads only the index links of the user it started as, and refuses
+    its new user's (the reader asks the directory instead)."""
     global _identity
     if _identity is None:
         try:
