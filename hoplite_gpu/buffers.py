@@ -2,7 +2,8 @@
 
 Every array a caller hands the library (``put``, ``get(out=...)``, collectives, the Ray backend)
 goes through :func:`kind_of`: NumPy, CuPy, torch tensors, and other objects that export
-``__cuda_array_interface__`` (device memory) or ``__array_interface__`` / DLPack (host memory).
+``__cuda_array_interface__`` or DLPack on a CUDA device (device memory), or
+``__array_interface__`` / DLPack on the CPU (host memory).
 Nothing else in the package inspects array types.
 
 An object's bytes are a :class:`Buffer`: a flat ``uint8`` array and where it lives
@@ -37,7 +38,7 @@ class ArrayKind(enum.Enum):
     NUMPY = "numpy"
     CUPY = "cupy"
     TORCH = "torch"
-    CUDA = "cuda"  # another object exporting ``__cuda_array_interface__`` (device memory)
+    CUDA = "cuda"  # another CUDA array: ``__cuda_array_interface__``, or DLPack on a CUDA device
     HOST = "host"  # another object NumPy can view (``__array_interface__``, buffer, DLPack)
     SIM = "sim"  # simulated device memory (:class:`hoplite_gpu.device.SimDeviceArray`, for tests)
     OTHER = "other"
@@ -52,7 +53,7 @@ def kind_of(array: Any) -> ArrayKind:
         return ArrayKind.CUPY
     if module == "torch":
         return ArrayKind.TORCH
-    if hasattr(array, "__cuda_array_interface__"):
+    if hasattr(array, "__cuda_array_interface__") or devices.dlpack_on_cuda(array):
         return ArrayKind.CUDA
     if hasattr(array, "__array_interface__") or hasattr(array, "__dlpack__"):
         return ArrayKind.HOST

@@ -7,7 +7,8 @@ package never calls CuPy or torch to copy or reduce device bytes: it asks the ba
 Two backends:
 
 - :class:`CupyBackend`: CUDA memory through CuPy (CuPy arrays, CUDA torch tensors and any object
-  exporting ``__cuda_array_interface__`` go in; CuPy arrays come out). Copies are
+  exporting ``__cuda_array_interface__``, or DLPack on a CUDA device, go in; CuPy arrays come
+  out). Copies are
   ``cudaMemcpy`` calls; reductions run the kernels of ``kernels/reduce.cu`` (:mod:`hoplite_gpu.gpu`).
 - :class:`SimBackend`: host memory standing in for device memory (:class:`SimDeviceArray`, made
   with :func:`sim_array`). It takes every path a real device object takes (no host view in the
@@ -196,10 +197,27 @@ def _torch_cuda_started() -> bool:
         return False
 
 
+#: DLPack device types of CUDA device memory (``kDLCUDA``, ``kDLCUDAManaged``).
+DLPACK_CUDA_DEVICES = (2, 13)
+
+
+def dlpack_on_cuda(array: Any) -> bool:
+    """Whether ``array`` exports DLPack (``__dlpack__``) with its memory on a CUDA device, as
+    its ``__dlpack_device__()`` says (asked without importing anything)."""
+    probe = getattr(array, "__dlpack_device__", None)
+    if probe is None or not hasattr(array, "__dlpack__"):
+        return False
+    try:
+        return int(probe()[0]) in DLPACK_CUDA_DEVICES
+    except Exception:  # a broken or unusual exporter: not taken for device memory
+        return False
+
+
 def cupy_view(array: Any) -> Any:
     """A CuPy array sharing memory with a caller's CUDA array: a CuPy array itself, a torch tensor
-    through DLPack, or any object exporting ``__cuda_array_interface__``. A bfloat16 tensor comes
-    out as bfloat16 where CuPy has it (:func:`cupy_bfloat16`), else as its bits (uint16)."""
+    through DLPack, any object exporting ``__cuda_array_interface__``, or one exporting only
+    DLPack on a CUDA device (:func:`dlpack_on_cuda`). A bfloat16 tensor comes out as bfloat16
+    where CuPy has it (:func:`cupy_bfloat16`), else as its bits (uint16)."""
     import cupy
 
     if type(array).__module__.split(".")[0] == "torch":
@@ -209,7 +227,11 @@ def cupy_view(array: Any) -> Any:
         if tensor.dtype != torch.bfloat16:
             return cupy.from_dlpack(tensor)
         return cupy.from_dlpack(tensor.view(torch.int16)).view(cupy_bfloat16() or np.uint16)
-    return array if isinstance(array, cupy.ndarray) else cupy.asarray(array)
+    if isinstance(array, cupy.ndarray):
+        return array
+    if hasattr(array, "__cuda_array_interface__"):
+        return cupy.asarray(array)
+    return cupy.from_dlpack(array)
 
 
 class CupyBackend(DeviceBackend):
@@ -245,7 +267,7 @@ class CupyBackend(DeviceBackend):
             return True
         if module == "torch":
             return bool(getattr(array, "is_cuda", False))
-        return hasattr(array, "__cuda_array_interface__")
+        return hasattr(array, "__cuda_array_interface__") or dlpack_on_cuda(array)
 
     def current_device(self) -> int:
         import cupy

@@ -240,8 +240,9 @@ class Node:
         caller must then never modify it; on a node with shared memory a large one is still copied
         into a shared-memory segment, after ``put`` returned, so processes on this host map it
         instead of pulling it). Non-contiguous arrays are always copied. GPU arrays (CuPy, CUDA
-        torch tensors, ``__cuda_array_interface__``) stay in device memory: copied device to
-        device (``copy=False``: kept as they are), and read back as device arrays (see :meth:`get`).
+        torch tensors, ``__cuda_array_interface__``, DLPack on a CUDA device) stay in device
+        memory: copied device to device (``copy=False``: kept as they are), and read back as device
+        arrays (see :meth:`get`).
 
         Raises:
             ObjectExistsError: the id exists with different content, dtype or shape.

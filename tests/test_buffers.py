@@ -26,12 +26,45 @@ class _OnDevice:
     __cuda_array_interface__: dict[str, Any] = {}
 
 
+class _DLPackOnly:
+    """An array that exports DLPack alone, on the DLPack device type ``device_type``."""
+
+    def __init__(self, device_type: Any, base: np.ndarray[Any, Any] | None = None) -> None:
+        self._type = device_type
+        self._base = base
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        assert self._base is not None
+        return self._base.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        if isinstance(self._type, Exception):
+            raise self._type
+        return (self._type, 0)
+
+
 def test_arrays_are_classified_once() -> None:
     arr = np.arange(6, dtype=np.float32)
     assert buffers.kind_of(arr) is ArrayKind.NUMPY
     assert buffers.kind_of(_Exported(arr)) is ArrayKind.HOST
     assert buffers.kind_of(_OnDevice()) is ArrayKind.CUDA and buffers.on_device(_OnDevice())
     assert buffers.kind_of([1, 2]) is ArrayKind.OTHER and not buffers.on_device(arr)
+
+
+@pytest.mark.parametrize(("device_type", "kind"), [(2, "cuda"), (13, "cuda"), (1, "host"), (3, "host")])
+def test_dlpack_arrays_are_classified_by_their_device(device_type: int, kind: str) -> None:
+    """DLPack alone on a CUDA device (kDLCUDA 2, kDLCUDAManaged 13) is device memory; on the CPU
+    (1) or in CUDA host memory (3) it is host memory, which NumPy views or refuses."""
+    arr = _DLPackOnly(device_type, np.arange(6, dtype=np.int32))
+    assert buffers.kind_of(arr) is ArrayKind(kind)
+    assert buffers.on_device(arr) is (kind == "cuda")
+    if device_type == 1:
+        assert np.array_equal(buffers.to_host(arr), np.arange(6))
+
+
+def test_a_broken_dlpack_exporter_is_not_taken_for_device_memory() -> None:
+    broken = _DLPackOnly(RuntimeError("no device"))
+    assert buffers.kind_of(broken) is ArrayKind.HOST and not buffers.on_device(broken)
 
 
 def test_to_host_views_host_arrays_and_refuses_the_rest() -> None:

@@ -86,6 +86,46 @@ def test_a_device_put_stays_on_the_device(backend: str, dev_owner: Any) -> None:
     assert dev_owner.get(host_oid, out=dev_out) is dev_out and np.array_equal(to_host(dev_out), want + 1)
 
 
+class _CudaInterfaceOnly:
+    """A foreign CUDA array exporting ``__cuda_array_interface__`` alone (Numba, JAX, PyCUDA...)."""
+
+    def __init__(self, base: Any) -> None:
+        self._base = base
+        self.__cuda_array_interface__ = base.__cuda_array_interface__
+
+
+class _DLPackOnly:
+    """A foreign CUDA array exporting DLPack alone (as several frameworks' tensors do)."""
+
+    def __init__(self, base: Any) -> None:
+        self._base = base
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._base.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._base.__dlpack_device__()
+
+
+@pytest.mark.parametrize("wrap", [_CudaInterfaceOnly, _DLPackOnly], ids=["cuda-array-interface", "dlpack"])
+def test_foreign_cuda_arrays_are_device_objects(backend: str, dev_owner: Any, wrap: Any) -> None:
+    """Anything exporting ``__cuda_array_interface__`` or DLPack on a CUDA device goes in as a
+    device object and comes back as a CuPy array; ``copy=False`` keeps its memory."""
+    if backend != "cupy":
+        pytest.skip("foreign CUDA arrays: the cupy backend only")
+    import cupy
+
+    want = make_array("float32", SHAPE, 9)
+    base = cupy.asarray(want)
+    oid = dev_owner.put(wrap(base))
+    obj = _local(dev_owner, oid)
+    assert obj.buffer.kind is BufferKind.DEVICE and obj.dtype == "float32" and obj.shape == SHAPE
+    got = dev_owner.get(oid)
+    assert isinstance(got, cupy.ndarray) and np.array_equal(cupy.asnumpy(got), want)
+    kept = dev_owner.put(wrap(base), copy=False)
+    assert _local(dev_owner, kept).buffer.array.data.ptr == base.data.ptr
+
+
 def test_copy_false_keeps_the_callers_device_memory(backend: str, dev_owner: Any) -> None:
     arr = device_array(backend, make_array("int64", (1000,), 2))
     oid = dev_owner.put(arr, copy=False)
