@@ -21,6 +21,7 @@ import mmap
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,14 +106,16 @@ class Buffer:
     ``array`` is a NumPy array for the host kinds and an array of a
     :class:`~hoplite_gpu.device.DeviceBackend` for :attr:`BufferKind.DEVICE` (a CuPy array, or a
     simulated one; ``device`` is then its device ordinal). ``pooled`` says the array came from the store's
-    :class:`BufferPool` and goes back to it when the object is removed. Build one with
-    :meth:`wrap`, which works out the kind.
+    :class:`BufferPool` and goes back to it when the object is removed. ``unpin``: host memory
+    page-locked for this object (``put(..., pinned=True)``), undone by :meth:`release_pin` before
+    the memory goes back. Build one with :meth:`wrap`, which works out the kind.
     """
 
     array: Any
     kind: BufferKind
     pooled: bool = False
     device: int | None = None
+    unpin: Callable[[], None] | None = None
 
     @classmethod
     def wrap(cls, array: Any, *, pooled: bool = False) -> Buffer:
@@ -137,6 +140,19 @@ class Buffer:
     def nbytes(self) -> int:
         """Size in bytes."""
         return int(self.array.nbytes)
+
+    @property
+    def page_locked(self) -> bool:
+        """Whether the bytes are in page-locked host memory (pinned: allocated so, or registered
+        with CUDA by ``put(..., pinned=True)``)."""
+        return self.kind is BufferKind.PINNED or self.unpin is not None
+
+    def release_pin(self) -> None:
+        """Undo a registration of the memory as page-locked (before it is freed or reused);
+        idempotent."""
+        unpin, self.unpin = self.unpin, None
+        if unpin is not None:
+            unpin()
 
     @property
     def on_device(self) -> bool:

@@ -20,23 +20,29 @@ Two backends:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import shm
-from .errors import DeviceIpcError, HopliteError, InvalidArgumentError
+from .errors import DeviceIpcError, HopliteError, InvalidArgumentError, PinnedMemoryError
 from .reduce_ops import ReduceOp
 from .reduce_ops import finish as host_finish
 from .reduce_ops import reduce_into as host_reduce_into
+
+log = logging.getLogger("hoplite_gpu")
 
 #: Environment variable naming the default backend of a process (``cupy``, the default, or ``sim``).
 BACKEND_ENV = "HOPLITE_DEVICE_BACKEND"
 #: Largest device-to-host copy made into pinned memory (:meth:`CupyBackend.host_copy`).
 PINNED_STAGING_BYTES = 64 << 20
+#: ``cudaHostRegisterPortable``: memory registered with it is page-locked for every CUDA context.
+CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 def _bfloat16() -> np.dtype[Any]:
@@ -185,6 +191,23 @@ class DeviceBackend:
         """Wait until the work this thread queued on ``device`` is done (reduced chunks are
         published only after it)."""
         raise NotImplementedError
+
+    def register_host(self, array: np.ndarray[Any, Any]) -> Callable[[], None]:
+        """Page-lock the host memory of flat ``array`` where it is, so copies between it and a
+        device run at the link's full rate (``put(..., pinned=True)`` of a copy in a shared-memory
+        segment, whose pages are its own), and return what undoes it (call it before the memory
+        is freed or reused). Raises :class:`PinnedMemoryError` where it cannot be locked."""
+        raise NotImplementedError
+
+    def page_locked(self, nbytes: int) -> tuple[np.ndarray[Any, Any], Callable[[], None]]:
+        """New page-locked host memory, flat ``uint8`` (``put(..., pinned=True)`` of a copy in
+        private memory: registering that in place could share a page with other memory), and
+        what to call once it is no longer used. Raises :class:`PinnedMemoryError`."""
+        raise NotImplementedError
+
+
+def _nothing() -> None:
+    return None
 
 
 # ---------------------------------------------------------------- CUDA through CuPy
@@ -443,6 +466,35 @@ class CupyBackend(DeviceBackend):
         with cupy.cuda.Device(device):
             cupy.cuda.get_current_stream().synchronize()
 
+    def register_host(self, array: np.ndarray[Any, Any]) -> Callable[[], None]:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
+        if not nbytes:
+            return _nothing
+        try:  # portable: page-locked for every device's context, not only the current one's
+            runtime.hostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE)
+        except runtime.CUDARuntimeError as exc:
+            raise PinnedMemoryError(f"cannot page-lock {nbytes} bytes of host memory: {exc}") from None
+
+        def unregister() -> None:
+            try:
+                runtime.hostUnregister(ptr)
+            except runtime.CUDARuntimeError as exc:  # nothing more to do than say so
+                log.warning("unregistering page-locked host memory failed: %s", exc)
+
+        return unregister
+
+    def page_locked(self, nbytes: int) -> tuple[np.ndarray[Any, Any], Callable[[], None]]:
+        import cupy
+
+        try:  # CuPy's pinned pool, which gets the memory back once the array is gone
+            mem = cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
+        except (cupy.cuda.runtime.CUDARuntimeError, MemoryError) as exc:
+            raise PinnedMemoryError(f"cannot allocate {nbytes} bytes of page-locked memory: {exc}") from None
+        return np.frombuffer(mem, np.uint8, nbytes), _nothing
+
 
 def _on(array: Any) -> Any:
     import cupy
@@ -483,9 +535,15 @@ def _plain(array: Any) -> np.ndarray[Any, Any]:
 
 
 class SimBackend(DeviceBackend):
-    """Simulated device memory: :class:`SimDeviceArray` (host memory), NumPy for the work."""
+    """Simulated device memory: :class:`SimDeviceArray` (host memory), NumPy for the work.
+    ``registered``: the host ranges (address, bytes) page-locked now (:meth:`register_host`
+    only records them)."""
 
     name = "sim"
+
+    def __init__(self) -> None:
+        self.registered: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
 
     def available(self) -> bool:
         return True
@@ -571,6 +629,25 @@ class SimBackend(DeviceBackend):
 
     def synchronize(self, device: int) -> None:
         return None
+
+    def register_host(self, array: np.ndarray[Any, Any]) -> Callable[[], None]:
+        """Records the range as registered (:attr:`registered`), refusing overlaps as CUDA does."""
+        ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
+        with self._lock:
+            if any(ptr < p + n and p < ptr + nbytes for p, n in self.registered):
+                raise PinnedMemoryError(f"{nbytes} bytes at {ptr:#x} are page-locked already")
+            self.registered.add((ptr, nbytes))
+
+        def unregister() -> None:
+            with self._lock:
+                self.registered.discard((ptr, nbytes))
+
+        return unregister
+
+    def page_locked(self, nbytes: int) -> tuple[np.ndarray[Any, Any], Callable[[], None]]:
+        """Ordinary memory, recorded in :attr:`registered` until the returned call."""
+        out = np.empty(nbytes, np.uint8)
+        return out, self.register_host(out)
 
 
 # ---------------------------------------------------------------- choosing one

@@ -65,6 +65,11 @@ class StoreFullError(HopliteError, MemoryError):
     """Storing the object would exceed the node's ``Config.store_capacity_bytes``."""
 
 
+class PinnedMemoryError(HopliteError, MemoryError):
+    """``put(..., pinned=True)``: the store's copy could not be page-locked (``cudaHostRegister``
+    refused it: no room for more page-locked memory). Put it without ``pinned``, or free some."""
+
+
 class QuotaExceededError(HopliteError):
     """The directory refused a request because the node already has as many of that kind
     outstanding as it allows (pending lookups, unfinished reductions, bytes of small objects kept
@@ -184,6 +189,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectTooLargeError",
     "PeerLostError",
+    "PinnedMemoryError",
     "ProtocolError",
     "QuotaExceededError",
     "ReduceMismatchError",

@@ -233,7 +233,9 @@ class Node:
             raise NodeClosedError("this node was closed; create a new one with hoplite_gpu.init()")
 
     # ------------------------------------------------------------ put
-    def put(self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True) -> ObjectID:
+    def put(
+        self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True, pinned: bool = False
+    ) -> ObjectID:
         """Store ``array`` under ``object_id`` (a new random id if None) and return the id.
 
         The bytes are copied (``copy=False`` stores a C-contiguous NumPy array without copying: the
@@ -244,21 +246,30 @@ class Node:
         memory: copied device to device (``copy=False``: kept as they are), and read back as device
         arrays (see :meth:`get`).
 
+        ``pinned=True`` (host arrays; needs CuPy and a CUDA device in this process) keeps the
+        store's copy in page-locked host memory, registered with CUDA where it lies (a large one
+        still in a shared-memory segment that same-host processes map), until the object is
+        deleted: copies between it and a GPU in this process, such as a ``get(out=cupy_array)``,
+        then run at the link's full rate. The copy is always made (``copy`` is ignored). It has
+        no effect on device arrays.
+
         Raises:
             ObjectExistsError: the id exists with different content, dtype or shape.
             ObjectTooLargeError: larger than ``Config.max_object_bytes``.
             StoreFullError: the local store is full.
-            InvalidArgumentError: not an array, or an object dtype.
+            InvalidArgumentError: not an array, or an object dtype; ``pinned`` without a CUDA device.
+            PinnedMemoryError: ``pinned``, and CUDA could not page-lock the copy.
         """
         self._check_open()
-        return self._io.run(self._putter.put(self._putter.prepare(array, object_id, copy)))
+        return self._io.run(self._putter.put(self._putter.prepare(array, object_id, copy, pinned)))
 
     async def put_async(
-        self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True
+        self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True, pinned: bool = False
     ) -> ObjectID:
         """Async twin of :meth:`put`."""
         self._check_open()
-        return await self._io.run_async(self._putter.put(self._putter.prepare(array, object_id, copy)))
+        prepared = self._putter.prepare(array, object_id, copy, pinned)
+        return await self._io.run_async(self._putter.put(prepared))
 
     # ------------------------------------------------------------ get
     def _resolve_timeout(self, timeout: float | None) -> float | None:

@@ -87,7 +87,7 @@ class Putter:
         self._delete = delete
         self._in_background = in_background
 
-    def prepare(self, array: Any, object_id: ObjectID | None, copy: bool) -> Prepared:
+    def prepare(self, array: Any, object_id: ObjectID | None, copy: bool, pinned: bool = False) -> Prepared:
         """The local object for a put, and the bytes still to copy into it.
 
         A large contiguous array is copied after the put is published (:meth:`put`), so receivers
@@ -95,14 +95,23 @@ class Putter:
         ``copy``, on a node with shared memory, a large contiguous array is copied into a segment
         all the same, after ``put`` returned (:attr:`Prepared.detached`): processes on this host
         then map it instead of pulling it over the data plane (async SGD's gradients, read by a
-        parameter server on the same machine).
+        parameter server on the same machine). With ``pinned``, a host array's copy (always made)
+        is page-locked where it lies, through this process's device backend.
         """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(
                 f"object_id must be an ObjectID, got {type(object_id).__name__}", argument="object_id"
             )
+        if not isinstance(pinned, bool):
+            raise InvalidArgumentError(f"pinned must be a bool, got {pinned!r}", argument="pinned")
         if buffers.on_device(array):
             return Prepared(self._device_object(array, object_id, copy), None)
+        backend = device.default_backend() if pinned else None
+        if backend is not None and not backend.available():
+            raise InvalidArgumentError(
+                "put(..., pinned=True) needs CuPy and a CUDA device in this process", argument="pinned"
+            )
+        copy = copy or pinned
         host = buffers.to_host(array)
         dtype = dtype_to_wire(host.dtype)
         nbytes = int(host.nbytes)
@@ -112,8 +121,11 @@ class Putter:
         detached = not copy and contiguous and shared > 0 and nbytes >= max(shared, 2 * PUT_COPY_BYTES)
         pooled = copy or not contiguous or detached
         pending: np.ndarray[Any, Any] | None = None
+        unpin = None
         if pooled:
             data = self._store.pool.allocate(nbytes)
+            if backend is not None:
+                data, pooled, unpin = self._page_locked(data, backend)
             if detached and shm.segment_of(data) is None:  # /dev/shm is full: keep the caller's
                 self._store.pool.release(data)
                 data, pooled, detached = host.reshape(-1).view(np.uint8), False, False
@@ -124,17 +136,36 @@ class Putter:
         else:
             data = host.reshape(-1).view(np.uint8)
         oid = object_id or ObjectID.random()
+        buffer = Buffer.wrap(data, pooled=pooled)
+        buffer.unpin = unpin
         obj = LocalObject(
             object_id=oid,
             size=nbytes,
             dtype=dtype,
             shape=tuple(int(s) for s in host.shape),
             digest=digest_of(data if pending is None else pending),
-            buffer=Buffer.wrap(data, pooled=pooled),
+            buffer=buffer,
             progress=nbytes if pending is None else 0,
             owner=True,
         )
         return Prepared(obj, pending, detached)
+
+    def _page_locked(
+        self, data: np.ndarray[Any, Any], backend: device.DeviceBackend
+    ) -> tuple[np.ndarray[Any, Any], bool, Callable[[], None]]:
+        """Page-locked memory for a pinned put's copy, given the store's buffer ``data`` for it: a
+        shared-memory segment is registered where it is (its pages are its own); private memory
+        goes back to the pool for new page-locked memory (in place, it could share a page with
+        memory registered already). The memory, whether it is the pool's, and what undoes it."""
+        try:
+            if shm.segment_of(data) is not None:
+                return data, True, backend.register_host(data)
+        except BaseException:
+            self._store.pool.release(data)
+            raise
+        self._store.pool.release(data)
+        locked, release = backend.page_locked(int(data.nbytes))
+        return locked, False, release
 
     def _device_object(self, array: Any, object_id: ObjectID | None, copy: bool) -> LocalObject:
         """The local object of a device array: its bytes stay in device memory (copied device to
@@ -183,7 +214,8 @@ class Putter:
         oid = obj.object_id
         existing = self._store.get(oid)
         if existing is not None:
-            if obj.ticket is not None:  # this copy is not kept: neither is its export
+            obj.buffer.release_pin()  # this copy is not kept: nor its page-locking, nor its export
+            if obj.ticket is not None:
                 obj.ticket.retire()
             same = existing.digest == obj.digest or not (existing.digest and obj.digest)
             if same and existing.dtype == obj.dtype and existing.shape == obj.shape:

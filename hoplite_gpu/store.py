@@ -189,6 +189,7 @@ class LocalStore:
         self.used_bytes -= obj.size
         if not obj.complete or obj._waiters:
             obj.fail(error or ObjectDeletedError(f"object {oid} was deleted", object_id=oid.hex()))
+        obj.buffer.release_pin()  # page-locked by put(pinned=True): undone before it is reused
         if obj.buffer.pooled:
             self.pool.release(obj.buffer.host)
         if obj.ticket is not None:

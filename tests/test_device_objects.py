@@ -20,9 +20,9 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import device, gpu
 from hoplite_gpu import protocol as p
-from hoplite_gpu.buffers import BufferKind, to_host
+from hoplite_gpu.buffers import BufferKind, buffer_kind, to_host
 from hoplite_gpu.config import UCX_CUDA_ENV
-from hoplite_gpu.errors import ProtocolError
+from hoplite_gpu.errors import InvalidArgumentError, PinnedMemoryError, ProtocolError
 from tests.procs import (
     DEVICE_TYPE,
     Worker,
@@ -31,6 +31,7 @@ from tests.procs import (
     digest,
     make_array,
     start_device_workers,
+    start_workers,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -124,6 +125,85 @@ def test_foreign_cuda_arrays_are_device_objects(backend: str, dev_owner: Any, wr
     assert isinstance(got, cupy.ndarray) and np.array_equal(cupy.asnumpy(got), want)
     kept = dev_owner.put(wrap(base), copy=False)
     assert _local(dev_owner, kept).buffer.array.data.ptr == base.data.ptr
+
+
+def _page_locked(backend: str, arr: np.ndarray[Any, Any]) -> bool:
+    """Whether host ``arr`` is registered as page-locked with ``backend``."""
+    if backend == "sim":
+        sim = device.default_backend()
+        assert isinstance(sim, device.SimBackend)
+        return (arr.ctypes.data, arr.nbytes) in sim.registered
+    import cupy
+
+    attrs = cupy.cuda.runtime.pointerGetAttributes(arr.ctypes.data)
+    return int(attrs.type) == 1  # cudaMemoryTypeHost: registered; pageable memory is 0
+
+
+@pytest.mark.parametrize("size", [4096, 1 << 20], ids=["private", "segment"])
+def test_pinned_host_objects_are_page_locked_until_deleted(backend: str, size: int) -> None:
+    """``put(pinned=True)`` keeps the store's copy in page-locked memory: a small one in new
+    page-locked memory, a large one in its shared-memory segment, locked in place, which a
+    same-host reader still maps. A ``get(out=device_array)`` fills from it; the delete undoes
+    the locking."""
+    node = hg.init(shared_memory=True, inline_threshold_bytes=64 << 10)
+    reader = start_workers(node.directory_address, node.token, 1, shared_memory=True)[0]
+    try:
+        want = make_array("float32", (size // 4,), 11)
+        oid = node.put(want, pinned=True, copy=False)  # copied all the same
+        buf = _local(node, oid).buffer
+        assert buf.page_locked and not np.shares_memory(buf.array, want)
+        assert _page_locked(backend, buf.array)
+        segment = buffer_kind(buf.array) is BufferKind.SEGMENT
+        assert segment is (size > 64 << 10)
+        assert buf.pooled is segment  # a segment is locked in place; private memory is new
+        out = device_array(backend, np.zeros_like(want))
+        assert node.get(oid, out=out) is out and np.array_equal(to_host(out), want)
+        assert reader.call("get", oid.hex(), 30) == digest(want)
+        if segment:  # the reader mapped the page-locked segment, as any other
+            assert reader.call("buffer_kind", oid.hex()) == BufferKind.MAPPED.value
+        node.delete(oid)
+        assert buf.unpin is None and not buf.page_locked
+        if backend == "sim":  # (CUDA is not asked about memory that may be unmapped by now)
+            assert not _page_locked(backend, buf.array)
+        again = node.put(want, pinned=True)  # (a segment: the same pooled one, locked again)
+        assert _page_locked(backend, _local(node, again).buffer.array)
+    finally:
+        reader.stop()
+        node.close()
+
+
+def test_a_pinned_put_that_cannot_be_page_locked_stores_nothing(
+    backend: str, dev_owner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend != "sim":
+        pytest.skip("a refusal is simulated")
+
+    def refuse(self: Any, array: Any) -> Any:
+        raise PinnedMemoryError("no room for more page-locked memory")
+
+    before = dev_owner.stats()["objects"]
+    monkeypatch.setattr(device.SimBackend, "register_host", refuse)
+    with pytest.raises(PinnedMemoryError, match="no room"):
+        dev_owner.put(make_array("int32", (1000,), 3), pinned=True)
+    assert dev_owner.stats()["objects"] == before
+    with pytest.raises(InvalidArgumentError, match="pinned must be a bool"):
+        dev_owner.put(make_array("int32", (10,), 3), pinned="yes")
+
+
+@pytest.mark.skipif(gpu.available(), reason="checks the refusal where CuPy sees no GPU")
+def test_pinned_needs_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(device.BACKEND_ENV, "cupy")
+    device.default_backend.cache_clear()
+    node = hg.init()
+    try:
+        with pytest.raises(InvalidArgumentError, match="needs CuPy and a CUDA device") as info:
+            node.put(np.arange(10), pinned=True)
+        assert info.value.argument == "pinned"  # type: ignore[attr-defined]
+        assert node.stats()["objects"] == 0
+    finally:
+        node.close()
+        monkeypatch.undo()
+        device.default_backend.cache_clear()
 
 
 def test_copy_false_keeps_the_callers_device_memory(backend: str, dev_owner: Any) -> None:
