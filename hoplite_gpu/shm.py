@@ -347,8 +347,7 @@ def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] |
         return None
     finally:
         os.close(fd)  # the mapping keeps a duplicate of it, and with it the lock
-    seq, size = _HEADER.unpack_from(mm, 0)
-    if seq % 2 or size != nbytes or mm[_OID] != object_id:
+    if not _holds(mm, object_id, nbytes):
         mm.close()
         return None
     view = np.ndarray((nbytes,), np.uint8, buffer=mm, offset=HEADER_BYTES)
@@ -392,14 +391,17 @@ def read_locked(name: str, object_id: bytes, nbytes: int) -> Locked | None:
         raw = os.pread(fd, HEADER_BYTES + nbytes, 0) if size == HEADER_BYTES + nbytes else b""
     except OSError:
         raw = b""
-    if len(raw) != HEADER_BYTES + nbytes:
-        os.close(fd)
-        return None
-    seq, size = _HEADER.unpack_from(raw, 0)
-    if seq % 2 or size != nbytes or raw[_OID] != object_id:
+    if len(raw) != HEADER_BYTES + nbytes or not _holds(raw, object_id, nbytes):
         os.close(fd)
         return None
     return Locked(fd, _CREATOR.unpack_from(raw, _CREATOR_AT)[0], raw[HEADER_BYTES:])
+
+
+def _holds(segment: Any, object_id: bytes, nbytes: int) -> bool:
+    """Whether a segment's bytes (mapped, or read: at least its header) say it is published,
+    holding ``object_id`` of ``nbytes``."""
+    seq, size = _HEADER.unpack_from(segment, 0)
+    return not seq % 2 and size == nbytes and segment[_OID] == object_id
 
 
 def view_published(view: np.ndarray[Any, Any]) -> bool:
