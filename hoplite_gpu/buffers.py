@@ -343,9 +343,14 @@ class BufferPool:
         self._free: deque[np.ndarray[Any, Any]] = deque()
         self._lock = threading.Lock()
 
+    def shares(self, nbytes: int) -> bool:
+        """Whether a buffer of ``nbytes`` goes in a shared-memory segment (where ``/dev/shm`` has
+        room)."""
+        return 0 < self.shared_min_bytes <= nbytes
+
     def allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
         """A flat uint8 buffer of ``nbytes`` (recycled when an unreferenced one fits exactly)."""
-        shared = 0 < self.shared_min_bytes <= nbytes
+        shared = self.shares(nbytes)
         with self._lock:
             for i, buf in enumerate(self._free):
                 seg = shm.segment_of(buf)

@@ -247,11 +247,11 @@ class Node:
         arrays (see :meth:`get`).
 
         ``pinned=True`` (host arrays; needs CuPy and a CUDA device in this process) keeps the
-        store's copy in page-locked host memory, registered with CUDA where it lies (a large one
-        still in a shared-memory segment that same-host processes map), until the object is
-        deleted: copies between it and a GPU in this process, such as a ``get(out=cupy_array)``,
-        then run at the link's full rate. The copy is always made (``copy`` is ignored). It has
-        no effect on device arrays.
+        store's copy in page-locked host memory until the object is deleted: a large one in its
+        shared-memory segment, registered with CUDA in place (same-host processes still map it),
+        a small one in CuPy's pinned memory. Copies between it and a GPU in this process, such as
+        a ``get(out=cupy_array)``, then run at the link's full rate. The copy is always made
+        (``copy`` is ignored). It has no effect on device arrays.
 
         Raises:
             ObjectExistsError: the id exists with different content, dtype or shape.

@@ -96,7 +96,7 @@ class Putter:
         all the same, after ``put`` returned (:attr:`Prepared.detached`): processes on this host
         then map it instead of pulling it over the data plane (async SGD's gradients, read by a
         parameter server on the same machine). With ``pinned``, a host array's copy (always made)
-        is page-locked where it lies, through this process's device backend.
+        is in page-locked memory, through this process's device backend (:meth:`_page_locked`).
         """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(
@@ -123,9 +123,10 @@ class Putter:
         pending: np.ndarray[Any, Any] | None = None
         unpin = None
         if pooled:
-            data = self._store.pool.allocate(nbytes)
-            if backend is not None:
-                data, pooled, unpin = self._page_locked(data, backend)
+            if backend is None:
+                data = self._store.pool.allocate(nbytes)
+            else:
+                data, pooled, unpin = self._page_locked(nbytes, backend)
             if detached and shm.segment_of(data) is None:  # /dev/shm is full: keep the caller's
                 self._store.pool.release(data)
                 data, pooled, detached = host.reshape(-1).view(np.uint8), False, False
@@ -151,20 +152,23 @@ class Putter:
         return Prepared(obj, pending, detached)
 
     def _page_locked(
-        self, data: np.ndarray[Any, Any], backend: device.DeviceBackend
+        self, nbytes: int, backend: device.DeviceBackend
     ) -> tuple[np.ndarray[Any, Any], bool, Callable[[], None]]:
-        """Page-locked memory for a pinned put's copy, given the store's buffer ``data`` for it: a
-        shared-memory segment is registered where it is (its pages are its own); private memory
-        goes back to the pool for new page-locked memory (in place, it could share a page with
-        memory registered already). The memory, whether it is the pool's, and what undoes it."""
-        try:
+        """Page-locked memory for a pinned put's copy of ``nbytes``: the store's shared-memory
+        segment for it, registered where it is (its pages are its own), or else new page-locked
+        memory (private memory of the pool, registered in place, could share a page with memory
+        registered already). The memory, whether it is the pool's, and what undoes the locking."""
+        pool = self._store.pool
+        if pool.shares(nbytes):
+            data = pool.allocate(nbytes)
             if shm.segment_of(data) is not None:
-                return data, True, backend.register_host(data)
-        except BaseException:
-            self._store.pool.release(data)
-            raise
-        self._store.pool.release(data)
-        locked, release = backend.page_locked(int(data.nbytes))
+                try:
+                    return data, True, backend.register_host(data)
+                except BaseException:
+                    pool.release(data)
+                    raise
+            pool.release(data)  # /dev/shm had no room: private memory, not the pool's
+        locked, release = backend.page_locked(nbytes)
         return locked, False, release
 
     def _device_object(self, array: Any, object_id: ObjectID | None, copy: bool) -> LocalObject:
