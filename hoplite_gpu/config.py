@@ -151,7 +151,13 @@ class Config:
             set it behind NAT, or where the route to the directory is not the one peers use).
         verify_digest: Check a received object's digest against the one recorded at ``put``.
         close_grace: Seconds ``Node.close`` lets transfers it is serving finish.
-        reduce_chunk_bytes: Bytes a reduce-tree vertex reduces (and forwards) at a time.
+        reduce_chunk_bytes: Bytes a reduce-tree vertex reduces (and forwards) at a time; for a
+            vertex whose output is in device memory, the least it reduces at a time.
+        device_reduce_chunk_bytes: The most bytes a vertex whose output is in device memory
+            reduces in one step, taking in what every input already holds. Its kernels are queued
+            without waiting for them, and each step's bytes are forwarded once its CUDA event is
+            done, while the next step is queued: fewer, longer steps cost fewer kernel launches
+            and waits (each costs microseconds, more where system calls are intercepted).
         heartbeat_interval: Seconds between a node's heartbeats to the directory.
         lease_timeout: Seconds the directory waits without hearing from a node (heartbeats or any
             other message) before it declares the node dead and repairs every schedule the node
@@ -221,6 +227,7 @@ class Config:
     verify_digest: bool = False
     close_grace: float = 10.0
     reduce_chunk_bytes: int = 1 * MiB
+    device_reduce_chunk_bytes: int = 64 * MiB
     heartbeat_interval: float = 1.0
     lease_timeout: float = 5.0
     reconnect_timeout: float = 30.0
@@ -256,6 +263,7 @@ class Config:
             "max_chunk_bytes",
             "chunk_seconds",
             "reduce_chunk_bytes",
+            "device_reduce_chunk_bytes",
         )
         for name in positive:
             if getattr(self, name) <= 0:

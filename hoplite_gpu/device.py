@@ -68,6 +68,25 @@ def cupy_bfloat16() -> np.dtype[Any] | None:
     return dtype
 
 
+class DeviceEvent:
+    """A point in a device's queue of work (a CUDA stream), taken by :meth:`DeviceBackend.record`:
+    :meth:`done` once everything queued on that stream before it has finished. This one is done
+    from the start (work that ran as it was called)."""
+
+    def done(self) -> bool:
+        """Whether the work queued before this event has finished (does not wait)."""
+        return True
+
+    def wait(self) -> None:
+        """Block until :meth:`done`. It lets go of the GIL, so it may run on a worker thread while
+        the caller's event loop goes on."""
+        return None
+
+
+#: An event with nothing left to wait for.
+DONE = DeviceEvent()
+
+
 class DeviceBackend:
     """What the package needs of device memory. Arrays passed in are the backend's own flat
     ``uint8`` arrays unless a method says otherwise; copies are complete when a method returns."""
@@ -147,6 +166,12 @@ class DeviceBackend:
         """Device to device (the same or another device), ``dst.nbytes == src.nbytes``."""
         raise NotImplementedError
 
+    def copy_async(self, dst: Any, src: Any) -> None:
+        """:meth:`copy` queued on this thread's current stream of ``dst``'s device, without
+        waiting for it to finish: it has finished once an event taken after it (:meth:`record`) is
+        done. Both arrays must stay allocated until then. Here: :meth:`copy`."""
+        self.copy(dst, src)
+
     def to_host(self, dst: np.ndarray[Any, Any], src: Any) -> None:
         """Device ``src`` into host ``dst`` (a C-contiguous NumPy array of the same size)."""
         raise NotImplementedError
@@ -191,6 +216,13 @@ class DeviceBackend:
         """Wait until the work this thread queued on ``device`` is done (reduced chunks are
         published only after it)."""
         raise NotImplementedError
+
+    def record(self, device: int) -> DeviceEvent:
+        """An event after the work this thread has queued on ``device`` so far (on its current
+        stream): a reduce vertex publishes a step's bytes once the step's event is done, and
+        queues its next step meanwhile. Here: waits for that work (:meth:`synchronize`)."""
+        self.synchronize(device)
+        return DONE
 
     def register_host(self, array: np.ndarray[Any, Any]) -> Callable[[], None]:
         """Page-lock the host memory of flat ``array`` where it is, so copies between it and a
@@ -404,6 +436,16 @@ class CupyBackend(DeviceBackend):
         _same_size(dst, src)
         self._memcpy(dst.data.ptr, src.data.ptr, dst.nbytes)
 
+    def copy_async(self, dst: Any, src: Any) -> None:
+        import cupy
+
+        _same_size(dst, src)
+        if dst.nbytes:  # cudaMemcpyDefault: unified addressing works out the devices
+            runtime = cupy.cuda.runtime
+            with _on(dst):
+                stream = cupy.cuda.get_current_stream().ptr
+                runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes, runtime.memcpyDefault, stream)
+
     def to_host(self, dst: np.ndarray[Any, Any], src: Any) -> None:
         _same_size(dst, src)
         _host_contiguous(dst)
@@ -466,6 +508,15 @@ class CupyBackend(DeviceBackend):
         with cupy.cuda.Device(device):
             cupy.cuda.get_current_stream().synchronize()
 
+    def record(self, device: int) -> DeviceEvent:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            # Blocking: a thread waiting for it sleeps instead of spinning on the CPU.
+            event = cupy.cuda.Event(block=True, disable_timing=True)
+            event.record()  # on the device's current stream, where this thread queued its work
+        return _CupyEvent(event)
+
     def register_host(self, array: np.ndarray[Any, Any]) -> Callable[[], None]:
         import cupy
 
@@ -494,6 +545,19 @@ class CupyBackend(DeviceBackend):
         except (cupy.cuda.runtime.CUDARuntimeError, MemoryError) as exc:
             raise PinnedMemoryError(f"cannot allocate {nbytes} bytes of page-locked memory: {exc}") from None
         return np.frombuffer(mem, np.uint8, nbytes), _nothing
+
+
+class _CupyEvent(DeviceEvent):
+    """A CUDA event (``cupy.cuda.Event``) recorded on a stream."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.done)  # cudaEventQuery
+
+    def wait(self) -> None:
+        self._event.synchronize()  # cudaEventSynchronize, without the GIL
 
 
 def _on(array: Any) -> Any:
@@ -544,6 +608,11 @@ class SimBackend(DeviceBackend):
     def __init__(self) -> None:
         self.registered: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
+        #: Events :meth:`record` has handed out.
+        self.events_recorded = 0
+        #: While a :class:`threading.Event` that is not set, the events :meth:`record` hands out
+        #: stay pending until it is (tests: work queued on a device that has not finished yet).
+        self.hold_events: threading.Event | None = None
 
     def available(self) -> bool:
         return True
@@ -630,6 +699,13 @@ class SimBackend(DeviceBackend):
     def synchronize(self, device: int) -> None:
         return None
 
+    def record(self, device: int) -> DeviceEvent:
+        """Done at once (NumPy did the work as it was called), or held by :attr:`hold_events`."""
+        with self._lock:
+            self.events_recorded += 1
+        gate = self.hold_events
+        return DONE if gate is None else _HeldEvent(gate)
+
     def register_host(self, array: np.ndarray[Any, Any]) -> Callable[[], None]:
         """Records the range as registered (:attr:`registered`), refusing overlaps as CUDA does."""
         ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
@@ -648,6 +724,23 @@ class SimBackend(DeviceBackend):
         """Ordinary memory, recorded in :attr:`registered` until the returned call."""
         out = np.empty(nbytes, np.uint8)
         return out, self.register_host(out)
+
+
+class _HeldEvent(DeviceEvent):
+    """An event of :class:`SimBackend` that is done once ``gate`` is set."""
+
+    #: Seconds :meth:`wait` waits for the gate before it gives up.
+    LIMIT = 120.0
+
+    def __init__(self, gate: threading.Event) -> None:
+        self._gate = gate
+
+    def done(self) -> bool:
+        return self._gate.is_set()
+
+    def wait(self) -> None:
+        if not self._gate.wait(self.LIMIT):
+            raise HopliteError(f"a held simulated device event was not let go within {self.LIMIT:.0f} s")
 
 
 # ---------------------------------------------------------------- choosing one

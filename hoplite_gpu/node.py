@@ -136,6 +136,7 @@ class Node:
             publish,
             lambda oid: self._in_background(self._delete(oid)),
             self.config.reduce_chunk_bytes,
+            self.config.device_reduce_chunk_bytes,
         )
         self._putter = Putter(
             self._store, self.config, self._session, self._delete, self._in_background, index

@@ -11,6 +11,7 @@ parent (or a ``get`` of the result) streams reduced chunks while later ones are 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,7 +22,15 @@ import numpy as np
 from . import ipc
 from . import protocol as p
 from .buffers import Buffer, dtype_from_wire
-from .errors import HopliteError, ObjectDeletedError, ObjectLostError, ObjectNotFoundError, TransportError
+from .device import DeviceEvent
+from .errors import (
+    HopliteError,
+    HopliteTimeoutError,
+    ObjectDeletedError,
+    ObjectLostError,
+    ObjectNotFoundError,
+    TransportError,
+)
 from .faults import INJECTOR
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
@@ -39,6 +48,9 @@ class ObjectReset(HopliteError):
 #: (ObjectDeletedError: a copy of a source shared with a vertex of the tree being replaced was dropped.)
 RETRY_VERTEX = (TransportError, ObjectLostError, ObjectReset, ObjectDeletedError)
 
+#: Seconds a vertex waits for its device to finish a reduce step it queued.
+DEVICE_WAIT_SECONDS = 120.0
+
 
 class VertexRunner:
     """Runs the reduce-tree vertices the directory places on one node (on its event loop).
@@ -51,7 +63,9 @@ class VertexRunner:
         report: Sends a message to the directory (best effort).
         publish: Publishes a complete output in its shared-memory segment; the segment's name.
         drop_copy: Deletes a copy fetched only for vertices (in the background).
-        chunk_bytes: Bytes reduced per step.
+        chunk_bytes: Bytes reduced per step (the least per step for outputs in device memory).
+        device_chunk_bytes: The most bytes reduced per step for outputs in device memory (see
+            :func:`reduce_stream`).
     """
 
     def __init__(
@@ -63,6 +77,7 @@ class VertexRunner:
         publish: Callable[[LocalObject], str],
         drop_copy: Callable[[ObjectID], None],
         chunk_bytes: int,
+        device_chunk_bytes: int = 0,
     ) -> None:
         self.store = store
         self._fetch = fetch
@@ -71,6 +86,7 @@ class VertexRunner:
         self._publish = publish
         self._drop_copy = drop_copy
         self.chunk_bytes = chunk_bytes
+        self.device_chunk_bytes = device_chunk_bytes
         self._runs: dict[tuple[bytes, int, int], VertexRun] = {}
         # Copies fetched only for reduce vertices, with how many running vertices use each.
         self._fetched: dict[ObjectID, Fetch] = {}
@@ -155,7 +171,9 @@ class VertexRunner:
             except BaseException:
                 streams.cancel()
                 raise
-            await reduce_stream(task, own, list(children), out, self.chunk_bytes, run.weights)
+            await reduce_stream(
+                task, own, list(children), out, self.chunk_bytes, run.weights, self.device_chunk_bytes
+            )
             self._report(
                 p.VertexDone(
                     reduction_id=task.reduction_id,
@@ -323,46 +341,137 @@ async def reduce_stream(
     out: LocalObject,
     chunk_bytes: int,
     weights: list[float] | None = None,
+    device_chunk_bytes: int = 0,
 ) -> None:
     """Fill ``out`` with ``own (op) children...`` chunk by chunk as the sources fill (with
     ``weights``, one for ``own`` and one per child: their weighted sum).
+
+    Host memory is reduced ``chunk_bytes`` at a time. An output in device memory is reduced in
+    steps of at least ``chunk_bytes`` that take in everything every source holds, up to
+    ``device_chunk_bytes`` (0: ``chunk_bytes``). Each step's kernels are queued on the device
+    without waiting for them; its bytes are published (``out``'s progress) once an event after it
+    is done, while the next step is queued.
 
     Raises whatever error a source fails with (a lost transfer, a deletion) or ``out``'s own
     error if the output was dropped meanwhile.
     """
     dtype = dtype_from_wire(task.dtype)
     op = as_op(task.op)
-    step = max(dtype.itemsize, chunk_bytes - chunk_bytes % max(1, dtype.itemsize))
-    device_chunk = (
-        _device_reducer(task, dtype, op, own, children, out, step, weights) if out.buffer.on_device else None
-    )
+    item = max(1, dtype.itemsize)
+    step = max(item, chunk_bytes - chunk_bytes % item)
+    sources = (own, *children)
+    if out.buffer.on_device:
+        most = max(step, device_chunk_bytes - device_chunk_bytes % item)
+        queue = _device_reducer(task, dtype, op, own, children, out, min(most, task.size), weights)
+        await _device_stream(task, sources, out, step, most, item, queue)
+        return
     pos = 0
     while pos < task.size:
         end = min(pos + step, task.size)
-        for src in (own, *children):
-            if src.progress < end or src.error is not None:
-                # No timeout: sources may wait for inputs that are late by design; the directory
-                # cancels the vertex when the reduction fails or times out.
-                await src.wait_progress(end, None)
-        if out.error is not None:
-            raise out.error
-        if INJECTOR.armed:
-            INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)
-        if device_chunk is not None:
-            device_chunk(pos, end)
+        await _step_ready(task, sources, out, pos, end)
+        mine = own.buffer.host[pos:end].view(dtype)
+        parts = [c.buffer.host_chunk(pos, end).view(dtype) for c in children]
+        dest = out.buffer.host[pos:end].view(dtype)
+        if weights:
+            weighted_sum_chunk(mine, parts, dest, weights)
         else:
-            mine = own.buffer.host[pos:end].view(dtype)
-            parts = [c.buffer.host_chunk(pos, end).view(dtype) for c in children]
-            dest = out.buffer.host[pos:end].view(dtype)
-            if weights:
-                weighted_sum_chunk(mine, parts, dest, weights)
-            else:
-                reduce_chunk(op, mine, parts, dest, task.count)
+            reduce_chunk(op, mine, parts, dest, task.count)
         out.advance(end)
         pos = end
         await asyncio.sleep(0)  # let transfers this node serves or receives run between chunks
     if INJECTOR.armed:
         INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)
+
+
+async def _step_ready(
+    task: p.ReduceTask, sources: tuple[LocalObject, ...], out: LocalObject, pos: int, end: int
+) -> None:
+    """Wait until every source holds bytes ``[0, end)``; raise ``out``'s error if it was dropped;
+    fire a fault armed at ``pos``."""
+    for src in sources:
+        if src.progress < end or src.error is not None:
+            # No timeout: sources may wait for inputs that are late by design; the directory
+            # cancels the vertex when the reduction fails or times out.
+            await src.wait_progress(end, None)
+    if out.error is not None:
+        raise out.error
+    if INJECTOR.armed:
+        INJECTOR.check("reduce", task.reduction_id.hex(), pos, task.size)
+
+
+async def _device_stream(
+    task: p.ReduceTask,
+    sources: tuple[LocalObject, ...],
+    out: LocalObject,
+    step: int,
+    most: int,
+    item: int,
+    queue: Callable[[int, int], None],
+) -> None:
+    """:func:`reduce_stream`'s loop for an output in device memory: ``queue(pos, end)`` queues a
+    step's work on the output's device; its bytes are published once the event after it is done.
+    Whatever happens, nothing is left queued on the sources' or the output's memory when it
+    returns (the caller may free them)."""
+    backend = out.buffer.backend
+    device = out.buffer.device or 0
+    size = task.size
+    queued: collections.deque[tuple[int, DeviceEvent]] = collections.deque()
+    pos = 0
+    try:
+        while pos < size:
+            end = min(pos + step, size)
+            if any(src.progress < end or src.error is not None for src in sources):
+                await _publish(queued, out, True)  # what is queued goes out before sources are awaited
+            await _step_ready(task, sources, out, pos, end)
+            end = _extent(pos, end, min(src.progress for src in sources), most, item, size)
+            if INJECTOR.armed:  # a fault armed inside the step fires at its offset (as on the host)
+                cut = INJECTOR.next_offset("reduce", task.reduction_id.hex(), pos, size)
+                if cut is not None and cut < end:
+                    end = max(min(pos + step, size), cut - (cut - pos) % item)
+            queue(pos, end)
+            queued.append((end, backend.record(device)))
+            pos = end
+            await _publish(queued, out, False)
+            await asyncio.sleep(0)  # let transfers this node serves or receives run between steps
+        await _publish(queued, out, True)
+    finally:
+        for _, event in queued:  # an error or a cancellation: the queued work still ends first
+            event.wait()
+    if INJECTOR.armed:
+        INJECTOR.check("reduce", task.reduction_id.hex(), pos, size)
+
+
+def _extent(pos: int, end: int, ready: int, most: int, item: int, size: int) -> int:
+    """Where a device step from ``pos`` ends: at least at ``end``, on to ``ready`` (what every
+    source holds), at most ``most`` bytes long, on an element boundary unless at ``size``."""
+    far = min(max(end, ready), pos + most, size)
+    if far < size:
+        far -= (far - pos) % item
+    return max(far, end)
+
+
+async def _publish(queued: collections.deque[tuple[int, DeviceEvent]], out: LocalObject, wait: bool) -> None:
+    """Advance ``out`` past the queued steps whose events are done, in order; with ``wait``, past
+    all of them, waiting on a worker thread (the event loop goes on serving meanwhile)."""
+    while queued:
+        end, event = queued[0]
+        if not event.done():
+            if not wait:
+                return
+            try:
+                await asyncio.wait_for(
+                    asyncio.get_running_loop().run_in_executor(None, event.wait), DEVICE_WAIT_SECONDS
+                )
+            except asyncio.TimeoutError:
+                raise HopliteTimeoutError(
+                    f"the device did not finish a reduce step of {out.object_id} within "
+                    f"{DEVICE_WAIT_SECONDS:.0f} s",
+                    operation="reduce step",
+                    timeout=DEVICE_WAIT_SECONDS,
+                    object_id=out.object_id.hex(),
+                ) from None
+        queued.popleft()
+        out.advance(end)
 
 
 def _device_reducer(
@@ -372,14 +481,15 @@ def _device_reducer(
     own: LocalObject,
     children: list[LocalObject],
     out: LocalObject,
-    step: int,
+    most: int,
     weights: list[float] | None,
 ) -> Callable[[int, int], None]:
-    """The chunk step of a vertex whose output is in device memory: the same arithmetic as the
-    host path, by the output's device backend (the CUDA kernels of ``kernels/reduce.cu``). A
-    child's chunk in host memory (received over the data plane) or on another device is copied
-    into a scratch chunk on the output's device first. The chunk is complete on the device when
-    the step returns (it synchronizes), so it may be published and served at once."""
+    """The step of a vertex whose output is in device memory: the same arithmetic as the host
+    path, by the output's device backend (the CUDA kernels of ``kernels/reduce.cu``), queued on
+    the output device's current stream without waiting for it. A child's bytes in host memory
+    (received over the data plane) or on another device are copied into a scratch area on the
+    output's device first (of ``most`` bytes, the longest step); work queued later on the same
+    stream runs after what reads it."""
     backend = out.buffer.backend
     dev = out.buffer.device or 0
     scratch: list[Any] = []
@@ -389,7 +499,7 @@ def _device_reducer(
 
     def load(dst: Any, src: LocalObject, pos: int, end: int) -> None:
         if src.buffer.on_device and src.buffer.backend is backend:
-            backend.copy(dst, src.buffer.view(pos, end))
+            backend.copy_async(dst, src.buffer.view(pos, end))
         else:  # host memory (or another backend's device memory, through host)
             backend.from_host(dst, src.buffer.host_chunk(pos, end))
 
@@ -397,12 +507,12 @@ def _device_reducer(
         if here(src):
             return src.buffer.view(pos, end)
         if not scratch:
-            scratch.append(backend.empty(step, dev))
+            scratch.append(backend.empty(most, dev))
         staged = scratch[0][: end - pos]
         load(staged, src, pos, end)
         return staged
 
-    def chunk(pos: int, end: int) -> None:
+    def queue(pos: int, end: int) -> None:
         dest = out.buffer.view(pos, end)
         load(dest, own, pos, end)
         if weights:
@@ -415,6 +525,5 @@ def _device_reducer(
                 backend.reduce_into(op, dest, operand(child, pos, end), dtype)
             if task.count:
                 backend.finish(op, dest, task.count, dtype)
-        backend.synchronize(dev)
 
-    return chunk
+    return queue

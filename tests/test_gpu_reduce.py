@@ -131,3 +131,103 @@ def test_weighted_kernels_match_numpy(dtype_name: str) -> None:
 def test_weighted_kernels_refuse_integers() -> None:
     with pytest.raises(InvalidArgumentError):
         gpu.scale(np.zeros(4, np.int32), 2.0)
+
+
+def _vertex_objects(cupy: Any, dtype: Any, n: int, child_on_host: bool) -> tuple[Any, ...]:
+    """A vertex's own input and one child (complete, exact small integers as ``dtype``), its
+    output, and the sum it must hold."""
+    from hoplite_gpu.buffers import Buffer, dtype_to_wire
+    from hoplite_gpu.object_id import ObjectID
+    from hoplite_gpu.store import LocalObject
+
+    rng = np.random.default_rng(7)
+    a, b = (rng.integers(1, 4, n).astype(dtype) for _ in range(2))
+
+    def obj(flat: Any, progress: int) -> LocalObject:
+        buf = Buffer.wrap(flat)
+        return LocalObject(ObjectID.random(), buf.nbytes, dtype_to_wire(dtype), (n,), b"", buf, progress)
+
+    own = obj(cupy.asarray(a.view(np.uint8)), a.nbytes)
+    child = obj(b.view(np.uint8).copy() if child_on_host else cupy.asarray(b.view(np.uint8)), b.nbytes)
+    out = obj(cupy.empty(a.nbytes, cupy.uint8), 0)
+    return own, child, out, (a.astype(np.float64) + b).astype(dtype).view(np.uint8)
+
+
+def _sum_task(dtype: Any, n: int) -> Any:
+    from hoplite_gpu import protocol as p
+    from hoplite_gpu.buffers import dtype_to_wire
+
+    return p.ReduceTask(
+        reduction_id=b"r" * 20,
+        vertex=0,
+        input_id=b"i" * 20,
+        output_id=b"o" * 20,
+        children=[b"c" * 20],
+        op=ReduceOp.SUM.value,
+        count=0,
+        size=n * dtype.itemsize,
+        dtype=dtype_to_wire(dtype),
+        shape=[n],
+    )
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_a_device_vertex_reduces_inputs_it_holds_in_few_steps(dtype_name: str, monkeypatch: Any) -> None:
+    """16 MiB already held, steps of at most 4 MiB: four steps, each queued without waiting
+    (CUDA events), and the sum right."""
+    import asyncio
+
+    import cupy
+
+    from hoplite_gpu.vertex import reduce_stream
+
+    dtype = _dtype(dtype_name)
+    n = (16 << 20) // dtype.itemsize
+    own, child, out, want = _vertex_objects(cupy, dtype, n, False)
+    backend = out.buffer.backend
+    events: list[Any] = []
+    record = backend.record
+    monkeypatch.setattr(backend, "record", lambda device: events.append(record(device)) or events[-1])
+    asyncio.run(reduce_stream(_sum_task(dtype, n), own, [child], out, 1 << 20, None, 4 << 20))
+    assert out.progress == out.size and len(events) == 4
+    assert all(event.done() for event in events)
+    assert np.array_equal(cupy.asnumpy(out.buffer.view(0, out.size)), want)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_device_vertex_publishes_only_reduced_bytes_while_a_host_child_arrives() -> None:
+    """A child received into host memory arrives in uneven pieces; at every turn the published
+    prefix of the output, read on a stream that does not wait for the vertex's, is the sum."""
+    import asyncio
+
+    import cupy
+
+    from hoplite_gpu.vertex import reduce_stream
+
+    dtype = np.dtype(np.float32)
+    n = (24 << 20) // 4
+    own, child, out, want = _vertex_objects(cupy, dtype, n, True)
+    child.progress = 0
+    reader = cupy.cuda.Stream(non_blocking=True)
+
+    async def run() -> None:
+        reducing = asyncio.ensure_future(
+            reduce_stream(_sum_task(dtype, n), own, [child], out, 1 << 20, None, 8 << 20)
+        )
+        piece = (3 << 20) + 12
+        while not reducing.done():
+            if child.progress < child.size:
+                child.advance(child.progress + piece)
+            await asyncio.sleep(0)
+            done = out.progress
+            if done:
+                got = cupy.asnumpy(out.buffer.view(0, done), stream=reader)  # waits for the copy
+                assert np.array_equal(got, want[:done]), f"published {done} bytes not yet reduced"
+        await reducing
+
+    asyncio.run(run())
+    assert out.progress == out.size
+    assert np.array_equal(cupy.asnumpy(out.buffer.view(0, out.size)), want)
