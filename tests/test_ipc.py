@@ -118,6 +118,70 @@ def test_reduce_vertices_read_same_host_device_inputs_through_ipc(
         w.call("delete", h)
 
 
+def test_a_tree_on_one_host_hands_device_partial_results_over_through_ipc(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    """A tree of degree 2 over four device inputs has a vertex between leaves and root. Its
+    parent waits for its output to be complete and opens it on the GPU, instead of pulling it
+    while it is computed (through host staging buffers and the loopback, at a few GB/s)."""
+    start = ipc_owner.event_log()[-1]["seq"] + 1
+    seeds = [6, 7, 8, 9]
+    ids = [
+        w.call("put_device", backend, "float32", SHAPE, s, "")
+        for w, s in zip(ipc_workers, seeds[:3], strict=True)
+    ]
+    own = ipc_owner.put(device_array(backend, make_array("float32", SHAPE, seeds[3])))
+    rid = ipc_owner.reduce([*(hg.ObjectID.from_hex(h) for h in ids), own], "sum", degree=2, timeout=60)
+    got = ipc_owner.get(rid, timeout=60)
+    want = np.sum([make_array("float32", SHAPE, s) for s in seeds], axis=0, dtype=np.float32)
+    assert array_type(got) == DEVICE_TYPE[backend] and np.array_equal(to_host(got), want)
+    events = ipc_owner.event_log(start)
+    inputs = {*ids, own.hex()}
+    partial = {
+        e["object_id"]
+        for e in events
+        if e["kind"].startswith("lookup") and e["object_id"] not in inputs and e["object_id"] != rid.hex()
+    }
+    assert partial, [(e["kind"], e.get("object_id")) for e in events]  # the tree has such a vertex
+    for h in partial:
+        kinds = [e["kind"] for e in events if e.get("object_id") == h]
+        assert "lookup_ipc" in kinds and "transfer_start" not in kinds, kinds
+    assert not any(e["kind"] == "transfer_start" for e in events), events
+    ipc_owner.delete(own)
+    for w, h in zip(ipc_workers, ids, strict=True):
+        w.call("delete", h)
+
+
+@pytest.mark.multiprocess
+def test_a_device_tree_on_one_host_survives_its_inner_vertex_killed(backend: str, ipc_owner: Any) -> None:
+    """The inner vertex is SIGKILLed (fault injection) a tenth of the way through its reduction,
+    while its parent waits to copy its output device to device: the tree is rebuilt, the
+    restarted task puts its input again, and the result is exact."""
+    address, token = ipc_owner.directory_address, ipc_owner.token
+    ws = start_device_workers(address, token, 4, backend, shared_memory=True)
+    extra: list[Worker] = []
+    try:
+        seeds = [11, 12, 13, 14]
+        ids = [w.call("put_device", backend, "float32", SHAPE, s, "") for w, s in zip(ws, seeds, strict=True)]
+        rid = hg.ObjectID.random()
+        # Inputs ready before the request are placed in order: input 1 is the inner vertex.
+        ws[1].call("arm", f"reduce:{rid.hex()}:0.1:KILL")
+        start = ipc_owner.event_log()[-1]["seq"] + 1
+        ipc_owner.reduce([hg.ObjectID.from_hex(h) for h in ids], "sum", degree=2, reduction_id=rid)
+        ws[1].proc.join(60)
+        assert not ws[1].proc.is_alive()
+        extra = start_device_workers(address, token, 1, backend, shared_memory=True)
+        extra[0].call("put_device", backend, "float32", SHAPE, seeds[1], ids[1])
+        got = ipc_owner.get(rid, timeout=120)
+        want = np.sum([make_array("float32", SHAPE, s) for s in seeds], axis=0, dtype=np.float32)
+        assert array_type(got) == DEVICE_TYPE[backend] and np.array_equal(to_host(got), want)
+        assert any(e["kind"] == "reduce_repair" for e in ipc_owner.event_log(start))
+        ipc_owner.delete(rid)
+    finally:
+        for w in ws + extra:
+            w.kill()
+
+
 def test_a_reader_without_shared_memory_pulls_device_bytes_staged(backend: str, ipc_owner: Any) -> None:
     (reader,) = start_device_workers(
         ipc_owner.directory_address, ipc_owner.token, 1, backend, shared_memory=False
@@ -215,6 +279,50 @@ def _state(**hosts: str) -> DirectoryState:
     for i, (node, key) in enumerate(hosts.items()):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, key))
     return state
+
+
+@pytest.mark.parametrize(
+    ("device_ipc", "host", "waits"),
+    [(True, "h1", True), (False, "h1", False), (True, "h2", False)],
+)
+def test_a_device_vertex_output_is_copied_on_its_host_once_complete(
+    device_ipc: bool, host: str, waits: bool
+) -> None:
+    """A reader on the host of the vertex computing a device output (its parent vertex), able to
+    open device memory, is answered once the vertex is done, with its ticket; any other reader
+    pulls the output while it is computed."""
+    state = _state(A="h1", B="h1", C="h1", D="h1", E=host)
+    rid = b"r" * 20
+    state.handle(
+        Request(
+            "A", p.ReduceRequest(9, rid, [bytes([i]) * 20 for i in range(4)], "sum", 4, 0.0, degree=2), 0.0
+        )
+    )
+    tasks: list[p.ReduceTask] = []
+    for i, node in enumerate("ABCD"):
+        ticket = ipc.PREFIX + f"hoplite-1-2-3-{i}"
+        put = p.PutRequest(1, bytes([i]) * 20, 1 << 20, "<f4", [1 << 18], b"", None, ticket, memory="device")
+        tasks += [
+            s.message for s in state.handle(Request(node, put, 0.0)) if isinstance(s.message, p.ReduceTask)
+        ]
+    inner = [t for t in tasks if t.vertex != 0 and t.children]
+    assert len(inner) == 1 and inner[0].memory == "device"  # one vertex between leaves and root
+    output = inner[0].output_id
+    holder = next(n for n, loc in state.objects[output].locations.items() if loc.producing)
+    lookup = p.LookupRequest(7, output, 0.0, 0, True, device_ipc=device_ipc)
+    replies = [
+        s.message for s in state.handle(Request("E", lookup, 0.0)) if isinstance(s.message, p.LookupReply)
+    ]
+    if not waits:
+        assert [r.status for r in replies] == ["pull"]
+        return
+    assert replies == []  # not pulled while it is computed
+    ticket = ipc.PREFIX + "hoplite-1-2-3-out"
+    done = p.VertexDone(rid, inner[0].vertex, True, segment=ticket, epoch=inner[0].epoch)
+    replies = [
+        s.message for s in state.handle(Request(holder, done, 0.0)) if isinstance(s.message, p.LookupReply)
+    ]
+    assert [(r.status, r.segment, r.sender_node) for r in replies] == [("shm", ticket, holder)]
 
 
 @pytest.mark.parametrize(

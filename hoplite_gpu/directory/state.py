@@ -771,8 +771,8 @@ class DirectoryState:
         shared = self._same_host_copy(entry, pl.node_id, pl.device_ipc) if pl.shared_memory else None
         if shared is not None and shared.copying:
             return False  # its segment is being filled: mapping it then beats pulling it now
-        if shared is None and pl.shared_memory and self._root_on_host(entry, pl.node_id):
-            return False  # likewise for a reduction's result being computed on this host
+        if shared is None and pl.shared_memory and self._computed_on_host(entry, pl.node_id, pl.device_ipc):
+            return False  # likewise for a result being computed on this host
         if shared is not None:
             self._send(
                 pl.node_id,
@@ -865,15 +865,22 @@ class DirectoryState:
 
         return min(found, key=rank, default=None)  # the first of equals: in the order copies came
 
-    def _root_on_host(self, entry: ObjectEntry, receiver: str) -> bool:
-        """Whether ``entry`` is a reduction's result whose root vertex runs on ``receiver``'s host
-        (not on ``receiver``): its reader then maps the result once it is complete instead of
-        pulling it through loopback while it is computed (on one host the pull's copy competes with
-        the reduction for the same cores: ``bench/asgd.py --local`` summed four 100 MB gradients in
-        0.58 s streamed, 0.30 s waiting and mapping). A reduce vertex reads its children as before:
-        they are never a root."""
+    def _computed_on_host(self, entry: ObjectEntry, receiver: str, device_ipc: bool) -> bool:
+        """Whether a reduce vertex on ``receiver``'s host (not ``receiver``) computes ``entry``, and
+        ``receiver`` is to copy it on the host once it is complete instead of pulling it through
+        the loopback while it is computed. So it is for:
+
+        - a reduction's result (the root's output): on one host the pull's copy competes with the
+          reduction for the same cores (``bench/asgd.py --local`` summed four 100 MB gradients in
+          0.58 s streamed, 0.30 s waiting and mapping). A vertex's host-memory output is still
+          streamed to its parent vertex.
+        - any vertex's output in device memory, for a receiver that opens device memory on this
+          host (``device_ipc``): a pull stages it through host memory and the loopback at a few
+          GB/s (``bench/gpu.py`` wire part: 2-3 GB/s on an H100), where the vertex computes it at
+          the device's memory bandwidth and the reader then copies it device to device."""
         key = self.nodes[receiver].host_key
-        if not key or entry.object_id != entry.reduction:
+        device = device_ipc and entry.memory == "device"
+        if not key or (entry.object_id != entry.reduction and not device):
             return False
         for loc in entry.locations.values():
             info = self.nodes.get(loc.node_id)
