@@ -480,12 +480,14 @@ def part_collectives(node: Any, args: argparse.Namespace, rows: list[dict[str, A
     name = f"bench-gpu-{os.getpid()}-{time.time_ns()}"
     try:
         for op in OPS:
-            seconds = {}
+            seconds, paths = {}, {}
             for kind in ("device", "host"):
+                since = node.event_log()[-1]["seq"] + 1
                 for pipe in pipes:
                     pipe.send(("collective", name, kind, op, size, rounds, args.timeout))
                 spans = _answers(pipes, args.timeout * rounds)
                 seconds[kind] = statistics.median(round_times(spans, args.warmup, args.repeat))
+                paths[kind] = _paths(node.event_log(since))
             rows.append(
                 _row(
                     "collectives",
@@ -497,6 +499,8 @@ def part_collectives(node: Any, args: argparse.Namespace, rows: list[dict[str, A
                     None,
                     seconds=seconds["device"],
                     host_seconds=seconds["host"],
+                    path=paths["device"],
+                    host_path=paths["host"],
                 )
             )
     finally:

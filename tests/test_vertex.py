@@ -55,6 +55,15 @@ def _task(arr: np.ndarray[Any, Any], op: ReduceOp, children: int, count: int) ->
     )
 
 
+async def _arrive(children: list[LocalObject], reducing: asyncio.Future[None], steps: random.Random) -> None:
+    """The children's bytes arrive in random steps, in any order; then the reduction ends."""
+    while any(c.progress < c.size for c in children):
+        c = steps.choice([c for c in children if c.progress < c.size])
+        c.advance(c.progress + steps.randint(1, max(1, c.size // 3)))
+        await asyncio.sleep(0)
+    await asyncio.wait_for(reducing, 30)
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     n_children=st.integers(0, 4),
@@ -83,11 +92,7 @@ def test_streamed_reduction_equals_whole_array_reduction(
         reducing = asyncio.ensure_future(
             reduce_stream(_task(arrays[0], op, n_children, count), own, children, out, chunk)
         )
-        while any(c.progress < c.size for c in children):  # bytes arrive in random steps, any order
-            c = steps.choice([c for c in children if c.progress < c.size])
-            c.advance(c.progress + steps.randint(1, max(1, c.size // 3)))
-            await asyncio.sleep(0)
-        await asyncio.wait_for(reducing, 30)
+        await _arrive(children, reducing, steps)
         assert out.progress == out.size
         return out.buffer.host.view(dt)
 
@@ -175,11 +180,7 @@ def test_device_output_reduced_in_steps_equals_whole_array_reduction(
         out = _obj(np.empty_like(arrays[0]), 0, 0)
         task = _task(arrays[0], op, len(kinds), count)
         reducing = asyncio.ensure_future(reduce_stream(task, own, children, out, chunk, None, most))
-        while any(c.progress < c.size for c in children):  # bytes arrive in random steps, any order
-            c = steps.choice([c for c in children if c.progress < c.size])
-            c.advance(c.progress + steps.randint(1, max(1, c.size // 3)))
-            await asyncio.sleep(0)
-        await asyncio.wait_for(reducing, 30)
+        await _arrive(children, reducing, steps)
         assert out.progress == out.size
         return out.buffer.view(0, out.size).view(np.ndarray)
 
