@@ -145,8 +145,8 @@ class _Traced:
 
 # ---------------------------------------------------------------- counting
 def count_calls(trace: str, what: str) -> list[dict[str, Any]]:
-    """Per bracketed ``what`` call in ``trace`` (``strace -f`` output): the calling thread's system
-    calls by name (without futex), how many the other threads made, and the futex calls."""
+    """Per bracketed ``what`` call in ``trace`` (``strace -f`` output): the system calls of the
+    calling thread and of the other threads, by name (without futex), and the futex calls."""
     windows: list[dict[str, Any]] = []
     caller = None
     current: dict[str, Any] | None = None
@@ -154,7 +154,7 @@ def count_calls(trace: str, what: str) -> list[dict[str, Any]]:
         for line in fh:
             if f'"{MARK}/{what}/begin"' in line:
                 caller = line.split()[0]
-                current = {"caller": collections.Counter(), "others": 0, "futex": 0}
+                current = {"caller": collections.Counter(), "others": collections.Counter(), "futex": 0}
                 continue
             if current is None:
                 continue
@@ -171,7 +171,7 @@ def count_calls(trace: str, what: str) -> list[dict[str, Any]]:
             elif m.group(1) == caller:
                 current["caller"][name] += 1
             else:
-                current["others"] += 1
+                current["others"][name] += 1
     return windows
 
 
@@ -183,9 +183,16 @@ def _summary(windows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "calls": len(windows),
         "caller_median": statistics.median(totals),
-        "others_median": statistics.median(w["others"] for w in windows),
+        "others_median": statistics.median(sum(w["others"].values()) for w in windows),
         "futex_median": statistics.median(w["futex"] for w in windows),
         "caller_typical": dict(sorted(typical["caller"].items())),
+        # Other threads by name: the median of each name over the calls (heartbeats and sweeps
+        # land in some windows and not others, so no one window is typical of them).
+        "others_by_name": {
+            name: statistics.median(w["others"][name] for w in windows)
+            for name in sorted({n for w in windows for n in w["others"]})
+            if statistics.median(w["others"][name] for w in windows)
+        },
     }
 
 

@@ -254,6 +254,8 @@ def copy_into(out: Any, src: Any) -> None:
     array: CuPy or simulated), same dtype and shape."""
     backend = devices.backend_for(out)
     source = devices.backend_for(src)
+    if backend is not None:
+        backend.settle(backend.device_of(out))  # what the caller queued that uses out comes first
     if backend is not None and source is backend and out.flags.c_contiguous:
         backend.copy(backend.flat_bytes(out), backend.flat_bytes(src))
         return

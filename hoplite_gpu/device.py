@@ -166,6 +166,12 @@ class DeviceBackend:
         """Device to device (the same or another device), ``dst.nbytes == src.nbytes``."""
         raise NotImplementedError
 
+    def settle(self, device: int) -> None:
+        """Wait for the work this thread queued on its current stream of ``device`` when the
+        store's own copies are not ordered after it: before a ``put`` reads a caller's array, and
+        before a ``get`` writes a caller's ``out``. Here: nothing to wait for."""
+        return None
+
     def copy_async(self, dst: Any, src: Any) -> None:
         """:meth:`copy` queued on this thread's current stream of ``dst``'s device, without
         waiting for it to finish: it has finished once an event taken after it (:meth:`record`) is
@@ -435,6 +441,17 @@ class CupyBackend(DeviceBackend):
     def copy(self, dst: Any, src: Any) -> None:
         _same_size(dst, src)
         self._memcpy(dst.data.ptr, src.data.ptr, dst.nbytes)
+
+    def settle(self, device: int) -> None:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            stream = cupy.cuda.get_current_stream()
+        # The store copies on the legacy default stream (ptr 0), which waits for the work of
+        # blocking streams before it runs; a non-blocking stream, or the per-thread default
+        # stream, the caller computed an array on is not waited for that way.
+        if stream.ptr:
+            stream.synchronize()
 
     def copy_async(self, dst: Any, src: Any) -> None:
         import cupy

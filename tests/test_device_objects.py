@@ -127,6 +127,31 @@ def test_foreign_cuda_arrays_are_device_objects(backend: str, dev_owner: Any, wr
     assert _local(dev_owner, kept).buffer.array.data.ptr == base.data.ptr
 
 
+def test_put_and_get_out_wait_for_the_callers_non_blocking_stream(backend: str, dev_owner: Any) -> None:
+    """An array still being written on the caller's current stream, a non-blocking one (which the
+    store's copies on the legacy default stream would not wait for), is put with every write
+    done; a ``get(out=...)`` writes ``out`` after what the caller queued on it."""
+    if backend != "cupy":
+        pytest.skip("CUDA streams: the cupy backend only")
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        arr = cupy.zeros(1 << 24, cupy.float32)  # 64 MiB, then 100 kernels queued on the stream
+        for _ in range(100):
+            arr += 1
+        oid = dev_owner.put(arr)
+        out = cupy.zeros_like(arr)
+        for _ in range(100):  # still running when get writes out: get's copy must come after
+            out -= 1
+        assert dev_owner.get(oid, out=out) is out
+        stream.synchronize()
+    got = dev_owner.get(oid)
+    assert float(got.min()) == float(got.max()) == 100.0
+    assert float(out.min()) == float(out.max()) == 100.0
+    dev_owner.delete(oid)
+
+
 def _page_locked(backend: str, arr: np.ndarray[Any, Any]) -> bool:
     """Whether host ``arr`` is registered as page-locked with ``backend``."""
     if backend == "sim":
