@@ -21,7 +21,9 @@ handle does not open here yields None, and the reader pulls over the data plane 
 Memory let go goes to the process's :data:`POOL` (:class:`DevicePool`), which hands it to the next
 device copy of the same size on the same device: a training loop that puts same-sized gradients
 every step allocates once, rather than paying ``cudaMalloc`` at every put and ``cudaFree`` (which
-waits for the whole device) at every delete, and its readers see the same allocation again.
+waits for the whole device) at every delete, and its readers see the same allocation again. The
+retired ticket goes with the allocation and names it for its next object (published again
+under that object's ID): no new segment and no new handle per put, and no unlink per delete.
 
 Readers keep what they opened: opening a handle maps the holder's whole allocation and closing it
 unmaps it again, a fixed cost of every read. A reader keeps up to :data:`MAX_MAPPINGS` mappings
@@ -152,6 +154,7 @@ class Ticket:
         segment = shm.segment_of(record)
         assert segment is not None
         self._segment: shm.Segment | None = segment
+        self._record: np.ndarray[Any, Any] | None = record
         self._array: Any = array
         self._backend = backend
         self._pooled = pooled
@@ -194,16 +197,20 @@ class Ticket:
 
     def _release(self) -> bool:
         """Let go if no reader holds the ticket; whether it did."""
-        if self._segment is None:
+        segment = self._segment
+        if segment is None:
             return True
-        if self._segment.mapped_elsewhere():
+        if segment.mapped_elsewhere():
             return False
-        self._segment.unlink()
-        array, self._segment, self._array = self._array, None, None
+        array, record = self._array, self._record
+        self._segment = self._array = self._record = None
         _local.pop(self.name, None)
         if self._pooled:
-            POOL.give(self._backend, array, self._pin)
+            # The ticket goes with its allocation, retired: the allocation's next object is
+            # published in it again (no new segment, and no new handle, for each put).
+            POOL.give(self._backend, array, self._pin, record)
         else:
+            segment.unlink()
             _let_go(array, self._pin)
         return True
 
@@ -231,12 +238,33 @@ def reap() -> int:
         return len(_draining)
 
 
-def export(array: Any, pooled: bool = False, pin: shm.Segment | None = None) -> Ticket | None:
+def _drop_record(record: np.ndarray[Any, Any] | None) -> None:
+    """Remove a retired ticket that names no allocation any more."""
+    segment = None if record is None else shm.segment_of(record)
+    if segment is not None:
+        segment.unlink()
+
+
+def export(
+    array: Any,
+    pooled: bool = False,
+    pin: shm.Segment | None = None,
+    record: np.ndarray[Any, Any] | None = None,
+) -> Ticket | None:
     """A ticket for the flat device ``array`` (not published yet), or None when its backend
     cannot share it with other processes or ``/dev/shm`` has no room. With ``pooled`` the memory
     goes to :data:`POOL` once let go (only for memory nothing else owns: :func:`allocate`'s).
-    ``pin``: the allocation's, from an earlier export (a new one is made without)."""
+    ``pin``: the allocation's, from an earlier export (a new one is made without). ``record``:
+    the payload of the retired ticket that named this very allocation last (:class:`Spare`),
+    which names it again as it is."""
     backend = device.backend_for(array)
+    if record is not None and backend is not None:
+        ticket = Ticket(record, array, backend, pooled, pin)
+        with _draining_lock:
+            _local[ticket.name] = ticket
+        reap()
+        return ticket
+    _drop_record(record)
     exported = None if backend is None or len(backend.name) > 8 else backend.export(array)
     record = None
     if backend is not None and exported is not None and len(exported[0]) <= HANDLE_BYTES:
@@ -279,7 +307,7 @@ def allocate(
     if spare is None:
         array = backend.empty_shared(nbytes, dev)
         return array, export(array, pooled=True)
-    return spare.array, export(spare.array, pooled=True, pin=spare.pin)
+    return spare.array, export(spare.array, pooled=True, pin=spare.pin, record=spare.record)
 
 
 def allocate_here(nbytes: int, share: bool) -> tuple[Any, Ticket | None]:
@@ -295,12 +323,14 @@ _local: dict[str, Ticket] = {}  # this process's tickets by name (a process cann
 @dataclass(slots=True)
 class Spare:
     """An allocation :class:`DevicePool` holds: its memory (a flat ``uint8`` array of its
-    backend), and its pin (see the module docstring)."""
+    backend), its pin (see the module docstring), and the payload of the retired ticket that
+    named it last (its next object's ticket, written for this allocation already)."""
 
     backend: device.DeviceBackend
     device: int
     array: Any
     pin: shm.Segment | None
+    record: np.ndarray[Any, Any] | None = None
 
 
 class DevicePool:
@@ -367,15 +397,22 @@ class DevicePool:
                     return spare
         return None
 
-    def give(self, backend: device.DeviceBackend, array: Any, pin: shm.Segment | None = None) -> None:
+    def give(
+        self,
+        backend: device.DeviceBackend,
+        array: Any,
+        pin: shm.Segment | None = None,
+        record: np.ndarray[Any, Any] | None = None,
+    ) -> None:
         """Offer an allocation no object uses any more (it may still be referenced elsewhere),
-        with its pin."""
+        with its pin and its last ticket's payload (retired)."""
         nbytes = int(array.nbytes)
         if not 0 < nbytes <= self.max_bytes:
+            _drop_record(record)
             _let_go(array, pin)
             return
         with self._lock:
-            self._spares.append(Spare(backend, backend.device_of(array), array, pin))
+            self._spares.append(Spare(backend, backend.device_of(array), array, pin, record))
             self.held_bytes += nbytes
             self._trim()
 
@@ -383,6 +420,7 @@ class DevicePool:
         """Free every held allocation (once readers that keep one open have closed it)."""
         with self._lock:
             for spare in self._spares:
+                _drop_record(spare.record)
                 _let_go(spare.array, spare.pin)
             self._spares.clear()
             self.held_bytes = 0
@@ -392,6 +430,7 @@ class DevicePool:
         while self.held_bytes > limit:
             spare = self._spares.pop(0)
             self.held_bytes -= int(spare.array.nbytes)
+            _drop_record(spare.record)
             _let_go(spare.array, spare.pin)
 
     def _baseline(self, backend: device.DeviceBackend, dev: int) -> tuple[int, ...]:

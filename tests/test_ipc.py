@@ -437,8 +437,10 @@ def _address(flat: Any) -> int:
 
 
 def _spare_files(backend: str) -> set[str]:
-    """The ``/dev/shm`` files of the pool's spares: their pins, and simulated device memory."""
+    """The ``/dev/shm`` files of the pool's spares: their pins, their retired tickets, and
+    simulated device memory."""
     names = {s.pin.name for s in ipc.POOL._spares if s.pin is not None}
+    names |= {shm.segment_of(s.record).name for s in ipc.POOL._spares if s.record is not None}  # type: ignore[union-attr]
     if backend == "sim":
         names |= {shm.segment_of(s.array.base).name for s in ipc.POOL._spares}  # type: ignore[union-attr]
     return names
@@ -532,14 +534,23 @@ def test_a_reader_on_the_host_reads_each_object_of_reused_memory(
 ) -> None:
     reader = ipc_workers[2]
     ipc.POOL.clear()
-    seen = set()
+    seen, tickets, earlier = set(), set(), []
+    nbytes = int(np.prod(SHAPE)) * 4
     for seed in (40, 41, 42):
         oid, want = _put(ipc_owner, backend, seed)
         seen.add(_address(_stored(ipc_owner, oid)))
+        ticket = ipc_owner._store.get(oid).ticket.name
+        tickets.add(ticket)
+        for old in earlier:  # the ticket names only its present object
+            assert ipc.read_ticket(ticket, old.binary(), nbytes) is None
+        assert ipc.read_ticket(ticket, oid.binary(), nbytes) is not None
         assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
         assert ipc_owner.delete(oid)
         ipc.reap()
+        assert ipc.read_ticket(ticket, oid.binary(), nbytes) is None  # retired with its object
+        earlier.append(oid)
     assert len(seen) == 1  # one allocation served all three
+    assert len(tickets) == 1  # named by one ticket, published again for each object
 
 
 # ---------------------------------------------------------------- mappings a reader keeps
