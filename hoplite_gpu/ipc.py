@@ -154,7 +154,7 @@ class Ticket:
         segment = shm.segment_of(record)
         assert segment is not None
         self._segment: shm.Segment | None = segment
-        self._record: np.ndarray[Any, Any] | None = record
+        self._record: np.ndarray[Any, Any] | None = record  # the segment's payload
         self._array: Any = array
         self._backend = backend
         self._pooled = pooled
@@ -258,19 +258,34 @@ def export(
     the payload of the retired ticket that named this very allocation last (:class:`Spare`),
     which names it again as it is."""
     backend = device.backend_for(array)
-    if record is not None and backend is not None:
-        ticket = Ticket(record, array, backend, pooled, pin)
-        with _draining_lock:
-            _local[ticket.name] = ticket
-        reap()
-        return ticket
-    _drop_record(record)
-    exported = None if backend is None or len(backend.name) > 8 else backend.export(array)
-    record = None
-    if backend is not None and exported is not None and len(exported[0]) <= HANDLE_BYTES:
-        record = shm.create(RECORD_BYTES)
-    if record is None or backend is None or exported is None:
+    if backend is None:
+        _drop_record(record)
         _let_go(array, pin)
+        return None
+    if record is None:
+        written = _new_record(backend, array, pin)
+        if written is None:
+            _let_go(array, pin)
+            return None
+        record, pin = written
+    ticket = Ticket(record, array, backend, pooled, pin)
+    with _draining_lock:
+        _local[ticket.name] = ticket
+    reap()
+    return ticket
+
+
+def _new_record(
+    backend: device.DeviceBackend, array: Any, pin: shm.Segment | None
+) -> tuple[np.ndarray[Any, Any], shm.Segment | None] | None:
+    """A new ticket's payload naming the flat device ``array`` and its pin (a new pin where
+    ``pin`` is None), or None when the backend cannot share ``array`` or ``/dev/shm`` has no
+    room."""
+    exported = None if len(backend.name) > 8 else backend.export(array)
+    if exported is None or len(exported[0]) > HANDLE_BYTES:
+        return None
+    record = shm.create(RECORD_BYTES)
+    if record is None:
         return None
     handle, offset = exported
     pin = pin or _new_pin()
@@ -288,11 +303,7 @@ def export(
     record[_RECORD.size : _RECORD.size + len(handle)] = np.frombuffer(handle, np.uint8)
     _PIN.pack_into(record.data, _PIN_AT, len(pin_name))
     record[_PIN_AT + _PIN.size : _PIN_AT + _PIN.size + len(pin_name)] = np.frombuffer(pin_name, np.uint8)
-    ticket = Ticket(record, array, backend, pooled, pin)
-    with _draining_lock:
-        _local[ticket.name] = ticket
-    reap()
-    return ticket
+    return record, pin
 
 
 def allocate(

@@ -183,10 +183,11 @@ class Putter:
         flat = backend.flat_bytes(array)
         nbytes = int(flat.nbytes)
         self._check_size(nbytes)
-        backend.settle(backend.device_of(flat))  # the caller's last writes to it are done
+        dev = backend.device_of(flat)
+        backend.settle(dev)  # the caller's last writes to it are done
         ticket = None
         if copy:  # into memory same-host readers can open (the caller's is not ours to share)
-            data, ticket = ipc.allocate(backend, nbytes, backend.device_of(flat), self._store.shares)
+            data, ticket = ipc.allocate(backend, nbytes, dev, self._store.shares)
             backend.copy(data, flat)
             flat = data
         return LocalObject(

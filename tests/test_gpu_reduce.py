@@ -17,6 +17,7 @@ from hoplite_gpu.errors import InvalidArgumentError
 from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp
 from hoplite_gpu.reduce_ops import finish as host_finish
 from hoplite_gpu.reduce_ops import reduce_into as host_reduce_into
+from tests.test_vertex import local_object, reduce_task
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -135,40 +136,15 @@ def test_weighted_kernels_refuse_integers() -> None:
 
 def _vertex_objects(cupy: Any, dtype: Any, n: int, child_on_host: bool) -> tuple[Any, ...]:
     """A vertex's own input and one child (complete, exact small integers as ``dtype``), its
-    output, and the sum it must hold."""
-    from hoplite_gpu.buffers import Buffer, dtype_to_wire
-    from hoplite_gpu.object_id import ObjectID
-    from hoplite_gpu.store import LocalObject
-
+    output, the sum it must hold, and the vertex's task."""
     rng = np.random.default_rng(7)
     a, b = (rng.integers(1, 4, n).astype(dtype) for _ in range(2))
-
-    def obj(flat: Any, progress: int) -> LocalObject:
-        buf = Buffer.wrap(flat)
-        return LocalObject(ObjectID.random(), buf.nbytes, dtype_to_wire(dtype), (n,), b"", buf, progress)
-
-    own = obj(cupy.asarray(a.view(np.uint8)), a.nbytes)
-    child = obj(b.view(np.uint8).copy() if child_on_host else cupy.asarray(b.view(np.uint8)), b.nbytes)
-    out = obj(cupy.empty(a.nbytes, cupy.uint8), 0)
-    return own, child, out, (a.astype(np.float64) + b).astype(dtype).view(np.uint8)
-
-
-def _sum_task(dtype: Any, n: int) -> Any:
-    from hoplite_gpu import protocol as p
-    from hoplite_gpu.buffers import dtype_to_wire
-
-    return p.ReduceTask(
-        reduction_id=b"r" * 20,
-        vertex=0,
-        input_id=b"i" * 20,
-        output_id=b"o" * 20,
-        children=[b"c" * 20],
-        op=ReduceOp.SUM.value,
-        count=0,
-        size=n * dtype.itemsize,
-        dtype=dtype_to_wire(dtype),
-        shape=[n],
-    )
+    own = local_object(cupy.asarray(a.view(np.uint8)), dtype, (n,), a.nbytes)
+    child_bytes = b.view(np.uint8).copy() if child_on_host else cupy.asarray(b.view(np.uint8))
+    child = local_object(child_bytes, dtype, (n,), b.nbytes)
+    out = local_object(cupy.empty(a.nbytes, cupy.uint8), dtype, (n,), 0)
+    want = (a.astype(np.float64) + b).astype(dtype).view(np.uint8)
+    return own, child, out, want, reduce_task(a, ReduceOp.SUM, 1, 0)
 
 
 @pytest.mark.gpu
@@ -185,12 +161,12 @@ def test_a_device_vertex_reduces_inputs_it_holds_in_few_steps(dtype_name: str, m
 
     dtype = _dtype(dtype_name)
     n = (16 << 20) // dtype.itemsize
-    own, child, out, want = _vertex_objects(cupy, dtype, n, False)
+    own, child, out, want, task = _vertex_objects(cupy, dtype, n, False)
     backend = out.buffer.backend
     events: list[Any] = []
     record = backend.record
     monkeypatch.setattr(backend, "record", lambda device: events.append(record(device)) or events[-1])
-    asyncio.run(reduce_stream(_sum_task(dtype, n), own, [child], out, 1 << 20, None, 4 << 20))
+    asyncio.run(reduce_stream(task, own, [child], out, 1 << 20, None, 4 << 20))
     assert out.progress == out.size and len(events) == 4
     assert all(event.done() for event in events)
     assert np.array_equal(cupy.asnumpy(out.buffer.view(0, out.size)), want)
@@ -209,14 +185,12 @@ def test_a_device_vertex_publishes_only_reduced_bytes_while_a_host_child_arrives
 
     dtype = np.dtype(np.float32)
     n = (24 << 20) // 4
-    own, child, out, want = _vertex_objects(cupy, dtype, n, True)
+    own, child, out, want, task = _vertex_objects(cupy, dtype, n, True)
     child.progress = 0
     reader = cupy.cuda.Stream(non_blocking=True)
 
     async def run() -> None:
-        reducing = asyncio.ensure_future(
-            reduce_stream(_sum_task(dtype, n), own, [child], out, 1 << 20, None, 8 << 20)
-        )
+        reducing = asyncio.ensure_future(reduce_stream(task, own, [child], out, 1 << 20, None, 8 << 20))
         piece = (3 << 20) + 12
         while not reducing.done():
             if child.progress < child.size:

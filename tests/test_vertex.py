@@ -33,14 +33,20 @@ def _dtype(name: str) -> np.dtype[Any]:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
+def local_object(flat: Any, dtype: np.dtype[Any], shape: tuple[int, ...], progress: int) -> LocalObject:
+    """A local object whose bytes are the flat ``uint8`` array ``flat`` (host or any device)."""
+    buf = Buffer.wrap(flat)
+    return LocalObject(ObjectID.random(), buf.nbytes, dtype_to_wire(dtype), shape, b"", buf, progress)
+
+
 def _obj(arr: np.ndarray[Any, Any], progress: int, device: int | None = None) -> LocalObject:
     """A local object holding ``arr`` (in simulated device memory of ``device`` unless None)."""
     flat = arr.reshape(-1).view(np.uint8)
-    buf = Buffer.wrap(flat if device is None else sim_array(flat, device))
-    return LocalObject(ObjectID.random(), buf.nbytes, dtype_to_wire(arr.dtype), arr.shape, b"", buf, progress)
+    return local_object(flat if device is None else sim_array(flat, device), arr.dtype, arr.shape, progress)
 
 
-def _task(arr: np.ndarray[Any, Any], op: ReduceOp, children: int, count: int) -> p.ReduceTask:
+def reduce_task(arr: np.ndarray[Any, Any], op: ReduceOp, children: int, count: int) -> p.ReduceTask:
+    """A vertex's task over arrays like ``arr``, with ``children`` children (``count``: at the root)."""
     return p.ReduceTask(
         reduction_id=b"r" * 20,
         vertex=0,
@@ -90,7 +96,7 @@ def test_streamed_reduction_equals_whole_array_reduction(
         children = [_obj(a, 0) for a in arrays[1:]]
         out = _obj(np.empty_like(arrays[0]), 0)
         reducing = asyncio.ensure_future(
-            reduce_stream(_task(arrays[0], op, n_children, count), own, children, out, chunk)
+            reduce_stream(reduce_task(arrays[0], op, n_children, count), own, children, out, chunk)
         )
         await _arrive(children, reducing, steps)
         assert out.progress == out.size
@@ -106,7 +112,7 @@ def test_a_failed_child_fails_the_vertex_and_its_output_stays_partial() -> None:
     async def run() -> LocalObject:
         own, child, out = _obj(arr, arr.nbytes), _obj(arr.copy(), 0), _obj(np.empty_like(arr), 0)
         reducing = asyncio.ensure_future(
-            reduce_stream(_task(arr, ReduceOp.SUM, 1, 0), own, [child], out, 4096)
+            reduce_stream(reduce_task(arr, ReduceOp.SUM, 1, 0), own, [child], out, 4096)
         )
         child.advance(8192)
         await asyncio.sleep(0)
@@ -178,7 +184,7 @@ def test_device_output_reduced_in_steps_equals_whole_array_reduction(
         own = _obj(arrays[0], arrays[0].nbytes, 0)
         children = [_obj(a, 0, devices[k]) for a, k in zip(arrays[1:], kinds, strict=True)]
         out = _obj(np.empty_like(arrays[0]), 0, 0)
-        task = _task(arrays[0], op, len(kinds), count)
+        task = reduce_task(arrays[0], op, len(kinds), count)
         reducing = asyncio.ensure_future(reduce_stream(task, own, children, out, chunk, None, most))
         await _arrive(children, reducing, steps)
         assert out.progress == out.size
@@ -197,7 +203,7 @@ def test_a_device_step_takes_in_what_every_input_holds_and_is_published_once_don
         own, child, out = _obj(arr, arr.nbytes, 0), _obj(arr.copy(), 0, 0), _obj(np.empty_like(arr), 0, 0)
         before = _events()
         reducing = asyncio.ensure_future(
-            reduce_stream(_task(arr, ReduceOp.SUM, 1, 0), own, [child], out, 1024, None, 16384)
+            reduce_stream(reduce_task(arr, ReduceOp.SUM, 1, 0), own, [child], out, 1024, None, 16384)
         )
         child.advance(40000)
         # Three steps queued, each as long as the inputs allow up to 16 KiB: 16 KiB, 16 KiB and
@@ -224,7 +230,7 @@ def test_a_device_step_queued_before_a_child_failed_is_published_then_the_error_
         own, child, out = _obj(arr, arr.nbytes, 0), _obj(arr.copy(), 0, 0), _obj(np.empty_like(arr), 0, 0)
         before = _events()
         reducing = asyncio.ensure_future(
-            reduce_stream(_task(arr, ReduceOp.SUM, 1, 0), own, [child], out, 4096, None, 1 << 20)
+            reduce_stream(reduce_task(arr, ReduceOp.SUM, 1, 0), own, [child], out, 4096, None, 1 << 20)
         )
         child.advance(8192)
         await _until(lambda: _events() == before + 1)  # one step of 8 KiB, queued
@@ -265,7 +271,7 @@ def test_a_dropped_device_output_waits_for_its_queued_steps_before_raising() -> 
         )
         before = _events()
         reducing = asyncio.ensure_future(
-            reduce_stream(_task(arr, ReduceOp.SUM, 1, 0), own, [child], out, 1024, None, 4096)
+            reduce_stream(reduce_task(arr, ReduceOp.SUM, 1, 0), own, [child], out, 1024, None, 4096)
         )
         await _until(lambda: _events() == before + 2)  # two steps of 4 KiB queued, not done
         out.fail(ObjectDeletedError("dropped", object_id=out.object_id.hex()))
