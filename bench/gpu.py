@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.collectives import round_times
 from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
-from hoplite_gpu import topology
+from hoplite_gpu.memory import placement
 
 PARTS = ("p2p", "kernel", "collectives", "failure", "wire")
 OPS = ("broadcast", "reduce", "allreduce")
@@ -609,7 +609,7 @@ def environment() -> dict[str, Any]:
         env["ucxx"] = ucxx.__version__
     except Exception as exc:
         env["ucxx"] = f"not importable: {exc}"
-    inventory = topology.inventory()  # NVML's view, as `hoplite-gpu info` prints it
+    inventory = placement.inventory()  # NVML's view, as `hoplite-gpu info` prints it
     env["driver"] = inventory.driver_version or f"NVML unavailable: {inventory.error}"
     if inventory.gpus:
         env["nvml_device"] = inventory.gpus[0].name

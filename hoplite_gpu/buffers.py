@@ -270,41 +270,6 @@ def copy_into(out: Any, src: Any) -> None:
         out.set(host)  # a non-contiguous CuPy array
 
 
-_SPECIAL_DTYPES = ("bfloat16",)
-
-
-def dtype_to_wire(dtype: np.dtype[Any]) -> str:
-    """Text form of a dtype that :func:`dtype_from_wire` turns back into it."""
-    if dtype.hasobject:
-        raise InvalidArgumentError(
-            "object arrays cannot be stored (their bytes are pointers); convert to a numeric dtype",
-            argument="array",
-        )
-    if dtype.name in _SPECIAL_DTYPES:
-        return dtype.name
-    return dtype.str if dtype.fields is None else np.lib.format.dtype_to_descr(dtype).__repr__()
-
-
-def dtype_from_wire(text: str) -> np.dtype[Any]:
-    """Inverse of :func:`dtype_to_wire`; raises :class:`InvalidArgumentError` for any text that
-    is not a dtype it wrote (this text comes from other processes)."""
-    if text in _SPECIAL_DTYPES:
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
-    try:
-        if text.startswith("["):  # a structured dtype's descr: padding is unnamed "|V" fields
-            import ast
-
-            dtype = np.lib.format.descr_to_dtype(ast.literal_eval(text))
-        else:
-            dtype = np.dtype(text)
-    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
-        what = f"not a dtype: {text[:80]!r} ({type(exc).__name__})"
-        raise InvalidArgumentError(what, argument="dtype") from None
-    if dtype.hasobject:
-        raise InvalidArgumentError(f"object dtypes cannot be stored: {text[:80]!r}", argument="dtype")
-    return dtype
-
-
 def digest_of(buf: np.ndarray[Any, Any]) -> bytes:
     """128-bit xxh3 digest of a contiguous byte buffer (about 10 GB/s)."""
     return xxhash.xxh3_128_digest(memoryview(buf).cast("B"))  # type: ignore[arg-type]

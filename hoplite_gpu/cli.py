@@ -108,7 +108,7 @@ def node_report() -> dict[str, Any]:
     when set, else hoplite_gpu's default) with ``ucx_tls_source`` ("env" or "hoplite_gpu default")."""
     from . import gpu
     from .config import default_ucx_tls
-    from .topology import inventory
+    from .memory.placement import inventory
 
     cupy: dict[str, Any] = {"installed": False, "version": None, "device_count": None}
     cupy.update(usable=False, error="")

@@ -75,7 +75,7 @@ class ControlClient:
         :func:`hoplite_gpu.shm.host_key`; ``previous_directory``: see
         :class:`~hoplite_gpu.protocol.Hello`; ``tls``: connect over TLS with this context, which
         checks the directory's certificate and host; ``place``: the node's GPU, see
-        :func:`hoplite_gpu.topology.node_place`)."""
+        :func:`hoplite_gpu.memory.placement.node_place`)."""
         place = place or GpuPlace()
         self.address = address
         host, port = parse_address(address)

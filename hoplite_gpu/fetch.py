@@ -21,8 +21,9 @@ import numpy as np
 
 from . import buffers, device, ipc, shm, sources
 from . import protocol as p
-from .buffers import Buffer, BufferKind, dtype_from_wire
+from .buffers import Buffer, BufferKind
 from .config import Config
+from .dtypes import dtype_from_wire
 from .errors import (
     HopliteError,
     HopliteTimeoutError,

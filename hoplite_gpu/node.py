@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import faults, ipc, shm, sources, topology
+from . import faults, ipc, shm, sources
 from . import protocol as p
 from .config import WILDCARD_HOSTS, Config, host_of, is_loopback
 from .directory.service import DirectoryService
@@ -43,6 +43,7 @@ from .errors import (
 )
 from .fetch import Fetcher, check_out, deliver, publish, streamable
 from .iothread import IOThread
+from .memory import placement
 from .object_id import ObjectID
 from .puts import Putter
 from .reduce_ops import ReduceOp, as_op
@@ -115,7 +116,7 @@ class Node:
             self._on_lost,
             self._on_rejoined,
             resolve_directory,
-            topology.node_place(),
+            placement.node_place(),
         )
         # Same-host readers find device objects put here without a lookup (see ipc.open_indexed).
         index = ipc.cluster_key(token, directory_address) if self._shm and self.config.same_host_index else ""

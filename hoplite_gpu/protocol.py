@@ -574,7 +574,7 @@ def _check_object(
     """An object's description: its id's length, a dtype NumPy accepts, and a size that is its
     shape times its itemsize (and its inline bytes' length). The dtype text is already bounded
     by :func:`decode` (:data:`MAX_TEXT_CHARS`)."""
-    from .buffers import dtype_from_wire  # NumPy stays out of this module's import
+    from .dtypes import dtype_from_wire  # NumPy stays out of this module's import
 
     _check_id(kind, "object_id", object_id)
     if len(shape) > MAX_DIMS or any(d < 0 for d in shape):

@@ -21,8 +21,9 @@ import numpy as np
 
 from . import buffers, device, ipc, shm
 from . import protocol as p
-from .buffers import Buffer, digest_of, dtype_to_wire
+from .buffers import Buffer, digest_of
 from .config import Config
+from .dtypes import dtype_to_wire
 from .errors import InvalidArgumentError, ObjectExistsError, ObjectTooLargeError, ProtocolError, from_kind
 from .fetch import publish, segment_name
 from .object_id import ObjectID

@@ -59,7 +59,7 @@ class DirectorySession:
         resolve: Where the directory is now: called (on a worker thread, with the seconds left)
             before each attempt to reach a lost directory, for one that may come back at another
             address (a restarted Ray actor); None: it comes back at ``address``.
-        place: This node's GPU (:func:`hoplite_gpu.topology.node_place`), told at every join.
+        place: This node's GPU (:func:`hoplite_gpu.memory.placement.node_place`), told at every join.
     """
 
     def __init__(

@@ -31,8 +31,9 @@ import numpy as np
 
 from . import ipc, shm
 from . import protocol as p
-from .buffers import Buffer, digest_of, dtype_from_wire
+from .buffers import Buffer, digest_of
 from .config import Config
+from .dtypes import dtype_from_wire
 from .errors import (
     AuthenticationError,
     HopliteError,

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import ipc
-from .buffers import Buffer, BufferPool, dtype_from_wire
+from .buffers import Buffer, BufferPool
+from .dtypes import dtype_from_wire
 from .errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
 from .object_id import ObjectID
 

@@ -21,8 +21,9 @@ import numpy as np
 
 from . import ipc
 from . import protocol as p
-from .buffers import Buffer, dtype_from_wire
+from .buffers import Buffer
 from .device import DeviceEvent
+from .dtypes import dtype_from_wire
 from .errors import (
     HopliteError,
     HopliteTimeoutError,

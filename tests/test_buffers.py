@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hoplite_gpu import buffers, gpu, shm
+from hoplite_gpu import buffers, dtypes, gpu, shm
 from hoplite_gpu.buffers import ArrayKind, Buffer, BufferKind, BufferPool
 from hoplite_gpu.errors import InvalidArgumentError
 
@@ -168,5 +168,5 @@ def test_structured_dtypes_round_trip_with_their_padding() -> None:
     padded = np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [4, 16], "itemsize": 32})
     nested = np.dtype([("x", "<i2"), ("y", [("p", "<f4"), ("q", "u1", (3,))])])
     for dtype in (padded, nested, np.dtype("<f4"), np.dtype([("a", "<i8")])):
-        back = buffers.dtype_from_wire(buffers.dtype_to_wire(dtype))
+        back = dtypes.dtype_from_wire(dtypes.dtype_to_wire(dtype))
         assert back == dtype and back.itemsize == dtype.itemsize

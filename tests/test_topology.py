@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from hoplite_gpu import gpu, shm, topology
 from hoplite_gpu.errors import InvalidArgumentError
+from hoplite_gpu.memory import placement
 from hoplite_gpu.topology import GpuInfo, Inventory, LinkKind, NvLink, link_between, rank_sources
 
 
@@ -40,7 +41,7 @@ def _env_without_tls() -> dict[str, str]:
 
 @pytest.mark.timeout(60)
 def test_info_prints_what_this_node_sees() -> None:
-    here = topology.inventory()
+    here = placement.inventory()
     out = _cli("info", env=_env_without_tls())
     assert out.returncode == 0, out.stderr
     assert f"host: {socket.gethostname()}" in out.stdout
@@ -65,7 +66,7 @@ def test_info_json_is_one_object_holding_the_inventory() -> None:
     assert inv.host == socket.gethostname() and inv.host_key == shm.host_key()
     assert report["ucx_tls"] == "tcp,cuda_copy" and report["ucx_tls_source"] == "env"
     assert report["cupy"]["installed"] in (True, False) and report["ucxx"]["installed"] is True
-    here = topology.inventory()
+    here = placement.inventory()
     if not here.gpus:  # this machine: no driver
         assert report["gpus"] == [] and report["error"] == here.error != ""
         assert report["cupy"]["usable"] is False and report["driver_version"] == ""
@@ -153,7 +154,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> types.ModuleTyp
     that reports little (its NUMA node comes from sysfs), and a third GPU that is lost."""
     (tmp_path / "0000:86:00.0").mkdir()
     (tmp_path / "0000:86:00.0" / "numa_node").write_text("1\n")
-    monkeypatch.setattr(topology, "SYSFS_PCI", str(tmp_path))
+    monkeypatch.setattr(placement, "SYSFS_PCI", str(tmp_path))
     mem = types.SimpleNamespace(total=80 * 2**30, free=79 * 2**30, used=2**30)
     a = {
         "UUID": b"GPU-aaaa",
@@ -183,7 +184,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> types.ModuleTyp
 
 def test_inventory_reads_nvml_and_tolerates_what_a_gpu_does_not_support(two_gpus: types.ModuleType) -> None:
     nv = two_gpus
-    inv = topology.inventory()
+    inv = placement.inventory()
 
     assert nv.shutdowns == 1  # type: ignore[attr-defined]
     assert (inv.driver_version, inv.cuda_driver_version) == ("550.54.15", "12.4")
@@ -245,7 +246,7 @@ def test_inventory_without_a_driver_lists_no_gpu_and_says_why(
     monkeypatch: pytest.MonkeyPatch, failure: Exception
 ) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml([{}], init_error=failure))
-    inv = topology.inventory()
+    inv = placement.inventory()
     assert inv.gpus == () and inv.host == socket.gethostname()
     assert inv.error.startswith("cannot initialise NVML") and str(failure)[:100] in inv.error
     assert Inventory.from_dict(inv.to_dict()) == inv
@@ -254,7 +255,7 @@ def test_inventory_without_a_driver_lists_no_gpu_and_says_why(
 def test_inventory_with_no_device(monkeypatch: pytest.MonkeyPatch) -> None:
     nv = _fake_nvml([])
     monkeypatch.setitem(sys.modules, "pynvml", nv)
-    inv = topology.inventory()
+    inv = placement.inventory()
     assert (inv.gpus, inv.error, inv.driver_version, nv.shutdowns) == (
         (),
         "NVML lists no GPU",
@@ -265,14 +266,14 @@ def test_inventory_with_no_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_inventory_without_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
-    inv = topology.inventory()
+    inv = placement.inventory()
     assert inv.gpus == () and "pynvml" in inv.error and "not installed" in inv.error
 
 
 def test_bus_id_in_sysfs_form() -> None:
-    assert topology.bus_id("00000000:3B:00.0") == "0000:3b:00.0"
-    assert topology.bus_id("00010000:C1:00.0") == "10000:c1:00.0"
-    assert topology.bus_id("0000:3b:00.0") == "0000:3b:00.0"
+    assert placement.bus_id("00000000:3B:00.0") == "0000:3b:00.0"
+    assert placement.bus_id("00010000:C1:00.0") == "10000:c1:00.0"
+    assert placement.bus_id("0000:3b:00.0") == "0000:3b:00.0"
 
 
 # --- link_between / rank_sources on synthetic inventories -----------------------------------
@@ -494,11 +495,11 @@ def test_a_process_without_a_gpu_in_use_names_none(monkeypatch: pytest.MonkeyPat
     from hoplite_gpu import device
 
     if "cupy" not in sys.modules:
-        assert topology.node_place() == topology.GpuPlace()
+        assert placement.node_place() == topology.GpuPlace()
     monkeypatch.setenv(device.BACKEND_ENV, "sim")
     device.default_backend.cache_clear()
     try:
-        assert device.default_backend().in_use() and topology.node_place() == topology.GpuPlace()
+        assert device.default_backend().in_use() and placement.node_place() == topology.GpuPlace()
     finally:
         monkeypatch.undo()
         device.default_backend.cache_clear()
@@ -512,7 +513,7 @@ def test_a_process_without_a_gpu_in_use_names_none(monkeypatch: pytest.MonkeyPat
 def test_inventory_matches_cupy() -> None:
     import cupy
 
-    inv = topology.inventory()
+    inv = placement.inventory()
     count = int(cupy.cuda.runtime.getDeviceCount())
     assert inv.error == "" and inv.driver_version and inv.cuda_driver_version
     if os.environ.get("CUDA_VISIBLE_DEVICES") is None:  # NVML ignores it, CuPy does not
@@ -540,7 +541,7 @@ def test_a_node_names_its_gpu_to_the_directory(monkeypatch: pytest.MonkeyPatch) 
     device.default_backend.cache_clear()
     try:
         cupy.zeros(1)  # this process works with the GPU
-        place = topology.node_place()
+        place = placement.node_place()
         assert place.uuid.startswith("GPU-")
         assert Inventory.from_dict(place.inventory).gpu(place.uuid) is not None
         with hg.init() as node:

@@ -63,9 +63,9 @@ import numpy as np
 
 from .. import protocol as p
 from ..coding import DECODE_TOLERANCE, DecodeTracker, solve_decoding
+from ..dtypes import dtype_from_wire
 from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op, check_dtype, reduce_chunk, weighted_sum_chunk
-from ..store import dtype_from_wire
 from ..topology import Inventory, LinkKind, link_between
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
 
