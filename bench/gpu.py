@@ -13,7 +13,7 @@ the others still run:
   that allocation again (``ipc.DevicePool``), so a mapping the receiver kept serves it; and how
   many gets found the object through its index link, with no lookup (``same_host_index``). One
   more row has a second receiver ask the directory for every object (``same_host_index=False``).
-* ``kernel``: ``hoplite_gpu.gpu.reduce_into(SUM)`` at 256 MiB for float32 and bfloat16 (uint16
+* ``kernel``: ``hoplite_gpu.memory.kernels.reduce_into(SUM)`` at 256 MiB for float32 and bfloat16 (uint16
   storage), as bandwidth (3 x bytes: two reads and one write, over the median of CUDA-event times
   after a warm-up) against the device's copy bandwidth (2 x bytes over the median time of a
   device-to-device copy). Target: 0.8x.
@@ -39,7 +39,7 @@ Exits 2 with one line where there is no CUDA GPU, 1 if a part failed to run, els
 below its target is a result, not an error). Run it on a GPU host (``make gpu-check`` on the
 device machine runs it after the GPU tests):
 
-    python bench/gpu.py --json bench/results/gpu-h100.json --md bench/results/gpu-h100.md
+    python bench/kernels.py --json bench/results/gpu-h100.json --md bench/results/gpu-h100.md
 """
 
 from __future__ import annotations
@@ -440,7 +440,7 @@ def part_kernel(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]])
 
     import cupy as cp
 
-    from hoplite_gpu import gpu
+    from hoplite_gpu.memory import kernels
     from hoplite_gpu.reduce_ops import ReduceOp
 
     size, repeat = args.kernel_size, max(args.repeat, 20)
@@ -452,7 +452,7 @@ def part_kernel(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]])
     ):
         n = size // cp.dtype(storage).itemsize
         acc, other = cp.full(n, one, storage), cp.full(n, one, storage)
-        step = functools.partial(gpu.reduce_into, ReduceOp.SUM, acc, other, dtype)
+        step = functools.partial(kernels.reduce_into, ReduceOp.SUM, acc, other, dtype)
         step()  # compiles the kernels on first use
         correct = bool((acc == two).all())
         seconds = _event_seconds(step, repeat)
@@ -675,7 +675,7 @@ def format_markdown(record: dict[str, Any]) -> str:
         f"{record['date']}; driver {env.get('driver')}, CUDA runtime {env['cuda_runtime']},"
         f" CuPy {env['cupy']}, ucxx {env.get('ucxx')}, hoplite_gpu {env['hoplite_gpu']},"
         f" Python {env['python']}."
-        f" `python bench/gpu.py {' '.join(record['argv'])}`",
+        f" `python bench/kernels.py {' '.join(record['argv'])}`",
         "",
     ]
     columns = [("part", "l"), ("measurement", "l"), ("size", "r"), ("GB/s", "r"), ("baseline", "l")]
@@ -726,15 +726,15 @@ def main(argv: list[str] | None = None) -> int:
     args.p2p_sizes = [parse_size(s) for s in args.p2p_sizes.split(",")]
     args.kernel_size, args.size = parse_size(args.kernel_size), parse_size(args.size)
 
-    from hoplite_gpu import gpu
+    from hoplite_gpu.memory import kernels
 
-    if not gpu.available():
-        print("bench/gpu.py: no CUDA GPU here (CuPy is not installed or sees no device)", file=sys.stderr)
+    if not kernels.available():
+        print("bench/kernels.py: no CUDA GPU here (CuPy is not installed or sees no device)", file=sys.stderr)
         return 2
     # A time limit's SIGTERM unwinds (the workers are stopped) instead of killing this process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     record: dict[str, Any] = {
-        "benchmark": "bench/gpu.py",
+        "benchmark": "bench/kernels.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv[1:] if argv is None else argv,
         "environment": environment(),

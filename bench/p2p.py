@@ -13,7 +13,7 @@ sender's shared-memory segment, and ``ucx``, with ``shared_memory=False``, where
 through the UCX data plane (the path between hosts).
 
 Two more take device objects in simulated device memory (``HOPLITE_DEVICE_BACKEND=sim``:
-:class:`hoplite_gpu.device.SimBackend`, host memory behind the CUDA IPC code path): the receiver
+:class:`hoplite_gpu.memory.sim.SimBackend`, host memory behind the CUDA IPC code path): the receiver
 opens the sender's memory through its ticket and copies it into a new array, as a GPU reader does
 through CUDA IPC. ``sim-index`` finds the ticket through its index link
 (``Config.same_host_index``, the default), ``sim-lookup`` asks the directory for it
@@ -48,7 +48,7 @@ def _receiver(address: str, token: str, path: str, conn: Any) -> None:
     if path.startswith("sim"):
         os.environ["HOPLITE_DEVICE_BACKEND"] = "sim"
     import hoplite_gpu as hg
-    from hoplite_gpu.buffers import to_host
+    from hoplite_gpu.memory.buffers import to_host
 
     node = hg.connect(address, token=token, shared_memory=path != "ucx", same_host_index=path != "sim-lookup")
     try:
@@ -71,7 +71,7 @@ def _receiver(address: str, token: str, path: str, conn: Any) -> None:
 def run(sizes: list[int], repeat: int, warmup: int = 3, path: str = "shm") -> list[dict[str, Any]]:
     """Measure each size over ``path`` (one of :data:`PATHS`); one row per size."""
     import hoplite_gpu as hg
-    from hoplite_gpu import device
+    from hoplite_gpu.memory import sim
 
     node = hg.init(shared_memory=path != "ucx")
     ctx = mp.get_context("spawn")
@@ -84,7 +84,7 @@ def run(sizes: list[int], repeat: int, warmup: int = 3, path: str = "shm") -> li
             times = []
             for i in range(warmup + repeat):
                 arr = np.arange(size // 8, dtype=np.int64)
-                oid = node.put(device.sim_array(arr) if path.startswith("sim") else arr)
+                oid = node.put(sim.sim_array(arr) if path.startswith("sim") else arr)
                 parent.send(oid.hex())
                 if not parent.poll(180):
                     raise TimeoutError("receiver did not answer")

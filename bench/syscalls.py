@@ -63,8 +63,8 @@ def _child(role: str, address: str, path: str, size: int) -> None:
     if path.startswith("sim"):
         os.environ["HOPLITE_DEVICE_BACKEND"] = "sim"
     import hoplite_gpu as hg
-    from hoplite_gpu import device
-    from hoplite_gpu.buffers import to_host
+    from hoplite_gpu.memory import sim
+    from hoplite_gpu.memory.buffers import to_host
 
     node = hg.connect(
         address,
@@ -78,7 +78,7 @@ def _child(role: str, address: str, path: str, size: int) -> None:
             what, *arg = line.split()
             os.access(f"{MARK}/{what}/begin", os.F_OK)
             if what == "put":
-                answer = node.put(device.sim_array(arr) if path.startswith("sim") else arr).hex()
+                answer = node.put(sim.sim_array(arr) if path.startswith("sim") else arr).hex()
             elif what == "get":
                 got = node.get(hg.ObjectID.from_hex(arg[0]), timeout=60)
                 answer = "ok" if int(to_host(got).reshape(-1)[-1]) == arr.size - 1 else "wrong"

@@ -3,8 +3,8 @@
 
 - hoplite_gpu and CuPy import; the CUDA runtime and NVRTC libraries that came as wheels load;
 - NVRTC (the compiler CuPy uses at run time) compiles ``kernels/reduce.cu`` with every kernel
-  instantiation ``hoplite_gpu.gpu`` asks for, for sm_80 and sm_90, to CUBIN, with no device;
-- ``hoplite_gpu.gpu.available()`` tells whether a GPU is visible (false here, by design).
+  instantiation ``hoplite_gpu.memory.kernels`` asks for, for sm_80 and sm_90, to CUBIN, with no device;
+- ``hoplite_gpu.memory.kernels.available()`` tells whether a GPU is visible (false here, by design).
 
 Prints one JSON object; exits 1 if a check failed.
 """
@@ -41,7 +41,7 @@ def main() -> int:
         import cupy
 
         import hoplite_gpu
-        from hoplite_gpu import gpu
+        from hoplite_gpu.memory import kernels
 
         report["hoplite_gpu"] = hoplite_gpu.__version__
         report["cupy"] = cupy.__version__
@@ -58,19 +58,19 @@ def main() -> int:
     except Exception as exc:
         failed.append(f"CUDA libraries: {exc!r}")
         include = None
-    source_path = gpu.kernels_dir() / "reduce.cu"
+    source_path = kernels.kernels_dir() / "reduce.cu"
     report["kernels"] = str(source_path)
     if include is not None:
         try:
             source = source_path.read_text()
-            names = gpu.kernel_names()
+            names = kernels.kernel_names()
             report["instantiations"] = len(names)
             report["cubin_bytes"] = {
                 f"sm_{arch}": _nvrtc_compile(source, arch, names, include) for arch in ("80", "90")
             }
         except Exception as exc:
             failed.append(f"kernel compile: {exc}")
-    report["gpu_visible"] = gpu.available()
+    report["gpu_visible"] = kernels.available()
     if report["gpu_visible"]:
         report["devices"] = [
             cupy.cuda.runtime.getDeviceProperties(i)["name"].decode()

@@ -106,8 +106,8 @@ def node_report() -> dict[str, Any]:
     its GPU inventory plus ``cupy`` (installed, version, device_count, usable, error), ``ucxx``
     (installed, version) and ``ucx_tls`` (the UCX transports hoplite_gpu runs UCX with: ``UCX_TLS``
     when set, else hoplite_gpu's default) with ``ucx_tls_source`` ("env" or "hoplite_gpu default")."""
-    from . import gpu
     from .config import default_ucx_tls
+    from .memory import kernels
     from .memory.placement import inventory
 
     cupy: dict[str, Any] = {"installed": False, "version": None, "device_count": None}
@@ -120,7 +120,7 @@ def node_report() -> dict[str, Any]:
     except Exception as exc:  # not installed, or no usable CUDA driver
         cupy["error"] = f"{type(exc).__name__}: {exc}"
     with contextlib.suppress(Exception):  # a broken CUDA install must not crash `info`
-        cupy["usable"] = gpu.available()
+        cupy["usable"] = kernels.available()
     try:
         import ucxx
 

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import buffers
 from .errors import HopliteTimeoutError, InvalidArgumentError
+from .memory import buffers
 from .node import Node
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op

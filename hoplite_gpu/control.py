@@ -72,7 +72,7 @@ class ControlClient:
         place: GpuPlace | None = None,
     ) -> None:
         """Connect, authenticate both ways, and start reading (``host_key``: see
-        :func:`hoplite_gpu.shm.host_key`; ``previous_directory``: see
+        :func:`hoplite_gpu.memory.shm.host_key`; ``previous_directory``: see
         :class:`~hoplite_gpu.protocol.Hello`; ``tls``: connect over TLS with this context, which
         checks the directory's certificate and host; ``place``: the node's GPU, see
         :func:`hoplite_gpu.memory.placement.node_place`)."""

@@ -142,7 +142,7 @@ class ObjectLostError(HopliteError):
 class DeviceIpcError(HopliteError):
     """Device memory of another process on this host could not be opened (CUDA IPC: its process is
     gone, no peer access between the devices, or a handle of another machine). Reads fall back to
-    the data plane; this reaches a caller only from :mod:`hoplite_gpu.device` directly."""
+    the data plane; this reaches a caller only from :mod:`hoplite_gpu.memory.device` directly."""
 
 
 class NodeClosedError(HopliteError, RuntimeError):

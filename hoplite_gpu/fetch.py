@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from . import buffers, device, ipc, shm, sources
 from . import protocol as p
-from .buffers import Buffer, BufferKind
+from . import sources
 from .config import Config
 from .dtypes import dtype_from_wire
 from .errors import (
@@ -32,9 +31,11 @@ from .errors import (
     ObjectTooLargeError,
     from_kind,
 )
+from .memory import buffers, device, ipc, shm
+from .memory.buffers import Buffer, BufferKind
+from .memory.store import MEMORY_DEVICE, LocalObject, LocalStore
 from .object_id import ObjectID
 from .session import DirectorySession
-from .store import MEMORY_DEVICE, LocalObject, LocalStore
 from .transport import DataPlane
 from .vertex import ObjectReset
 
@@ -141,7 +142,7 @@ def segment_name(obj: LocalObject) -> str:
 
 def publish(obj: LocalObject) -> str:
     """Publish a complete pooled copy in its shared-memory segment, or a device copy in its
-    ticket (:mod:`hoplite_gpu.ipc`); the name same-host readers open, or ""."""
+    ticket (:mod:`hoplite_gpu.memory.ipc`); the name same-host readers open, or ""."""
     if obj.ticket is not None:
         return obj.ticket.publish(obj.object_id.binary(), obj.dtype, obj.shape)
     seg = _segment(obj)
@@ -169,7 +170,7 @@ class Fetcher:
         session: The node's directory link.
         shared_memory: Whether this node may map same-host segments.
         computes: Whether a reduce vertex on this node computes an object (its output).
-        index: The cluster's key for index links (:func:`hoplite_gpu.ipc.open_indexed`; "": none).
+        index: The cluster's key for index links (:func:`hoplite_gpu.memory.ipc.open_indexed`; "": none).
     """
 
     def __init__(

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import faults, ipc, shm, sources
+from . import faults, sources
 from . import protocol as p
 from .config import WILDCARD_HOSTS, Config, host_of, is_loopback
 from .directory.service import DirectoryService
@@ -43,12 +43,12 @@ from .errors import (
 )
 from .fetch import Fetcher, check_out, deliver, publish, streamable
 from .iothread import IOThread
-from .memory import placement
+from .memory import ipc, placement, shm
+from .memory.store import LocalStore
 from .object_id import ObjectID
 from .puts import Putter
 from .reduce_ops import ReduceOp, as_op
 from .session import DirectorySession
-from .store import LocalStore
 from .transport import DataPlane
 from .vertex import ObjectReset, VertexRunner
 
@@ -199,7 +199,7 @@ class Node:
 
     async def _sweep_ipc(self) -> None:
         """Free device memory same-host readers let go of, and close mappings of other processes'
-        device memory that their holders let go (:mod:`hoplite_gpu.ipc`), once per heartbeat."""
+        device memory that their holders let go (:mod:`hoplite_gpu.memory.ipc`), once per heartbeat."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval)  # a period, not synchronisation
             ipc.sweep()
@@ -668,7 +668,7 @@ class Node:
         pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)
         and its reads of same-host processes' device memory (``device_ipc_*``: mappings opened,
         reads from a mapping kept open, gets that found the memory through an index link with no
-        lookup, mappings kept now; see :mod:`hoplite_gpu.ipc`)."""
+        lookup, mappings kept now; see :mod:`hoplite_gpu.memory.ipc`)."""
         return {
             "node_id": self.node_id,
             "objects": len(self._store),

@@ -19,17 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from . import buffers, device, ipc, shm
 from . import protocol as p
-from .buffers import Buffer, digest_of
 from .config import Config
 from .dtypes import dtype_to_wire
 from .errors import InvalidArgumentError, ObjectExistsError, ObjectTooLargeError, ProtocolError, from_kind
 from .fetch import publish, segment_name
+from .memory import buffers, device, ipc, shm
+from .memory.buffers import Buffer, digest_of
+from .memory.store import MEMORY_DEVICE, LocalObject, LocalStore
 from .object_id import ObjectID
 from .session import DirectorySession
 from .sources import as_hoplite_error
-from .store import MEMORY_DEVICE, LocalObject, LocalStore
 
 #: Bytes a put copies at a time when it copies after publishing (see :meth:`Putter.prepare`).
 PUT_COPY_BYTES = 2 << 20
@@ -69,7 +69,7 @@ class Putter:
         delete: Deletes an object (a put published, then failed, is withdrawn).
         in_background: Runs a coroutine nobody waits for (its failure is only logged).
         index: The cluster's key for index links: a device object put here is linked under it
-            once the directory registered it (:meth:`hoplite_gpu.ipc.Ticket.index`; "": never).
+            once the directory registered it (:meth:`hoplite_gpu.memory.ipc.Ticket.index`; "": never).
     """
 
     def __init__(

@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from . import buffers, collective
+from . import collective
 from .config import Config
 from .errors import DirectoryUnavailableError, HopliteError, InvalidArgumentError
+from .memory import buffers
 from .node import Node
 from .reduce_ops import ReduceOp, as_op
 
@@ -321,15 +322,15 @@ def _torch_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
     t = tensor.detach()
     contiguous = t if t.is_contiguous() else t.contiguous()
     if contiguous.is_cuda:
-        from . import device
+        from .memory import cuda
 
-        if contiguous.dtype == torch.bfloat16 and device.cupy_bfloat16() is None:
+        if contiguous.dtype == torch.bfloat16 and cuda.cupy_bfloat16() is None:
             raise InvalidArgumentError(
                 "collectives on bfloat16 CUDA tensors need CuPy 14 or later (with ml_dtypes), "
                 "whose kernels take bfloat16; this CuPy would reduce the bits as integers",
                 argument="tensor",
             )
-        array = device.cupy_view(contiguous)
+        array = cuda.cupy_view(contiguous)
     elif contiguous.dtype == torch.bfloat16:
         import ml_dtypes
 

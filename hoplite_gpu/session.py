@@ -50,7 +50,7 @@ class DirectorySession:
         data_host: Address advertised for this node's data plane.
         data_port: Port of this node's data plane.
         config: Timeouts, heartbeat interval, reconnection time, control message limit.
-        host_key: See :func:`hoplite_gpu.shm.host_key` ("" without shared memory).
+        host_key: See :func:`hoplite_gpu.memory.shm.host_key` ("" without shared memory).
         on_push: Called on the event loop with every message the directory pushes.
         on_lost: Called on the event loop when the connection is lost, with whether the session
             reconnects (else every later request fails).

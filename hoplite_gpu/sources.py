@@ -29,9 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ipc, shm
 from . import protocol as p
-from .buffers import Buffer, digest_of
 from .config import Config
 from .dtypes import dtype_from_wire
 from .errors import (
@@ -43,8 +41,10 @@ from .errors import (
     ProtocolError,
     TransportError,
 )
+from .memory import ipc, shm
+from .memory.buffers import Buffer, digest_of
+from .memory.store import LocalObject, LocalStore
 from .object_id import ObjectID
-from .store import LocalObject, LocalStore
 from .transport import DataPlane
 
 log = logging.getLogger("hoplite_gpu")
@@ -213,7 +213,7 @@ class SharedMemorySource(Source):
 
 
 class DeviceIpcSource(Source):
-    """A same-host holder's device memory, opened through its ticket (:mod:`hoplite_gpu.ipc`) and
+    """A same-host holder's device memory, opened through its ticket (:mod:`hoplite_gpu.memory.ipc`) and
     copied device to device into a store copy of this node's own (exported in turn, and reported,
     so it serves later readers). None if the ticket is gone or its memory does not open here."""
 
@@ -246,7 +246,7 @@ class DeviceIpcSource(Source):
     def lend(self, reply: p.LookupReply, attempt: Attempt) -> LocalObject | None:
         """The holder's memory itself, open for one reader (a ``get`` that copies it into the array
         it returns: one device copy in all): a complete object outside the store, whose
-        :attr:`~hoplite_gpu.store.LocalObject.lease` the caller closes once it has read it.
+        :attr:`~hoplite_gpu.memory.store.LocalObject.lease` the caller closes once it has read it.
         None if it does not open here."""
         oid = attempt.object_id
         meta = checked_meta(oid, reply)

@@ -90,7 +90,7 @@ class Inventory:
 
     Attributes:
         host: the host name.
-        host_key: :func:`hoplite_gpu.shm.host_key` of the node; nodes with the same non-empty key
+        host_key: :func:`hoplite_gpu.memory.shm.host_key` of the node; nodes with the same non-empty key
             are on the same host.
         driver_version: NVIDIA driver version ("" when unknown).
         cuda_driver_version: CUDA version the driver supports, e.g. ``"12.4"`` ("" when unknown).

@@ -36,8 +36,8 @@ from .errors import (
     TransportError,
 )
 from .faults import INJECTOR
+from .memory.store import LocalObject, LocalStore
 from .object_id import ObjectID
-from .store import LocalObject, LocalStore
 
 log = logging.getLogger("hoplite_gpu.transport")
 

@@ -19,10 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ipc
 from . import protocol as p
-from .buffers import Buffer
-from .device import DeviceEvent
 from .dtypes import dtype_from_wire
 from .errors import (
     HopliteError,
@@ -33,9 +30,12 @@ from .errors import (
     TransportError,
 )
 from .faults import INJECTOR
+from .memory import ipc
+from .memory.backend import DeviceEvent
+from .memory.buffers import Buffer
+from .memory.store import LocalObject, LocalStore
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
-from .store import LocalObject, LocalStore
 
 log = logging.getLogger("hoplite_gpu")
 

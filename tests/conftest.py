@@ -44,9 +44,9 @@ def broken_invariants() -> Iterator[list[str]]:
 
 
 def _gpu() -> bool:
-    from hoplite_gpu import gpu
+    from hoplite_gpu.memory import kernels
 
-    return gpu.available()
+    return kernels.available()
 
 
 @pytest.fixture(
@@ -57,10 +57,10 @@ def _gpu() -> bool:
     ],
 )
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The device backend (:mod:`hoplite_gpu.device`) of this process and of the workers it spawns
+    """The device backend (:mod:`hoplite_gpu.memory.device`) of this process and of the workers it spawns
     while the module's tests run: ``sim`` (host memory treated as device memory) everywhere, and
     ``cupy`` (CUDA) where CuPy sees a GPU; without one the ``cupy`` cases skip."""
-    from hoplite_gpu import device
+    from hoplite_gpu.memory import device
 
     mp = pytest.MonkeyPatch()
     mp.setenv(device.BACKEND_ENV, request.param)

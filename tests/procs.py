@@ -31,9 +31,9 @@ def make_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any,
 def device_array(backend: str, arr: np.ndarray[Any, Any]) -> Any:
     """A device copy of ``arr``: simulated device memory (``"sim"``) or a CuPy array (``"cupy"``)."""
     if backend == "sim":
-        from hoplite_gpu import device
+        from hoplite_gpu.memory import sim
 
-        return device.sim_array(arr)
+        return sim.sim_array(arr)
     import cupy
 
     return cupy.asarray(arr)
@@ -114,7 +114,7 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
             return node.put(make_array(dtype, shape, seed), oid).hex()
         if cmd == "use_device":  # work with a device, as a GPU process does before it gets objects
-            from hoplite_gpu import device
+            from hoplite_gpu.memory import device
 
             device_array(args[0], np.zeros(1, np.uint8))
             return device.default_backend().in_use()
@@ -123,7 +123,7 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
             return node.put(device_array(backend, make_array(dtype, shape, seed)), oid).hex()
         if cmd == "get_typed":  # the type of array get returned, and its digest
-            from hoplite_gpu.buffers import to_host
+            from hoplite_gpu.memory.buffers import to_host
 
             got = node.get(hg.ObjectID.from_hex(args[0]), timeout=args[1])
             return array_type(got), digest(to_host(got).view(np.ndarray))
@@ -134,8 +134,8 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             obj = node._store.get(hg.ObjectID.from_hex(args[0]))
             return "" if obj is None or obj.ticket is None else obj.ticket.name
         if cmd == "ipc_open":  # open a same-host holder's device memory and keep it open
-            from hoplite_gpu import ipc
-            from hoplite_gpu.buffers import to_host
+            from hoplite_gpu.memory import ipc
+            from hoplite_gpu.memory.buffers import to_host
 
             segment, oid_hex, dtype, shape = args
             opened = ipc.open_ticket(
@@ -149,7 +149,7 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             held.pop("ipc").close()
             return True
         if cmd == "ipc_sweep":  # close kept mappings of memory their holders let go; how many stay
-            from hoplite_gpu import ipc
+            from hoplite_gpu.memory import ipc
 
             return ipc.sweep()
         if cmd == "arm":
@@ -220,7 +220,7 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
     memory, _, dtype = dtype.rpartition(":")  # "sim:float32" / "cupy:float32": a device array
     arr = make_array(dtype, shape, seed + group.rank)
     if memory:
-        from hoplite_gpu.buffers import to_host
+        from hoplite_gpu.memory.buffers import to_host
 
         result = coll.allreduce(device_array(memory, arr), group, args[4]) if cmd == "allreduce" else None
         return array_type(result), to_host(result).view(np.ndarray)
@@ -306,7 +306,7 @@ def start_workers(address: str, token: str, n: int, **overrides: Any) -> list[Wo
 def start_device_workers(address: str, token: str, n: int, backend: str, **overrides: Any) -> list[Worker]:
     """:func:`start_workers` whose processes already work with ``backend``'s device memory (a
     process that never touched a GPU receives device objects into host memory, without CUDA IPC,
-    until it has: :meth:`hoplite_gpu.device.DeviceBackend.in_use`)."""
+    until it has: :meth:`hoplite_gpu.memory.backend.DeviceBackend.in_use`)."""
     workers = start_workers(address, token, n, **overrides)
     for w in workers:
         if not w.call("use_device", backend):

@@ -1,4 +1,4 @@
-"""The array-type dispatch and buffer kinds of :mod:`hoplite_gpu.buffers` (no GPU needed)."""
+"""The array-type dispatch and buffer kinds of :mod:`hoplite_gpu.memory.buffers` (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hoplite_gpu import buffers, dtypes, gpu, shm
-from hoplite_gpu.buffers import ArrayKind, Buffer, BufferKind, BufferPool
+from hoplite_gpu import dtypes
 from hoplite_gpu.errors import InvalidArgumentError
+from hoplite_gpu.memory import buffers, kernels, shm
+from hoplite_gpu.memory.buffers import ArrayKind, Buffer, BufferKind, BufferPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,7 +147,7 @@ def test_segment_and_mapped_buffers() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.skipif(not kernels.available(), reason="needs CuPy and a CUDA device")
 def test_device_and_pinned_buffers() -> None:
     import cupy
 

@@ -1,4 +1,4 @@
-"""Device objects end to end, through the device seam (:mod:`hoplite_gpu.device`).
+"""Device objects end to end, through the device seam (:mod:`hoplite_gpu.memory.device`).
 
 A CUDA array put stays in device memory; readers get device arrays; reductions of device inputs
 run on the device backend; device bytes are staged through host memory on the data plane. Every
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
-from hoplite_gpu import device, gpu
 from hoplite_gpu import protocol as p
-from hoplite_gpu.buffers import BufferKind, buffer_kind, to_host
 from hoplite_gpu.config import UCX_CUDA_ENV
 from hoplite_gpu.errors import InvalidArgumentError, PinnedMemoryError, ProtocolError
+from hoplite_gpu.memory import cuda, device, kernels, sim
+from hoplite_gpu.memory.buffers import BufferKind, buffer_kind, to_host
 from tests.procs import (
     DEVICE_TYPE,
     Worker,
@@ -155,9 +155,9 @@ def test_put_and_get_out_wait_for_the_callers_non_blocking_stream(backend: str, 
 def _page_locked(backend: str, arr: np.ndarray[Any, Any]) -> bool:
     """Whether host ``arr`` is registered as page-locked with ``backend``."""
     if backend == "sim":
-        sim = device.default_backend()
-        assert isinstance(sim, device.SimBackend)
-        return (arr.ctypes.data, arr.nbytes) in sim.registered
+        backend = device.default_backend()
+        assert isinstance(backend, sim.SimBackend)
+        return (arr.ctypes.data, arr.nbytes) in backend.registered
     import cupy
 
     attrs = cupy.cuda.runtime.pointerGetAttributes(arr.ctypes.data)
@@ -207,7 +207,7 @@ def test_a_pinned_put_that_cannot_be_page_locked_stores_nothing(
         raise PinnedMemoryError("no room for more page-locked memory")
 
     before = dev_owner.stats()["objects"]
-    monkeypatch.setattr(device.SimBackend, "register_host", refuse)
+    monkeypatch.setattr(sim.SimBackend, "register_host", refuse)
     with pytest.raises(PinnedMemoryError, match="no room"):
         dev_owner.put(make_array("int32", (1000,), 3), pinned=True)
     assert dev_owner.stats()["objects"] == before
@@ -215,7 +215,7 @@ def test_a_pinned_put_that_cannot_be_page_locked_stores_nothing(
         dev_owner.put(make_array("int32", (10,), 3), pinned="yes")
 
 
-@pytest.mark.skipif(gpu.available(), reason="checks the refusal where CuPy sees no GPU")
+@pytest.mark.skipif(kernels.available(), reason="checks the refusal where CuPy sees no GPU")
 def test_pinned_needs_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(device.BACKEND_ENV, "cupy")
     device.default_backend.cache_clear()
@@ -247,14 +247,14 @@ def test_host_objects_stay_host_objects(backend: str, dev_owner: Any) -> None:
     assert np.array_equal(got, arr)
 
 
-@pytest.mark.skipif(gpu.available(), reason="this process has a usable GPU")
+@pytest.mark.skipif(kernels.available(), reason="this process has a usable GPU")
 def test_a_reader_without_a_device_gets_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the CuPy backend and no GPU, a device object is read back as a host copy."""
     monkeypatch.delenv(device.BACKEND_ENV, raising=False)
     device.default_backend.cache_clear()
     try:
         with hg.init() as node:
-            arr = device.sim_array(make_array("float16", (5, 7), 5))
+            arr = sim.sim_array(make_array("float16", (5, 7), 5))
             got = node.get(node.put(arr))
             assert type(got) is np.ndarray and not got.flags.writeable
             assert np.array_equal(got, arr)
@@ -404,17 +404,17 @@ def test_the_memory_kind_is_checked_on_the_wire() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu.available(), reason="no GPU")
+@pytest.mark.skipif(not kernels.available(), reason="no GPU")
 def test_chunks_staged_for_the_data_plane_are_pinned() -> None:
     import cupy
 
-    from hoplite_gpu.buffers import buffer_kind
+    from hoplite_gpu.memory.buffers import buffer_kind
 
     src = (cupy.arange(1 << 20, dtype=cupy.uint32) % 251).view(cupy.uint8)
-    chunk = device.CupyBackend().host_copy(src)
+    chunk = cuda.CupyBackend().host_copy(src)
     assert buffer_kind(chunk) is BufferKind.PINNED
     assert np.array_equal(chunk, cupy.asnumpy(src))
-    big = device.CupyBackend().host_copy(cupy.zeros(device.PINNED_STAGING_BYTES + 1, cupy.uint8))
+    big = cuda.CupyBackend().host_copy(cupy.zeros(cuda.PINNED_STAGING_BYTES + 1, cupy.uint8))
     assert buffer_kind(big) is BufferKind.PRIVATE and not big.any()
 
 
@@ -435,7 +435,7 @@ def test_bfloat16_cuda_tensors_reduce_as_bfloat16(backend: str, dev_owner: Any) 
     assert _local(dev_owner, oids[0]).dtype == "bfloat16"
     result = dev_owner.get(dev_owner.reduce(oids, op="sum"), timeout=60)  # the bfloat16 kernels
     want = sum(h.astype(np.float32) for h in host).astype(bf16)
-    native = device.cupy_bfloat16()
+    native = cuda.cupy_bfloat16()
     assert result.dtype == (native if native is not None else np.uint16)
     assert np.array_equal(cupy.asnumpy(result.view(cupy.uint16)), want.view(np.uint16))
     back = dev_owner.get(oids[1])

@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hoplite_gpu import gpu
 from hoplite_gpu.errors import InvalidArgumentError
+from hoplite_gpu.memory import kernels
 from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp
 from hoplite_gpu.reduce_ops import finish as host_finish
 from hoplite_gpu.reduce_ops import reduce_into as host_reduce_into
@@ -21,18 +21,18 @@ from tests.test_vertex import local_object, reduce_task
 
 pytestmark = pytest.mark.timeout(300)
 
-needs_gpu = pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs CuPy and a CUDA device")
 
 SIZES = sorted({max(0, 2**i + d) for i in (0, 5, 10, 17, 20) for d in (-1, 0, 1)})
 
 
 def test_every_dtype_and_op_has_a_kernel_in_the_source() -> None:
-    assert set(gpu.CUDA_TYPES) == set(SUPPORTED_DTYPES)
-    source = (gpu.kernels_dir() / "reduce.cu").read_text()
+    assert set(kernels.CUDA_TYPES) == set(SUPPORTED_DTYPES)
+    source = (kernels.kernels_dir() / "reduce.cu").read_text()
     for name in ("hoplite_reduce", "hoplite_average", "hoplite_bf16", "OpSum", "OpProd", "OpMin", "OpMax"):
         assert name in source
-    names = gpu.kernel_names()
-    assert len(names) == len(set(names)) == len(SUPPORTED_DTYPES) * 5 + 2 * len(gpu.FLOAT_DTYPES)
+    names = kernels.kernel_names()
+    assert len(names) == len(set(names)) == len(SUPPORTED_DTYPES) * 5 + 2 * len(kernels.FLOAT_DTYPES)
 
 
 def _dtype(name: str) -> np.dtype[Any]:
@@ -68,8 +68,8 @@ def test_kernel_matches_numpy(dtype_name: str, op: ReduceOp) -> None:
         bf16 = dtype_name == "bfloat16"
         acc = cupy.asarray(a.view(np.uint16) if bf16 else a)
         other = cupy.asarray(b.view(np.uint16) if bf16 else b)
-        gpu.reduce_into(op, acc, other, dtype=dtype_name)
-        gpu.finish(op, acc, 3, dtype=dtype_name)
+        kernels.reduce_into(op, acc, other, dtype=dtype_name)
+        kernels.finish(op, acc, 3, dtype=dtype_name)
         got = cupy.asnumpy(acc).view(dtype)
         if np.issubdtype(dtype, np.integer):
             assert np.array_equal(got, want), (size, op)
@@ -99,14 +99,14 @@ def test_arrays_off_a_16_byte_boundary_reduce_one_by_one(dtype_name: str, offset
     acc_all = cupy.asarray(a.view(np.uint16) if bf16 else a)
     other_all = cupy.asarray(b.view(np.uint16) if bf16 else b)
     acc = acc_all[offsets[0] : offsets[0] + size]
-    gpu.reduce_into(ReduceOp.SUM, acc, other_all[offsets[1] : offsets[1] + size], dtype=dtype_name)
+    kernels.reduce_into(ReduceOp.SUM, acc, other_all[offsets[1] : offsets[1] + size], dtype=dtype_name)
     got, want = cupy.asnumpy(acc).view(dtype).astype(np.float64), want.astype(np.float64)
     assert np.array_equal(got, want, equal_nan=True), (dtype_name, offsets)  # one rounding, as on the host
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("dtype_name", gpu.FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype_name", kernels.FLOAT_DTYPES)
 def test_weighted_kernels_match_numpy(dtype_name: str) -> None:
     """``scale`` then ``axpy``: the weighted SUM of two inputs, within one rounding per step."""
     import cupy
@@ -118,8 +118,8 @@ def test_weighted_kernels_match_numpy(dtype_name: str) -> None:
         want = a.astype(np.float64) * 0.25 + b.astype(np.float64) * -1.5
         acc = cupy.asarray(a.view(np.uint16) if bf16 else a)
         other = cupy.asarray(b.view(np.uint16) if bf16 else b)
-        gpu.scale(acc, 0.25, dtype=dtype_name)
-        gpu.axpy(acc, other, -1.5, dtype=dtype_name)
+        kernels.scale(acc, 0.25, dtype=dtype_name)
+        kernels.axpy(acc, other, -1.5, dtype=dtype_name)
         got = cupy.asnumpy(acc).view(dtype).astype(np.float64)
         eps = float(ml_dtypes.finfo(dtype).eps)
         assert np.array_equal(np.isnan(got), np.isnan(want)), size
@@ -131,7 +131,7 @@ def test_weighted_kernels_match_numpy(dtype_name: str) -> None:
 
 def test_weighted_kernels_refuse_integers() -> None:
     with pytest.raises(InvalidArgumentError):
-        gpu.scale(np.zeros(4, np.int32), 2.0)
+        kernels.scale(np.zeros(4, np.int32), 2.0)
 
 
 def _vertex_objects(cupy: Any, dtype: Any, n: int, child_on_host: bool) -> tuple[Any, ...]:

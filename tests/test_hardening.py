@@ -15,12 +15,12 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
-from hoplite_gpu import shm
 from hoplite_gpu.control import ControlClient
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request
 from hoplite_gpu.dtypes import dtype_from_wire, dtype_to_wire
 from hoplite_gpu.errors import InvalidArgumentError, ProtocolError
 from hoplite_gpu.iothread import IOThread
+from hoplite_gpu.memory import shm
 from hoplite_gpu.topology import GpuInfo, Inventory
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,9 +1,9 @@
-"""Same-host device copies (:mod:`hoplite_gpu.ipc`): readers open the holder's device memory through
+"""Same-host device copies (:mod:`hoplite_gpu.memory.ipc`): readers open the holder's device memory through
 its ticket and copy device to device, with no bytes on the data plane.
 
-The processes use the simulated device backend (:class:`hoplite_gpu.device.SimBackend`), whose
+The processes use the simulated device backend (:class:`hoplite_gpu.memory.sim.SimBackend`), whose
 exported memory is a file under ``/dev/shm`` that another process maps (memory of a process that
-is gone is refused by :func:`hoplite_gpu.ipc.open_ticket`, for every backend). The CUDA backend
+is gone is refused by :func:`hoplite_gpu.memory.ipc.open_ticket`, for every backend). The CUDA backend
 runs the same code through ``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``;
 ``tests/test_device_objects.py`` runs its cases with CuPy where a GPU is present
 (``make gpu-check``).
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
-from hoplite_gpu import device, ipc, shm
 from hoplite_gpu import protocol as p
-from hoplite_gpu.buffers import to_host
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
 from hoplite_gpu.errors import ProtocolError
+from hoplite_gpu.memory import device, ipc, shm
+from hoplite_gpu.memory.buffers import to_host
 from hoplite_gpu.topology import GpuInfo, Inventory, NvLink
 from tests.procs import (
     DEVICE_TYPE,

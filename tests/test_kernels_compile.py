@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hoplite_gpu import gpu
+from hoplite_gpu.memory import kernels
 
 NVCC = shutil.which("nvcc")
 pytestmark = [
@@ -22,9 +22,9 @@ FLAGS = ["-std=c++14", "-cubin", "-Werror", "all-warnings", "-Xptxas", "-Werror"
 
 def instantiations() -> str:
     """A translation unit with reduce.cu and an explicit instantiation of every kernel that
-    :func:`hoplite_gpu.gpu.kernel_names` asks CuPy for."""
-    lines = [f'#include "{gpu.kernels_dir() / "reduce.cu"}"']
-    for name in gpu.kernel_names():
+    :func:`hoplite_gpu.memory.kernels.kernel_names` asks CuPy for."""
+    lines = [f'#include "{kernels.kernels_dir() / "reduce.cu"}"']
+    for name in kernels.kernel_names():
         match = re.fullmatch(r"(hoplite_\w+)<([^,>]+)(?:, \w+)?>", name)
         assert match, name
         kernel, ctype = match.groups()

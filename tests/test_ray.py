@@ -17,7 +17,7 @@ pytest.importorskip("ray")
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hgray  # noqa: E402
 import hoplite_gpu.torch as hgt  # noqa: E402
-from hoplite_gpu import device, gpu, shm  # noqa: E402
+from hoplite_gpu.memory import cuda, kernels, shm  # noqa: E402
 
 WORLD = 3
 
@@ -361,7 +361,7 @@ def test_gradient_helpers(ray_session: Any) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.skipif(not kernels.available(), reason="needs CuPy and a CUDA device")
 @pytest.mark.timeout(180)
 def test_gpu_tensors_through_the_backend(ray_session: Any) -> None:
     # Shared memory on (the suite turns it off): members on one host read each other's device
@@ -375,7 +375,7 @@ def test_gpu_tensors_through_the_backend(ray_session: Any) -> None:
         np.testing.assert_array_equal(out["cupy"], _value(0, (1000,)) + _value(1, (1000,)))
         np.testing.assert_array_equal(out["torch"], _value(0, (700_000,)) + _value(1, (700_000,)))
         np.testing.assert_array_equal(out["broadcast"], _value(1, (16,)))
-        if device.cupy_bfloat16() is None:
+        if cuda.cupy_bfloat16() is None:
             assert "CuPy 14" in out["bf16"]
         else:
             want = (_bf16_value(0).astype(np.float32) + _bf16_value(1)).astype(_bf16_value(0).dtype)

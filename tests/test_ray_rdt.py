@@ -19,7 +19,8 @@ ray = pytest.importorskip("ray")
 
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hgray  # noqa: E402
-from hoplite_gpu import gpu, rdt  # noqa: E402
+from hoplite_gpu import rdt  # noqa: E402
+from hoplite_gpu.memory import kernels  # noqa: E402
 from tests.procs import wait_for_events  # noqa: E402
 
 # At import, in the driver and in every actor process that imports this module: the decorators
@@ -258,7 +259,7 @@ class CudaConsumer:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu.available() or not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not kernels.available() or not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_arrive_on_the_receivers_device(rdt_ray: Any) -> None:
     producer = ray.remote(num_gpus=0.5, num_cpus=0, enable_tensor_transport=True)(CudaProducer).remote()
     consumer = ray.remote(num_gpus=0.5, num_cpus=0, enable_tensor_transport=True)(CudaConsumer).remote()

@@ -14,9 +14,9 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
-from hoplite_gpu import shm
-from hoplite_gpu.buffers import BufferPool
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request, Send
+from hoplite_gpu.memory import shm
+from hoplite_gpu.memory.buffers import BufferPool
 from tests.procs import Worker, digest, make_array, start_workers, wait_for_events
 
 pytestmark = [
@@ -142,7 +142,7 @@ def test_orphaned_segments_of_a_killed_process_are_swept() -> None:
     import sys
 
     code = (
-        "import os, sys, signal; from hoplite_gpu import shm; b = shm.create(1 << 16); "
+        "import os, sys, signal; from hoplite_gpu.memory import shm; b = shm.create(1 << 16); "
         "print(shm.segment_of(b).name, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -191,7 +191,7 @@ def test_index_links_of_a_killed_process_are_replaced_or_swept() -> None:
     oids = [os.urandom(20), os.urandom(20)]
     names = [shm.index_name(CLUSTER, oid) for oid in oids]
     code = (
-        "import os, sys, signal; from hoplite_gpu import shm; s = shm.segment_of(shm.create(64)); "
+        "import os, sys, signal; from hoplite_gpu.memory import shm; s = shm.segment_of(shm.create(64)); "
         f"s.publish(bytes.fromhex('{oids[0].hex()}')); "
         f"assert s.link('{names[0]}') and s.link('{names[1]}'); "
         "os.kill(os.getpid(), signal.SIGKILL)"

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hoplite_gpu.buffers import Buffer, BufferPool
+from hoplite_gpu.memory.buffers import Buffer, BufferPool
 from tests.procs import digest, make_array
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,8 +77,8 @@ def test_a_removed_object_is_refused_at_once() -> None:
     """A pull of an object this node just deleted must not wait for it to reappear."""
     import asyncio
 
+    from hoplite_gpu.memory.store import LocalObject, LocalStore
     from hoplite_gpu.object_id import ObjectID
-    from hoplite_gpu.store import LocalObject, LocalStore
 
     async def scenario() -> tuple[object, object]:
         store = LocalStore(1 << 20)
@@ -97,7 +97,7 @@ def test_a_removed_object_is_refused_at_once() -> None:
 
 def test_chunk_size_follows_measured_throughput() -> None:
     from hoplite_gpu.config import Config, MiB
-    from hoplite_gpu.store import LocalStore
+    from hoplite_gpu.memory.store import LocalStore
     from hoplite_gpu.transport import DataPlane
 
     cfg = Config(chunk_bytes=4 * MiB, chunk_seconds=0.004, min_chunk_bytes=MiB // 4, max_chunk_bytes=16 * MiB)

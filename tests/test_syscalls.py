@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench import syscalls
-from hoplite_gpu import shm
+from hoplite_gpu.memory import shm
 
 _NO_STRACE = syscalls.strace_usable()
 

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hoplite_gpu import gpu, shm, topology
+from hoplite_gpu import topology
 from hoplite_gpu.errors import InvalidArgumentError
-from hoplite_gpu.memory import placement
+from hoplite_gpu.memory import kernels, placement, shm
 from hoplite_gpu.topology import GpuInfo, Inventory, LinkKind, NvLink, link_between, rank_sources
 
 
@@ -492,7 +492,7 @@ def test_the_inventory_a_node_sends_keeps_every_link_kind_in_little_space() -> N
 def test_a_process_without_a_gpu_in_use_names_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """No CUDA or NVML start-up for a node whose process works with no GPU: its place is empty
     (CuPy not loaded; or the simulated backend, which has no UUIDs)."""
-    from hoplite_gpu import device
+    from hoplite_gpu.memory import device
 
     if "cupy" not in sys.modules:
         assert placement.node_place() == topology.GpuPlace()
@@ -509,7 +509,7 @@ def test_a_process_without_a_gpu_in_use_names_none(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.skipif(not kernels.available(), reason="needs CuPy and a CUDA device")
 def test_inventory_matches_cupy() -> None:
     import cupy
 
@@ -529,13 +529,13 @@ def test_inventory_matches_cupy() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu.available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.skipif(not kernels.available(), reason="needs CuPy and a CUDA device")
 def test_a_node_names_its_gpu_to_the_directory(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's UUID of the current device is NVML's, so the directory can rank holders by link."""
     import cupy
 
     import hoplite_gpu as hg
-    from hoplite_gpu import device
+    from hoplite_gpu.memory import device
 
     monkeypatch.delenv(device.BACKEND_ENV, raising=False)
     device.default_backend.cache_clear()

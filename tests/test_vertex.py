@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hoplite_gpu import protocol as p
-from hoplite_gpu.buffers import Buffer
-from hoplite_gpu.device import SimBackend, sim_array
 from hoplite_gpu.dtypes import dtype_to_wire
 from hoplite_gpu.errors import ObjectDeletedError, PeerLostError
+from hoplite_gpu.memory.buffers import Buffer
+from hoplite_gpu.memory.sim import SimBackend, sim_array
+from hoplite_gpu.memory.store import LocalObject
 from hoplite_gpu.object_id import ObjectID
 from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp, reduce_chunk
-from hoplite_gpu.store import LocalObject
 from hoplite_gpu.vertex import reduce_stream
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from .. import shm
 from ..errors import InvalidArgumentError
 from ..topology import MAX_GPUS, MAX_LINKS, MAX_PLACE_BYTES, MAX_STR, GpuInfo, GpuPlace, Inventory, NvLink
+from . import device, shm
 
 #: Where Linux lists PCI devices (``<bus id>/numa_node``); a test may point it elsewhere.
 SYSFS_PCI = "/sys/bus/pci/devices"
@@ -29,10 +29,8 @@ _REMOTE_KINDS = {0: "gpu", 1: "ibmnpu", 2: "switch"}  # NVML_NVLINK_DEVICE_TYPE_
 
 def node_place() -> GpuPlace:
     """This process's :class:`GpuPlace`: empty unless it already works with CUDA device memory
-    (:meth:`~hoplite_gpu.device.DeviceBackend.in_use`: no CUDA or NVML start-up for a process that
+    (:meth:`~hoplite_gpu.memory.backend.DeviceBackend.in_use`: no CUDA or NVML start-up for a process that
     never touches a GPU) and NVML lists its current device."""
-    from .. import device
-
     backend = device.default_backend()
     if not backend.in_use():
         return GpuPlace()

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import HopliteError, InvalidArgumentError
-from .reduce_ops import ReduceOp, check_dtype
+from ..errors import HopliteError, InvalidArgumentError
+from ..reduce_ops import ReduceOp, check_dtype
 
 #: CUDA storage type per dtype name.
 CUDA_TYPES: dict[str, str] = {
@@ -46,7 +46,7 @@ MAX_BLOCKS = 4096  # the kernels loop with a grid stride beyond this
 def kernels_dir() -> Path:
     """Where the CUDA sources are: ``HOPLITE_KERNELS_DIR``, else ``kernels/`` of the checkout."""
     override = os.environ.get("HOPLITE_KERNELS_DIR")
-    return Path(override) if override else Path(__file__).resolve().parent.parent / "kernels"
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "kernels"
 
 
 def kernel_names() -> list[str]:

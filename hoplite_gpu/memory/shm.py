@@ -413,7 +413,7 @@ def view_published(view: np.ndarray[Any, Any]) -> bool:
 
 def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | None:
     """A read-only view of ``nbytes`` at ``offset`` of segment ``name``'s payload, whatever its
-    header says (simulated device memory, :class:`hoplite_gpu.device.SimBackend`, whose validity a
+    header says (simulated device memory, :class:`hoplite_gpu.memory.sim.SimBackend`, whose validity a
     separate published segment vouches for), or None when the segment is not there or too small."""
     opened = _open_regular(name) if offset >= 0 and nbytes >= 0 else None
     if opened is None:

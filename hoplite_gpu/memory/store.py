@@ -11,11 +11,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dtypes import dtype_from_wire
+from ..errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
+from ..object_id import ObjectID
 from . import ipc
 from .buffers import Buffer, BufferPool
-from .dtypes import dtype_from_wire
-from .errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
-from .object_id import ObjectID
 
 #: :attr:`LocalObject.memory` of an object put from host memory (NumPy, CPU tensors).
 MEMORY_HOST = ""
@@ -43,7 +43,7 @@ class LocalObject:
     # copy's buffer is: a reader's get returns that kind (a device object received into host
     # memory is copied to the reader's device when read).
     memory: str = MEMORY_HOST
-    # The export of a device buffer the store allocated itself (:mod:`hoplite_gpu.ipc`): published
+    # The export of a device buffer the store allocated itself (:mod:`hoplite_gpu.memory.ipc`): published
     # with the complete copy, so same-host readers copy from it device to device; retired with it.
     ticket: ipc.Ticket | None = None
     # Another process's device memory this copy reads in place (a lent copy, outside the store:

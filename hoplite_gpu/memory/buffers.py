@@ -28,9 +28,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..errors import InvalidArgumentError
 from . import device as devices
 from . import shm
-from .errors import InvalidArgumentError
+from .backend import DeviceBackend
+from .cuda import dlpack_on_cuda
+from .sim import SimDeviceArray
 
 
 class ArrayKind(enum.Enum):
@@ -41,20 +44,20 @@ class ArrayKind(enum.Enum):
     TORCH = "torch"
     CUDA = "cuda"  # another CUDA array: ``__cuda_array_interface__``, or DLPack on a CUDA device
     HOST = "host"  # another object NumPy can view (``__array_interface__``, buffer, DLPack)
-    SIM = "sim"  # simulated device memory (:class:`hoplite_gpu.device.SimDeviceArray`, for tests)
+    SIM = "sim"  # simulated device memory (:class:`hoplite_gpu.memory.device.SimDeviceArray`, for tests)
     OTHER = "other"
 
 
 def kind_of(array: Any) -> ArrayKind:
     """Classify ``array`` (no import of CuPy or torch happens here)."""
     if isinstance(array, np.ndarray):
-        return ArrayKind.SIM if isinstance(array, devices.SimDeviceArray) else ArrayKind.NUMPY
+        return ArrayKind.SIM if isinstance(array, SimDeviceArray) else ArrayKind.NUMPY
     module = type(array).__module__.split(".")[0]
     if module == "cupy":
         return ArrayKind.CUPY
     if module == "torch":
         return ArrayKind.TORCH
-    if hasattr(array, "__cuda_array_interface__") or devices.dlpack_on_cuda(array):
+    if hasattr(array, "__cuda_array_interface__") or dlpack_on_cuda(array):
         return ArrayKind.CUDA
     if hasattr(array, "__array_interface__") or hasattr(array, "__dlpack__"):
         return ArrayKind.HOST
@@ -104,7 +107,7 @@ class Buffer:
     """An object's bytes: a flat ``uint8`` array, where it lives, and who may recycle it.
 
     ``array`` is a NumPy array for the host kinds and an array of a
-    :class:`~hoplite_gpu.device.DeviceBackend` for :attr:`BufferKind.DEVICE` (a CuPy array, or a
+    :class:`~hoplite_gpu.memory.backend.DeviceBackend` for :attr:`BufferKind.DEVICE` (a CuPy array, or a
     simulated one; ``device`` is then its device ordinal). ``pooled`` says the array came from the store's
     :class:`BufferPool` and goes back to it when the object is removed. ``unpin``: host memory
     page-locked for this object (``put(..., pinned=True)``), undone by :meth:`release_pin` before
@@ -160,7 +163,7 @@ class Buffer:
         return self.kind is BufferKind.DEVICE
 
     @property
-    def backend(self) -> devices.DeviceBackend:
+    def backend(self) -> DeviceBackend:
         """The device backend of a device buffer (raises for host memory)."""
         backend = devices.backend_for(self.array)
         if backend is None:
@@ -211,7 +214,7 @@ class Buffer:
 
 
 def on_device(array: Any) -> bool:
-    """Whether ``array`` lives in GPU memory (of any :mod:`~hoplite_gpu.device` backend)."""
+    """Whether ``array`` lives in GPU memory (of any :mod:`~hoplite_gpu.memory.device` backend)."""
     return devices.backend_for(array) is not None
 
 
@@ -297,9 +300,9 @@ class BufferPool:
     Thread-safe (``put`` copies on the caller's thread).
 
     With ``shared_min_bytes`` > 0, buffers of at least that many bytes live in shared-memory
-    segments (:mod:`hoplite_gpu.shm`) that processes on the same host copy from directly; a
+    segments (:mod:`hoplite_gpu.memory.shm`) that processes on the same host copy from directly; a
     segment is retired (readers reject it) as soon as it is released, reused only once no other
-    process maps it (:func:`hoplite_gpu.shm.map_view`), and unlinked when the pool lets go of it.
+    process maps it (:func:`hoplite_gpu.memory.shm.map_view`), and unlinked when the pool lets go of it.
     """
 
     def __init__(self, max_bytes: int, shared_min_bytes: int = 0) -> None:

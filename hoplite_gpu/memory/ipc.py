@@ -1,9 +1,9 @@
 """Same-host device objects through CUDA IPC: readers copy device to device from the holder's memory.
 
 A device object the store keeps in its own allocation (:meth:`DeviceBackend.empty_shared
-<hoplite_gpu.device.DeviceBackend.empty_shared>`) is *exported*: the holder writes the
+<hoplite_gpu.memory.backend.DeviceBackend.empty_shared>`) is *exported*: the holder writes the
 allocation's inter-process handle into a small *ticket*, a shared-memory segment of
-:mod:`hoplite_gpu.shm` published under the object's ID, and tells the directory its name (``ipc:``
+:mod:`hoplite_gpu.memory.shm` published under the object's ID, and tells the directory its name (``ipc:``
 followed by the segment's name, in the copy's ``segment`` field). A reader on the same host that
 can open device memory (``LookupRequest.device_ipc``) is answered with the ticket like a
 shared-memory segment; it reads the ticket under the ticket's lock (:func:`shm.read_locked`: one
@@ -54,7 +54,7 @@ Record layout (the ticket's payload, little-endian)::
 Readers of the same cluster find the ticket of an object its owner put without asking the
 directory (:func:`open_indexed`): once the directory has registered the put, the owner links the
 ticket under a name derived from the ObjectID and a key of the cluster (:meth:`Ticket.index`,
-:func:`hoplite_gpu.shm.index_name`); the record's dtype and shape give the reader what a lookup
+:func:`hoplite_gpu.memory.shm.index_name`); the record's dtype and shape give the reader what a lookup
 would have. The link goes when the ticket is retired (the object deleted), and with its process.
 """
 
@@ -72,8 +72,8 @@ from typing import Any
 
 import numpy as np
 
+from ..protocol import IPC_SEGMENT_PREFIX
 from . import device, shm
-from .protocol import IPC_SEGMENT_PREFIX
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -349,7 +349,7 @@ class DevicePool:
     same size on the same device (puts, received copies, reduce outputs).
 
     An allocation is handed out again only once nothing refers to it any more
-    (:meth:`DeviceBackend.references <hoplite_gpu.device.DeviceBackend.references>` against the
+    (:meth:`DeviceBackend.references <hoplite_gpu.memory.backend.DeviceBackend.references>` against the
     count of an allocation only the pool holds, measured once per backend): a transfer still
     sending from it or a vertex still reading it keeps it out of use. Beyond ``max_bytes`` the
     oldest are freed. Process-wide like the tickets: every node of a process shares it, sized by
@@ -490,7 +490,7 @@ class Opened:
 
 def _close_mapping(close: Callable[[], None]) -> None:
     """Call a mapping's ``close`` (from :meth:`DeviceBackend.open_export
-    <hoplite_gpu.device.DeviceBackend.open_export>`), logging a failure."""
+    <hoplite_gpu.memory.backend.DeviceBackend.open_export>`), logging a failure."""
     try:
         close()
     except Exception as exc:  # a CUDA error while closing: nothing more to do than say so
