@@ -10,7 +10,7 @@ the others still run:
   many ``get(out=...)`` into a CuPy array the receiver allocated once. Target: 0.7x the copy.
   Each row also says how many CUDA IPC mappings the receiver opened and how many gets read
   through one it kept open: the sender deletes each object after its get and its next put gets
-  that allocation again (``ipc.DevicePool``), so a mapping the receiver kept serves it; and how
+  that allocation again (``device_pool.DevicePool``), so a mapping the receiver kept serves it; and how
   many gets found the object through its index link, with no lookup (``same_host_index``). One
   more row has a second receiver ask the directory for every object (``same_host_index=False``).
 * ``kernel``: ``hoplite_gpu.memory.kernels.reduce_into(SUM)`` at 256 MiB for float32 and bfloat16 (uint16

@@ -48,7 +48,7 @@ def _receiver(address: str, token: str, path: str, conn: Any) -> None:
     if path.startswith("sim"):
         os.environ["HOPLITE_DEVICE_BACKEND"] = "sim"
     import hoplite_gpu as hg
-    from hoplite_gpu.memory.buffers import to_host
+    from hoplite_gpu.memory import to_host
 
     node = hg.connect(address, token=token, shared_memory=path != "ucx", same_host_index=path != "sim-lookup")
     try:

@@ -63,8 +63,7 @@ def _child(role: str, address: str, path: str, size: int) -> None:
     if path.startswith("sim"):
         os.environ["HOPLITE_DEVICE_BACKEND"] = "sim"
     import hoplite_gpu as hg
-    from hoplite_gpu.memory import sim
-    from hoplite_gpu.memory.buffers import to_host
+    from hoplite_gpu.memory import sim, to_host
 
     node = hg.connect(
         address,

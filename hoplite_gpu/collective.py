@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import memory
 from .errors import HopliteTimeoutError, InvalidArgumentError
-from .memory import buffers
 from .node import Node
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
@@ -309,7 +309,7 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     g = _check_group(group)
     reduce_op = as_op(op)
     seq = g._next()
-    flat = buffers.flat_view(array)
+    flat = memory.flat_view(array)
     n = g.world_size
     if n > 1 and flat is not None and flat.nbytes >= SHARD_MIN_BYTES and flat.size >= n:
         return g._run(_sharded_allreduce(g, seq, array, flat, reduce_op))
@@ -481,4 +481,4 @@ def _copy(dst: Any, src: Any) -> None:
         raise InvalidArgumentError(
             "list_out entries must match the array's dtype and shape", argument="list_out"
         )
-    buffers.copy_into(dst, src)
+    memory.copy_into(dst, src)

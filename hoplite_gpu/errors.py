@@ -149,6 +149,19 @@ class NodeClosedError(HopliteError, RuntimeError):
     """The node was closed; create a new one with ``hoplite_gpu.init`` or ``hoplite_gpu.connect``."""
 
 
+class ObjectReset(HopliteError):
+    """A partial copy of a reduction's result was voided (the tree is being rebuilt after a
+    failure); a get of it starts again from byte 0. Internal: never raised to callers."""
+
+
+def as_hoplite_error(exc: BaseException, object_id: Any) -> HopliteError:
+    """The error waiters of an abandoned put or get of ``object_id`` (an ObjectID) see: ``exc``
+    itself if typed, else a cancellation."""
+    if isinstance(exc, HopliteError):
+        return exc
+    return ObjectDeletedError(f"get of {object_id} was cancelled", object_id=object_id.hex())
+
+
 #: Errors the directory reports by name (``error_kind`` of a reply), and the class of each.
 _REMOTE_KINDS: dict[str, type[HopliteError]] = {
     cls.__name__: cls

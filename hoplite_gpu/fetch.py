@@ -1,11 +1,12 @@
 """How a node gets an object: ask the directory, fill the local copy from the source it names,
 report the copy.
 
-:meth:`Fetcher.get` is a short loop: a lookup (:meth:`DirectorySession.lookup`), the reply's status
-checked, then the source (:mod:`hoplite_gpu.sources`) that fills the local copy; a source that
-asks for another one sends the loop round again, with the bytes it already holds. The copy is
-reported when complete (:meth:`Fetcher.completed`), so later readers can pull from it, and is
-visible in the local store while it fills, so they can pull from it even then.
+:meth:`Fetcher.get` is a short loop: a lookup (:meth:`Fetcher._lookup`: the directory's answer,
+checked), the source (:mod:`hoplite_gpu.sources`) that answer names (:meth:`Fetcher._source_for`)
+filling the local copy, and a report when it is complete (:meth:`Fetcher.completed`), so later
+readers can pull from it. A source that asks for another one sends the loop round again, with the
+bytes it already holds; the copy is visible in the local store while it fills, so other readers can
+pull from it even then. :func:`deliver` hands the object to the caller.
 """
 
 from __future__ import annotations
@@ -27,17 +28,23 @@ from .errors import (
     HopliteError,
     HopliteTimeoutError,
     InvalidArgumentError,
-    ObjectNotFoundError,
+    ObjectReset,
     ObjectTooLargeError,
     from_kind,
 )
-from .memory import buffers, device, ipc, shm
-from .memory.buffers import Buffer, BufferKind
-from .memory.store import MEMORY_DEVICE, LocalObject, LocalStore
+from .memory import (
+    MEMORY_DEVICE,
+    OUT_KINDS,
+    ArrayKind,
+    CallerArray,
+    LocalObject,
+    LocalStore,
+    device_in_use,
+    device_result,
+)
 from .object_id import ObjectID
 from .session import DirectorySession
 from .transport import DataPlane
-from .vertex import ObjectReset
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -45,28 +52,31 @@ log = logging.getLogger("hoplite_gpu")
 STREAM_COPY_BYTES = 4 << 20
 
 
-def check_out(out: Any) -> None:
-    """Raise :class:`InvalidArgumentError` unless ``out`` is None or an array ``get`` can write
-    (a writable NumPy array, or a CuPy array); its dtype and shape are checked on arrival."""
+def check_out(out: Any) -> CallerArray | None:
+    """``out`` as the caller's array ``get`` writes into (None for None); raises
+    :class:`InvalidArgumentError` unless it is a writable NumPy array, or a CuPy array. Its dtype
+    and shape are checked on arrival."""
     if out is None:
-        return
-    kind = buffers.kind_of(out)
-    if kind not in (buffers.ArrayKind.NUMPY, buffers.ArrayKind.CUPY, buffers.ArrayKind.SIM):
+        return None
+    entered = CallerArray.of(out)
+    if entered.kind not in OUT_KINDS:
         raise InvalidArgumentError(
             f"out must be a NumPy or CuPy array, got {type(out).__name__}", argument="out"
         )
-    if kind is buffers.ArrayKind.NUMPY and not out.flags.writeable:
+    if entered.kind is ArrayKind.NUMPY and not out.flags.writeable:
         raise InvalidArgumentError("out is read-only", argument="out")
+    return entered
 
 
-def streamable(out: Any) -> bool:
+def streamable(out: CallerArray | None) -> bool:
     """Whether ``get`` can copy into ``out`` while the object arrives (a writable C-contiguous
     NumPy array of at least a few chunks; others get one copy at the end)."""
     return (
-        isinstance(out, np.ndarray)
-        and out.flags.c_contiguous
-        and out.flags.writeable
-        and out.nbytes >= 2 * STREAM_COPY_BYTES
+        out is not None
+        and out.kind is ArrayKind.NUMPY
+        and out.value.flags.c_contiguous
+        and out.value.flags.writeable
+        and out.value.nbytes >= 2 * STREAM_COPY_BYTES
     )
 
 
@@ -82,7 +92,7 @@ async def _follow(source: LocalObject, dst: np.ndarray[Any, Any]) -> LocalObject
     return source
 
 
-def deliver(obj: LocalObject, out: Any) -> Any:
+def deliver(obj: LocalObject, out: CallerArray | None) -> Any:
     """``obj``'s array, or ``out`` (any array kind, checked against it) filled with it.
 
     Without ``out``: an object put from host memory is a read-only NumPy view of the store's
@@ -90,19 +100,20 @@ def deliver(obj: LocalObject, out: Any) -> Any:
     bfloat16 object as uint16 where CuPy lacks bfloat16), or a host copy where this process has no usable
     device. A lent copy (another process's device memory) is closed once read.
     """
-    if obj.lease is not None:
+    lease = obj.buffer.lease
+    if lease is not None:
         try:
             return _deliver(obj, out)
         finally:
-            obj.lease.close()
+            lease.close()
     return _deliver(obj, out)
 
 
-def _deliver(obj: LocalObject, out: Any) -> Any:
+def _deliver(obj: LocalObject, out: CallerArray | None) -> Any:
     dtype = dtype_from_wire(obj.dtype)
     if out is None:
         if obj.memory == MEMORY_DEVICE:
-            result = device.device_result(obj.buffer.array, dtype, obj.shape)
+            result = device_result(obj.buffer.array, dtype, obj.shape)
             if result is not None:
                 return result
         if obj.buffer.on_device:  # a host copy of device bytes (read-only, like the store's views)
@@ -110,46 +121,23 @@ def _deliver(obj: LocalObject, out: Any) -> Any:
             host.flags.writeable = False
             return host
         return obj.array()
-    bits = dtype.name == "bfloat16" and buffers.on_device(out) and np.dtype(out.dtype) == np.uint16
-    if tuple(out.shape) != obj.shape or (np.dtype(out.dtype) != dtype and not bits):
+    array = out.value
+    bits = dtype.name == "bfloat16" and out.on_device and np.dtype(array.dtype) == np.uint16
+    if tuple(array.shape) != obj.shape or (np.dtype(array.dtype) != dtype and not bits):
         raise InvalidArgumentError(
-            f"out has dtype {out.dtype} and shape {tuple(out.shape)}, the object "
+            f"out has dtype {array.dtype} and shape {tuple(array.shape)}, the object "
             f"{obj.object_id} has dtype {dtype} and shape {obj.shape}",
             argument="out",
         )
     # Device bytes go to a host ``out`` as ``dtype`` (bfloat16 may be viewed as uint16 on a device).
-    host_out = obj.buffer.on_device and not buffers.on_device(out)
-    buffers.copy_into(out, _host_copy(obj, dtype) if host_out else obj.array())
-    return out
+    host_out = obj.buffer.on_device and not out.on_device
+    out.copy_from(_host_copy(obj, dtype) if host_out else obj.array())
+    return array
 
 
 def _host_copy(obj: LocalObject, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
     """A host copy of a device object's bytes, typed."""
     return obj.buffer.to_host().view(dtype).reshape(obj.shape)
-
-
-def _segment(obj: LocalObject) -> shm.Segment | None:
-    """The shared-memory segment holding a pooled object's bytes (None: private memory)."""
-    return shm.segment_of(obj.buffer.array) if obj.buffer.kind is BufferKind.SEGMENT else None
-
-
-def segment_name(obj: LocalObject) -> str:
-    """The name of the segment holding ``obj``'s bytes, not published yet ("" if private; device
-    objects are published complete, never announced before)."""
-    seg = _segment(obj)
-    return "" if seg is None else seg.name
-
-
-def publish(obj: LocalObject) -> str:
-    """Publish a complete pooled copy in its shared-memory segment, or a device copy in its
-    ticket (:mod:`hoplite_gpu.memory.ipc`); the name same-host readers open, or ""."""
-    if obj.ticket is not None:
-        return obj.ticket.publish(obj.object_id.binary(), obj.dtype, obj.shape)
-    seg = _segment(obj)
-    if seg is None:
-        return ""
-    seg.publish(obj.object_id.binary())
-    return seg.name
 
 
 def _lookup_error(oid: ObjectID, reply: p.LookupReply) -> HopliteError:
@@ -164,13 +152,12 @@ class Fetcher:
     """The get side of a node.
 
     Args:
-        store: The node's local store.
+        store: The node's local store (and through it the node's memory).
         data: The node's data plane (pulls).
         config: Limits and timeouts.
         session: The node's directory link.
         shared_memory: Whether this node may map same-host segments.
         computes: Whether a reduce vertex on this node computes an object (its output).
-        index: The cluster's key for index links (:func:`hoplite_gpu.memory.ipc.open_indexed`; "": none).
     """
 
     def __init__(
@@ -181,16 +168,16 @@ class Fetcher:
         session: DirectorySession,
         shared_memory: bool,
         computes: Callable[[ObjectID], bool],
-        index: str = "",
     ) -> None:
         self._store = store
-        self._index = index
         self._config = config
         self._session = session
         self._shm = shared_memory
-        self._computes = computes
-        ctx = sources.Context(store, data, config, session.send, self.completed, self.abandon)
+        ctx = sources.Context(
+            store, data, config, session.send, self.completed, self.abandon, computes, self._new_copy
+        )
         self._inline = sources.InlineSource(ctx)
+        self._local = sources.LocalSource(ctx)
         self._mapped = sources.SharedMemorySource(ctx)
         self._device = sources.DeviceIpcSource(ctx)
         self._pull = sources.PullSource(ctx)
@@ -201,33 +188,25 @@ class Fetcher:
 
     def indexed(self, oid: ObjectID) -> LocalObject | None:
         """A device object another process on this host put, found through its index link and
-        open in place (a lent copy, as :meth:`get` with ``lend`` returns; close its lease once
-        read), with no lookup and no hop to the I/O thread; None when there is none (or this
+        open in place (a lent copy, as :meth:`get` with ``lend`` returns; close its buffer's lease
+        once read), with no lookup and no hop to the I/O thread; None when there is none (or this
         node holds the object, or this process works with no device memory yet): then ask the
         directory. Called from the caller's thread."""
-        if not self._index or self._store.get(oid) is not None or not device.default_backend().in_use():
+        if self._store.get(oid) is not None:
             return None
-        found = ipc.open_indexed(self._index, oid.binary())
+        found = self._store.memory.open_indexed(oid.binary())
         if found is None:
             return None
-        opened, record = found
+        buffer, record = found
         try:
             dtype, shape = sources.check_meta(oid, record.dtype, record.shape, record.nbytes, "ticket")
         except HopliteError:
-            opened.close()
+            if buffer.lease is not None:
+                buffer.lease.close()
             return None
-        obj = LocalObject(
-            oid,
-            record.nbytes,
-            dtype,
-            shape,
-            b"",
-            Buffer.wrap(opened.array),
-            progress=record.nbytes,
-            memory=MEMORY_DEVICE,
+        return LocalObject(
+            oid, record.nbytes, dtype, shape, b"", buffer, progress=record.nbytes, memory=MEMORY_DEVICE
         )
-        obj.lease = opened
-        return obj
 
     async def get(
         self,
@@ -242,16 +221,19 @@ class Fetcher:
 
         ``lend``: the caller reads the object once and lets go (a ``get`` copying it into the
         array it returns), so a device copy of another process on this host may be returned
-        open in place, outside the store: close its :attr:`~LocalObject.lease` once read.
+        open in place, outside the store: close its buffer's lease once read.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            attempt = sources.Attempt(oid, timeout, deadline, started=started, lend=lend, direct=direct)
             try:
-                return await self._fetch(sources.Attempt(oid, timeout, deadline), started, direct, lend)
+                return await self._fetch(attempt)
             except ObjectReset:
                 log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)
 
-    async def get_into(self, oid: ObjectID, timeout: float | None, out: Any, direct: bool) -> Any:
+    async def get_into(
+        self, oid: ObjectID, timeout: float | None, out: np.ndarray[Any, Any], direct: bool
+    ) -> Any:
         """:meth:`get` into a NumPy ``out``, copying the bytes into it as they arrive rather than
         all at the end (for a large object the last copy would otherwise add to its latency)."""
         started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
@@ -276,108 +258,86 @@ class Fetcher:
             fetch.cancel()
             if follower is not None and not follower.done():
                 follower.cancel()
-        return deliver(obj, out)
+        return deliver(obj, CallerArray.of(out))
 
-    async def _fetch(
-        self,
-        attempt: sources.Attempt,
-        started: asyncio.Future[LocalObject] | None,
-        direct: bool,
-        lend: bool = False,
-    ) -> LocalObject:
-        """One attempt of :meth:`get` (raises :class:`ObjectReset` if its copy was voided)."""
-        oid = attempt.object_id
-
-        async def filled(obj: LocalObject) -> LocalObject:
-            try:
-                await obj.wait_progress(obj.size, attempt.remaining())
-            except HopliteTimeoutError:
-                raise attempt.timed_out(
-                    f"this node is still filling it (another get or a reduce here), {obj.progress} of "
-                    f"{obj.size} bytes so far"
-                ) from None
-            return obj
-
-        local = self._store.get(oid)
-        if local is not None and local.progress < local.size:
-            # Another get in this process (or a reduce vertex here, or a put still copying) is
-            # filling it: wait for that.
-            return await filled(local)
-        if local is not None and local.complete:
-            return local
+    async def _fetch(self, attempt: sources.Attempt) -> LocalObject:
+        """One attempt of :meth:`get` (raises :class:`ObjectReset` if its copy was voided): a
+        lookup, the source it names, again until one fills the copy."""
+        local = self._store.get(attempt.object_id)
+        if local is not None and (local.progress < local.size or local.complete):
+            # Complete, or another get in this process (or a reduce vertex here, or a put still
+            # copying) is filling it: wait for that.
+            return await self._filled(local, attempt)
+        attempt.local = local
         while True:
-            left = attempt.remaining()
-            if left is not None and left <= 0:
-                raise attempt.timed_out()
-            have = local.progress if local is not None else 0
-            same_host = self._shm and local is None
-            # Same-host device copies are opened (CUDA IPC) once this process works with device
-            # memory; until then it receives them like host objects.
-            device_ipc = same_host and device.default_backend().in_use()
-            # ``local`` exists only after an answer of this get, so the object was known then.
-            resume = local is not None
-            reply = await self._session.lookup(oid, left, have, same_host, direct, device_ipc, resume)
-            generation = self._session.generation  # a copy finished under a later one is restored
-            if local is not None and local.error is not None:
-                # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
-                if reply.transfer_id:
-                    self._session.send(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
-                if isinstance(local.error, ObjectReset) and reply.status == "error":
-                    # Reset by a repair, then failed or deleted: starting again would wait for an
-                    # object that will never come.
-                    raise _lookup_error(oid, reply)
-                raise local.error
-            if reply.status in ("timeout", "error"):
-                error = (
-                    attempt.timed_out(reply.error) if reply.status == "timeout" else _lookup_error(oid, reply)
-                )
-                if local is not None:
-                    self.abandon(local, 0, error)
-                raise error
-            if reply.status == "inline":
-                stored = await self._inline.fill(local, reply, attempt, generation)
-                assert stored is not None  # inline data always fills the copy
-                return await filled(stored)
-            if reply.status == "local":
-                existing = self._store.get(oid)
-                if existing is None and self._computes(oid):
-                    # A vertex placed here just now is still setting its output up.
-                    wait = self._config.request_timeout if left is None else left
-                    existing = await self._store.wait_for(oid, wait, coming=True)
-                if existing is not None and existing.error is None:
-                    return await filled(existing)  # complete, or a reduce vertex here computes it
-                raise ObjectNotFoundError(f"object {oid} vanished from this node", object_id=oid.hex())
-            appeared = self._store.get(oid) if local is None else None
-            if appeared is not None:
-                # It appeared while we asked: a reduce vertex on this node computes it (it was
-                # placed here meanwhile). Wait for that instead of pulling a second copy.
-                if reply.transfer_id:
-                    self._session.send(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
-                return await filled(appeared)
-            if reply.status == "shm" and local is None and ipc.is_ticket(reply.segment):
-                if lend:
-                    lent = self._device.lend(reply, attempt)
-                    if lent is not None:
-                        return lent
-                else:
-                    copied = await self._device.fill(None, reply, attempt, generation)
-                    if copied is not None:
-                        return await filled(copied)
-            elif reply.status == "shm" and local is None:
-                mapped = await self._mapped.fill(None, reply, attempt, generation)
-                if mapped is not None:
-                    return await filled(mapped)
-            if local is None:
-                local = self._new_partial(oid, reply)
-                if started is not None and not started.done():
-                    started.set_result(local)
-            if reply.status == "shm":
-                continue  # ``local`` exists now, so the next lookup asks for a data-plane source
-            pulled = await self._pull.fill(local, reply, attempt, generation)
-            if pulled is not None:
-                return pulled
+            reply, generation = await self._lookup(attempt)
+            source = self._source_for(reply, attempt)
+            obj = None if source is None else await source.fill(reply, attempt, generation)
+            if obj is not None:
+                return await self._filled(obj, attempt)
+            if attempt.local is None:
+                # With a copy of its own, the next lookup asks for a data-plane source to fill it.
+                self._new_copy(attempt, reply)
 
-    def _new_partial(self, oid: ObjectID, reply: p.LookupReply) -> LocalObject:
+    async def _lookup(self, attempt: sources.Attempt) -> tuple[p.LookupReply, int]:
+        """Ask the directory where the object is; its reply (raised if it is an error, a timeout,
+        or the copy being filled was dropped meanwhile) and the directory's generation then."""
+        oid, local = attempt.object_id, attempt.local
+        left = attempt.remaining()
+        if left is not None and left <= 0:
+            raise attempt.timed_out()
+        have = local.progress if local is not None else 0
+        same_host = self._shm and local is None
+        # Same-host device copies are opened (CUDA IPC) once this process works with device
+        # memory; until then it receives them like host objects.
+        device_ipc = same_host and device_in_use()
+        # ``local`` exists only after an answer of this get, so the object was known then.
+        resume = local is not None
+        reply = await self._session.lookup(oid, left, have, same_host, attempt.direct, device_ipc, resume)
+        generation = self._session.generation  # a copy finished under a later one is restored
+        if local is not None and local.error is not None:
+            # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
+            if reply.transfer_id:
+                self._session.send(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
+            if isinstance(local.error, ObjectReset) and reply.status == "error":
+                # Reset by a repair, then failed or deleted: starting again would wait for an
+                # object that will never come.
+                raise _lookup_error(oid, reply)
+            raise local.error
+        if reply.status in ("timeout", "error"):
+            error = attempt.timed_out(reply.error) if reply.status == "timeout" else _lookup_error(oid, reply)
+            if local is not None:
+                self.abandon(local, 0, error)
+            raise error
+        return reply, generation
+
+    def _source_for(self, reply: p.LookupReply, attempt: sources.Attempt) -> sources.Source | None:
+        """The source a lookup's reply names (None: none for this attempt, ask again)."""
+        if reply.status == "inline":
+            return self._inline
+        if reply.status == "local" or (attempt.local is None and attempt.object_id in self._store):
+            return self._local  # here, or it appeared while we asked (a vertex placed here computes it)
+        if reply.status == "shm":
+            if attempt.local is not None:
+                return None  # a same-host copy is for a reader without one: ask for a data-plane source
+            return self._device if self._store.memory.is_device_ticket(reply.segment) else self._mapped
+        return self._pull
+
+    async def _filled(self, obj: LocalObject, attempt: sources.Attempt) -> LocalObject:
+        """``obj`` once complete (a copy this node is still filling: another get, a vertex, a put)."""
+        try:
+            await obj.wait_progress(obj.size, attempt.remaining())
+        except HopliteTimeoutError:
+            raise attempt.timed_out(
+                f"this node is still filling it (another get or a reduce here), {obj.progress} of "
+                f"{obj.size} bytes so far"
+            ) from None
+        return obj
+
+    def _new_copy(self, attempt: sources.Attempt, reply: p.LookupReply) -> LocalObject:
+        """A new local copy for this attempt to fill over the data plane (``attempt.local``), in
+        the store while it fills (and handed to ``attempt.started``)."""
+        oid = attempt.object_id
         meta = sources.checked_meta(oid, reply)
         if reply.size > self._config.max_object_bytes:
             raise ObjectTooLargeError(
@@ -386,14 +346,18 @@ class Fetcher:
                 limit=self._config.max_object_bytes,
             )
         self._store.reserve(reply.size)
-        if reply.memory == MEMORY_DEVICE and device.default_backend().in_use():
+        memory = self._store.memory
+        if reply.memory == MEMORY_DEVICE and device_in_use():
             # A device object is received into this process's device memory, chunk by chunk as
             # it lands (see DataPlane.pull): readers here then copy device to device, and
             # same-host processes open it through CUDA IPC once it is complete.
-            data, ticket = ipc.allocate_here(reply.size, self._store.shares)
-            return self._store.add(sources.from_reply(oid, reply, meta, data, progress=0, ticket=ticket))
-        data = self._store.pool.allocate(reply.size)
-        return self._store.add(sources.from_reply(oid, reply, meta, data, progress=0, pooled=True))
+            buffer = memory.device(reply.size)
+        else:
+            buffer = memory.host(reply.size)
+        local = attempt.local = self._store.add(sources.from_reply(oid, reply, meta, buffer, progress=0))
+        if attempt.started is not None and not attempt.started.done():
+            attempt.started.set_result(local)
+        return local
 
     # ------------------------------------------------------------ reports (see sources.Context)
     def completed(self, local: LocalObject, generation: int, transfer_id: int) -> None:
@@ -404,10 +368,12 @@ class Fetcher:
             self.restore(local)  # the directory restarted meanwhile: it never heard of the copy
         elif transfer_id:
             self._session.send(
-                p.TransferDone(transfer_id=transfer_id, ok=True, progress=local.size, segment=publish(local))
+                p.TransferDone(
+                    transfer_id=transfer_id, ok=True, progress=local.size, segment=self._publish(local)
+                )
             )
         else:
-            self._session.send(p.CopyAdded(object_id=local.object_id.binary(), segment=publish(local)))
+            self._session.send(p.CopyAdded(object_id=local.object_id.binary(), segment=self._publish(local)))
 
     def abandon(self, local: LocalObject, transfer_id: int, exc: HopliteError) -> None:
         """Give up a partial copy (and the transfer filling it, if any)."""
@@ -430,7 +396,11 @@ class Fetcher:
                 digest=obj.digest,
                 owner=obj.owner,
                 inline=inline,
-                segment=publish(obj),
+                segment=self._publish(obj),
                 memory=obj.memory,
             )
         )
+
+    def _publish(self, obj: LocalObject) -> str:
+        """Publish a complete copy for same-host readers; the name they open, or ""."""
+        return self._store.memory.publish(obj.buffer, obj.object_id.binary(), obj.dtype, obj.shape)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import faults, sources
+from . import faults
 from . import protocol as p
 from .config import WILDCARD_HOSTS, Config, host_of, is_loopback
 from .directory.service import DirectoryService
@@ -37,20 +37,20 @@ from .errors import (
     NodeClosedError,
     ObjectDeletedError,
     ObjectLostError,
+    ObjectReset,
     PeerLostError,
     ProtocolError,
     from_kind,
 )
-from .fetch import Fetcher, check_out, deliver, publish, streamable
+from .fetch import Fetcher, check_out, deliver, streamable
 from .iothread import IOThread
-from .memory import ipc, placement, shm
-from .memory.store import LocalStore
+from .memory import LocalStore, Memory, host_key, placement, shared_memory_available, sweep_orphans
 from .object_id import ObjectID
 from .puts import Putter
 from .reduce_ops import ReduceOp, as_op
 from .session import DirectorySession
 from .transport import DataPlane
-from .vertex import ObjectReset, VertexRunner
+from .vertex import VertexRunner
 
 __all__ = ["IOThread", "Node"]
 
@@ -95,14 +95,19 @@ class Node:
             )
         self._io = IOThread.get()
         self._ipc_sweeper: asyncio.Future[None] | None = None
-        self._shm = self.config.shared_memory and shm.available()
+        self._shm = self.config.shared_memory and shared_memory_available()
         if self._shm:
-            shm.sweep_orphans()
-        self._store = LocalStore(
-            self.config.store_capacity_bytes,
+            sweep_orphans()
+        # Same-host readers find device objects put here without a lookup (see Memory.index).
+        index = (
+            Memory.cluster_key(token, directory_address) if self._shm and self.config.same_host_index else ""
+        )
+        self._memory = Memory(
             self.config.buffer_pool_bytes,
             shared_min_bytes=self.config.inline_threshold_bytes + 1 if self._shm else 0,
+            index=index,
         )
+        self._store = LocalStore(self.config.store_capacity_bytes, self._memory)
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
         self._session = DirectorySession(
             directory_address,
@@ -111,15 +116,13 @@ class Node:
             self._data_host,
             0,  # set once the data plane listens (_start)
             self.config,
-            shm.host_key() if self._shm else "",
+            host_key() if self._shm else "",
             self._on_push,
             self._on_lost,
             self._on_rejoined,
             resolve_directory,
             placement.node_place(),
         )
-        # Same-host readers find device objects put here without a lookup (see ipc.open_indexed).
-        index = ipc.cluster_key(token, directory_address) if self._shm and self.config.same_host_index else ""
         self._fetcher = Fetcher(
             self._store,
             self._data,
@@ -127,21 +130,16 @@ class Node:
             self._session,
             self._shm,
             lambda oid: self._vertices.computes(oid),
-            index,
         )
         self._vertices = VertexRunner(
             self._store,
             lambda oid, started: self._fetcher.get(oid, None, started=started),
-            self._allocate,
             self._session.send,
-            publish,
             lambda oid: self._in_background(self._delete(oid)),
             self.config.reduce_chunk_bytes,
             self.config.device_reduce_chunk_bytes,
         )
-        self._putter = Putter(
-            self._store, self.config, self._session, self._delete, self._in_background, index
-        )
+        self._putter = Putter(self._store, self.config, self._session, self._delete, self._in_background)
         self._background: set[asyncio.Future[Any]] = set()  # see _in_background
         self._closed = False
         if self.config.fault_injection:
@@ -193,7 +191,7 @@ class Node:
         except BaseException:
             await self._data.close()
             raise
-        ipc.POOL.attach(self.node_id, self.config.device_pool_bytes)  # detached by _close
+        Memory.attach(self.node_id, self.config.device_pool_bytes)  # detached by _close
         if self._shm:
             self._ipc_sweeper = asyncio.ensure_future(self._sweep_ipc())
 
@@ -202,8 +200,7 @@ class Node:
         device memory that their holders let go (:mod:`hoplite_gpu.memory.ipc`), once per heartbeat."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval)  # a period, not synchronisation
-            ipc.sweep()
-            ipc.reap()
+            Memory.maintain()
 
     def close(self) -> None:
         """Leave the directory, close every connection and drop local objects. Idempotent."""
@@ -223,9 +220,7 @@ class Node:
         self._vertices.cancel()
         await self._data.close(grace=self.config.close_grace)
         self._store.clear(err)
-        ipc.POOL.detach(self.node_id)
-        if not ipc.POOL.users:  # the process's last node: close what it kept of other processes'
-            ipc.sweep(everything=True)
+        Memory.detach(self.node_id)  # the process's last closes what it kept of other processes'
         await self._session.close()
         if self._embedded is not None:
             await self._embedded.stop()
@@ -314,13 +309,13 @@ class Node:
         self._check_open()
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
-        check_out(out)
+        into = check_out(out)
         indexed = self._fetcher.indexed(object_id)
         if indexed is not None:
-            return deliver(indexed, out)
-        if streamable(out):
+            return deliver(indexed, into)
+        if streamable(into):
             return self._io.run(self._fetcher.get_into(object_id, timeout, out, direct))
-        return deliver(self._io.run(self._fetcher.get(object_id, timeout, direct=direct, lend=True)), out)
+        return deliver(self._io.run(self._fetcher.get(object_id, timeout, direct=direct, lend=True)), into)
 
     async def get_async(
         self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
@@ -329,14 +324,14 @@ class Node:
         self._check_open()
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
-        check_out(out)
+        into = check_out(out)
         indexed = self._fetcher.indexed(object_id)
         if indexed is not None:
-            return deliver(indexed, out)
-        if streamable(out):
+            return deliver(indexed, into)
+        if streamable(into):
             return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct))
         fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True)
-        return deliver(await self._io.run_async(fetch), out)
+        return deliver(await self._io.run_async(fetch), into)
 
     @staticmethod
     def _check_oid(object_id: Any) -> None:
@@ -344,13 +339,6 @@ class Node:
             raise InvalidArgumentError(
                 f"expected an ObjectID, got {type(object_id).__name__}", argument="object_id"
             )
-
-    async def _allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
-        """A store buffer; large fresh ones are set up (page faults) on a worker thread, so the
-        event loop keeps serving transfers meanwhile."""
-        if nbytes < sources.THREAD_COPY_BYTES:
-            return self._store.pool.allocate(nbytes)
-        return await asyncio.get_running_loop().run_in_executor(None, self._store.pool.allocate, nbytes)
 
     def _on_served(self, transfer_id: int, sent: int, while_incomplete: int, failed: bool) -> None:
         self._session.send(
@@ -679,9 +667,7 @@ class Node:
             "stale_bytes_dropped": self._data.stale_bytes,
             "staged_bytes_sent": self._data.staged_sent,
             "staged_bytes_received": self._data.staged_received,
-            "device_pool_bytes": ipc.POOL.held_bytes,
-            "device_pool_reused": ipc.POOL.reused,
-            **{f"device_ipc_{k}": v for k, v in ipc.mapping_stats().items()},
+            **self._memory.stats(),
             "pid": os.getpid(),
         }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -22,14 +23,17 @@ import numpy as np
 from . import protocol as p
 from .config import Config
 from .dtypes import dtype_to_wire
-from .errors import InvalidArgumentError, ObjectExistsError, ObjectTooLargeError, ProtocolError, from_kind
-from .fetch import publish, segment_name
-from .memory import buffers, device, ipc, shm
-from .memory.buffers import Buffer, digest_of
-from .memory.store import MEMORY_DEVICE, LocalObject, LocalStore
+from .errors import (
+    InvalidArgumentError,
+    ObjectExistsError,
+    ObjectTooLargeError,
+    ProtocolError,
+    as_hoplite_error,
+    from_kind,
+)
+from .memory import MEMORY_DEVICE, Buffer, BufferKind, CallerArray, LocalObject, LocalStore, digest_of
 from .object_id import ObjectID
 from .session import DirectorySession
-from .sources import as_hoplite_error
 
 #: Bytes a put copies at a time when it copies after publishing (see :meth:`Putter.prepare`).
 PUT_COPY_BYTES = 2 << 20
@@ -63,13 +67,11 @@ class Putter:
     """The put side of a node.
 
     Args:
-        store: The node's local store.
+        store: The node's local store (and through it the node's memory).
         config: Limits and timeouts.
         session: The node's directory link.
         delete: Deletes an object (a put published, then failed, is withdrawn).
         in_background: Runs a coroutine nobody waits for (its failure is only logged).
-        index: The cluster's key for index links: a device object put here is linked under it
-            once the directory registered it (:meth:`hoplite_gpu.memory.ipc.Ticket.index`; "": never).
     """
 
     def __init__(
@@ -79,10 +81,9 @@ class Putter:
         session: DirectorySession,
         delete: Callable[[ObjectID], Coroutine[Any, Any, bool]],
         in_background: Callable[[Coroutine[Any, Any, Any]], None],
-        index: str = "",
     ) -> None:
         self._store = store
-        self._index = index
+        self._memory = store.memory
         self._config = config
         self._session = session
         self._delete = delete
@@ -97,7 +98,7 @@ class Putter:
         all the same, after ``put`` returned (:attr:`Prepared.detached`): processes on this host
         then map it instead of pulling it over the data plane (async SGD's gradients, read by a
         parameter server on the same machine). With ``pinned``, a host array's copy (always made)
-        is in page-locked memory, through this process's device backend (:meth:`_page_locked`).
+        is in page-locked memory (:meth:`Memory.page_locked <hoplite_gpu.memory.Memory.page_locked>`).
         """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(
@@ -105,103 +106,64 @@ class Putter:
             )
         if not isinstance(pinned, bool):
             raise InvalidArgumentError(f"pinned must be a bool, got {pinned!r}", argument="pinned")
-        if buffers.on_device(array):
-            return Prepared(self._device_object(array, object_id, copy), None)
-        backend = device.default_backend() if pinned else None
-        if backend is not None and not backend.available():
-            raise InvalidArgumentError(
-                "put(..., pinned=True) needs CuPy and a CUDA device in this process", argument="pinned"
-            )
+        entered = CallerArray.of(array)
+        if entered.on_device:
+            return Prepared(self._device_object(entered, object_id, copy), None)
+        if pinned:
+            self._memory.check_page_locking()
         copy = copy or pinned
-        host = buffers.to_host(array)
+        host = entered.host()
         dtype = dtype_to_wire(host.dtype)
         nbytes = int(host.nbytes)
         self._check_size(nbytes)
         contiguous = host.flags.c_contiguous
-        shared = self._store.pool.shared_min_bytes
+        shared = self._memory.pool.shared_min_bytes
         detached = not copy and contiguous and shared > 0 and nbytes >= max(shared, 2 * PUT_COPY_BYTES)
-        pooled = copy or not contiguous or detached
+        flat: Any = host.reshape(-1).view(np.uint8) if contiguous else None
         pending: np.ndarray[Any, Any] | None = None
-        unpin = None
-        if pooled:
-            if backend is None:
-                data = self._store.pool.allocate(nbytes)
-            else:
-                data, pooled, unpin = self._page_locked(nbytes, backend)
-            if detached and shm.segment_of(data) is None:  # /dev/shm is full: keep the caller's
-                self._store.pool.release(data)
-                data, pooled, detached = host.reshape(-1).view(np.uint8), False, False
+        if copy or not contiguous or detached:
+            buffer = self._memory.page_locked(nbytes) if pinned else self._memory.host(nbytes)
+            if detached and buffer.kind is not BufferKind.SEGMENT:  # /dev/shm is full: keep the caller's
+                self._memory.release(buffer)
+                buffer, detached = Buffer.wrap(flat), False
             elif contiguous and nbytes >= 2 * PUT_COPY_BYTES:
-                pending = host.reshape(-1).view(np.uint8)
+                pending = flat
             elif nbytes:
-                data.view(host.dtype).reshape(host.shape)[...] = host
+                buffer.array.view(host.dtype).reshape(host.shape)[...] = host
         else:
-            data = host.reshape(-1).view(np.uint8)
-        oid = object_id or ObjectID.random()
-        buffer = Buffer.wrap(data, pooled=pooled)
-        buffer.unpin = unpin
+            buffer = Buffer.wrap(flat)
         obj = LocalObject(
-            object_id=oid,
+            object_id=object_id or ObjectID.random(),
             size=nbytes,
             dtype=dtype,
             shape=tuple(int(s) for s in host.shape),
-            digest=digest_of(data if pending is None else pending),
+            digest=digest_of(buffer.array if pending is None else pending),
             buffer=buffer,
             progress=nbytes if pending is None else 0,
             owner=True,
         )
         return Prepared(obj, pending, detached)
 
-    def _page_locked(
-        self, nbytes: int, backend: device.DeviceBackend
-    ) -> tuple[np.ndarray[Any, Any], bool, Callable[[], None]]:
-        """Page-locked memory for a pinned put's copy of ``nbytes``: the store's shared-memory
-        segment for it, registered where it is (its pages are its own), or else new page-locked
-        memory (private memory of the pool, registered in place, could share a page with memory
-        registered already). The memory, whether it is the pool's, and what undoes the locking."""
-        pool = self._store.pool
-        if pool.shares(nbytes):
-            data = pool.allocate(nbytes)
-            if shm.segment_of(data) is not None:
-                try:
-                    return data, True, backend.register_host(data)
-                except BaseException:
-                    pool.release(data)
-                    raise
-            pool.release(data)  # /dev/shm had no room: private memory, not the pool's
-        locked, release = backend.page_locked(nbytes)
-        return locked, False, release
-
-    def _device_object(self, array: Any, object_id: ObjectID | None, copy: bool) -> LocalObject:
+    def _device_object(self, array: CallerArray, object_id: ObjectID | None, copy: bool) -> LocalObject:
         """The local object of a device array: its bytes stay in device memory (copied device to
         device, or kept as they are with ``copy=False`` when contiguous). Its digest is left
         empty: hashing would copy every byte to host, and the directory compares content only
         where both sides know a digest."""
-        backend = device.backend_for(array)
-        assert backend is not None
-        dt, shape = backend.describe(array)
+        dt, shape = array.describe()
         dtype = dtype_to_wire(dt)
-        flat = backend.flat_bytes(array)
-        nbytes = int(flat.nbytes)
+        nbytes = dt.itemsize * math.prod(shape)
         self._check_size(nbytes)
-        dev = backend.device_of(flat)
-        backend.settle(dev)  # the caller's last writes to it are done
-        ticket = None
-        if copy:  # into memory same-host readers can open (the caller's is not ours to share)
-            data, ticket = ipc.allocate(backend, nbytes, dev, self._store.shares)
-            backend.copy(data, flat)
-            flat = data
+        buffer = self._memory.keep_device(array, copy)
         return LocalObject(
             object_id=object_id or ObjectID.random(),
             size=nbytes,
             dtype=dtype,
             shape=tuple(int(s) for s in shape),
             digest=b"",
-            buffer=Buffer.wrap(flat),
+            buffer=buffer,
             progress=nbytes,
             owner=True,
             memory=MEMORY_DEVICE,
-            ticket=ticket,
         )
 
     def _check_size(self, nbytes: int) -> None:
@@ -221,9 +183,11 @@ class Putter:
         oid = obj.object_id
         existing = self._store.get(oid)
         if existing is not None:
-            obj.buffer.release_pin()  # this copy is not kept: nor its page-locking, nor its export
-            if obj.ticket is not None:
-                obj.ticket.retire()
+            # This copy is not kept: nor its page-locking, nor its export (its pooled memory is the
+            # caller's array or goes with it).
+            obj.buffer.release_pin()
+            if obj.buffer.ticket is not None:
+                obj.buffer.ticket.retire()
             same = existing.digest == obj.digest or not (existing.digest and obj.digest)
             if same and existing.dtype == obj.dtype and existing.shape == obj.shape:
                 if existing.owner and not existing.complete:  # the same put, still copying
@@ -243,9 +207,9 @@ class Putter:
         if pending is not None:
             loop = asyncio.get_running_loop()
             copying = loop.run_in_executor(None, _copy_advancing, loop, pending, obj, stop)
-            segment = segment_name(obj)  # published once the copy is done
+            segment = self._memory.segment_name(obj.buffer)  # published once the copy is done
         else:
-            segment = publish(obj)
+            segment = self._publish(obj)
         try:
             reply = await self._session.request(
                 lambda rid: p.PutRequest(
@@ -267,8 +231,7 @@ class Putter:
             if reply.error:
                 raise from_kind(reply.error_kind, reply.error, object_id=oid.hex())
             registered = True
-            if obj.ticket is not None and self._index:
-                obj.ticket.index(self._index, oid.binary())
+            self._memory.index(obj.buffer, oid.binary())
             if copying is not None and prepared.detached:
                 self._in_background(self._copied(obj, copying, stop))
                 return oid
@@ -293,7 +256,7 @@ class Putter:
     def _announce(self, obj: LocalObject) -> None:
         """The copy into ``obj``'s segment is done: same-host readers may map it."""
         if obj.error is None:
-            segment = publish(obj)
+            segment = self._publish(obj)
             if segment:
                 self._session.send(p.CopyAdded(object_id=obj.object_id.binary(), segment=segment))
 
@@ -316,3 +279,7 @@ class Putter:
             self._store.remove(oid, as_hoplite_error(exc, oid))
         if registered:
             self._in_background(self._delete(oid))
+
+    def _publish(self, obj: LocalObject) -> str:
+        """Publish a complete copy for same-host readers; the name they open, or ""."""
+        return self._memory.publish(obj.buffer, obj.object_id.binary(), obj.dtype, obj.shape)

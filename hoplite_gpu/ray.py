@@ -36,10 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from . import collective
+from . import collective, memory
 from .config import Config
 from .errors import DirectoryUnavailableError, HopliteError, InvalidArgumentError
-from .memory import buffers
 from .node import Node
 from .reduce_ops import ReduceOp, as_op
 
@@ -294,11 +293,11 @@ def as_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
         InvalidArgumentError: not an array, a read-only NumPy array, or a bfloat16 CUDA tensor
             with a CuPy that has no bfloat16 (before 14).
     """
-    kind = buffers.kind_of(tensor)
-    if kind is buffers.ArrayKind.TORCH:
+    kind = memory.kind_of(tensor)
+    if kind is memory.ArrayKind.TORCH:
         return _torch_buffer(tensor)
     module = kind.value
-    if kind not in (buffers.ArrayKind.NUMPY, buffers.ArrayKind.CUPY):
+    if kind not in (memory.ArrayKind.NUMPY, memory.ArrayKind.CUPY):
         raise InvalidArgumentError(
             f"expected a NumPy or CuPy array or a torch tensor, got {type(tensor).__name__}",
             argument="tensor",

@@ -4,6 +4,8 @@ A ``get`` asks the directory where the object is (:meth:`~hoplite_gpu.fetch.Fetc
 reply's status picks the source that fills the local copy:
 
 * ``inline``: small objects come with the reply (:class:`InlineSource`);
+* ``local``: this node holds it, or a reduce vertex here computes it (:class:`LocalSource`, also for
+  a copy that appeared here while the lookup was on its way);
 * ``shm``: a complete copy in a shared-memory segment on this host is mapped, not copied
   (:class:`SharedMemorySource`); a device copy on this host is opened through its ticket and
   copied device to device (:class:`DeviceIpcSource`);
@@ -12,8 +14,8 @@ reply's status picks the source that fills the local copy:
 
 A source's :meth:`Source.fill` returns the local object (complete, or being completed by someone
 else on this node), or None to ask the directory for another source; a copy voided by a reduce
-tree's repair raises :class:`~hoplite_gpu.vertex.ObjectReset`. A new way in is a new class here,
-not a branch in the node.
+tree's repair raises :class:`~hoplite_gpu.errors.ObjectReset`. Memory comes from the node's
+:class:`~hoplite_gpu.memory.Memory`. A new way in is a new class here, not a branch in the node.
 """
 
 from __future__ import annotations
@@ -36,14 +38,12 @@ from .errors import (
     AuthenticationError,
     HopliteError,
     HopliteTimeoutError,
-    ObjectDeletedError,
     ObjectNotFoundError,
     ProtocolError,
     TransportError,
+    as_hoplite_error,
 )
-from .memory import ipc, shm
-from .memory.buffers import Buffer, digest_of
-from .memory.store import LocalObject, LocalStore
+from .memory import Buffer, LocalObject, LocalStore, digest_of
 from .object_id import ObjectID
 from .transport import DataPlane
 
@@ -52,19 +52,22 @@ log = logging.getLogger("hoplite_gpu")
 #: Consecutive failed pulls without any new byte received before ``get`` gives up.
 MAX_FRUITLESS_PULLS = 8
 
-#: Buffers at least this large are set up (allocated, or mapped from another process's segment,
-#: page faults included) on a worker thread, so the event loop keeps serving transfers meanwhile.
-THREAD_COPY_BYTES = 1 << 20
-
 
 @dataclass(slots=True)
 class Attempt:
-    """One ``get``: its object, its deadline, and how many pulls in a row brought nothing."""
+    """One ``get``: its object, its deadline, the partial copy it fills (``local``, once it has
+    one) and how many pulls in a row brought nothing. ``started`` is resolved with the partial copy
+    as soon as it exists; ``lend``: a same-host device copy may be returned open in place, outside
+    the store (see :meth:`DeviceIpcSource.lend`); ``direct``: pull from the owner."""
 
     object_id: ObjectID
     timeout: float | None
     deadline: float | None
     fruitless: int = 0
+    local: LocalObject | None = None
+    started: asyncio.Future[LocalObject] | None = None
+    lend: bool = False
+    direct: bool = False
 
     def remaining(self) -> float | None:
         """Seconds left (None: no deadline)."""
@@ -80,13 +83,6 @@ class Attempt:
             timeout=self.timeout,
             object_id=self.object_id.hex(),
         )
-
-
-def as_hoplite_error(exc: BaseException, oid: ObjectID) -> HopliteError:
-    """The error waiters of an abandoned get see: ``exc`` itself if typed, else a cancellation."""
-    if isinstance(exc, HopliteError):
-        return exc
-    return ObjectDeletedError(f"get of {oid} was cancelled", object_id=oid.hex())
 
 
 def checked_meta(oid: ObjectID, reply: p.LookupReply) -> tuple[str, tuple[int, ...]]:
@@ -105,17 +101,10 @@ def check_meta(oid: ObjectID, dtype: str, shape: Any, size: int, source: str) ->
 
 
 def from_reply(
-    oid: ObjectID,
-    reply: p.LookupReply,
-    meta: tuple[str, tuple[int, ...]],
-    data: np.ndarray[Any, Any],
-    *,
-    progress: int,
-    pooled: bool = False,
-    ticket: ipc.Ticket | None = None,
+    oid: ObjectID, reply: p.LookupReply, meta: tuple[str, tuple[int, ...]], buffer: Buffer, *, progress: int
 ) -> LocalObject:
     """The local object of ``oid`` as a lookup ``reply`` describes it (``meta``: its dtype and shape
-    from :func:`checked_meta`), holding ``data`` with ``progress`` bytes present."""
+    from :func:`checked_meta`), holding ``buffer`` with ``progress`` bytes present."""
     dtype, shape = meta
     return LocalObject(
         oid,
@@ -123,11 +112,10 @@ def from_reply(
         dtype,
         shape,
         reply.digest,
-        Buffer.wrap(data, pooled=pooled),
+        buffer,
         progress=progress,
         reduction=reply.reduction_id,
         memory=reply.memory,
-        ticket=ticket,
     )
 
 
@@ -138,7 +126,9 @@ class Context:
     ``completed(local, generation, transfer_id)`` tells the directory that ``local`` is complete
     (a fresh copy from a transfer, or ``transfer_id`` 0 for a mapping), or restores it if the
     directory restarted since ``generation``; ``abandon(local, transfer_id, error)`` gives up a
-    partial copy.
+    partial copy; ``computes(oid)``: whether a reduce vertex on this node computes ``oid``;
+    ``new_copy(attempt, reply)``: a new partial copy for ``attempt`` to fill, as ``reply``
+    describes the object (``attempt.local`` from then on).
     """
 
     store: LocalStore
@@ -147,6 +137,8 @@ class Context:
     report: Callable[[p.Message], None]
     completed: Callable[[LocalObject, int, int], None]
     abandon: Callable[[LocalObject, int, HopliteError], None]
+    computes: Callable[[ObjectID], bool]
+    new_copy: Callable[[Attempt, p.LookupReply], LocalObject]
 
 
 class Source(abc.ABC):
@@ -156,10 +148,9 @@ class Source(abc.ABC):
         self.ctx = ctx
 
     @abc.abstractmethod
-    async def fill(
-        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
-    ) -> LocalObject | None:
-        """Fill the local copy (``local``: the partial copy so far, if any) as ``reply`` says.
+    async def fill(self, reply: p.LookupReply, attempt: Attempt, generation: int) -> LocalObject | None:
+        """Fill the local copy (``attempt.local``: the partial copy so far, if any) as ``reply``
+        says.
 
         Returns the local object, or None to ask the directory for another source.
         """
@@ -168,9 +159,7 @@ class Source(abc.ABC):
 class InlineSource(Source):
     """The bytes came with the directory's reply."""
 
-    async def fill(
-        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
-    ) -> LocalObject | None:
+    async def fill(self, reply: p.LookupReply, attempt: Attempt, generation: int) -> LocalObject | None:
         oid = attempt.object_id
         dtype, shape = checked_meta(oid, reply)
         if reply.inline is None:
@@ -181,82 +170,98 @@ class InlineSource(Source):
         existing = self.ctx.store.get(oid)
         if existing is not None:
             return existing
-        return self.ctx.store.add(from_reply(oid, reply, (dtype, shape), data, progress=reply.size))
+        return self.ctx.store.add(
+            from_reply(oid, reply, (dtype, shape), Buffer.wrap(data), progress=reply.size)
+        )
+
+
+class LocalSource(Source):
+    """The directory says this node holds the object, or a copy appeared here while the lookup was
+    on its way (a reduce vertex placed here computes it): wait for that copy rather than fetch a
+    second one."""
+
+    async def fill(self, reply: p.LookupReply, attempt: Attempt, generation: int) -> LocalObject | None:
+        oid = attempt.object_id
+        existing = self.ctx.store.get(oid)
+        if reply.status != "local":  # appeared meanwhile: the transfer the reply set up is not used
+            if reply.transfer_id:
+                self.ctx.report(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
+            return existing
+        if existing is None and self.ctx.computes(oid):
+            # A vertex placed here just now is still setting its output up.
+            left = attempt.remaining()
+            wait = self.ctx.config.request_timeout if left is None else left
+            existing = await self.ctx.store.wait_for(oid, wait, coming=True)
+        if existing is not None and existing.error is None:
+            return existing  # complete, or a reduce vertex here computes it
+        raise ObjectNotFoundError(f"object {oid} vanished from this node", object_id=oid.hex())
 
 
 class SharedMemorySource(Source):
     """A same-host holder's segment, mapped read-only as this node's complete copy (no bytes
-    copied; see :func:`shm.map_view`). None if the segment changed or vanished."""
+    copied; see :meth:`Memory.open_segment <hoplite_gpu.memory.Memory.open_segment>`). None if the
+    segment changed or vanished."""
 
-    async def fill(
-        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
-    ) -> LocalObject | None:
+    async def fill(self, reply: p.LookupReply, attempt: Attempt, generation: int) -> LocalObject | None:
         oid = attempt.object_id
         meta = checked_meta(oid, reply)
-        args = (reply.segment, oid.binary(), reply.size)
-        if reply.size >= THREAD_COPY_BYTES:  # mapping pre-faults every page
-            view = await asyncio.get_running_loop().run_in_executor(None, shm.map_view, *args)
-        else:
-            view = shm.map_view(*args)
-        if view is None:
+        mapped = await self.ctx.store.memory.open_segment(reply.segment, oid.binary(), reply.size)
+        if mapped is None:
             log.debug("segment of %s from %s is gone; pulling instead", oid, reply.sender_node[:8])
             return None
-        if self.ctx.config.verify_digest and reply.digest and digest_of(view) != reply.digest:
+        if self.ctx.config.verify_digest and reply.digest and digest_of(mapped.host) != reply.digest:
             log.warning("shared-memory segment of %s did not match its digest", oid)
             return None
         existing = self.ctx.store.get(oid)
         if existing is not None:  # arrived meanwhile (a vertex here, another get): use that
             return existing
-        obj = self.ctx.store.add(from_reply(oid, reply, meta, view, progress=reply.size))
+        obj = self.ctx.store.add(from_reply(oid, reply, meta, mapped, progress=reply.size))
         self.ctx.completed(obj, generation, 0)
         return obj
 
 
 class DeviceIpcSource(Source):
-    """A same-host holder's device memory, opened through its ticket (:mod:`hoplite_gpu.memory.ipc`) and
-    copied device to device into a store copy of this node's own (exported in turn, and reported,
-    so it serves later readers). None if the ticket is gone or its memory does not open here."""
+    """A same-host holder's device memory, opened through its ticket (:mod:`hoplite_gpu.memory.ipc`):
+    lent to a ``get`` that copies it into the array it returns (``attempt.lend``), else copied
+    device to device into a store copy of this node's own (exported in turn, and reported, so it
+    serves later readers). None if the ticket is gone or its memory does not open here."""
 
-    async def fill(
-        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
-    ) -> LocalObject | None:
+    async def fill(self, reply: p.LookupReply, attempt: Attempt, generation: int) -> LocalObject | None:
         oid = attempt.object_id
         lent = self.lend(reply, attempt)
-        if lent is None or lent.lease is None:
-            return None
+        if lent is None or lent.buffer.lease is None or attempt.lend:
+            return lent
+        memory = self.ctx.store.memory
         try:
             existing = self.ctx.store.get(oid)
             if existing is not None:  # arrived meanwhile (a vertex here, another get): use that
                 return existing
             self.ctx.store.reserve(reply.size)
-            data, ticket = ipc.allocate_here(reply.size, self.ctx.store.shares)
+            buffer = memory.device(reply.size)
             try:
-                lent.buffer.backend.copy(data, lent.buffer.array)
+                lent.buffer.backend.copy(buffer.array, lent.buffer.array)
             except BaseException:
-                if ticket is not None:
-                    ticket.retire()
+                memory.release(buffer)
                 raise
         finally:
-            lent.lease.close()
-        obj = from_reply(oid, reply, (lent.dtype, lent.shape), data, progress=reply.size, ticket=ticket)
+            lent.buffer.lease.close()
+        obj = from_reply(oid, reply, (lent.dtype, lent.shape), buffer, progress=reply.size)
         self.ctx.store.add(obj)
         self.ctx.completed(obj, generation, 0)
         return obj
 
     def lend(self, reply: p.LookupReply, attempt: Attempt) -> LocalObject | None:
         """The holder's memory itself, open for one reader (a ``get`` that copies it into the array
-        it returns: one device copy in all): a complete object outside the store, whose
-        :attr:`~hoplite_gpu.memory.store.LocalObject.lease` the caller closes once it has read it.
-        None if it does not open here."""
+        it returns: one device copy in all): a complete object outside the store, whose buffer's
+        :attr:`~hoplite_gpu.memory.Buffer.lease` the caller closes once it has read it. None if it
+        does not open here."""
         oid = attempt.object_id
         meta = checked_meta(oid, reply)
-        opened = ipc.open_ticket(reply.segment, oid.binary(), reply.size)
+        opened = self.ctx.store.memory.open_device(reply.segment, oid.binary(), reply.size)
         if opened is None:
             log.debug("device memory of %s at %s does not open here; pulling", oid, reply.sender_node[:8])
             return None
-        obj = from_reply(oid, reply, meta, opened.array, progress=reply.size)
-        obj.lease = opened
-        return obj
+        return from_reply(oid, reply, meta, opened, progress=reply.size)
 
 
 class PullSource(Source):
@@ -276,10 +281,8 @@ class PullSource(Source):
         if abort is not None and not abort.done():
             abort.set_exception(error)
 
-    async def fill(
-        self, local: LocalObject | None, reply: p.LookupReply, attempt: Attempt, generation: int
-    ) -> LocalObject | None:
-        assert local is not None, "a pull fills a partial copy the caller created"
+    async def fill(self, reply: p.LookupReply, attempt: Attempt, generation: int) -> LocalObject | None:
+        local = attempt.local or self.ctx.new_copy(attempt, reply)
         oid = attempt.object_id
         before = local.progress
         try:

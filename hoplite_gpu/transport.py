@@ -36,7 +36,7 @@ from .errors import (
     TransportError,
 )
 from .faults import INJECTOR
-from .memory.store import LocalObject, LocalStore
+from .memory import LocalObject, LocalStore
 from .object_id import ObjectID
 
 log = logging.getLogger("hoplite_gpu.transport")

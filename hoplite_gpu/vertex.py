@@ -27,22 +27,15 @@ from .errors import (
     ObjectDeletedError,
     ObjectLostError,
     ObjectNotFoundError,
+    ObjectReset,
     TransportError,
 )
 from .faults import INJECTOR
-from .memory import ipc
-from .memory.backend import DeviceEvent
-from .memory.buffers import Buffer
-from .memory.store import LocalObject, LocalStore
+from .memory import Buffer, DeviceEvent, LocalObject, LocalStore
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
 
 log = logging.getLogger("hoplite_gpu")
-
-
-class ObjectReset(HopliteError):
-    """A partial copy of a reduction's result was voided (the tree is being rebuilt after a
-    failure); a get of it starts again from byte 0. Never raised to callers."""
 
 
 #: Errors of a vertex's sources after which the directory rebuilds the tree instead of failing it.
@@ -60,9 +53,7 @@ class VertexRunner:
         store: The node's local store (inputs are found, outputs written there).
         fetch: ``fetch(oid, started)`` gets another node's object into the store, resolving
             ``started`` with the local copy as soon as it exists (still filling).
-        allocate: A store buffer of the given size.
         report: Sends a message to the directory (best effort).
-        publish: Publishes a complete output in its shared-memory segment; the segment's name.
         drop_copy: Deletes a copy fetched only for vertices (in the background).
         chunk_bytes: Bytes reduced per step (the least per step for outputs in device memory).
         device_chunk_bytes: The most bytes reduced per step for outputs in device memory (see
@@ -73,18 +64,14 @@ class VertexRunner:
         self,
         store: LocalStore,
         fetch: Callable[[ObjectID, asyncio.Future[LocalObject]], Awaitable[LocalObject]],
-        allocate: Callable[[int], Awaitable[np.ndarray[Any, Any]]],
         report: Callable[[p.Message], None],
-        publish: Callable[[LocalObject], str],
         drop_copy: Callable[[ObjectID], None],
         chunk_bytes: int,
         device_chunk_bytes: int = 0,
     ) -> None:
         self.store = store
         self._fetch = fetch
-        self._allocate = allocate
         self._report = report
-        self._publish = publish
         self._drop_copy = drop_copy
         self.chunk_bytes = chunk_bytes
         self.device_chunk_bytes = device_chunk_bytes
@@ -128,6 +115,7 @@ class VertexRunner:
     async def _run(self, run: VertexRun) -> None:
         """Execute a :class:`~hoplite_gpu.protocol.ReduceTask` and report how it went."""
         task = run.task
+        memory = self.store.memory
         out: LocalObject | None = None
         try:
             own = self.store.get(ObjectID(task.input_id))
@@ -144,14 +132,11 @@ class VertexRunner:
                 if stale is not None and stale.complete and not stale.owner:
                     self.store.remove(run.output_id)  # the result of a tree rebuilt since
                 self.store.reserve(task.size)
-                ticket = None
+                buffer: Buffer
                 if own.buffer.on_device:  # reduced where the input is, by the device's kernels
-                    data, ticket = ipc.allocate(
-                        own.buffer.backend, task.size, own.buffer.device or 0, self.store.shares
-                    )
-                    buffer = Buffer.wrap(data)
+                    buffer = memory.device(task.size, like=own.buffer)
                 else:
-                    buffer = Buffer.wrap(await self._allocate(task.size), pooled=True)
+                    buffer = await memory.host_async(task.size)
                 out = LocalObject(
                     run.output_id,
                     task.size,
@@ -161,7 +146,6 @@ class VertexRunner:
                     buffer,
                     reduction=task.reduction_id,
                     memory=task.memory,
-                    ticket=ticket,
                 )
                 self.store.add(out)
                 children = await streams
@@ -180,7 +164,7 @@ class VertexRunner:
                     reduction_id=task.reduction_id,
                     vertex=task.vertex,
                     ok=True,
-                    segment=self._publish(out),
+                    segment=memory.publish(out.buffer, out.object_id.binary(), out.dtype, out.shape),
                     epoch=task.epoch,
                 )
             )

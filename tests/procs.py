@@ -123,7 +123,7 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             oid = hg.ObjectID.from_hex(oid_hex) if oid_hex else None
             return node.put(device_array(backend, make_array(dtype, shape, seed)), oid).hex()
         if cmd == "get_typed":  # the type of array get returned, and its digest
-            from hoplite_gpu.memory.buffers import to_host
+            from hoplite_gpu.memory import to_host
 
             got = node.get(hg.ObjectID.from_hex(args[0]), timeout=args[1])
             return array_type(got), digest(to_host(got).view(np.ndarray))
@@ -132,13 +132,12 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             return None if obj is None else obj.buffer.kind.value
         if cmd == "ticket":  # the device memory ticket of an object this node holds ("" if none)
             obj = node._store.get(hg.ObjectID.from_hex(args[0]))
-            return "" if obj is None or obj.ticket is None else obj.ticket.name
+            return "" if obj is None or obj.buffer.ticket is None else obj.buffer.ticket.name
         if cmd == "ipc_open":  # open a same-host holder's device memory and keep it open
-            from hoplite_gpu.memory import ipc
-            from hoplite_gpu.memory.buffers import to_host
+            from hoplite_gpu.memory import ipc, to_host
 
             segment, oid_hex, dtype, shape = args
-            opened = ipc.open_ticket(
+            opened = ipc.PROCESS.open_ticket(
                 segment, bytes.fromhex(oid_hex), int(np.prod(shape)) * np.dtype(dtype).itemsize
             )
             if opened is None:
@@ -151,7 +150,7 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
         if cmd == "ipc_sweep":  # close kept mappings of memory their holders let go; how many stay
             from hoplite_gpu.memory import ipc
 
-            return ipc.sweep()
+            return ipc.PROCESS.sweep()
         if cmd == "arm":
             from hoplite_gpu import faults
 
@@ -220,7 +219,7 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
     memory, _, dtype = dtype.rpartition(":")  # "sim:float32" / "cupy:float32": a device array
     arr = make_array(dtype, shape, seed + group.rank)
     if memory:
-        from hoplite_gpu.memory.buffers import to_host
+        from hoplite_gpu.memory import to_host
 
         result = coll.allreduce(device_array(memory, arr), group, args[4]) if cmd == "allreduce" else None
         return array_type(result), to_host(result).view(np.ndarray)

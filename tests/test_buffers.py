@@ -9,8 +9,9 @@ import pytest
 
 from hoplite_gpu import dtypes
 from hoplite_gpu.errors import InvalidArgumentError
-from hoplite_gpu.memory import buffers, kernels, shm
-from hoplite_gpu.memory.buffers import ArrayKind, Buffer, BufferKind, BufferPool
+from hoplite_gpu.memory import arrays, buffers, kernels, shm
+from hoplite_gpu.memory.arrays import ArrayKind
+from hoplite_gpu.memory.buffers import Buffer, BufferKind, BufferPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,10 +47,10 @@ class _DLPackOnly:
 
 def test_arrays_are_classified_once() -> None:
     arr = np.arange(6, dtype=np.float32)
-    assert buffers.kind_of(arr) is ArrayKind.NUMPY
-    assert buffers.kind_of(_Exported(arr)) is ArrayKind.HOST
-    assert buffers.kind_of(_OnDevice()) is ArrayKind.CUDA and buffers.on_device(_OnDevice())
-    assert buffers.kind_of([1, 2]) is ArrayKind.OTHER and not buffers.on_device(arr)
+    assert arrays.kind_of(arr) is ArrayKind.NUMPY
+    assert arrays.kind_of(_Exported(arr)) is ArrayKind.HOST
+    assert arrays.kind_of(_OnDevice()) is ArrayKind.CUDA and arrays.on_device(_OnDevice())
+    assert arrays.kind_of([1, 2]) is ArrayKind.OTHER and not arrays.on_device(arr)
 
 
 @pytest.mark.parametrize(("device_type", "kind"), [(2, "cuda"), (13, "cuda"), (1, "host"), (3, "host")])
@@ -57,32 +58,32 @@ def test_dlpack_arrays_are_classified_by_their_device(device_type: int, kind: st
     """DLPack alone on a CUDA device (kDLCUDA 2, kDLCUDAManaged 13) is device memory; on the CPU
     (1) or in CUDA host memory (3) it is host memory, which NumPy views or refuses."""
     arr = _DLPackOnly(device_type, np.arange(6, dtype=np.int32))
-    assert buffers.kind_of(arr) is ArrayKind(kind)
-    assert buffers.on_device(arr) is (kind == "cuda")
+    assert arrays.kind_of(arr) is ArrayKind(kind)
+    assert arrays.on_device(arr) is (kind == "cuda")
     if device_type == 1:
-        assert np.array_equal(buffers.to_host(arr), np.arange(6))
+        assert np.array_equal(arrays.to_host(arr), np.arange(6))
 
 
 def test_a_broken_dlpack_exporter_is_not_taken_for_device_memory() -> None:
     broken = _DLPackOnly(RuntimeError("no device"))
-    assert buffers.kind_of(broken) is ArrayKind.HOST and not buffers.on_device(broken)
+    assert arrays.kind_of(broken) is ArrayKind.HOST and not arrays.on_device(broken)
 
 
 def test_to_host_views_host_arrays_and_refuses_the_rest() -> None:
     arr = np.arange(6, dtype=np.int16).reshape(2, 3)
-    assert buffers.to_host(arr) is arr
-    view = buffers.to_host(_Exported(arr))
+    assert arrays.to_host(arr) is arr
+    view = arrays.to_host(_Exported(arr))
     assert np.shares_memory(view, arr) and view.dtype == arr.dtype and view.shape == (2, 3)
     with pytest.raises(InvalidArgumentError, match="got list"):
-        buffers.to_host([1, 2, 3])
+        arrays.to_host([1, 2, 3])
 
 
 def test_flat_view_only_of_contiguous_arrays() -> None:
     arr = np.zeros((4, 4))
-    flat = buffers.flat_view(arr)
+    flat = arrays.flat_view(arr)
     assert flat is not None and flat.shape == (16,) and np.shares_memory(flat, arr)
-    assert buffers.flat_view(arr[:, ::2]) is None
-    assert buffers.flat_view(_Exported(arr)) is None
+    assert arrays.flat_view(arr[:, ::2]) is None
+    assert arrays.flat_view(_Exported(arr)) is None
 
 
 @pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")

@@ -24,8 +24,7 @@ import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
 from hoplite_gpu.errors import ProtocolError
-from hoplite_gpu.memory import device, ipc, shm
-from hoplite_gpu.memory.buffers import to_host
+from hoplite_gpu.memory import device, device_pool, ipc, shm, tickets, to_host
 from hoplite_gpu.topology import GpuInfo, Inventory, NvLink
 from tests.procs import (
     DEVICE_TYPE,
@@ -202,8 +201,8 @@ def test_device_memory_that_does_not_open_falls_back_to_a_pull(
 ) -> None:
     _sim_only(backend)
     oid, want = _put(ipc_owner, backend, 6)
-    ticket = ipc_owner._store.get(oid).ticket
-    record = ipc.read_ticket(ticket.name, oid.binary(), want.nbytes)
+    ticket = ipc_owner._store.get(oid).buffer.ticket
+    record = ipc.PROCESS.read_ticket(ticket.name, oid.binary(), want.nbytes)
     assert record is not None and record.backend == "sim"
     os.unlink(os.path.join(shm.SHM_DIR, record.handle.decode()))  # the memory's file is gone
     start = ipc_owner.event_log()[-1]["seq"] + 1
@@ -211,23 +210,23 @@ def test_device_memory_that_does_not_open_falls_back_to_a_pull(
     kinds = [e["kind"] for e in _events(ipc_owner, oid.hex(), start)]
     assert kinds[:3] == ["lookup", "lookup_ipc", "lookup"] and "transfer_start" in kinds, kinds
     ipc_owner.delete(oid)
-    ipc.reap()
-    ipc.POOL.clear()  # its memory, broken above, must not serve the next tests' objects
+    ipc.PROCESS.reap()
+    ipc.PROCESS.pool.clear()  # its memory, broken above, must not serve the next tests' objects
 
 
 def test_a_holder_frees_device_memory_only_once_its_readers_let_go(
     backend: str, ipc_owner: Any, ipc_workers: list[Worker]
 ) -> None:
     oid, want = _put(ipc_owner, backend, 7)
-    ticket = ipc_owner._store.get(oid).ticket
+    ticket = ipc_owner._store.get(oid).buffer.ticket
     assert ticket is not None and ticket.held
     reader = ipc_workers[0]
     assert reader.call("ipc_open", ticket.name, oid.hex(), "float32", SHAPE) == digest(want)
     assert ipc_owner.delete(oid)
     assert ticket.held  # retired, but a reader has the memory open: not freed
-    assert ipc.open_ticket(ticket.name, oid.binary(), want.nbytes) is None  # no new reader
+    assert ipc.PROCESS.open_ticket(ticket.name, oid.binary(), want.nbytes) is None  # no new reader
     assert reader.call("ipc_close")
-    ipc.reap()
+    ipc.PROCESS.reap()
     assert not ticket.held
 
 
@@ -237,10 +236,10 @@ def test_memory_of_a_killed_holder_is_not_opened(backend: str, ipc_owner: Any) -
         oid = holder.call("put_device", backend, "float32", SHAPE, 8, "")
         name = holder.call("ticket", oid)
         nbytes = int(np.prod(SHAPE)) * 4
-        assert ipc.read_ticket(name, bytes.fromhex(oid), nbytes) is not None
+        assert ipc.PROCESS.read_ticket(name, bytes.fromhex(oid), nbytes) is not None
         os.kill(holder.proc.pid, signal.SIGKILL)
         holder.proc.join(30)
-        assert ipc.open_ticket(name, bytes.fromhex(oid), nbytes) is None
+        assert ipc.PROCESS.open_ticket(name, bytes.fromhex(oid), nbytes) is None
     finally:
         holder.stop()
         shm.sweep_orphans()  # the killed holder's ticket and memory files
@@ -251,26 +250,26 @@ def test_a_ticket_opens_only_for_its_object_and_size(backend: str) -> None:
     ramp = np.arange(64, dtype=np.uint8)
     array = device.default_backend().empty_shared(64, 0)
     device.default_backend().from_host(array, ramp)
-    ticket = ipc.export(array)
-    assert ticket is not None and ipc.is_ticket(ticket.name)
-    assert ipc.open_ticket(ticket.name, OID, 64) is None  # not published yet
+    ticket = ipc.PROCESS.export(array)
+    assert ticket is not None and tickets.is_ticket(ticket.name)
+    assert ipc.PROCESS.open_ticket(ticket.name, OID, 64) is None  # not published yet
     ticket.publish(OID)
-    opened = ipc.open_ticket(ticket.name, OID, 64)
+    opened = ipc.PROCESS.open_ticket(ticket.name, OID, 64)
     assert opened is not None and np.array_equal(to_host(opened.array), ramp)
     opened.close()
-    assert ipc.open_ticket(ticket.name, b"x" * 20, 64) is None  # another object
-    assert ipc.open_ticket(ticket.name, OID, 65) is None  # another size
-    assert ipc.open_ticket(ticket.name[len(ipc.PREFIX) :], OID, 64) is None  # not a ticket
-    assert ipc.open_ticket(ipc.PREFIX + "../etc/passwd", OID, 64) is None
+    assert ipc.PROCESS.open_ticket(ticket.name, b"x" * 20, 64) is None  # another object
+    assert ipc.PROCESS.open_ticket(ticket.name, OID, 65) is None  # another size
+    assert ipc.PROCESS.open_ticket(ticket.name[len(tickets.PREFIX) :], OID, 64) is None  # not a ticket
+    assert ipc.PROCESS.open_ticket(tickets.PREFIX + "../etc/passwd", OID, 64) is None
     ticket.retire()
-    assert ipc.open_ticket(ticket.name, OID, 64) is None and not ticket.held
+    assert ipc.PROCESS.open_ticket(ticket.name, OID, 64) is None and not ticket.held
 
 
 def test_memory_of_a_pool_is_not_exported(backend: str) -> None:
     # not memory of empty_shared (for CuPy: a sub-allocation of its pool)
-    assert ipc.export(device_array(backend, np.zeros(8, np.uint8))) is None
-    assert ipc.export(np.zeros(8, np.uint8)) is None  # host memory
-    assert ipc.allocate(device.default_backend(), 8, 0, share=False)[1] is None
+    assert ipc.PROCESS.export(device_array(backend, np.zeros(8, np.uint8))) is None
+    assert ipc.PROCESS.export(np.zeros(8, np.uint8)) is None  # host memory
+    assert ipc.PROCESS.allocate(device.default_backend(), 8, 0, share=False)[1] is None
 
 
 # ---------------------------------------------------------------- the directory's choice
@@ -300,7 +299,7 @@ def test_a_device_vertex_output_is_copied_on_its_host_once_complete(
     )
     tasks: list[p.ReduceTask] = []
     for i, node in enumerate("ABCD"):
-        ticket = ipc.PREFIX + f"hoplite-1-2-3-{i}"
+        ticket = tickets.PREFIX + f"hoplite-1-2-3-{i}"
         put = p.PutRequest(1, bytes([i]) * 20, 1 << 20, "<f4", [1 << 18], b"", None, ticket, memory="device")
         tasks += [
             s.message for s in state.handle(Request(node, put, 0.0)) if isinstance(s.message, p.ReduceTask)
@@ -317,7 +316,7 @@ def test_a_device_vertex_output_is_copied_on_its_host_once_complete(
         assert [r.status for r in replies] == ["pull"]
         return
     assert replies == []  # not pulled while it is computed
-    ticket = ipc.PREFIX + "hoplite-1-2-3-out"
+    ticket = tickets.PREFIX + "hoplite-1-2-3-out"
     done = p.VertexDone(rid, inner[0].vertex, True, segment=ticket, epoch=inner[0].epoch)
     replies = [
         s.message for s in state.handle(Request(holder, done, 0.0)) if isinstance(s.message, p.LookupReply)
@@ -333,7 +332,7 @@ def test_a_ticket_goes_only_to_same_host_readers_that_open_device_memory(
     device_ipc: bool, host: str, status: str
 ) -> None:
     state = _state(A="h1", B=host)
-    name = ipc.PREFIX + "hoplite-1-2-3-ab"
+    name = tickets.PREFIX + "hoplite-1-2-3-ab"
     put = p.PutRequest(1, OID, 1 << 20, "|u1", [1 << 20], b"", None, name, memory="device")
     state.handle(Request("A", put, 0.0))
     (send,) = state.handle(Request("B", p.LookupRequest(7, OID, 0.0, 0, True, device_ipc=device_ipc), 0.0))
@@ -366,21 +365,21 @@ def test_a_reader_opens_the_holder_whose_gpu_reaches_its_own_best() -> None:
     state = DirectoryState(lease_timeout=math.inf, validate=True)
     for i, (node, gpu) in enumerate({"A": "G0", "B": "G1", "C": "G2", "D": "G3", "E": "", "F": ""}.items()):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, "h1", gpu=gpu, gpus=inv if gpu else None))
-    tickets = {n: ipc.PREFIX + f"hoplite-1-2-{i}-ab" for i, n in enumerate("AB")}
-    put = p.PutRequest(1, OID, 1 << 20, "|u1", [1 << 20], b"", None, tickets["A"], memory="device")
+    named = {n: tickets.PREFIX + f"hoplite-1-2-{i}-ab" for i, n in enumerate("AB")}
+    put = p.PutRequest(1, OID, 1 << 20, "|u1", [1 << 20], b"", None, named["A"], memory="device")
     state.handle(Request("A", put, 0.0))
-    state.handle(Request("B", p.CopyAdded(OID, tickets["B"]), 0.0))
+    state.handle(Request("B", p.CopyAdded(OID, named["B"]), 0.0))
 
     def ticket_for(reader: str, rid: int) -> str:
         (send,) = state.handle(Request(reader, p.LookupRequest(rid, OID, 0.0, 0, True, device_ipc=True), 0.0))
         assert send.message.status == "shm"
         return str(send.message.segment)
 
-    assert ticket_for("C", 2) == tickets["B"]  # NVLink G2-G1 beats PCIe to the owner's G0
-    assert ticket_for("D", 3) == tickets["A"]  # equally far: the owner's
-    assert ticket_for("E", 4) == tickets["A"]  # a reader that named no GPU: the owner's
+    assert ticket_for("C", 2) == named["B"]  # NVLink G2-G1 beats PCIe to the owner's G0
+    assert ticket_for("D", 3) == named["A"]  # equally far: the owner's
+    assert ticket_for("E", 4) == named["A"]  # a reader that named no GPU: the owner's
     state.handle(NodeJoined("G", "127.0.0.1", 7010, 0.0, "h1", gpu="G1", gpus=inv))
-    assert ticket_for("G", 5) == tickets["B"]  # on the holder's own GPU
+    assert ticket_for("G", 5) == named["B"]  # on the holder's own GPU
 
 
 def test_a_hello_names_a_gpu_of_its_inventory() -> None:
@@ -400,7 +399,7 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
     def ours() -> set[str]:
         return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"hoplite-{ns}-{os.getpid()}-")}
 
-    ipc.POOL.clear()
+    ipc.PROCESS.pool.clear()
     before = ours()
     node = hg.connect(ipc_owner.directory_address, token=ipc_owner.token, shared_memory=True)
     oid, want = _put(node, backend, 9)
@@ -413,7 +412,7 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
     assert not os.path.exists(_index_path(node, oid.hex()))
     last, _ = _put(node, backend, 10)  # into the deleted object's memory, from the process's pool
     node.close()
-    ipc.reap()
+    ipc.PROCESS.reap()
     assert not os.path.exists(_index_path(node, last.hex()))
     # Nothing of this node's is left but the pool's spares (kept for the process's next device
     # copies). Files of earlier tests may go meanwhile: memory their readers kept open until
@@ -422,12 +421,12 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
 
 
 def test_a_retired_ticket_stays_retired(backend: str) -> None:
-    ticket = ipc.export(device.default_backend().empty_shared(16, 0))
+    ticket = ipc.PROCESS.export(device.default_backend().empty_shared(16, 0))
     assert ticket is not None
     ticket.publish(OID)
     ticket.retire()
     ticket.retire()  # a second retirement (the store's, after a failed put's) changes nothing
-    ipc.reap()
+    ipc.PROCESS.reap()
     assert ticket.publish(OID) == "" and not ticket.held
 
 
@@ -439,14 +438,14 @@ def _address(flat: Any) -> int:
 def _spare_files(backend: str) -> set[str]:
     """The ``/dev/shm`` files of the pool's spares: their pins, their retired tickets, and
     simulated device memory."""
-    names = {s.pin.name for s in ipc.POOL._spares if s.pin is not None}
-    names |= {shm.segment_of(s.record).name for s in ipc.POOL._spares if s.record is not None}  # type: ignore[union-attr]
+    names = {s.pin.name for s in ipc.PROCESS.pool._spares if s.pin is not None}
+    names |= {shm.segment_of(s.record).name for s in ipc.PROCESS.pool._spares if s.record is not None}  # type: ignore[union-attr]
     if backend == "sim":
-        names |= {shm.segment_of(s.array.base).name for s in ipc.POOL._spares}  # type: ignore[union-attr]
+        names |= {shm.segment_of(s.array.base).name for s in ipc.PROCESS.pool._spares}  # type: ignore[union-attr]
     return names
 
 
-def _taken(spare: ipc.Spare | None) -> Any:
+def _taken(spare: device_pool.Spare | None) -> Any:
     assert spare is not None
     return spare.array
 
@@ -456,40 +455,40 @@ def _stored(node: Any, oid: hg.ObjectID) -> Any:
 
 
 def test_a_deleted_device_objects_memory_takes_the_next_of_its_size(backend: str) -> None:
-    ipc.POOL.clear()  # spares of earlier tests' objects of the same size
+    ipc.PROCESS.pool.clear()  # spares of earlier tests' objects of the same size
     node = hg.init(shared_memory=True)
     try:
         oid, _ = _put(node, backend, 11)
         first = _address(_stored(node, oid))
-        reused = ipc.POOL.reused
+        reused = ipc.PROCESS.pool.reused
         node.delete(oid)
-        ipc.reap()
-        assert ipc.POOL.held_bytes >= int(np.prod(SHAPE)) * 4
+        ipc.PROCESS.reap()
+        assert ipc.PROCESS.pool.held_bytes >= int(np.prod(SHAPE)) * 4
         small = node.put(device_array(backend, np.zeros(8, np.float32)))  # another size: new memory
-        assert _address(_stored(node, small)) != first and ipc.POOL.reused == reused
+        assert _address(_stored(node, small)) != first and ipc.PROCESS.pool.reused == reused
         again, want = _put(node, backend, 12)
-        assert _address(_stored(node, again)) == first and ipc.POOL.reused == reused + 1
+        assert _address(_stored(node, again)) == first and ipc.PROCESS.pool.reused == reused + 1
         assert np.array_equal(to_host(node.get(again, timeout=30)), want)
-        assert node.stats()["device_pool_reused"] == ipc.POOL.reused
+        assert node.stats()["device_pool_reused"] == ipc.PROCESS.pool.reused
     finally:
         node.close()
 
 
 def test_memory_something_still_uses_is_not_handed_out(backend: str) -> None:
-    ipc.POOL.clear()  # spares of earlier tests' objects of the same size
+    ipc.PROCESS.pool.clear()  # spares of earlier tests' objects of the same size
     node = hg.init(shared_memory=True)
     try:
         oid, _ = _put(node, backend, 13)
         view = node._store.get(oid).buffer.view(0, 64)  # as a transfer still sending from it
         first = _address(_stored(node, oid))
         node.delete(oid)
-        ipc.reap()
-        assert len(ipc.POOL) == 1
+        ipc.PROCESS.reap()
+        assert len(ipc.PROCESS.pool) == 1
         other, _ = _put(node, backend, 14)
         assert _address(_stored(node, other)) != first
         del view
         node.delete(other)
-        ipc.reap()
+        ipc.PROCESS.reap()
         third, want = _put(node, backend, 15)
         assert _address(_stored(node, third)) == first  # the oldest spare, free again
         assert np.array_equal(to_host(node.get(third, timeout=30)), want)
@@ -498,7 +497,7 @@ def test_memory_something_still_uses_is_not_handed_out(backend: str) -> None:
 
 
 def test_the_pool_keeps_what_its_largest_user_asks_oldest_freed_first(backend: str) -> None:
-    pool, dev = ipc.DevicePool(), device.default_backend()
+    pool, dev = device_pool.DevicePool(ipc.PROCESS.discard), device.default_backend()
     pool.attach("a", 100)
     pool.attach("b", 300)
     addresses = []
@@ -533,21 +532,21 @@ def test_a_reader_on_the_host_reads_each_object_of_reused_memory(
     backend: str, ipc_owner: Any, ipc_workers: list[Worker]
 ) -> None:
     reader = ipc_workers[2]
-    ipc.POOL.clear()
+    ipc.PROCESS.pool.clear()
     seen, tickets, earlier = set(), set(), []
     nbytes = int(np.prod(SHAPE)) * 4
     for seed in (40, 41, 42):
         oid, want = _put(ipc_owner, backend, seed)
         seen.add(_address(_stored(ipc_owner, oid)))
-        ticket = ipc_owner._store.get(oid).ticket.name
+        ticket = ipc_owner._store.get(oid).buffer.ticket.name
         tickets.add(ticket)
         for old in earlier:  # the ticket names only its present object
-            assert ipc.read_ticket(ticket, old.binary(), nbytes) is None
-        assert ipc.read_ticket(ticket, oid.binary(), nbytes) is not None
+            assert ipc.PROCESS.read_ticket(ticket, old.binary(), nbytes) is None
+        assert ipc.PROCESS.read_ticket(ticket, oid.binary(), nbytes) is not None
         assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
         assert ipc_owner.delete(oid)
-        ipc.reap()
-        assert ipc.read_ticket(ticket, oid.binary(), nbytes) is None  # retired with its object
+        ipc.PROCESS.reap()
+        assert ipc.PROCESS.read_ticket(ticket, oid.binary(), nbytes) is None  # retired with its object
         earlier.append(oid)
     assert len(seen) == 1  # one allocation served all three
     assert len(tickets) == 1  # named by one ticket, published again for each object
@@ -558,14 +557,14 @@ def test_a_reader_keeps_the_holders_allocation_open_across_its_objects(
     backend: str, ipc_owner: Any, ipc_workers: list[Worker]
 ) -> None:
     reader = ipc_workers[1]
-    ipc.POOL.clear()
+    ipc.PROCESS.pool.clear()
     reader.call("ipc_sweep")
     before = reader.call("stats")
     for seed in (50, 51, 52):  # each object in the memory the one before was deleted from
         oid, want = _put(ipc_owner, backend, seed)
         assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
         assert ipc_owner.delete(oid)
-        ipc.reap()
+        ipc.PROCESS.reap()
     after = reader.call("stats")
     assert after["device_ipc_opened"] - before["device_ipc_opened"] == 1
     assert after["device_ipc_reused"] - before["device_ipc_reused"] == 2
@@ -576,26 +575,26 @@ def test_an_allocation_a_reader_keeps_open_is_freed_once_it_closed_it(
     backend: str, ipc_owner: Any, ipc_workers: list[Worker]
 ) -> None:
     reader = ipc_workers[1]
-    ipc.POOL.clear()
-    ipc.reap()
+    ipc.PROCESS.pool.clear()
+    ipc.PROCESS.reap()
     oid, want = _put(ipc_owner, backend, 53)
-    (spare_pin,) = [ipc_owner._store.get(oid).ticket._pin]
+    (spare_pin,) = [ipc_owner._store.get(oid).buffer.ticket.pin]
     assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
     assert ipc_owner.delete(oid)
-    ipc.reap()
-    ipc.POOL.clear()  # the holder lets the allocation go while the reader keeps it open
-    assert any(pin is spare_pin for _, pin in ipc._pinned)  # so it is not freed yet
+    ipc.PROCESS.reap()
+    ipc.PROCESS.pool.clear()  # the holder lets the allocation go while the reader keeps it open
+    assert ipc.PROCESS.pinned(spare_pin)  # so it is not freed yet
     path = os.path.join(shm.SHM_DIR, spare_pin.name)
     assert os.path.exists(path)
     kept = reader.call("ipc_sweep")  # the reader sees the retired pin and closes its mapping
-    ipc.reap()
-    assert not any(pin is spare_pin for _, pin in ipc._pinned) and not os.path.exists(path)
+    ipc.PROCESS.reap()
+    assert not ipc.PROCESS.pinned(spare_pin) and not os.path.exists(path)
     assert reader.call("stats")["device_ipc_kept"] == kept
 
 
 # ---------------------------------------------------------------- index links
 def _index_path(node: Any, oid_hex: str) -> str:
-    key = ipc.cluster_key(node.token, node.directory_address)
+    key = tickets.cluster_key(node.token, node.directory_address)
     return os.path.join(shm.SHM_DIR, shm.index_name(key, bytes.fromhex(oid_hex)))
 
 
@@ -619,10 +618,10 @@ def test_an_index_link_is_of_one_cluster_and_goes_with_a_killed_owner(backend: s
     try:
         oid = holder.call("put_device", backend, "float32", SHAPE, 62, "")
         path = _index_path(ipc_owner, oid)
-        key = ipc.cluster_key(ipc_owner.token, ipc_owner.directory_address)
-        other = ipc.cluster_key("another-token", ipc_owner.directory_address)
-        assert ipc.open_indexed(other, bytes.fromhex(oid)) is None  # another cluster's name
-        found = ipc.open_indexed(key, bytes.fromhex(oid))
+        key = tickets.cluster_key(ipc_owner.token, ipc_owner.directory_address)
+        other = tickets.cluster_key("another-token", ipc_owner.directory_address)
+        assert ipc.PROCESS.open_indexed(other, bytes.fromhex(oid)) is None  # another cluster's name
+        found = ipc.PROCESS.open_indexed(key, bytes.fromhex(oid))
         assert found is not None
         opened, record = found
         assert (np.dtype(record.dtype), record.shape) == (np.float32, SHAPE)
@@ -633,10 +632,10 @@ def test_an_index_link_is_of_one_cluster_and_goes_with_a_killed_owner(backend: s
         os.kill(holder.proc.pid, signal.SIGKILL)
         holder.proc.join(30)
         assert os.path.exists(path)  # a killed process removes nothing
-        assert ipc.open_indexed(key, bytes.fromhex(oid)) is None  # its process is gone
+        assert ipc.PROCESS.open_indexed(key, bytes.fromhex(oid)) is None  # its process is gone
         shm.sweep_orphans()
         assert not os.path.exists(path)
     finally:
         holder.stop()
         shm.sweep_orphans()
-        ipc.sweep()
+        ipc.PROCESS.sweep()

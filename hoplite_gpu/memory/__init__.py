@@ -1,1 +1,62 @@
-"""Where an object's bytes live and how the processes of one host share them."""
+"""The memory wing: where an object's bytes live and how the processes of one host share them.
+
+The rest of the package asks the face, :class:`Memory` (one per node: allocate, publish for
+same-host readers, open what another process published, release), and holds what it hands out:
+:class:`Buffer` (an object's bytes and where they live), :class:`LocalObject` in the node's
+:class:`LocalStore`, and :class:`CallerArray` (a caller's array, classified once where it enters).
+
+Rooms, each a module:
+
+- :mod:`.arrays`: caller arrays (NumPy, CuPy, torch, array interfaces, DLPack);
+- :mod:`.buffers`: :class:`Buffer`, its kinds, and the pool of host buffers;
+- :mod:`.store`: the node's local store of objects with progress counters;
+- :mod:`.face`: :class:`Memory`;
+- :mod:`.backend`, :mod:`.device`, :mod:`.cuda`, :mod:`.sim`: device memory behind one interface
+  (CUDA through CuPy, or host memory posing as a device for tests), and :mod:`.kernels`, the CUDA
+  reduction kernels;
+- :mod:`.shm`: POSIX shared-memory segments that same-host readers map;
+- :mod:`.tickets`, :mod:`.ipc`, :mod:`.device_pool`: device memory shared through CUDA IPC (the
+  record that names it, the process's exports and mappings, the pool of exported allocations);
+- :mod:`.placement`: this node's GPUs as NVML reports them, told to the directory.
+"""
+
+from __future__ import annotations
+
+from .arrays import OUT_KINDS, ArrayKind, CallerArray, copy_into, flat_view, kind_of, to_host
+from .backend import DeviceEvent
+from .buffers import Buffer, BufferKind, digest_of
+from .device import device_result
+from .face import (
+    THREAD_COPY_BYTES,
+    Memory,
+    device_in_use,
+    host_key,
+    shared_memory_available,
+    sweep_orphans,
+)
+from .store import MEMORY_DEVICE, MEMORY_HOST, LocalObject, LocalStore
+
+__all__ = [
+    "MEMORY_DEVICE",
+    "MEMORY_HOST",
+    "OUT_KINDS",
+    "THREAD_COPY_BYTES",
+    "ArrayKind",
+    "Buffer",
+    "BufferKind",
+    "CallerArray",
+    "DeviceEvent",
+    "LocalObject",
+    "LocalStore",
+    "Memory",
+    "copy_into",
+    "device_in_use",
+    "device_result",
+    "digest_of",
+    "flat_view",
+    "host_key",
+    "kind_of",
+    "shared_memory_available",
+    "sweep_orphans",
+    "to_host",
+]

@@ -195,7 +195,6 @@ class DeviceBackend:
         raise NotImplementedError
 
 
-
 def same_size(dst: Any, src: Any) -> None:
     """Raise unless a copy's two sides have the same size."""
     if int(dst.nbytes) != int(src.nbytes):

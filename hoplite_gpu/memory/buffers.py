@@ -1,17 +1,15 @@
-"""Where an object's bytes live, and the one place that looks at what kind of array a caller passed.
-
-Every array a caller hands the library (``put``, ``get(out=...)``, collectives, the Ray backend)
-goes through :func:`kind_of`: NumPy, CuPy, torch tensors, and other objects that export
-``__cuda_array_interface__`` or DLPack on a CUDA device (device memory), or
-``__array_interface__`` / DLPack on the CPU (host memory).
-Nothing else in the package inspects array types.
+"""Where an object's bytes live: the :class:`Buffer` that travels with an object, and the pool that
+recycles host memory.
 
 An object's bytes are a :class:`Buffer`: a flat ``uint8`` array and where it lives
 (:class:`BufferKind`): private process memory, a shared-memory segment this process owns (same-host
 readers map it), a read-only mapping of another process's segment, pinned host memory, or CUDA
-device memory. Code that moves or reads an object's bytes goes through the buffer (``view`` for a
-byte range, ``host`` where a host view exists, ``digest``), so a new kind of memory is a new kind
-here, not a change in every caller. :class:`BufferPool` recycles private memory and segments.
+device memory (with its backend, worked out once when the buffer is made). The buffer also carries
+what ties its memory to other processes: the ticket that exports it, or the lease on another
+process's memory it reads in place. Code that moves or reads an object's bytes goes through the
+buffer (``view`` for a byte range, ``host`` where a host view exists, ``digest``), so a new kind of
+memory is a new kind here, not a change in every caller. :class:`BufferPool` recycles private
+memory and segments.
 """
 
 from __future__ import annotations
@@ -23,45 +21,17 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
 from ..errors import InvalidArgumentError
-from . import device as devices
-from . import shm
+from . import device, shm
 from .backend import DeviceBackend
-from .cuda import dlpack_on_cuda
-from .sim import SimDeviceArray
 
-
-class ArrayKind(enum.Enum):
-    """What a caller's array is."""
-
-    NUMPY = "numpy"
-    CUPY = "cupy"
-    TORCH = "torch"
-    CUDA = "cuda"  # another CUDA array: ``__cuda_array_interface__``, or DLPack on a CUDA device
-    HOST = "host"  # another object NumPy can view (``__array_interface__``, buffer, DLPack)
-    SIM = "sim"  # simulated device memory (:class:`hoplite_gpu.memory.device.SimDeviceArray`, for tests)
-    OTHER = "other"
-
-
-def kind_of(array: Any) -> ArrayKind:
-    """Classify ``array`` (no import of CuPy or torch happens here)."""
-    if isinstance(array, np.ndarray):
-        return ArrayKind.SIM if isinstance(array, SimDeviceArray) else ArrayKind.NUMPY
-    module = type(array).__module__.split(".")[0]
-    if module == "cupy":
-        return ArrayKind.CUPY
-    if module == "torch":
-        return ArrayKind.TORCH
-    if hasattr(array, "__cuda_array_interface__") or dlpack_on_cuda(array):
-        return ArrayKind.CUDA
-    if hasattr(array, "__array_interface__") or hasattr(array, "__dlpack__"):
-        return ArrayKind.HOST
-    return ArrayKind.OTHER
+if TYPE_CHECKING:
+    from .tickets import Opened, Ticket
 
 
 class BufferKind(enum.Enum):
@@ -78,9 +48,10 @@ class BufferKind(enum.Enum):
 HOST_KINDS = frozenset({BufferKind.PRIVATE, BufferKind.SEGMENT, BufferKind.MAPPED, BufferKind.PINNED})
 
 
-def buffer_kind(data: Any) -> BufferKind:
-    """Where ``data`` (a flat store buffer: a NumPy array, or a device array) lives."""
-    if on_device(data):
+def buffer_kind(data: Any, backend: DeviceBackend | None = None) -> BufferKind:
+    """Where ``data`` (a flat store buffer: a NumPy array, or a device array of ``backend``, which
+    is :func:`~hoplite_gpu.memory.device.backend_for` ``data`` when not given) lives."""
+    if (backend or device.backend_for(data)) is not None:
         return BufferKind.DEVICE
     if not isinstance(data, np.ndarray):
         raise InvalidArgumentError(f"not a store buffer: {type(data).__name__}", argument="data")
@@ -107,11 +78,15 @@ class Buffer:
     """An object's bytes: a flat ``uint8`` array, where it lives, and who may recycle it.
 
     ``array`` is a NumPy array for the host kinds and an array of a
-    :class:`~hoplite_gpu.memory.backend.DeviceBackend` for :attr:`BufferKind.DEVICE` (a CuPy array, or a
-    simulated one; ``device`` is then its device ordinal). ``pooled`` says the array came from the store's
-    :class:`BufferPool` and goes back to it when the object is removed. ``unpin``: host memory
-    page-locked for this object (``put(..., pinned=True)``), undone by :meth:`release_pin` before
-    the memory goes back. Build one with :meth:`wrap`, which works out the kind.
+    :class:`~hoplite_gpu.memory.backend.DeviceBackend` for :attr:`BufferKind.DEVICE` (a CuPy array,
+    or a simulated one; ``device`` is then its device ordinal, ``device_backend`` its backend).
+    ``pooled`` says the array came from the store's :class:`BufferPool` and goes back to it when the
+    object is removed. ``unpin``: host memory page-locked for this object (``put(...,
+    pinned=True)``), undone by :meth:`release_pin` before the memory goes back. ``ticket``: the
+    export of device memory the store allocated itself (:mod:`hoplite_gpu.memory.ipc`), published
+    with the complete copy and retired with it. ``lease``: another process's device memory this
+    buffer reads in place (a lent copy, outside the store), closed by whoever read it. Build one
+    with :meth:`wrap`, which works out the kind.
     """
 
     array: Any
@@ -119,17 +94,28 @@ class Buffer:
     pooled: bool = False
     device: int | None = None
     unpin: Callable[[], None] | None = None
+    device_backend: DeviceBackend | None = None
+    ticket: Ticket | None = None
+    lease: Opened | None = None
 
     @classmethod
-    def wrap(cls, array: Any, *, pooled: bool = False) -> Buffer:
+    def wrap(
+        cls,
+        array: Any,
+        *,
+        pooled: bool = False,
+        ticket: Ticket | None = None,
+        lease: Opened | None = None,
+    ) -> Buffer:
         """The buffer of a flat ``uint8`` ``array`` (NumPy, or a device backend's array)."""
-        kind = buffer_kind(array)
+        backend = device.backend_for(array)
+        kind = buffer_kind(array, backend)
         if array.ndim != 1 or array.dtype != np.uint8:
             raise InvalidArgumentError(
                 f"a buffer is a flat uint8 array, got shape {array.shape} of {array.dtype}", argument="array"
             )
-        backend = devices.backend_for(array)
-        return cls(array, kind, pooled, None if backend is None else backend.device_of(array))
+        dev = None if backend is None else backend.device_of(array)
+        return cls(array, kind, pooled, dev, device_backend=backend, ticket=ticket, lease=lease)
 
     @classmethod
     def pinned(cls, nbytes: int) -> Buffer:
@@ -165,7 +151,7 @@ class Buffer:
     @property
     def backend(self) -> DeviceBackend:
         """The device backend of a device buffer (raises for host memory)."""
-        backend = devices.backend_for(self.array)
+        backend = self.device_backend
         if backend is None:
             raise InvalidArgumentError(f"a {self.kind.value} buffer is host memory", argument="buffer")
         return backend
@@ -211,66 +197,6 @@ class Buffer:
         if isinstance(view, np.ndarray):
             view.flags.writeable = False
         return view
-
-
-def on_device(array: Any) -> bool:
-    """Whether ``array`` lives in GPU memory (of any :mod:`~hoplite_gpu.memory.device` backend)."""
-    return devices.backend_for(array) is not None
-
-
-def to_host(array: Any) -> np.ndarray[Any, Any]:
-    """A NumPy view of ``array`` where one exists, else a host copy (GPU arrays are copied)."""
-    kind = kind_of(array)
-    if kind is ArrayKind.NUMPY:
-        return array  # type: ignore[no-any-return]
-    backend = devices.backend_for(array)
-    if backend is not None:
-        dtype, shape = backend.describe(array)
-        return backend.host_copy(backend.flat_bytes(array)).view(dtype).reshape(shape)
-    if kind is ArrayKind.TORCH:
-        return array.detach().cpu().numpy()  # type: ignore[no-any-return]
-    if kind is ArrayKind.HOST:
-        try:
-            return np.from_dlpack(array) if not hasattr(array, "__array_interface__") else np.asarray(array)
-        except (TypeError, ValueError, RuntimeError, BufferError) as exc:
-            raise InvalidArgumentError(
-                f"cannot view {type(array).__name__} as an array: {exc}", argument="array"
-            ) from None
-    raise InvalidArgumentError(
-        f"put needs a NumPy or CuPy array (or a torch tensor, or an object exporting the array "
-        f"interface), got {type(array).__name__}",
-        argument="array",
-    )
-
-
-def flat_view(array: Any) -> Any:
-    """A one-dimensional view of a C-contiguous NumPy, CuPy or simulated device ``array`` (None
-    for anything else)."""
-    kinds = (ArrayKind.NUMPY, ArrayKind.CUPY, ArrayKind.SIM)
-    if kind_of(array) not in kinds or not array.flags["C_CONTIGUOUS"]:
-        return None
-    return array.reshape(-1)
-
-
-def copy_into(out: Any, src: Any) -> None:
-    """Copy ``src`` (host, or a device array of any backend) into ``out`` (NumPy, or a device
-    array: CuPy or simulated), same dtype and shape."""
-    backend = devices.backend_for(out)
-    source = devices.backend_for(src)
-    if backend is not None:
-        backend.settle(backend.device_of(out))  # what the caller queued that uses out comes first
-    if backend is not None and source is backend and out.flags.c_contiguous:
-        backend.copy(backend.flat_bytes(out), backend.flat_bytes(src))
-        return
-    host = src if source is None else to_host(src)
-    if backend is None:
-        np.copyto(out, host)
-    elif out.flags.c_contiguous:
-        backend.from_host(backend.flat_bytes(out), np.ascontiguousarray(host).reshape(-1).view(np.uint8))
-    elif isinstance(out, np.ndarray):  # a non-contiguous simulated device array
-        np.copyto(out.view(np.ndarray), host)
-    else:
-        out.set(host)  # a non-contiguous CuPy array
 
 
 def digest_of(buf: np.ndarray[Any, Any]) -> bytes:

@@ -26,6 +26,8 @@ log = logging.getLogger("hoplite_gpu")
 PINNED_STAGING_BYTES = 64 << 20
 #: ``cudaHostRegisterPortable``: memory registered with it is page-locked for every CUDA context.
 CUDA_HOST_REGISTER_PORTABLE = 1
+
+
 def _bfloat16() -> np.dtype[Any]:
     import ml_dtypes
 
@@ -51,6 +53,7 @@ def cupy_bfloat16() -> np.dtype[Any] | None:
 
 def _nothing() -> None:
     return None
+
 
 def _torch_cuda_started() -> bool:
     """Whether torch is loaded and has initialised CUDA in this process (without loading it)."""
@@ -376,8 +379,6 @@ def _on(array: Any) -> Any:
     return cupy.cuda.Device(array.device.id)
 
 
-
 def _host_contiguous(arr: np.ndarray[Any, Any]) -> None:
     if not arr.flags.c_contiguous:
         raise InvalidArgumentError("host side of a device copy must be C-contiguous", argument="host")
-

@@ -187,4 +187,3 @@ class _HeldEvent(DeviceEvent):
     def wait(self) -> None:
         if not self._gate.wait(self.LIMIT):
             raise HopliteError(f"a held simulated device event was not let go within {self.LIMIT:.0f} s")
-

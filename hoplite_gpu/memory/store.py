@@ -14,8 +14,8 @@ from typing import Any
 from ..dtypes import dtype_from_wire
 from ..errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
 from ..object_id import ObjectID
-from . import ipc
 from .buffers import Buffer, BufferPool
+from .face import Memory
 
 #: :attr:`LocalObject.memory` of an object put from host memory (NumPy, CPU tensors).
 MEMORY_HOST = ""
@@ -43,12 +43,6 @@ class LocalObject:
     # copy's buffer is: a reader's get returns that kind (a device object received into host
     # memory is copied to the reader's device when read).
     memory: str = MEMORY_HOST
-    # The export of a device buffer the store allocated itself (:mod:`hoplite_gpu.memory.ipc`): published
-    # with the complete copy, so same-host readers copy from it device to device; retired with it.
-    ticket: ipc.Ticket | None = None
-    # Another process's device memory this copy reads in place (a lent copy, outside the store:
-    # see :meth:`~hoplite_gpu.sources.DeviceIpcSource.lend`); closed by whoever read it.
-    lease: ipc.Opened | None = None
     _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
 
     @property
@@ -126,21 +120,27 @@ REMEMBERED_REMOVALS = 4096
 
 
 class LocalStore:
-    """The objects this node holds, with a capacity limit and a pool of reusable buffers."""
+    """The objects this node holds, with a capacity limit, and the node's :class:`Memory` their
+    bytes come from and go back to (a private one without ``memory``)."""
 
-    def __init__(self, capacity_bytes: int, pool_bytes: int = 0, shared_min_bytes: int = 0) -> None:
+    def __init__(self, capacity_bytes: int, memory: Memory | None = None) -> None:
         self.capacity_bytes = capacity_bytes
-        self.pool = BufferPool(pool_bytes, shared_min_bytes)
+        self.memory = memory or Memory()
         self.used_bytes = 0
         self._objects: dict[ObjectID, LocalObject] = {}
         self._arrivals: dict[ObjectID, list[asyncio.Future[LocalObject]]] = {}
         self._removed: OrderedDict[ObjectID, None] = OrderedDict()  # recent removals, oldest first
 
     @property
+    def pool(self) -> BufferPool:
+        """The pool of the store's host buffers (:attr:`Memory.pool`)."""
+        return self.memory.pool
+
+    @property
     def shares(self) -> bool:
         """Whether processes on this host read this store's copies in place (shared-memory
         segments, device memory tickets): the node runs with ``Config.shared_memory``."""
-        return self.pool.shared_min_bytes > 0
+        return self.memory.shares
 
     def __contains__(self, oid: ObjectID) -> bool:
         return oid in self._objects
@@ -190,11 +190,7 @@ class LocalStore:
         self.used_bytes -= obj.size
         if not obj.complete or obj._waiters:
             obj.fail(error or ObjectDeletedError(f"object {oid} was deleted", object_id=oid.hex()))
-        obj.buffer.release_pin()  # page-locked by put(pinned=True): undone before it is reused
-        if obj.buffer.pooled:
-            self.pool.release(obj.buffer.host)
-        if obj.ticket is not None:
-            obj.ticket.retire()  # its memory is freed once no reader on the host has it open
+        self.memory.release(obj.buffer)
         return obj
 
     async def wait_for(self, oid: ObjectID, timeout: float, coming: bool = False) -> LocalObject | None:
@@ -229,4 +225,4 @@ class LocalStore:
                 if not fut.done():
                     fut.cancel()
         self._arrivals.clear()
-        self.pool.clear()
+        self.memory.clear()

@@ -1,0 +1,271 @@
+"""The face of the memory wing: what the rest of the package asks of memory, through one object per
+node (:class:`Memory`).
+
+- **allocate**: a buffer for an object's bytes, in host memory (:meth:`Memory.host`, recycled by the
+  pool; in a shared-memory segment where the node shares), page-locked host memory
+  (:meth:`Memory.page_locked`), or device memory that same-host processes can open
+  (:meth:`Memory.device`, :meth:`Memory.keep_device`);
+- **publish** a complete copy for same-host readers (:meth:`Memory.publish`, :meth:`Memory.index`);
+- **open** what another process on this host published (:meth:`Memory.open_segment`,
+  :meth:`Memory.open_device`, :meth:`Memory.open_indexed`);
+- **release** a buffer the store no longer holds (:meth:`Memory.release`).
+
+Which of shared-memory segments, CUDA IPC tickets, pools and device backends does the work is
+decided here and below; callers hold :class:`~hoplite_gpu.memory.buffers.Buffer` objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from . import device, shm
+from .arrays import CallerArray
+from .buffers import Buffer, BufferKind, BufferPool
+from .ipc import PROCESS
+from .tickets import Record, cluster_key, is_ticket
+
+#: Buffers at least this large are set up (allocated, or mapped from another process's segment,
+#: page faults included) on a worker thread, so the event loop keeps serving transfers meanwhile.
+THREAD_COPY_BYTES = 1 << 20
+
+
+def shared_memory_available() -> bool:
+    """Whether this host has a writable ``/dev/shm`` (a node may then share its copies)."""
+    return shm.available()
+
+
+def host_key() -> str:
+    """Identifies this host's shared-memory namespace (see :func:`hoplite_gpu.memory.shm.host_key`)."""
+    return shm.host_key()
+
+
+def sweep_orphans() -> int:
+    """Remove what killed processes of this host left in ``/dev/shm``; how many files went."""
+    return shm.sweep_orphans()
+
+
+def device_in_use() -> bool:
+    """Whether this process works with device memory already (then same-host device copies are
+    opened through CUDA IPC and device objects are received into device memory)."""
+    return device.default_backend().in_use()
+
+
+class Memory:
+    """A node's memory (see the module docstring).
+
+    Args:
+        pool_bytes: Bytes of removed objects' host buffers kept for reuse.
+        shared_min_bytes: Host buffers of at least this many bytes live in shared-memory segments
+            that processes of this host map (0: the node does not share).
+        index: The cluster's key for index links (:func:`cluster_key`): device objects put here are
+            linked under it, and found there by same-host readers; "" for none.
+    """
+
+    def __init__(self, pool_bytes: int = 0, shared_min_bytes: int = 0, index: str = "") -> None:
+        self.pool = BufferPool(pool_bytes, shared_min_bytes)
+        self.index_key = index
+
+    @staticmethod
+    def cluster_key(token: str, directory_address: str) -> str:
+        """The key a node of the cluster of ``token`` and ``directory_address`` indexes under."""
+        return cluster_key(token, directory_address)
+
+    @property
+    def shares(self) -> bool:
+        """Whether processes on this host read this node's copies in place (shared-memory segments,
+        device memory tickets)."""
+        return self.pool.shared_min_bytes > 0
+
+    # ------------------------------------------------------------ allocate
+    def host(self, nbytes: int) -> Buffer:
+        """A pooled host buffer of ``nbytes`` (a shared-memory segment where the node shares and
+        ``/dev/shm`` has room)."""
+        return Buffer.wrap(self.pool.allocate(nbytes), pooled=True)
+
+    async def host_async(self, nbytes: int) -> Buffer:
+        """:meth:`host`, set up (page faults) on a worker thread when large, so the event loop
+        keeps serving transfers meanwhile."""
+        if nbytes < THREAD_COPY_BYTES:
+            return self.host(nbytes)
+        return await asyncio.get_running_loop().run_in_executor(None, self.host, nbytes)
+
+    def device(self, nbytes: int, like: Buffer | None = None) -> Buffer:
+        """Device memory of ``nbytes`` for a store copy, exported where the node shares: on
+        ``like``'s device and backend (a reduce vertex computes where its input is), else on this
+        process's current device of its default backend (a reader's copy)."""
+        if like is not None and like.on_device:
+            backend, dev = like.backend, like.device or 0
+        else:
+            backend = device.default_backend()
+            dev = backend.current_device()
+        array, ticket = PROCESS.allocate(backend, nbytes, dev, self.shares)
+        return Buffer(array, BufferKind.DEVICE, device=dev, device_backend=backend, ticket=ticket)
+
+    def keep_device(self, src: CallerArray, copy: bool) -> Buffer:
+        """The buffer of a device array put as an object: a copy in memory same-host readers can
+        open, or with ``copy=False`` its own memory where contiguous. Waits for the caller's queued
+        writes to it first (:meth:`DeviceBackend.settle
+        <hoplite_gpu.memory.backend.DeviceBackend.settle>`)."""
+        backend = src.backend
+        assert backend is not None
+        flat = backend.flat_bytes(src.value)
+        dev = backend.device_of(flat)
+        backend.settle(dev)  # the caller's last writes to it are done
+        if not copy:
+            return Buffer(flat, BufferKind.DEVICE, device=dev, device_backend=backend)
+        array, ticket = PROCESS.allocate(backend, int(flat.nbytes), dev, self.shares)
+        backend.copy(array, flat)
+        return Buffer(array, BufferKind.DEVICE, device=dev, device_backend=backend, ticket=ticket)
+
+    @staticmethod
+    def check_page_locking() -> None:
+        """Raise :class:`InvalidArgumentError` unless this process can page-lock host memory (a
+        usable device backend: CuPy and a CUDA device)."""
+        if not device.default_backend().available():
+            raise InvalidArgumentError(
+                "put(..., pinned=True) needs CuPy and a CUDA device in this process", argument="pinned"
+            )
+
+    def page_locked(self, nbytes: int) -> Buffer:
+        """Page-locked host memory for a pinned put's copy of ``nbytes``: the pool's shared-memory
+        segment for it, registered where it is (its pages are its own), or else new page-locked
+        memory (private memory of the pool, registered in place, could share a page with memory
+        registered already). Raises :class:`InvalidArgumentError` without a usable device backend
+        (:meth:`check_page_locking`), :class:`~hoplite_gpu.errors.PinnedMemoryError` where CUDA
+        refuses."""
+        self.check_page_locking()
+        backend = device.default_backend()
+        if self.pool.shares(nbytes):
+            data = self.pool.allocate(nbytes)
+            if shm.segment_of(data) is not None:
+                try:
+                    unpin = backend.register_host(data)
+                except BaseException:
+                    self.pool.release(data)
+                    raise
+                buffer = Buffer.wrap(data, pooled=True)
+                buffer.unpin = unpin
+                return buffer
+            self.pool.release(data)  # /dev/shm had no room: private memory, not the pool's
+        locked, release = backend.page_locked(nbytes)
+        buffer = Buffer.wrap(locked)
+        buffer.unpin = release
+        return buffer
+
+    # ------------------------------------------------------------ publish
+    @staticmethod
+    def segment_name(buffer: Buffer) -> str:
+        """The name of the shared-memory segment holding ``buffer``'s bytes, not published yet
+        ("" for other memory; device copies are published complete, never announced before)."""
+        seg = _segment(buffer)
+        return "" if seg is None else seg.name
+
+    @staticmethod
+    def publish(buffer: Buffer, object_id: bytes, dtype: str, shape: tuple[int, ...]) -> str:
+        """Publish a complete copy for same-host readers: in its shared-memory segment, or a device
+        copy in its ticket; the name they open, or "" where it is not shared."""
+        if buffer.ticket is not None:
+            return buffer.ticket.publish(object_id, dtype, shape)
+        seg = _segment(buffer)
+        if seg is None:
+            return ""
+        seg.publish(object_id)
+        return seg.name
+
+    def index(self, buffer: Buffer, object_id: bytes) -> bool:
+        """Link a published device copy under its index name, once the directory registered it
+        (same-host readers then find it without a lookup); whether they find it there."""
+        ticket = buffer.ticket
+        return bool(ticket is not None and self.index_key and ticket.index(self.index_key, object_id))
+
+    # ------------------------------------------------------------ open another process's
+    @staticmethod
+    async def open_segment(name: str, object_id: bytes, nbytes: int) -> Buffer | None:
+        """A same-host holder's shared-memory segment published as ``object_id``, mapped read-only
+        (no bytes copied; on a worker thread when large: mapping pre-faults every page); None if
+        the segment changed or vanished."""
+        args = (name, object_id, nbytes)
+        if nbytes >= THREAD_COPY_BYTES:
+            view = await asyncio.get_running_loop().run_in_executor(None, shm.map_view, *args)
+        else:
+            view = shm.map_view(*args)
+        return None if view is None else Buffer.wrap(view)
+
+    @staticmethod
+    def is_device_ticket(segment: str) -> bool:
+        """Whether a copy's ``segment`` (from the directory) names device memory (a ticket)."""
+        return is_ticket(segment)
+
+    @staticmethod
+    def open_device(segment: str, object_id: bytes, nbytes: int) -> Buffer | None:
+        """A same-host holder's device memory published as ``object_id`` under ``segment``, open
+        for reading in place: a buffer whose :attr:`~Buffer.lease` the reader closes once read;
+        None if it does not open here."""
+        opened = PROCESS.open_ticket(segment, object_id, nbytes)
+        return None if opened is None else Buffer.wrap(opened.array, lease=opened)
+
+    def open_indexed(self, object_id: bytes) -> tuple[Buffer, Record] | None:
+        """The device memory of ``object_id`` another process of the cluster put on this host and
+        indexed, open in place (close the buffer's lease once read), and the ticket's record (its
+        ``dtype`` and ``shape``); None when there is none, or this process works with no device
+        memory yet: then ask the directory."""
+        if not self.index_key or not device_in_use():
+            return None
+        found = PROCESS.open_indexed(self.index_key, object_id)
+        if found is None:
+            return None
+        opened, record = found
+        return Buffer.wrap(opened.array, lease=opened), record
+
+    # ------------------------------------------------------------ release
+    def release(self, buffer: Buffer) -> None:
+        """The store no longer holds ``buffer``: its page-locking is undone, pooled memory goes
+        back to the pool, and an exported device copy is retired (freed once no reader on the
+        host has it open)."""
+        buffer.release_pin()  # page-locked by put(pinned=True): undone before it is reused
+        if buffer.pooled:
+            self.pool.release(buffer.host)
+        if buffer.ticket is not None:
+            buffer.ticket.retire()
+
+    def clear(self) -> None:
+        """Drop every buffer the pool holds (node shutdown)."""
+        self.pool.clear()
+
+    # ------------------------------------------------------------ the process's share
+    @staticmethod
+    def attach(node_id: str, device_pool_bytes: int) -> None:
+        """A node opened: it wants up to ``device_pool_bytes`` of device allocations kept for
+        reuse (the process's pool keeps the largest wish of its open nodes)."""
+        PROCESS.pool.attach(node_id, device_pool_bytes)
+
+    @staticmethod
+    def detach(node_id: str) -> None:
+        """A node closed; the process's last closes what it kept open of other processes'."""
+        PROCESS.pool.detach(node_id)
+        if not PROCESS.pool.users:
+            PROCESS.sweep(everything=True)
+
+    @staticmethod
+    def maintain() -> None:
+        """Close kept mappings of other processes' device memory their holders let go, and free
+        device memory same-host readers let go of (each node, once per heartbeat)."""
+        PROCESS.sweep()
+        PROCESS.reap()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the process's device memory behind this node (``device_pool_*``: bytes held,
+        allocations handed out again; ``device_ipc_*``: see :meth:`ProcessIpc.stats
+        <hoplite_gpu.memory.ipc.ProcessIpc.stats>`)."""
+        return {
+            "device_pool_bytes": PROCESS.pool.held_bytes,
+            "device_pool_reused": PROCESS.pool.reused,
+            **{f"device_ipc_{k}": v for k, v in PROCESS.stats().items()},
+        }
+
+
+def _segment(buffer: Buffer) -> shm.Segment | None:
+    """The shared-memory segment holding a pooled buffer's bytes (None: other memory)."""
+    return shm.segment_of(buffer.array) if buffer.kind is BufferKind.SEGMENT else None

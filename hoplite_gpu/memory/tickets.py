@@ -1,0 +1,300 @@
+"""A device object's ticket: the small shared-memory record that names its device memory to the
+processes of its host, from the holder's side (:class:`Ticket`) and the reader's (:func:`read`).
+
+The holder writes the allocation's inter-process handle into a *ticket*, a shared-memory segment
+of :mod:`~hoplite_gpu.memory.shm` published under the object's ID, and tells the directory its name
+(:data:`PREFIX` followed by the segment's name, in the copy's ``segment`` field). A reader reads
+the ticket under the ticket's shared lock (:func:`~hoplite_gpu.memory.shm.read_locked`: one
+``pread``) and keeps the lock for as long as it has the holder's memory open (:class:`Opened`):
+the holder marks the ticket retired when it drops the object and lets the memory go only once no
+reader holds the lock. What a process does with tickets (exporting, draining, opening, keeping
+mappings) is :mod:`hoplite_gpu.memory.ipc`'s.
+
+Record layout (the ticket's payload, little-endian)::
+
+    0   8s   device backend name ("cupy", "sim")
+    8   I    device ordinal of the allocation
+    12  I    exporting process id
+    16  Q    byte offset of the object in the allocation
+    24  Q    object size in bytes
+    32  H    handle length
+    34  ...  handle (at most HANDLE_BYTES)
+    162 H    pin name length (0: none; the reader then closes what it opened after reading)
+    164 ...  pin name (at most PIN_BYTES)
+    228 16s  dtype of the object (wire form; empty: not described)
+    244 B    number of dimensions (at most MAX_DIMS)
+    245 ...  shape, one Q per dimension
+
+A ticket may also be linked under a name every node of the cluster derives from the ObjectID
+(:meth:`Ticket.index`, :func:`~hoplite_gpu.memory.shm.index_name`, keyed by :func:`cluster_key`), so
+same-host readers find it without asking the directory; the record's dtype and shape give them what
+a lookup would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..protocol import IPC_SEGMENT_PREFIX
+from . import shm
+from .backend import DeviceBackend
+
+if TYPE_CHECKING:
+    from .ipc import ProcessIpc
+
+log = logging.getLogger("hoplite_gpu")
+
+#: What a ticket's name starts with in a copy's ``segment`` (a shared-memory segment's has none).
+PREFIX = IPC_SEGMENT_PREFIX
+#: The longest handle a ticket holds (a CUDA IPC handle is 64 bytes).
+HANDLE_BYTES = 128
+_RECORD = struct.Struct("<8sIIQQH")
+#: The longest pin name a ticket holds.
+PIN_BYTES = 64
+_PIN = struct.Struct("<H")
+_PIN_AT = _RECORD.size + HANDLE_BYTES
+#: The most dimensions a ticket describes (an object of more is not indexed).
+MAX_DIMS = 32
+_META = struct.Struct("<16sB")
+_META_AT = _PIN_AT + _PIN.size + PIN_BYTES
+_SHAPE_AT = _META_AT + _META.size
+#: Payload bytes of a ticket.
+RECORD_BYTES = _SHAPE_AT + 8 * MAX_DIMS
+#: What a pin is published as (it stands for an allocation, not an object).
+PIN_ID = bytes(20)
+
+
+def cluster_key(token: str, directory_address: str) -> str:
+    """The key every node of one cluster derives alike for index links (16 hex digits of a hash of
+    the cluster's token and its directory's address: two clusters on one host never share one)."""
+    digest = hashlib.sha256(b"hoplite-index\0" + token.encode() + b"\0" + directory_address.encode())
+    return digest.hexdigest()[:16]
+
+
+def is_ticket(segment: str) -> bool:
+    """Whether a copy's ``segment`` names a device ticket (not a shared-memory segment)."""
+    return segment.startswith(PREFIX)
+
+
+def new_pin() -> shm.Segment | None:
+    """A published pin for a new exported allocation: an empty segment a reader that keeps the
+    allocation open holds a shared lock on (None when ``/dev/shm`` has no room)."""
+    buf = shm.create(0)
+    pin = None if buf is None else shm.segment_of(buf)
+    if pin is not None:
+        pin.publish(PIN_ID)
+    return pin
+
+
+def drop_record(record: np.ndarray[Any, Any] | None) -> None:
+    """Remove a retired ticket that names no allocation any more."""
+    segment = None if record is None else shm.segment_of(record)
+    if segment is not None:
+        segment.unlink()
+
+
+def write(
+    backend: DeviceBackend, array: Any, pin: shm.Segment | None
+) -> tuple[np.ndarray[Any, Any], shm.Segment | None] | None:
+    """A new ticket's payload naming the flat device ``array`` and its pin (a new pin where
+    ``pin`` is None), or None when the backend cannot share ``array`` or ``/dev/shm`` has no
+    room."""
+    exported = None if len(backend.name) > 8 else backend.export(array)
+    if exported is None or len(exported[0]) > HANDLE_BYTES:
+        return None
+    record = shm.create(RECORD_BYTES)
+    if record is None:
+        return None
+    handle, offset = exported
+    pin = pin or new_pin()
+    pin_name = b"" if pin is None else pin.name.encode()
+    _RECORD.pack_into(
+        record.data,
+        0,
+        backend.name.encode(),
+        backend.device_of(array),
+        shm.own_pid(),
+        offset,
+        int(array.nbytes),
+        len(handle),
+    )
+    record[_RECORD.size : _RECORD.size + len(handle)] = np.frombuffer(handle, np.uint8)
+    _PIN.pack_into(record.data, _PIN_AT, len(pin_name))
+    record[_PIN_AT + _PIN.size : _PIN_AT + _PIN.size + len(pin_name)] = np.frombuffer(pin_name, np.uint8)
+    return record, pin
+
+
+class Ticket:
+    """The holder's export of one device buffer: the published record and the memory it names
+    (referenced until the ticket is retired and no reader holds it; then handed back to ``owner``,
+    the process's :class:`~hoplite_gpu.memory.ipc.ProcessIpc`, which pools it when ``pooled``)."""
+
+    def __init__(
+        self,
+        owner: ProcessIpc,
+        record: np.ndarray[Any, Any],
+        array: Any,
+        backend: DeviceBackend,
+        pooled: bool,
+        pin: shm.Segment | None,
+    ) -> None:
+        segment = shm.segment_of(record)
+        assert segment is not None
+        self._owner = owner
+        self._segment: shm.Segment | None = segment
+        self._record: np.ndarray[Any, Any] | None = record  # the segment's payload
+        self.array: Any = array
+        self.backend = backend
+        self.pooled = pooled
+        self.pin = pin
+        self._retired = False
+        self.name = PREFIX + segment.name
+
+    def publish(self, object_id: bytes, dtype: str = "", shape: tuple[int, ...] = ()) -> str:
+        """Declare the memory to hold ``object_id`` (complete), of ``dtype`` (wire form) and
+        ``shape``; the name for the directory ("" once retired: a dropped copy is never offered
+        again)."""
+        if self._retired or self._segment is None:
+            return ""
+        self._segment.begin_write()
+        described = len(dtype.encode()) <= 16 and len(shape) <= MAX_DIMS
+        name = dtype.encode() if described else b""
+        dims = shape if described else ()
+        _META.pack_into(self._segment, shm.HEADER_BYTES + _META_AT, name, len(dims))
+        struct.pack_into(f"<{len(dims)}Q", self._segment, shm.HEADER_BYTES + _SHAPE_AT, *dims)
+        self._segment.publish(object_id)
+        return self.name
+
+    def index(self, cluster: str, object_id: bytes) -> bool:
+        """Link the published ticket under ``object_id``'s index name in ``cluster`` (see the
+        module docstring); whether readers find it there (not when another live holder's is)."""
+        if self._retired or self._segment is None or not self._segment.published:
+            return False
+        return self._segment.link(shm.index_name(cluster, object_id))
+
+    def retire(self) -> None:
+        """The object is dropped: readers reject the ticket from now on, and the memory is let go
+        as soon as no reader has it open. Idempotent."""
+        if self._retired or self._segment is None:
+            return
+        self._retired = True
+        self._segment.retire()
+        self._owner.drain(self)
+
+    def release(self) -> np.ndarray[Any, Any] | None:
+        """Stop naming the memory if no reader holds the ticket: the retired record (its segment,
+        which names this allocation still), or None while a reader holds it. Called by the owner
+        only; the memory itself (:attr:`array`) is the owner's to free or pool."""
+        segment = self._segment
+        if segment is None or segment.mapped_elsewhere():
+            return None
+        record = self._record
+        self._segment = self._record = None
+        return record
+
+    @property
+    def held(self) -> bool:
+        """Whether the memory is still referenced (not yet let go)."""
+        return self._segment is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What a ticket says (see the module docstring for its layout)."""
+
+    backend: str
+    device: int
+    pid: int
+    offset: int
+    nbytes: int
+    handle: bytes
+    pin: str
+    dtype: str = ""  # wire form; "" where the holder did not describe the object
+    shape: tuple[int, ...] = ()
+
+
+def parse(raw: bytes) -> Record | None:
+    """A ticket's record from its payload (None when it makes no sense)."""
+    backend_name, dev, pid, offset, size, length = _RECORD.unpack_from(raw, 0)
+    (pin_length,) = _PIN.unpack_from(raw, _PIN_AT)
+    dtype_name, ndim = _META.unpack_from(raw, _META_AT)
+    if length > HANDLE_BYTES or ndim > MAX_DIMS:
+        return None
+    try:
+        backend = backend_name.rstrip(b"\0").decode("ascii")
+        dtype = dtype_name.rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    handle = raw[_RECORD.size : _RECORD.size + length]
+    try:
+        pin = raw[_PIN_AT + _PIN.size : _PIN_AT + _PIN.size + min(pin_length, PIN_BYTES)].decode()
+    except UnicodeDecodeError:
+        pin = ""
+    shape = struct.unpack_from(f"<{ndim}Q", raw, _SHAPE_AT)
+    pin = pin if shm.valid_name(pin) else ""
+    return Record(backend, dev, pid, offset, size, handle, pin, dtype, tuple(shape))
+
+
+def read(name: str, object_id: bytes) -> tuple[shm.Locked, Record] | None:
+    """The ticket in segment (or index link) ``name``, read under its shared lock (held until the
+    first item is closed), and its record; None when it is gone, retired or of another object."""
+    ticket = shm.read_locked(name, object_id, RECORD_BYTES)
+    if ticket is None:
+        return None
+    record = parse(ticket.payload)
+    if record is None:
+        ticket.close()
+        return None
+    return ticket, record
+
+
+def read_segment(segment: str, object_id: bytes, nbytes: int) -> tuple[shm.Locked, Record] | None:
+    """:func:`read` of a copy's ``segment`` (a ticket's name from the directory), also None when
+    it is not a ticket or names an object of another size."""
+    if not is_ticket(segment):
+        return None
+    found = read(segment[len(PREFIX) :], object_id)
+    if found is not None and found[1].nbytes != nbytes:
+        found[0].close()
+        return None
+    return found
+
+
+class Opened:
+    """A holder's device memory, open for reading: ``array`` (flat ``uint8``, of this process's
+    default backend) until :meth:`close`, which also lets go of the ticket's lock."""
+
+    __slots__ = ("_close", "_ticket", "array")
+
+    def __init__(self, array: Any, close: Callable[[], None], ticket: shm.Locked) -> None:
+        self.array = array
+        self._close: Callable[[], None] | None = close
+        self._ticket: shm.Locked | None = ticket
+
+    def close(self) -> None:
+        """Close the memory and let go of the ticket (the holder may then free it); idempotent."""
+        close, self._close = self._close, None
+        ticket, self._ticket = self._ticket, None
+        self.array = None
+        try:
+            if close is not None:
+                close_mapping(close)
+        finally:
+            if ticket is not None:
+                ticket.close()  # the ticket's lock goes now
+
+
+def close_mapping(close: Callable[[], None]) -> None:
+    """Call a mapping's ``close`` (from :meth:`DeviceBackend.open_export
+    <hoplite_gpu.memory.backend.DeviceBackend.open_export>`), logging a failure."""
+    try:
+        close()
+    except Exception as exc:  # a CUDA error while closing: nothing more to do than say so
+        log.warning("closing a device IPC mapping failed: %s", exc)
