@@ -17,17 +17,14 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
-import numbers
 import os
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import numpy as np
-
 from . import faults
 from . import protocol as p
+from .arguments import reduce_request, resolve_timeout
 from .config import WILDCARD_HOSTS, Config, host_of, is_loopback
 from .directory.service import DirectoryService
 from .errors import (
@@ -47,7 +44,7 @@ from .iothread import IOThread
 from .memory import LocalStore, Memory, host_key, placement, shared_memory_available, sweep_orphans
 from .object_id import ObjectID
 from .puts import Putter
-from .reduce_ops import ReduceOp, as_op
+from .reduce_ops import ReduceOp
 from .session import DirectorySession
 from .transport import DataPlane
 from .vertex import VertexRunner
@@ -270,15 +267,7 @@ class Node:
 
     # ------------------------------------------------------------ get
     def _resolve_timeout(self, timeout: float | None) -> float | None:
-        if timeout is None:
-            timeout = self.config.default_get_timeout or None
-        if timeout is None:
-            return None
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
-            raise InvalidArgumentError(
-                f"timeout must be a number of seconds >= 0 or None, got {timeout!r}", argument="timeout"
-            )
-        return None if math.isinf(timeout) else float(timeout)
+        return resolve_timeout(timeout, self.config.default_get_timeout)
 
     def get(
         self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
@@ -458,8 +447,9 @@ class Node:
             ObjectExistsError: ``reduction_id`` exists as an object or another reduction.
         """
         self._check_open()
-        msg = self._reduce_request(
-            object_ids, op, num_objects, reduction_id, timeout, degree, weights, coding
+        default = self.config.default_get_timeout
+        msg = reduce_request(
+            object_ids, op, num_objects, reduction_id, timeout, default, degree, weights, coding
         )
         return self._io.run(self._reduce(msg))
 
@@ -476,61 +466,11 @@ class Node:
     ) -> ObjectID:
         """Async twin of :meth:`reduce`."""
         self._check_open()
-        msg = self._reduce_request(
-            object_ids, op, num_objects, reduction_id, timeout, degree, weights, coding
+        default = self.config.default_get_timeout
+        msg = reduce_request(
+            object_ids, op, num_objects, reduction_id, timeout, default, degree, weights, coding
         )
         return await self._io.run_async(self._reduce(msg))
-
-    def _reduce_request(
-        self,
-        object_ids: Any,
-        op: ReduceOp | str,
-        num_objects: int | None,
-        reduction_id: ObjectID | None,
-        timeout: float | None,
-        degree: int | None = None,
-        weights: Any = None,
-        coding: Any = None,
-    ) -> p.ReduceRequest:
-        ids = list(object_ids) if not isinstance(object_ids, (str, bytes, ObjectID)) else None
-        if not ids or not all(isinstance(o, ObjectID) for o in ids):
-            raise InvalidArgumentError(
-                "object_ids must be a non-empty list of ObjectIDs", argument="object_ids"
-            )
-        if len(set(ids)) != len(ids):
-            raise InvalidArgumentError("object_ids must be distinct", argument="object_ids")
-        k = len(ids) if num_objects is None else num_objects
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= len(ids):
-            raise InvalidArgumentError(
-                f"num_objects must be an int in 1..{len(ids)}, got {num_objects!r}", argument="num_objects"
-            )
-        if reduction_id is not None and not isinstance(reduction_id, ObjectID):
-            raise InvalidArgumentError("reduction_id must be an ObjectID or None", argument="reduction_id")
-        if degree is not None and (not isinstance(degree, int) or isinstance(degree, bool) or degree < 1):
-            raise InvalidArgumentError(
-                f"degree must be an int >= 1 or None, got {degree!r}", argument="degree"
-            )
-        rid = reduction_id or ObjectID.random()
-        if rid in ids:
-            raise InvalidArgumentError("reduction_id must not be one of the inputs", argument="reduction_id")
-        wait = self._resolve_timeout(timeout)
-        scales = _check_weights(weights, len(ids), as_op(op))
-        rows = _check_coding(coding, len(ids), as_op(op))
-        if scales and rows:
-            raise InvalidArgumentError("give weights or coding, not both", argument="coding")
-        if rows and num_objects is None:
-            k = 0  # decoded as soon as the rows that arrived can be
-        return p.ReduceRequest(
-            request_id=0,
-            reduction_id=rid.binary(),
-            object_ids=[o.binary() for o in ids],
-            op=as_op(op).value,
-            num_objects=k,
-            timeout=wait or 0.0,
-            degree=degree or 0,
-            weights=scales,
-            coding=rows,
-        )
 
     async def _reduce(self, msg: p.ReduceRequest) -> ObjectID:
         reply = await self._session.request(
@@ -670,43 +610,3 @@ class Node:
             **self._memory.stats(),
             "pid": os.getpid(),
         }
-
-
-def _check_weights(weights: Any, count: int, op: ReduceOp) -> list[float]:
-    """The weights of a weighted reduction as floats ([] for None), checked."""
-    if weights is None:
-        return []
-    if op is not ReduceOp.SUM:
-        raise InvalidArgumentError(f"weights need op=SUM, not {op.name}", argument="weights")
-    try:
-        values = [float(w) for w in weights]
-    except (TypeError, ValueError):
-        raise InvalidArgumentError("weights must be a sequence of numbers", argument="weights") from None
-    if any(isinstance(w, bool) for w in weights) or not all(math.isfinite(w) for w in values):
-        raise InvalidArgumentError("weights must be finite numbers", argument="weights")
-    if len(values) != count:
-        raise InvalidArgumentError(
-            f"{len(values)} weights for {count} object ids: give one per id", argument="weights"
-        )
-    return values
-
-
-def _check_coding(coding: Any, count: int, op: ReduceOp) -> list[list[float]]:
-    """The encoding rows of a decoded reduction as lists of floats ([] for None), checked."""
-    if coding is None:
-        return []
-    if op is not ReduceOp.SUM:
-        raise InvalidArgumentError(f"coding needs op=SUM, not {op.name}", argument="coding")
-    try:
-        rows = np.asarray(coding, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError("coding must be rows of numbers", argument="coding") from None
-    if rows.ndim != 2 or rows.shape[0] != count or not 1 <= rows.shape[1] <= p.MAX_CODING_COLUMNS:
-        raise InvalidArgumentError(
-            f"coding must have one row per object id ({count}) of 1..{p.MAX_CODING_COLUMNS} numbers; "
-            f"got shape {rows.shape}",
-            argument="coding",
-        )
-    if not np.all(np.isfinite(rows)):
-        raise InvalidArgumentError("coding must be finite numbers", argument="coding")
-    return [[float(x) for x in row] for row in rows]

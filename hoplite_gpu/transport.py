@@ -1,4 +1,4 @@
-"""The UCX data plane: the only module that talks to ``ucxx``.
+"""The UCX data plane: with :mod:`hoplite_gpu.ucx`, the only code that talks to ``ucxx``.
 
 A node runs one :class:`DataPlane`: a UCX listener that serves pulls of local objects (complete or
 still filling), and a cache of authenticated endpoints to peers for its own pulls.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -27,7 +26,7 @@ import numpy as np
 
 from . import auth
 from . import protocol as p
-from .config import Config, apply_ucx_defaults, interface_of, ucx_cuda
+from .config import Config, ucx_cuda
 from .errors import (
     AuthenticationError,
     HopliteError,
@@ -38,6 +37,7 @@ from .errors import (
 from .faults import INJECTOR
 from .memory import LocalObject, LocalStore
 from .object_id import ObjectID
+from .ucx import as_transport_error, failure_of, forget, landed, timed, ucxx_module
 
 log = logging.getLogger("hoplite_gpu.transport")
 
@@ -50,121 +50,6 @@ MIN_WIRE_CHUNK = 64 * 1024
 MAX_WIRE_CHUNK = 256 * 1024 * 1024
 #: Transfers smaller than this do not update a peer's measured throughput.
 RATE_SAMPLE_MIN_BYTES = 2 * 1024 * 1024
-
-_ucxx: Any = None
-_net_devices = ""
-
-
-def ucxx_module(listen_host: str = "") -> Any:
-    """Import ``ucxx`` once, after applying the measured UCX defaults.
-
-    With ``listen_host`` (the address a node was told to listen on: ``Config.listen_host``), UCX
-    is limited to the network interface that holds it (UCX's ``NET_DEVICES``, given to
-    ``ucxx.init`` rather than through the environment, so processes started later do not inherit
-    it), unless ``UCX_NET_DEVICES`` is set. ucxx's listener takes no bind address and listens on
-    every interface; UCX then refuses a connection arriving on an interface it was not given,
-    before the peer can send anything (it logs "got connection request ... on a device ... which
-    was not present during UCP initialization"). UCX reads its settings once per process: a
-    later node of the same process that asks for another interface gets a warning.
-    """
-    global _ucxx, _net_devices
-    if _ucxx is None:
-        apply_ucx_defaults()
-        import ucxx
-
-        device = interface_of(listen_host) if listen_host else ""
-        if device and "UCX_NET_DEVICES" not in os.environ:
-            try:
-                ucxx.init(options={"NET_DEVICES": device}, env_takes_precedence=True)
-                _net_devices = device
-            except RuntimeError:  # UCX was started in this process before us: leave it as it is
-                log.warning("UCX was initialised before hoplite_gpu: not limiting it to %s", device)
-        _ucxx = ucxx
-    elif listen_host:
-        device = interface_of(listen_host)
-        if device and device != _net_devices and "UCX_NET_DEVICES" not in os.environ:
-            log.warning(
-                "UCX in this process was started for %s; this node, told to listen on %s (%s), "
-                "answers %s: run one node per process to limit each to its own interface",
-                _net_devices or "every interface",
-                listen_host,
-                device,
-                "on every interface" if not _net_devices else f"only on {_net_devices}",
-            )
-    return _ucxx
-
-
-def net_devices() -> str:
-    """The interface UCX was limited to in this process ("" when it was not)."""
-    return _net_devices
-
-
-def _wrap(exc: BaseException, peer: str, what: str) -> HopliteError:
-    if isinstance(exc, HopliteError):
-        return exc
-    return PeerLostError(
-        f"{what} with {peer} failed: {type(exc).__name__}: {exc}",
-        peer=peer,
-        cause=f"{type(exc).__name__}: {exc}",
-    )
-
-
-async def _timed(aw: Awaitable[Any], timeout: float, peer: str, what: str) -> Any:
-    try:
-        return await asyncio.wait_for(aw, timeout)
-    except asyncio.TimeoutError:
-        raise PeerLostError(
-            f"{what} with {peer} made no progress for {timeout} s", peer=peer, cause="stalled"
-        ) from None
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        raise _wrap(exc, peer, what) from exc
-
-
-async def _landed(
-    fut: asyncio.Future[Any], stops: list[asyncio.Future[None]], timeout: float, peer: str, what: str
-) -> None:
-    """Wait for a posted receive; give up if a ``stops`` future fails first (the object being
-    filled failed: it was lost, reset or deleted; or the directory aborted the transfer) or nothing
-    arrived for ``timeout`` s."""
-    done, _ = await asyncio.wait({fut, *stops}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    if fut in done:
-        fut.result()
-        return
-    for stop in stops:
-        if stop in done:
-            stop.result()  # raises its error
-    raise PeerLostError(f"{what} with {peer} made no progress for {timeout} s", peer=peer, cause="stalled")
-
-
-def _failure_of(fut: asyncio.Future[Any]) -> asyncio.Future[None]:
-    """A future that fails with ``fut``'s error if ``fut`` fails, and never succeeds otherwise
-    (for :func:`_landed`'s ``stops``); hand it to :func:`_forget` afterwards."""
-    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def check(done: asyncio.Future[Any]) -> None:
-        if failed.done() or done.cancelled():
-            return
-        exc = done.exception()
-        if exc is not None:
-            failed.set_exception(exc)
-
-    fut.add_done_callback(check)
-    return failed
-
-
-def _forget(fut: asyncio.Future[Any]) -> None:
-    """Drop a future (one from :func:`_failure_of`, or a send or receive no longer awaited): cancel
-    it and mark its error retrieved, now or when it ends (a ucxx request cancelled on a closed
-    endpoint may still end with an error of its own), so asyncio does not log it as unretrieved."""
-    fut.cancel()
-    fut.add_done_callback(_retrieved)
-
-
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 class _Peer:
@@ -256,7 +141,7 @@ class DataPlane:
                 if own is None:
                     address = ucxx.get_worker_address()
                     connecting = ucxx.create_endpoint_from_worker_address(address)
-                    own = await _timed(connecting, self.config.connect_timeout, "self", "connect")
+                    own = await timed(connecting, self.config.connect_timeout, "self", "connect")
                 if (
                     marker is not None
                     and not await self._drop_until(own, marker, strays)
@@ -265,7 +150,7 @@ class DataPlane:
                     strays.add(marker)  # not arrived yet (a loaded machine): met by a later round
                 marker = secrets.randbits(64)
                 sending = own.send(np.zeros(1, np.uint8), tag=marker, force_tag=True)
-                await _timed(sending, self.config.connect_timeout, "self", "marker")
+                await timed(sending, self.config.connect_timeout, "self", "marker")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the next round starts over with a new endpoint
@@ -302,7 +187,7 @@ class DataPlane:
             tag, length = int(found.sender_tag.value), int(found.length)
             receiving = own.recv(np.empty(max(1, length), np.uint8), tag=tag, force_tag=True)
             try:
-                await _timed(receiving, self.config.stall_timeout, "self", "drop")
+                await timed(receiving, self.config.stall_timeout, "self", "drop")
             except HopliteError:
                 # Its last fragments never came (its sender was cut off): the receive posted for
                 # it keeps it out of the queue, so go on with the next one.
@@ -390,10 +275,10 @@ class DataPlane:
     async def _authenticate_server(self, ep: Any) -> bool:
         timeout = self.config.connect_timeout
         nonce = auth.new_nonce()
-        await _timed(ep.send(np.frombuffer(nonce, np.uint8).copy(), tag=p.TAG_AUTH), timeout, "peer", "auth")
+        await timed(ep.send(np.frombuffer(nonce, np.uint8).copy(), tag=p.TAG_AUTH), timeout, "peer", "auth")
         answer = np.empty(auth.NONCE_BYTES + auth.MAC_BYTES, np.uint8)
         try:
-            await _timed(ep.recv(answer, tag=p.TAG_AUTH), timeout, "peer", "auth")
+            await timed(ep.recv(answer, tag=p.TAG_AUTH), timeout, "peer", "auth")
         except HopliteError:
             self.auth_failures += 1
             log.warning("data plane: dropping a peer that sent no authentication")
@@ -405,9 +290,9 @@ class DataPlane:
             log.warning("data plane: dropping a peer that failed authentication (wrong token?)")
             return False
         mine = auth.mac(self.token, b"server", nonce, client_nonce)
-        await _timed(ep.send(np.frombuffer(mine, np.uint8).copy(), tag=p.TAG_AUTH), timeout, "peer", "auth")
+        await timed(ep.send(np.frombuffer(mine, np.uint8).copy(), tag=p.TAG_AUTH), timeout, "peer", "auth")
         warm = np.zeros(WARMUP_BYTES, np.uint8)
-        await _timed(ep.send(warm, tag=p.TAG_WARMUP), timeout, "peer", "warmup")
+        await timed(ep.send(warm, tag=p.TAG_WARMUP), timeout, "peer", "warmup")
         return True
 
     async def _serve_requests(self, ep: Any) -> None:
@@ -433,7 +318,7 @@ class DataPlane:
         try:
             sending = asyncio.ensure_future(ep.send(header, tag=(p.TAG_RESPONSE, transfer_id)))
             if status != p.PULL_OK or obj is None:
-                await _timed(sending, cfg.stall_timeout, "peer", "serve")
+                await timed(sending, cfg.stall_timeout, "peer", "serve")
                 return
             # The first chunks follow the header without waiting for its send to complete (one
             # event-loop wake-up less per pull: 128 KiB pulls took 3-5 ms before, see bench/p2p.py).
@@ -481,7 +366,7 @@ class DataPlane:
                     if ahead > 0:
                         await asyncio.sleep(ahead)  # traffic shaping, not synchronisation
                 while len(window) >= cfg.chunks_in_flight:
-                    done, window = await _timed(
+                    done, window = await timed(
                         asyncio.wait(window, return_when=asyncio.FIRST_COMPLETED),
                         cfg.stall_timeout,
                         "peer",
@@ -499,19 +384,19 @@ class DataPlane:
                 sent += end - pos
                 pos = end
             if window:
-                await _timed(asyncio.gather(*window), cfg.stall_timeout, "peer", "send")
+                await timed(asyncio.gather(*window), cfg.stall_timeout, "peer", "send")
                 window = set()
             if faults:
                 INJECTOR.check("serve", obj.object_id.hex(), pos, obj.size)
             # Eager sends complete once buffered locally; the receiver's ack says it has the bytes,
             # so closing this node afterwards cannot cut the transfer short.
             ack = np.empty(p.ACK.size, np.uint8)
-            await _timed(ep.recv(ack, tag=(p.TAG_ACK, transfer_id)), cfg.stall_timeout, "peer", "ack")
+            await timed(ep.recv(ack, tag=(p.TAG_ACK, transfer_id)), cfg.stall_timeout, "peer", "ack")
         except Exception as exc:
-            raise _wrap(exc, "peer", "send") from exc
+            raise as_transport_error(exc, "peer", "send") from exc
         finally:
             for fut in window:
-                _forget(fut)
+                forget(fut)
         return sent, while_incomplete
 
     # ------------------------------------------------------------ receiving side
@@ -558,14 +443,14 @@ class DataPlane:
             ) from exc
         try:
             nonce = np.empty(auth.NONCE_BYTES, np.uint8)
-            await _timed(ep.recv(nonce, tag=p.TAG_AUTH), timeout, address, "auth")
+            await timed(ep.recv(nonce, tag=p.TAG_AUTH), timeout, address, "auth")
             mine = auth.new_nonce()
             proof = auth.mac(self.token, b"client", nonce.tobytes(), mine)
             answer = np.frombuffer(mine + proof, np.uint8).copy()
-            await _timed(ep.send(answer, tag=p.TAG_AUTH), timeout, address, "auth")
+            await timed(ep.send(answer, tag=p.TAG_AUTH), timeout, address, "auth")
             theirs = np.empty(auth.MAC_BYTES, np.uint8)
             try:
-                await _timed(ep.recv(theirs, tag=p.TAG_AUTH), timeout, address, "auth")
+                await timed(ep.recv(theirs, tag=p.TAG_AUTH), timeout, address, "auth")
             except PeerLostError as exc:
                 raise AuthenticationError(
                     f"peer {address} closed the connection during authentication: it does not "
@@ -578,7 +463,7 @@ class DataPlane:
                     f"peer {address} failed authentication: it does not know our token", peer=address
                 )
             warm = np.empty(WARMUP_BYTES, np.uint8)
-            await _timed(ep.recv(warm, tag=p.TAG_WARMUP), timeout, address, "warmup")
+            await timed(ep.recv(warm, tag=p.TAG_WARMUP), timeout, address, "warmup")
         except BaseException:
             with contextlib.suppress(Exception):
                 ep.abort()
@@ -606,7 +491,7 @@ class DataPlane:
 
     async def _send_ack(self, peer: _Peer, ack: np.ndarray[Any, Any], transfer_id: int) -> None:
         try:
-            await _timed(
+            await timed(
                 peer.ep.send(ack, tag=(p.TAG_ACK, transfer_id)),
                 self.config.stall_timeout,
                 peer.address,
@@ -682,11 +567,11 @@ class DataPlane:
             sending = asyncio.ensure_future(
                 ep.send(np.frombuffer(request, np.uint8).copy(), tag=p.TAG_REQUEST)
             )
-            send_failed = _failure_of(sending)
+            send_failed = failure_of(sending)
             try:
-                await _landed(resp, [*stops, send_failed], cfg.stall_timeout, address, "pull response")
+                await landed(resp, [*stops, send_failed], cfg.stall_timeout, address, "pull response")
             finally:
-                _forget(send_failed)
+                forget(send_failed)
             window.clear()
             await sending  # complete: the response to it arrived
             status, _, size = p.PULL_RESPONSE.unpack(header.tobytes())
@@ -709,11 +594,11 @@ class DataPlane:
             data_started = time.monotonic()
             while window:
                 end, fut = window[0]
-                await _landed(fut, stops, cfg.stall_timeout, address, "receive")
+                await landed(fut, stops, cfg.stall_timeout, address, "receive")
                 window.pop(0)
                 if backend is not None:
-                    begin, landed = staged.pop(end)
-                    backend.from_host(obj.buffer.view(begin, end), landed)
+                    begin, chunk = staged.pop(end)
+                    backend.from_host(obj.buffer.view(begin, end), chunk)
                     self.staged_received += end - begin
                 obj.advance(end)
                 if INJECTOR.armed:
@@ -730,11 +615,11 @@ class DataPlane:
             raise
         except Exception as exc:
             self._evict(peer)
-            raise _wrap(exc, address, "receive") from exc
+            raise as_transport_error(exc, address, "receive") from exc
         finally:
             obj.forget_failure(failed)
             if sending is not None:
-                _forget(sending)
+                forget(sending)
             if window:
                 # An endpoint with abandoned posted receives cannot be reused safely.
                 self._evict(peer)

@@ -1,0 +1,134 @@
+"""UCX as the data plane uses it: importing and starting ``ucxx`` with the measured defaults, and the
+asyncio helpers that turn every UCX failure or stall into a typed error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable
+from typing import Any
+
+from .config import apply_ucx_defaults, interface_of
+from .errors import HopliteError, PeerLostError
+
+log = logging.getLogger("hoplite_gpu.transport")
+
+_ucxx: Any = None
+_net_devices = ""
+
+
+def ucxx_module(listen_host: str = "") -> Any:
+    """Import ``ucxx`` once, after applying the measured UCX defaults.
+
+    With ``listen_host`` (the address a node was told to listen on: ``Config.listen_host``), UCX
+    is limited to the network interface that holds it (UCX's ``NET_DEVICES``, given to
+    ``ucxx.init`` rather than through the environment, so processes started later do not inherit
+    it), unless ``UCX_NET_DEVICES`` is set. ucxx's listener takes no bind address and listens on
+    every interface; UCX then refuses a connection arriving on an interface it was not given,
+    before the peer can send anything (it logs "got connection request ... on a device ... which
+    was not present during UCP initialization"). UCX reads its settings once per process: a
+    later node of the same process that asks for another interface gets a warning.
+    """
+    global _ucxx, _net_devices
+    if _ucxx is None:
+        apply_ucx_defaults()
+        import ucxx
+
+        device = interface_of(listen_host) if listen_host else ""
+        if device and "UCX_NET_DEVICES" not in os.environ:
+            try:
+                ucxx.init(options={"NET_DEVICES": device}, env_takes_precedence=True)
+                _net_devices = device
+            except RuntimeError:  # UCX was started in this process before us: leave it as it is
+                log.warning("UCX was initialised before hoplite_gpu: not limiting it to %s", device)
+        _ucxx = ucxx
+    elif listen_host:
+        device = interface_of(listen_host)
+        if device and device != _net_devices and "UCX_NET_DEVICES" not in os.environ:
+            log.warning(
+                "UCX in this process was started for %s; this node, told to listen on %s (%s), "
+                "answers %s: run one node per process to limit each to its own interface",
+                _net_devices or "every interface",
+                listen_host,
+                device,
+                "on every interface" if not _net_devices else f"only on {_net_devices}",
+            )
+    return _ucxx
+
+
+def net_devices() -> str:
+    """The interface UCX was limited to in this process ("" when it was not)."""
+    return _net_devices
+
+
+def as_transport_error(exc: BaseException, peer: str, what: str) -> HopliteError:
+    """``exc`` of a UCX operation (``what``) with ``peer`` as a typed error: itself if typed, else
+    :class:`~hoplite_gpu.errors.PeerLostError`."""
+    if isinstance(exc, HopliteError):
+        return exc
+    return PeerLostError(
+        f"{what} with {peer} failed: {type(exc).__name__}: {exc}",
+        peer=peer,
+        cause=f"{type(exc).__name__}: {exc}",
+    )
+
+
+async def timed(aw: Awaitable[Any], timeout: float, peer: str, what: str) -> Any:
+    """Await a UCX operation ``aw`` for at most ``timeout`` s; its failure or stall as a typed error."""
+    try:
+        return await asyncio.wait_for(aw, timeout)
+    except asyncio.TimeoutError:
+        raise PeerLostError(
+            f"{what} with {peer} made no progress for {timeout} s", peer=peer, cause="stalled"
+        ) from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise as_transport_error(exc, peer, what) from exc
+
+
+async def landed(
+    fut: asyncio.Future[Any], stops: list[asyncio.Future[None]], timeout: float, peer: str, what: str
+) -> None:
+    """Wait for a posted receive; give up if a ``stops`` future fails first (the object being
+    filled failed: it was lost, reset or deleted; or the directory aborted the transfer) or nothing
+    arrived for ``timeout`` s."""
+    done, _ = await asyncio.wait({fut, *stops}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if fut in done:
+        fut.result()
+        return
+    for stop in stops:
+        if stop in done:
+            stop.result()  # raises its error
+    raise PeerLostError(f"{what} with {peer} made no progress for {timeout} s", peer=peer, cause="stalled")
+
+
+def failure_of(fut: asyncio.Future[Any]) -> asyncio.Future[None]:
+    """A future that fails with ``fut``'s error if ``fut`` fails, and never succeeds otherwise
+    (for :func:`landed`'s ``stops``); hand it to :func:`forget` afterwards."""
+    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def check(done: asyncio.Future[Any]) -> None:
+        if failed.done() or done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            failed.set_exception(exc)
+
+    fut.add_done_callback(check)
+    return failed
+
+
+def forget(fut: asyncio.Future[Any]) -> None:
+    """Drop a future (one from :func:`failure_of`, or a send or receive no longer awaited): cancel
+    it and mark its error retrieved, now or when it ends (a ucxx request cancelled on a closed
+    endpoint may still end with an error of its own), so asyncio does not log it as unretrieved."""
+    fut.cancel()
+    fut.add_done_callback(retrieved)
+
+
+def retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark a finished future's error (if any) retrieved."""
+    if not fut.cancelled():
+        fut.exception()
