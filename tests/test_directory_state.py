@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import (
     DirectoryState,
     InvariantError,
@@ -45,7 +46,9 @@ PORTS = {name: 7000 + i for i, name in enumerate("ABCDEFG")}
 
 def make_state(*nodes: str) -> DirectoryState:
     # Leases: test_directory_faults. Every invariant is checked after every event.
-    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf, validate=True)
+    state = DirectoryState(
+        DirectoryConfig(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf, validate=True)
+    )
     for node in nodes:
         assert state.handle(NodeJoined(node, HOST, PORTS[node], 0.0)) == []
     return state
@@ -510,7 +513,7 @@ def test_validate_names_each_broken_invariant():
 def test_a_service_with_validation_logs_and_records_a_broken_invariant(broken_invariants):
     from hoplite_gpu.directory.service import DirectoryService
 
-    service = DirectoryService("t", validate=True)
+    service = DirectoryService("t", config=DirectoryConfig(validate=True))
     service.state.handle(NodeJoined("A", HOST, 1, 0.0))
     service._apply(Tick(1.0))
     assert service.violations == 0
