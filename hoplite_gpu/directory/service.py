@@ -24,10 +24,9 @@ from ..config import Config
 from ..errors import HopliteError, ProtocolError
 from ..topology import Inventory
 from .config import DirectoryConfig
-from .state import (
+from .events import (
     AuthFailed,
     ContinueReduce,
-    DirectoryState,
     Disconnect,
     Event,
     NodeJoined,
@@ -37,6 +36,7 @@ from .state import (
     Send,
     Tick,
 )
+from .state import DirectoryState
 
 log = logging.getLogger("hoplite_gpu.directory")
 
