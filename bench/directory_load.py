@@ -34,6 +34,7 @@ from typing import Any
 
 from hoplite_gpu import auth
 from hoplite_gpu import protocol as p
+from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import (
     PLACE_SLICE,
     ContinueReduce,
@@ -52,7 +53,7 @@ def _oid(i: int) -> bytes:
 def reduce_seconds(n: int) -> tuple[float, float]:
     """Seconds one ReduceRequest over ``n`` present 1 MiB inputs (on two nodes) takes, all its
     events together and the longest one."""
-    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf)
+    state = DirectoryState(DirectoryConfig(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf))
     for node, port in (("A", 7000), ("B", 7001)):
         state.handle(NodeJoined(node, "127.0.0.1", port, 0.0))
     ids = [_oid(i) for i in range(1, n + 1)]
@@ -78,7 +79,7 @@ def reduce_seconds(n: int) -> tuple[float, float]:
 
 def per_event_ms(pending: int) -> dict[str, float]:
     """Milliseconds of single events with ``pending`` lookups waiting (half with a deadline)."""
-    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf)
+    state = DirectoryState(DirectoryConfig(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf))
     state.handle(NodeJoined("A", "127.0.0.1", 7000, 0.0))
     for k in range(pending):
         timeout = 30.0 if k % 2 else 0.0

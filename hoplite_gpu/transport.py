@@ -597,8 +597,8 @@ class DataPlane:
                 await landed(fut, stops, cfg.stall_timeout, address, "receive")
                 window.pop(0)
                 if backend is not None:
-                    begin, chunk = staged.pop(end)
-                    backend.from_host(obj.buffer.view(begin, end), chunk)
+                    begin, host_bytes = staged.pop(end)
+                    backend.from_host(obj.buffer.view(begin, end), host_bytes)
                     self.staged_received += end - begin
                 obj.advance(end)
                 if INJECTOR.armed:

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.reduce import vertex_object_id
 from hoplite_gpu.directory.state import DirectoryState, LocationState, NodeJoined, Request, Tick
 from hoplite_gpu.protocol import (
@@ -42,7 +43,9 @@ def oid(i: int) -> bytes:
 def make_state(lease: float = math.inf, now: float = 0.0, rejoin: bool = False) -> DirectoryState:
     """A directory that nodes A..H joined at ``now`` (``rejoin``: after losing another directory).
     No leases by default (leases: test_directory_faults)."""
-    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=lease, validate=True)
+    state = DirectoryState(
+        DirectoryConfig(inline_threshold_bytes=64 * 1024, lease_timeout=lease, validate=True)
+    )
     for i, node in enumerate(NODES):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, now, rejoin=rejoin))
     return state
@@ -297,7 +300,7 @@ def test_a_weighted_reduction_gives_each_vertex_its_inputs_weights() -> None:
     from hoplite_gpu import protocol as p
     from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
 
-    state = DirectoryState(lease_timeout=math.inf, validate=True)
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf, validate=True))
     nodes = "ABCDE"
     for i, name in enumerate(nodes):
         state.handle(NodeJoined(name, "127.0.0.1", 7000 + i, 0.0))

@@ -6,8 +6,10 @@ import math
 
 import pytest
 
+from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import (
     DirectoryState,
+    Disconnect,
     InvariantError,
     LocationState,
     NodeJoined,
@@ -45,7 +47,9 @@ PORTS = {name: 7000 + i for i, name in enumerate("ABCDEFG")}
 
 def make_state(*nodes: str) -> DirectoryState:
     # Leases: test_directory_faults. Every invariant is checked after every event.
-    state = DirectoryState(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf, validate=True)
+    state = DirectoryState(
+        DirectoryConfig(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf, validate=True)
+    )
     for node in nodes:
         assert state.handle(NodeJoined(node, HOST, PORTS[node], 0.0)) == []
     return state
@@ -510,7 +514,7 @@ def test_validate_names_each_broken_invariant():
 def test_a_service_with_validation_logs_and_records_a_broken_invariant(broken_invariants):
     from hoplite_gpu.directory.service import DirectoryService
 
-    service = DirectoryService("t", validate=True)
+    service = DirectoryService("t", config=DirectoryConfig(validate=True))
     service.state.handle(NodeJoined("A", HOST, 1, 0.0))
     service._apply(Tick(1.0))
     assert service.violations == 0
@@ -586,3 +590,36 @@ def test_empty_inline_objects_keep_the_inline_quota_accounting_consistent() -> N
         put(state, "B", rid=rid, size=0, shape=[0], inline=b"", oid=oid)
     req(state, "B", DeleteRequest(3, b"x" * 20))
     assert state.problems() == []
+
+
+# ---------------------------------------------------------------- causes and configuration
+def test_every_instruction_and_log_entry_names_the_event_that_caused_it() -> None:
+    state = make_state("A", "B")
+    assert lookup(state, "B", 1) == []  # waits: nobody put it yet
+    waited = state.cause
+    reply, answer = put(state, "A")  # the put answers A and starts B's pull
+    assert waited.startswith("lookup#") and reply.cause.startswith("put#")
+    assert reply.cause == answer.cause == state.cause != waited
+    assert answer.node_id == "B" and answer.message.status == "pull"
+    # The log tells why B was answered: the entries written for that put.
+    assert [e["kind"] for e in state.events if e["cause"] == answer.cause] == ["put", "transfer_start"]
+    assert [e["kind"] for e in state.events if e["cause"] == waited] == ["lookup"]
+    # Causes stay out of equality (and off the wire: the message is sent as it is).
+    assert reply == Send("A", PutReply(request_id=100))
+    (disconnect, *_) = make_state_with_lease().handle(Tick(10.0))
+    assert isinstance(disconnect, Disconnect) and disconnect.cause.startswith("tick#")
+
+
+def make_state_with_lease() -> DirectoryState:
+    state = DirectoryState(DirectoryConfig(lease_timeout=5.0, validate=True))
+    state.handle(NodeJoined("A", HOST, PORTS["A"], 0.0))
+    return state
+
+
+def test_directory_defaults_are_config_defaults() -> None:
+    from hoplite_gpu.config import Config
+
+    assert DirectoryConfig() == DirectoryConfig.from_config(Config())
+    custom = DirectoryConfig.from_config(Config(lease_timeout=9.0, directory_place_slice=3))
+    assert (custom.lease_timeout, custom.place_slice) == (9.0, 3)
+    assert DirectoryState(custom).config is custom

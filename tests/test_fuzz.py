@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hoplite_gpu import protocol as p
+from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request, Tick
 from hoplite_gpu.errors import ProtocolError
 
@@ -154,7 +155,7 @@ def _events(draw: st.DrawFn) -> list[tuple[str, Any]]:
 @FUZZ
 @given(_events())
 def test_message_sequences_keep_the_directory_consistent(steps: list[tuple[str, Any]]) -> None:
-    state = DirectoryState(inline_threshold_bytes=64, lease_timeout=math.inf, validate=True)
+    state = DirectoryState(DirectoryConfig(inline_threshold_bytes=64, lease_timeout=math.inf, validate=True))
     now = 0.0
     joined = set()
     for i, node in enumerate(NODES):

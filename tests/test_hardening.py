@@ -16,6 +16,7 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
 from hoplite_gpu.control import ControlClient
+from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request
 from hoplite_gpu.dtypes import dtype_from_wire, dtype_to_wire
 from hoplite_gpu.errors import InvalidArgumentError, ProtocolError
@@ -111,7 +112,9 @@ def test_dtype_text_from_a_peer_raises_one_typed_error(text: str) -> None:
 
 
 def test_an_exception_in_a_handler_costs_one_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    state = DirectoryState(inline_threshold_bytes=1024, lease_timeout=math.inf, validate=True)
+    state = DirectoryState(
+        DirectoryConfig(inline_threshold_bytes=1024, lease_timeout=math.inf, validate=True)
+    )
     state.handle(NodeJoined("A", "127.0.0.1", 7000, 0.0))
     calls = []
 
@@ -314,7 +317,9 @@ def test_one_address_cannot_take_every_handshake_slot() -> None:
 
 def test_per_node_quotas_of_pending_lookups_and_unfinished_reductions() -> None:
     state = DirectoryState(
-        inline_threshold_bytes=64, lease_timeout=math.inf, max_pending_lookups=3, max_reductions=2
+        DirectoryConfig(
+            inline_threshold_bytes=64, lease_timeout=math.inf, max_pending_lookups=3, max_reductions=2
+        )
     )
     for i, node in enumerate("AB"):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0))
@@ -556,7 +561,7 @@ def test_a_node_on_loopback_refuses_a_peer_arriving_on_another_interface() -> No
 
 # --------------------------------------------------------------------------- finding 4 and 6: the rest
 def _state(**kw: Any) -> DirectoryState:
-    state = DirectoryState(lease_timeout=math.inf, validate=True, **kw)
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf, validate=True, **kw))
     for i, name in enumerate(("A", "B", "C")):
         assert state.handle(NodeJoined(name, "127.0.0.1", 7000 + i, 0.0)) == []
     return state

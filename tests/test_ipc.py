@@ -22,6 +22,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
+from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
 from hoplite_gpu.errors import ProtocolError
 from hoplite_gpu.memory import device, device_pool, ipc, shm, tickets, to_host
@@ -274,7 +275,7 @@ def test_memory_of_a_pool_is_not_exported(backend: str) -> None:
 
 # ---------------------------------------------------------------- the directory's choice
 def _state(**hosts: str) -> DirectoryState:
-    state = DirectoryState(lease_timeout=math.inf, validate=True)
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf, validate=True))
     for i, (node, key) in enumerate(hosts.items()):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, key))
     return state
@@ -362,7 +363,7 @@ def test_a_reader_opens_the_holder_whose_gpu_reaches_its_own_best() -> None:
     """Among same-host holders of a device object, the directory gives a ticket of one on the
     reader's own GPU, else one on NVLink to it, else the owner's (as without GPU information)."""
     inv = _gpus("G0", "G1", "G2", "G3", nvlink=("G2", "G1"))
-    state = DirectoryState(lease_timeout=math.inf, validate=True)
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf, validate=True))
     for i, (node, gpu) in enumerate({"A": "G0", "B": "G1", "C": "G2", "D": "G3", "E": "", "F": ""}.items()):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, "h1", gpu=gpu, gpus=inv if gpu else None))
     named = {n: tickets.PREFIX + f"hoplite-1-2-{i}-ab" for i, n in enumerate("AB")}

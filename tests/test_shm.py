@@ -14,6 +14,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
+from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request, Send
 from hoplite_gpu.memory import shm
 from hoplite_gpu.memory.buffers import BufferPool
@@ -215,7 +216,7 @@ def test_index_links_of_a_killed_process_are_replaced_or_swept() -> None:
 
 # ---------------------------------------------------------------- directory decisions
 def _state(**hosts: str) -> DirectoryState:
-    state = DirectoryState(lease_timeout=math.inf, validate=True)
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf, validate=True))
     for i, (node, key) in enumerate(hosts.items()):
         state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, key))
     return state

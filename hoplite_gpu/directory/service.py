@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import ssl
@@ -22,10 +23,10 @@ from .. import protocol as p
 from ..config import Config
 from ..errors import HopliteError, ProtocolError
 from ..topology import Inventory
-from .state import (
+from .config import DirectoryConfig
+from .events import (
     AuthFailed,
     ContinueReduce,
-    DirectoryState,
     Disconnect,
     Event,
     NodeJoined,
@@ -35,6 +36,7 @@ from .state import (
     Send,
     Tick,
 )
+from .state import DirectoryState
 
 log = logging.getLogger("hoplite_gpu.directory")
 
@@ -57,27 +59,10 @@ class DirectoryService:
         token: Shared secret every node must prove it knows.
         host: Interface to bind.
         port: TCP port (0: any free port).
-        inline_threshold_bytes: Objects up to this size are stored in the directory.
-        max_message_bytes: Larger control frames are refused and the connection closed.
-        lease_timeout: Seconds without any message from a node before it is declared dead.
-        validate: Check the state's invariants after every event; a broken one is logged as an
-            error and as an ``invariant_violated`` event (see :attr:`Config.validate_directory`).
-        max_unread_bytes: A node whose unread replies exceed this is dropped (see
-            :attr:`Config.directory_unread_bytes`).
-        max_handshakes: Connections beyond this many still authenticating are closed at once
-            (see :attr:`Config.directory_max_handshakes`).
-        max_handshakes_per_address: The same, counted per peer address (see
-            :attr:`Config.directory_max_handshakes_per_address`).
-        max_pending_lookups: Per-node quota of waiting lookups (see
-            :attr:`Config.directory_max_pending_lookups`).
-        max_reductions: Per-node quota of unfinished reductions (see
-            :attr:`Config.directory_max_reductions`).
-        max_inline_bytes: Per-node quota of inline bytes (see
-            :attr:`Config.directory_max_inline_bytes`).
-        event_log_bytes: Bound of the event log's size (see
-            :attr:`Config.directory_event_log_bytes`).
-        place_slice: Present inputs a reduction places per event (see
-            :attr:`Config.directory_place_slice`).
+        config: The directory's settings (:class:`~.config.DirectoryConfig`; the defaults if
+            None). With ``validate``, the state's invariants are checked after every event and a
+            broken one is logged as an error and recorded as an ``invariant_violated`` event (see
+            :attr:`Config.validate_directory`); the service goes on serving.
         tls: Serve over TLS with this context (see :attr:`Config.tls_cert_file`); None: plain TCP.
     """
 
@@ -86,18 +71,7 @@ class DirectoryService:
         token: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        inline_threshold_bytes: int = 64 * 1024,
-        max_message_bytes: int = 64 * 1024 + 1024 * 1024,
-        lease_timeout: float = 5.0,
-        validate: bool = False,
-        max_unread_bytes: int = 64 * 1024 * 1024,
-        max_handshakes: int = 256,
-        max_handshakes_per_address: int = 64,
-        max_pending_lookups: int = 100_000,
-        max_reductions: int = 10_000,
-        max_inline_bytes: int = 256 * 1024 * 1024,
-        event_log_bytes: int = 64 * 1024 * 1024,
-        place_slice: int = 256,
+        config: DirectoryConfig | None = None,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         if not token:
@@ -105,23 +79,12 @@ class DirectoryService:
         self.token = token
         self.host = host
         self.port = port
-        self.max_message_bytes = max_message_bytes
-        self.state = DirectoryState(
-            inline_threshold_bytes=inline_threshold_bytes,
-            lease_timeout=lease_timeout,
-            max_pending_lookups=max_pending_lookups,
-            max_reductions=max_reductions,
-            max_inline_bytes=max_inline_bytes,
-            event_log_bytes=event_log_bytes,
-            place_slice=place_slice,
-        )
-        self.validate = validate
+        self.config = config = config or DirectoryConfig()
+        # The service checks the invariants itself (it logs a broken one and goes on serving).
+        self.state = DirectoryState(dataclasses.replace(config, validate=False))
         self.tls = tls
-        self.max_unread_bytes = max_unread_bytes
         self.dropped_unread = 0
-        self.max_handshakes = max_handshakes
         self.handshaking = 0
-        self.max_handshakes_per_address = max_handshakes_per_address
         self._handshaking_from: dict[str, int] = {}  # peer address -> connections authenticating
         self.refused_handshakes = 0
         self._warned: dict[str, tuple[float, int]] = {}  # warning kind -> (last logged, suppressed)
@@ -136,25 +99,10 @@ class DirectoryService:
 
     @classmethod
     def from_config(cls, token: str, host: str, port: int, config: Config) -> DirectoryService:
-        """A service with ``config``'s directory settings (inline threshold, message limit, lease,
-        validation)."""
+        """A service with ``config``'s directory settings (:meth:`DirectoryConfig.from_config
+        <.config.DirectoryConfig.from_config>`) and TLS context."""
         return cls(
-            token,
-            host=host,
-            port=port,
-            inline_threshold_bytes=config.inline_threshold_bytes,
-            max_message_bytes=config.control_message_limit,
-            lease_timeout=config.lease_timeout,
-            validate=config.validate_directory,
-            max_unread_bytes=config.directory_unread_bytes,
-            max_handshakes=config.directory_max_handshakes,
-            max_handshakes_per_address=config.directory_max_handshakes_per_address,
-            max_pending_lookups=config.directory_max_pending_lookups,
-            max_reductions=config.directory_max_reductions,
-            max_inline_bytes=config.directory_max_inline_bytes,
-            event_log_bytes=config.directory_event_log_bytes,
-            place_slice=config.directory_place_slice,
-            tls=config.server_tls(),
+            token, host=host, port=port, config=DirectoryConfig.from_config(config), tls=config.server_tls()
         )
 
     @property
@@ -195,7 +143,10 @@ class DirectoryService:
         node_id: str | None = None
         address = str(peername[0])
         from_address = self._handshaking_from.get(address, 0)
-        if self.handshaking >= self.max_handshakes or from_address >= self.max_handshakes_per_address:
+        if (
+            self.handshaking >= self.config.max_handshakes
+            or from_address >= self.config.max_handshakes_per_address
+        ):
             self.refused_handshakes += 1
             self._warn(
                 "handshakes",
@@ -222,7 +173,7 @@ class DirectoryService:
             if node_id is None:
                 return
             while True:
-                msg = await p.read_frame(reader, self.max_message_bytes)
+                msg = await p.read_frame(reader, self.config.max_message_bytes)
                 self._apply(Request(node_id, msg, time.monotonic()))
         except ProtocolError as exc:
             log.warning("closing connection from %s (node %s): %s", peer, node_id, exc)
@@ -287,7 +238,7 @@ class DirectoryService:
                 p.Welcome(
                     proof=auth.mac(self.token, b"server", nonce, hello.nonce),
                     directory_id=self.directory_id,
-                    inline_threshold_bytes=self.state.inline_threshold_bytes,
+                    inline_threshold_bytes=self.config.inline_threshold_bytes,
                 )
             )
         )
@@ -311,7 +262,7 @@ class DirectoryService:
     # ------------------------------------------------------------ state machine glue
     def _apply(self, event: Event) -> None:
         instructions = self.state.handle(event)
-        if self.validate:
+        if self.config.validate:
             self._check(event)
         for instr in instructions:
             if isinstance(instr, Resume):
@@ -325,7 +276,7 @@ class DirectoryService:
             if isinstance(instr, Send):
                 conn.writer.write(p.encode(instr.message))
                 unread = conn.writer.transport.get_write_buffer_size()
-                if unread > self.max_unread_bytes:
+                if unread > self.config.max_unread_bytes:
                     # Not reading its replies: drop it (its handler then reports it as left)
                     # rather than hold its backlog in memory.
                     log.warning("dropping node %s: %d bytes of replies unread", instr.node_id[:8], unread)

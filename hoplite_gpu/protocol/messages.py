@@ -1,35 +1,28 @@
-"""Every wire message of hoplite_gpu, and their codecs.
+"""Every control-plane message (node <-> directory), as a frozen dataclass.
 
-Control plane (node <-> directory, over TCP): frames of a 4-byte big-endian length followed by a
-msgpack array ``[PROTOCOL_VERSION, message_type, {field: value}]``. Each message is a frozen
-dataclass below; :func:`decode` validates the version, the type name, the field names and each
-field's type, and raises :class:`ProtocolError` on anything else.
-
-Data plane (node <-> node, over UCX): fixed-size binary headers (``struct``) defined at the bottom,
-so the receiver can post a buffer of known size.
+Each class names its wire ``TYPE`` and, where a field's type is not enough, checks its values in
+``check()`` (with :mod:`.fields`); :mod:`.codec` turns them into frames and back. Defining a
+subclass with a ``TYPE`` registers it with the codec.
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
-import re
-import struct
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import msgpack
+from ..errors import InvalidArgumentError, ProtocolError
+from .fields import (
+    MAX_CODING_COLUMNS,
+    MAX_NAME_CHARS,
+    check_id,
+    check_memory,
+    check_name,
+    check_object,
+    check_timeout,
+    check_weights,
+)
 
-from .errors import InvalidArgumentError, ProtocolError
-from .object_id import OBJECT_ID_SIZE
-
-PROTOCOL_VERSION = 10  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
-# 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
-# 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag);
-# 9: weighted reductions; 10: decoded as inputs arrive (num_objects 0 with coding)
-FRAME_HEADER = struct.Struct(">I")
-
+#: Every message class by its wire type (filled as the classes below are defined).
 _REGISTRY: dict[str, type[Message]] = {}
 
 
@@ -41,8 +34,8 @@ class Message:
     TYPE: ClassVar[str] = ""
 
     def check(self) -> None:
-        """Raise :class:`ProtocolError` if a field's value is out of range (:func:`decode` calls
-        it after the field types matched, so the state machines only ever see valid input)."""
+        """Raise :class:`ProtocolError` if a field's value is out of range (:func:`~.codec.decode`
+        calls it after the field types matched, so the state machines only ever see valid input)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -83,9 +76,9 @@ class Hello(Message):
     gpus: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        _check_name(self.TYPE, "node_id", self.node_id)
+        check_name(self.TYPE, "node_id", self.node_id)
         if self.gpus or self.gpu:
-            from .topology import Inventory
+            from ..topology import Inventory
 
             try:
                 known = Inventory.from_dict(self.gpus).gpu(self.gpu)
@@ -95,7 +88,7 @@ class Hello(Message):
                 raise ProtocolError(f"{self.TYPE}: gpu {self.gpu[:64]!r} is not in its inventory")
         if len(self.host_key) > MAX_NAME_CHARS or not self.host_key.isprintable() or " " in self.host_key:
             raise ProtocolError(f"{self.TYPE}: host_key must be up to {MAX_NAME_CHARS} printable characters")
-        _check_name(self.TYPE, "previous_directory", self.previous_directory, empty=True)
+        check_name(self.TYPE, "previous_directory", self.previous_directory, empty=True)
         if not 0 < len(self.data_host) <= MAX_NAME_CHARS or not self.data_host.isprintable():
             raise ProtocolError(f"{self.TYPE}: data_host is not a host name or address")
         if not 0 < self.data_port < 65536:
@@ -132,8 +125,8 @@ class PutRequest(Message):
     memory: str = ""  # "device": put from device memory (readers get device arrays); "": host
 
     def check(self) -> None:
-        _check_object(self.TYPE, self.object_id, self.size, self.dtype, self.shape, self.inline)
-        _check_memory(self.TYPE, self.memory)
+        check_object(self.TYPE, self.object_id, self.size, self.dtype, self.shape, self.inline)
+        check_memory(self.TYPE, self.memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +149,8 @@ class Restore(Message):
     memory: str = ""  # as in PutRequest
 
     def check(self) -> None:
-        _check_object(self.TYPE, self.object_id, self.size, self.dtype, self.shape, self.inline)
-        _check_memory(self.TYPE, self.memory)
+        check_object(self.TYPE, self.object_id, self.size, self.dtype, self.shape, self.inline)
+        check_memory(self.TYPE, self.memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +178,8 @@ class LookupRequest(Message):
     resume: bool = False
 
     def check(self) -> None:
-        _check_id(self.TYPE, "object_id", self.object_id)
-        _check_timeout(self.TYPE, self.timeout)
+        check_id(self.TYPE, "object_id", self.object_id)
+        check_timeout(self.TYPE, self.timeout)
         if self.have_bytes < 0:
             raise ProtocolError(f"{self.TYPE}: have_bytes {self.have_bytes} is negative")
 
@@ -230,7 +223,7 @@ class CopyAdded(Message):
     segment: str = ""
 
     def check(self) -> None:
-        _check_id(self.TYPE, "object_id", self.object_id)
+        check_id(self.TYPE, "object_id", self.object_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +247,7 @@ class DeleteRequest(Message):
     object_id: bytes
 
     def check(self) -> None:
-        _check_id(self.TYPE, "object_id", self.object_id)
+        check_id(self.TYPE, "object_id", self.object_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,10 +277,10 @@ class ReduceRequest(Message):
     coding: list[list[float]] = field(default_factory=list)
 
     def check(self) -> None:
-        _check_timeout(self.TYPE, self.timeout)
+        check_timeout(self.TYPE, self.timeout)
         if self.weights and len(self.weights) != len(self.object_ids):
             raise ProtocolError(f"{self.TYPE}: {len(self.weights)} weights for {len(self.object_ids)} inputs")
-        _check_weights(self.TYPE, self.weights)
+        check_weights(self.TYPE, self.weights)
         if self.coding:
             if self.weights or len(self.coding) != len(self.object_ids):
                 raise ProtocolError(f"{self.TYPE}: coding needs one row per input and no weights")
@@ -295,7 +288,7 @@ class ReduceRequest(Message):
             if not 1 <= width <= MAX_CODING_COLUMNS or any(len(row) != width for row in self.coding):
                 raise ProtocolError(f"{self.TYPE}: coding rows of 1..{MAX_CODING_COLUMNS} numbers, all alike")
             for row in self.coding:
-                _check_weights(self.TYPE, row)
+                check_weights(self.TYPE, row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +301,7 @@ class ReducedObjectsRequest(Message):
     timeout: float = 0.0
 
     def check(self) -> None:
-        _check_timeout(self.TYPE, self.timeout)
+        check_timeout(self.TYPE, self.timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,90 +512,8 @@ class ErrorReply(Message):
     message: str
 
 
-# ---------------------------------------------------------------- field checks
-#: Longest node id, host key or host name accepted.
-MAX_NAME_CHARS = 128
-#: Most dimensions of an object's shape.
-MAX_DIMS = 64
-_NAME = re.compile(r"[A-Za-z0-9._:-]+")
-#: Longest text field by default; a few fields have their own limit (:data:`_MAX_FIELD`), and
-#: ``inline`` (object bytes) and ``events`` are bounded by the frame size alone. Peers' texts end
-#: up in the directory's state and event log, whose size these limits bound.
-MAX_TEXT_CHARS = 4096
-#: Largest hello a directory reads (before the node is authenticated): its GPU inventory included.
-MAX_HELLO_BYTES = 64 * 1024
-_MAX_FIELD = {
-    "reason": 1024,
-    "segment": MAX_NAME_CHARS,
-    "digest": 64,
-    "nonce": 64,
-    "proof": 64,
-    "inline": 1 << 62,
-}
-
-
-def _check_name(kind: str, name: str, value: str, empty: bool = False) -> None:
-    """Node and directory ids: 1-128 characters of ``[A-Za-z0-9._:-]`` (or "" where allowed)."""
-    if value == "" and empty:
-        return
-    if len(value) > MAX_NAME_CHARS or not _NAME.fullmatch(value):
-        raise ProtocolError(f"{kind}: {name} must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._:-]")
-
-
-def _check_id(kind: str, name: str, value: bytes) -> None:
-    if len(value) != OBJECT_ID_SIZE:
-        raise ProtocolError(f"{kind}: {name} has {len(value)} bytes, not {OBJECT_ID_SIZE}")
-
-
-#: Widest encoding-matrix row a ReduceRequest's ``coding`` may carry.
-MAX_CODING_COLUMNS = 4096
-
-
-def _check_weights(kind: str, weights: list[float]) -> None:
-    if not all(math.isfinite(w) for w in weights):
-        raise ProtocolError(f"{kind}: a weight is not a finite number")
-
-
-def _check_timeout(kind: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ProtocolError(f"{kind}: timeout {value!r} is not a finite number >= 0")
-
-
-def _check_object(
-    kind: str, object_id: bytes, size: int, dtype: str, shape: list[int], inline: bytes | None
-) -> None:
-    """An object's description: its id's length, a dtype NumPy accepts, and a size that is its
-    shape times its itemsize (and its inline bytes' length). The dtype text is already bounded
-    by :func:`decode` (:data:`MAX_TEXT_CHARS`)."""
-    from .dtypes import dtype_from_wire  # NumPy stays out of this module's import
-
-    _check_id(kind, "object_id", object_id)
-    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-        raise ProtocolError(f"{kind}: shape out of range")
-    try:
-        itemsize = dtype_from_wire(dtype).itemsize
-    except InvalidArgumentError as exc:
-        raise ProtocolError(f"{kind}: {exc}") from None
-    if size != math.prod(shape) * itemsize:
-        raise ProtocolError(f"{kind}: size {size} is not shape {tuple(shape)} x itemsize {itemsize}")
-    if inline is not None and len(inline) != size:
-        raise ProtocolError(f"{kind}: {len(inline)} inline bytes for an object of {size}")
-
-
-#: :attr:`PutRequest.memory` values: host memory, device memory.
-MEMORY_KINDS = ("", "device")
-#: What a copy's ``segment`` starts with when it names a device memory ticket
-#: (:mod:`hoplite_gpu.ipc`) rather than a shared-memory segment.
-IPC_SEGMENT_PREFIX = "ipc:"
-
-
-def _check_memory(kind: str, memory: str) -> None:
-    if memory not in MEMORY_KINDS:
-        raise ProtocolError(f"{kind}: memory {memory[:40]!r} is not one of {list(MEMORY_KINDS)}")
-
-
-#: What nodes send the directory: the messages whose texts :func:`decode` bounds.
-_FROM_NODES: frozenset[type[Message]] = frozenset(
+#: What nodes send the directory: the messages whose texts :func:`~.codec.decode` bounds.
+FROM_NODES: frozenset[type[Message]] = frozenset(
     {
         Hello,
         PutRequest,
@@ -620,132 +531,3 @@ _FROM_NODES: frozenset[type[Message]] = frozenset(
         EventLogRequest,
     }
 )
-
-
-# ---------------------------------------------------------------- codec
-_HINT_CACHE: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINT_CACHE.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        hints = {f.name: hints[f.name] for f in fields(cls)}
-        _HINT_CACHE[cls] = hints
-    return hints
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        (inner,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, inner) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def encode(msg: Message) -> bytes:
-    """Serialize a message into one frame (length prefix included)."""
-    body = {f.name: getattr(msg, f.name) for f in fields(msg)}  # type: ignore[arg-type]
-    payload = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True)
-    return FRAME_HEADER.pack(len(payload)) + payload
-
-
-def decode(payload: bytes) -> Message:
-    """Parse and validate one frame body (without the length prefix)."""
-    try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"undecodable control message: {exc}") from exc
-    if not (isinstance(obj, list) and len(obj) == 3):
-        raise ProtocolError("control message is not [version, type, body]")
-    version, kind, body = obj
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version {version!r} not supported (this build speaks {PROTOCOL_VERSION}); "
-            "run the same hoplite_gpu version everywhere",
-            version=version,
-        )
-    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
-    if cls is None or not isinstance(body, dict):
-        raise ProtocolError(f"unknown control message type {kind!r}")
-    hints = _hints(cls)
-    for name, value in body.items():
-        hint = hints.get(name)
-        if hint is None:
-            raise ProtocolError(f"{kind}: unexpected field {name!r}")
-        if not _matches(value, hint):
-            raise ProtocolError(f"{kind}: field {name!r} has type {type(value).__name__}")
-        if (
-            cls in _FROM_NODES
-            and isinstance(value, (str, bytes))
-            and len(value) > _MAX_FIELD.get(name, MAX_TEXT_CHARS)
-        ):
-            raise ProtocolError(f"{kind}: field {name!r} is {len(value)} long, over its limit")
-    try:
-        msg = cls(**body)
-    except TypeError as exc:
-        raise ProtocolError(f"{kind}: {exc}") from exc
-    msg.check()
-    return msg
-
-
-def frame_length(header: bytes, limit: int) -> int:
-    """Length announced by a frame header; raises :class:`ProtocolError` above ``limit``."""
-    (length,) = FRAME_HEADER.unpack(header)
-    if length > limit:
-        raise ProtocolError(f"control message of {length} bytes exceeds the limit of {limit}")
-    return int(length)
-
-
-async def read_frame(reader: asyncio.StreamReader, limit: int) -> Message:
-    """Read and decode one control frame (raises ProtocolError / IncompleteReadError)."""
-    header = await reader.readexactly(FRAME_HEADER.size)
-    return decode(await reader.readexactly(frame_length(header, limit)))
-
-
-# ---------------------------------------------------------------- data plane (UCX)
-#: Pull request, receiver -> sender: magic, version, transfer_id, offset, chunk size (the receiver
-#: chooses it; the sender sends messages of exactly that size), object_id (20 bytes).
-PULL_REQUEST = struct.Struct("<4sHxxQQQ20s")
-PULL_MAGIC = b"HGPL"
-#: Pull response, sender -> receiver: status, object size.
-PULL_RESPONSE = struct.Struct("<iiQ")
-PULL_OK = 0
-PULL_NOT_FOUND = 1
-PULL_BAD_REQUEST = 2
-
-#: UCX tags used on a data-plane endpoint (hashed with the endpoint's own tag by ucxx).
-TAG_AUTH = 1
-TAG_REQUEST = 2
-TAG_RESPONSE = 3
-TAG_WARMUP = 4
-TAG_ACK = 5  # receiver -> sender, per transfer: 8 bytes, the receiver's final byte count
-ACK = struct.Struct("<Q")
-TAG_CHUNK = 6
-
-
-def chunk_tag(transfer_id: int, start: int, end: int) -> tuple[int, int, int, int]:
-    """The tag of the chunk ``[start, end)`` of a transfer: one per chunk, never per transfer.
-
-    A message can then only land in the receive posted for exactly its bytes. With one tag per
-    transfer, the order of receives was the only thing tying a message to its offset, and ucxx
-    (0.52, ``Endpoint.recv``) breaks it when the sender dies: each receive the lost endpoint
-    cancels takes *any* queued message with its tag from the worker, in the order the
-    cancellations resume, so two chunks could land swapped and both count as received (a
-    broadcast chain whose relay was SIGKILLed once finished with wrong bytes, in CI). The end
-    offset is part of the tag too: a shorter message (a sender cutting a chunk at an injected
-    fault) never fills a longer receive, which ucxx completes without an error.
-    """
-    return (TAG_CHUNK, transfer_id, start, end)

@@ -1,0 +1,231 @@
+"""The objects the directory knows and where their copies are: puts, copies added, deletes, and
+objects lost with their last complete copy.
+
+An object has locations: nodes holding a *complete* copy, or a *partial* copy still filling.
+Objects of at most ``inline_threshold_bytes`` are stored here and returned with the lookup. When
+a dead node held the last complete copy of an object (and nobody is computing it), the object is
+*lost*: partial holders drop it and waiting lookups fail with ``ObjectLostError``; a later put of
+the same ObjectID (a restarted task) makes it available again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import protocol as p
+from .lookups import lost_lookup
+from .records import Location, LocationState, ObjectEntry
+
+if TYPE_CHECKING:
+    from .state import DirectoryState
+
+
+class Catalog:
+    """What happens to :attr:`~.state.DirectoryState.objects` (the table itself is the state's:
+    every room reads it)."""
+
+    def __init__(self, state: DirectoryState) -> None:
+        self.state = state
+        self.config = state.config
+        self.nodes = state.nodes
+        self.objects = state.objects
+
+    # ------------------------------------------------------------ requests
+    def put(self, node_id: str, msg: p.PutRequest, now: float) -> None:
+        """A node put an object: register its complete copy (or keep its bytes inline)."""
+        state, oid = self.state, msg.object_id
+
+        def refuse(kind: str, text: str) -> None:
+            state.send(node_id, p.PutReply(request_id=msg.request_id, error=text, error_kind=kind))
+
+        if msg.size < 0 or len(oid) != 20:
+            refuse("ProtocolError", "invalid put")
+            return
+        if msg.inline is not None and (
+            len(msg.inline) != msg.size or msg.size > self.config.inline_threshold_bytes
+        ):
+            refuse("ProtocolError", "inline data does not match the announced size or exceeds the threshold")
+            return
+        if oid in state.reductions and oid not in self.objects:
+            refuse(
+                "ObjectExistsError", f"object {oid.hex()} is the result of a reduction; use another ObjectID"
+            )
+            return
+        entry = self.objects.get(oid)
+        if entry is not None:
+            same = (
+                entry.size == msg.size
+                and entry.dtype == msg.dtype
+                and list(entry.shape) == list(msg.shape)
+                and entry.digest == msg.digest
+            )
+            if not same:
+                state.record(now, "put_conflict", node=node_id, object_id=oid.hex())
+                refuse(
+                    "ObjectExistsError",
+                    f"object {oid.hex()} already exists with different content "
+                    f"(size {entry.size}, dtype {entry.dtype}, shape {list(entry.shape)}); "
+                    "use a new ObjectID or delete the old object first",
+                )
+                return
+            if entry.inline is None:
+                self.add_complete(entry, node_id, msg.segment, copying=msg.copying)
+            state.send(node_id, p.PutReply(request_id=msg.request_id))
+            state.record(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, again=True)
+            self.ready(oid, now)
+            return
+        members = state.members
+        if msg.inline is not None and not members.inline_fits(node_id, msg.size):
+            text = (
+                f"the objects this node stored inline in the directory hold {members.inline_bytes[node_id]} "
+                f"bytes, and {msg.size} more pass its quota of {self.config.max_inline_bytes} "
+                "(Config.directory_max_inline_bytes); delete some"
+            )
+            state.record(now, "quota_exceeded", node=node_id, quota="inline_bytes")
+            refuse("QuotaExceededError", text)
+            return
+        entry = ObjectEntry(
+            object_id=oid,
+            size=msg.size,
+            dtype=msg.dtype,
+            shape=list(msg.shape),
+            digest=msg.digest,
+            owner=node_id,
+            inline=msg.inline,
+            memory=msg.memory,
+        )
+        if msg.inline is None:
+            self.add_complete(entry, node_id, msg.segment, copying=msg.copying)
+        else:
+            members.charge_inline(entry, node_id)
+        self.objects[oid] = entry
+        state.send(node_id, p.PutReply(request_id=msg.request_id))
+        state.record(
+            now, "put", node=node_id, object_id=oid.hex(), size=msg.size, inline=msg.inline is not None
+        )
+        self.ready(oid, now)
+
+    def copy_added(self, node_id: str, msg: p.CopyAdded, now: float) -> None:
+        """A node copied an object from a same-host segment: one more complete copy."""
+        entry = self.objects.get(msg.object_id)
+        if entry is None or entry.inline is not None:
+            # Deleted while the node copied it: the node was not on record as a holder when the
+            # owner's delete went out, so tell it now.
+            self.state.send(node_id, p.DropObject(object_id=msg.object_id))
+            return
+        self.add_complete(entry, node_id, msg.segment)
+        self.state.record(now, "copy_added", node=node_id, object_id=msg.object_id.hex())
+        self.ready(msg.object_id, now)
+
+    def delete(self, node_id: str, msg: p.DeleteRequest, now: float) -> None:
+        """The owner deletes an object everywhere; another node drops its own copy."""
+        state, oid = self.state, msg.object_id
+        red = state.reductions.get(oid)
+        if red is not None and red.requester == node_id:
+            state.reducer.fail(red, "ObjectDeletedError", f"reduction {oid.hex()} was deleted", now)
+            del state.reductions[oid]
+            if oid not in self.objects:  # the result was never placed, or dropped above
+                state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
+                state.record(now, "delete", node=node_id, object_id=oid.hex())
+                return
+        entry = self.objects.get(oid)
+        if entry is None:
+            state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
+            return
+        if entry.owner != node_id:
+            loc = entry.locations.get(node_id)
+            if loc is not None and self.sole_copy(entry, loc):
+                # E.g. a reduction's result on the node that computed it, owned by the node that
+                # asked for it: dropping it would lose it; it goes when its owner deletes it.
+                state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False, kept=True))
+                state.record(now, "delete_kept", node=node_id, object_id=oid.hex())
+                return
+            # Even while it serves a transfer: that transfer goes on from the array it holds, but
+            # nobody may be sent to (or told to use) the dropped copy any more.
+            entry.locations.pop(node_id, None)
+            state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
+            state.record(now, "delete_local", node=node_id, object_id=oid.hex())
+            return
+        self.remove(oid, now, skip=node_id)
+        state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
+        state.record(now, "delete", node=node_id, object_id=oid.hex())
+
+    # ------------------------------------------------------------ copies
+    def ready(self, oid: bytes, now: float) -> None:
+        """``oid`` has a new complete copy (or a new source): answer waiting lookups, then offer it
+        to the reductions waiting for it."""
+        self.state.lookups.serve(oid, now)
+        self.state.reducer.object_ready(oid, now)
+
+    def add_complete(self, entry: ObjectEntry, node_id: str, segment: str, copying: bool = False) -> None:
+        """Record ``node_id``'s copy of ``entry`` as complete (in ``segment``, if any)."""
+        loc = entry.locations.get(node_id)
+        if loc is None:
+            loc = Location(node_id, LocationState.COMPLETE, entry.size)
+            entry.locations[node_id] = loc
+        loc.state = LocationState.COMPLETE
+        loc.progress = entry.size
+        loc.upstream = None
+        loc.segment = segment
+        loc.producing = False
+        loc.copying = copying and bool(segment)
+
+    def sole_copy(self, entry: ObjectEntry, loc: Location) -> bool:
+        """Whether ``loc`` is the only complete copy of a non-inline object (or the node producing
+        it), so dropping it would lose the object."""
+        if entry.inline is not None:
+            return False
+        if loc.state is LocationState.PARTIAL and not loc.producing:
+            return False  # a copy still being received from elsewhere
+        return not any(
+            other.state is LocationState.COMPLETE
+            and other.node_id != loc.node_id
+            and other.node_id in self.nodes
+            for other in entry.locations.values()
+        )
+
+    # ------------------------------------------------------------ forgetting
+    def remove(self, oid: bytes, now: float, skip: str = "", reason: str = "deleted") -> None:
+        """Forget an object everywhere: its transfers end and its holders (but ``skip``) drop it,
+        told ``reason`` (see :class:`~hoplite_gpu.protocol.DropObject`)."""
+        entry = self.objects.pop(oid, None)
+        if entry is None:
+            return
+        self.state.members.release_inline(entry)
+        self.state.lookups.drop_transfers(oid)
+        for holder in entry.locations:
+            if holder != skip and holder in self.nodes:
+                self.state.send(holder, p.DropObject(object_id=oid, reason=reason))
+
+    def lose(self, oid: bytes, now: float) -> None:
+        """No live complete copy of ``oid`` is left and nobody computes it: partial holders drop
+        it and waiting lookups fail. A later put of the same id makes it available again."""
+        state = self.state
+        state.record(now, "object_lost", object_id=oid.hex(), partial_copies=len(self.objects[oid].locations))
+        self.remove(oid, now, reason="lost")
+        state.lookups.fail(oid, lambda pl: lost_lookup(pl.request_id, oid))
+        red = state.reductions.get(oid)
+        if red is not None and red.done:  # a finished result cannot be put again: fail its readers
+            red.error = ("ObjectLostError", f"the result of reduction {oid.hex()} was lost", oid)
+
+    def forget_node(self, node_id: str) -> set[bytes]:
+        """``node_id`` left: drop its copies. The ids of the objects it held a copy of."""
+        touched: set[bytes] = set()
+        for oid, entry in list(self.objects.items()):
+            if entry.locations.pop(node_id, None) is not None:
+                touched.add(oid)
+        return touched
+
+    def settle(self, touched: set[bytes], now: float) -> None:
+        """After a node left: each object of ``touched`` without a complete copy or a producer is
+        lost; the others may serve their waiting lookups from another source."""
+        for oid in touched:
+            entry = self.objects.get(oid)
+            if entry is None or entry.inline is not None:
+                continue
+            if not any(
+                loc.state is LocationState.COMPLETE or loc.producing for loc in entry.locations.values()
+            ):
+                self.lose(oid, now)
+            else:
+                self.state.lookups.serve(oid, now)

@@ -1,0 +1,98 @@
+"""How a reduction combines its inputs: which inputs can be reduced together, their weights
+(given, or decoded from a code's encoding rows), and the directory-side reduce of inline inputs.
+Pure functions over a :class:`~.records.Reduction`; NumPy only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import protocol as p
+from ..coding import DecodeTracker, solve_decoding
+from ..dtypes import dtype_from_wire
+from ..errors import InvalidArgumentError
+from ..reduce_ops import as_op, check_dtype, reduce_chunk, weighted_sum_chunk
+from .records import ObjectEntry, Reduction
+from .reduce import Placement, ReducePlan
+
+
+def input_problem(
+    plan: ReducePlan, entry: ObjectEntry, first: ObjectEntry, weighted: bool = False
+) -> tuple[str, str] | None:
+    """Why ``entry`` cannot be reduced together with ``first`` (or with what ``plan`` placed),
+    in a weighted reduction if ``weighted``: (error kind, message), or None."""
+    try:
+        dtype = dtype_from_wire(entry.dtype)
+        check_dtype(dtype)
+    except (InvalidArgumentError, TypeError) as exc:
+        return "InvalidArgumentError", f"input {entry.object_id.hex()}: {exc}"
+    if weighted and dtype.kind != "f" and dtype.name != "bfloat16":
+        return "InvalidArgumentError", (
+            f"input {entry.object_id.hex()} is {dtype.name}: a weighted reduction needs floats"
+        )
+    ref = (
+        (plan.size, plan.dtype, plan.shape)
+        if plan.size >= 0
+        else (first.size, first.dtype, tuple(first.shape))
+    )
+    if (entry.size, entry.dtype, tuple(entry.shape)) != ref:
+        return "ReduceMismatchError", (
+            f"input {entry.object_id.hex()} has dtype {entry.dtype} and shape {list(entry.shape)}, but "
+            f"reduction {plan.reduction_id.hex()}'s inputs have dtype {ref[1]} and shape {list(ref[2])}; "
+            "nothing was reduced"
+        )
+    return None
+
+
+def stream_weight(red: Reduction, pl: Placement) -> float:
+    """The weight a parent applies to what ``pl`` streams: an input's own weight for a leaf,
+    1 for a vertex's output (weighted already)."""
+    return 1.0 if pl.runs_task else red.weights.get(pl.object_id, 1.0)
+
+
+def vertex_weights(red: Reduction, pl: Placement) -> list[float]:
+    """:attr:`~hoplite_gpu.protocol.ReduceTask.weights` of vertex ``pl`` ([] unweighted)."""
+    if not red.weights:
+        return []
+    weights = [red.weights.get(pl.object_id, 1.0)]
+    for child in pl.children:
+        placed = red.plan.by_vertex.get(child)
+        weights.append(stream_weight(red, placed) if placed is not None else 1.0)
+    return weights
+
+
+def decoding_weights(red: Reduction) -> tuple[dict[bytes, float], float]:
+    """The weights of a decoded reduction's placed inputs whose sum of their encoding rows is all
+    ones (least-norm, as :meth:`GradientCode.decoding_weights
+    <hoplite_gpu.coding.GradientCode.decoding_weights>` computes them), and the residual: they
+    decode unless it is over :data:`~hoplite_gpu.coding.DECODE_TOLERANCE`."""
+    chosen = [pl.object_id for pl in red.plan.placed]
+    weights, residual = solve_decoding(np.array([red.coding[oid] for oid in chosen], dtype=np.float64))
+    return {oid: float(w) for oid, w in zip(chosen, weights, strict=True)}, residual
+
+
+def new_tracker(red: Reduction) -> DecodeTracker:
+    """A fresh :class:`~hoplite_gpu.coding.DecodeTracker` for a reduction that decodes as its
+    inputs arrive."""
+    return DecodeTracker(len(next(iter(red.coding.values()))))
+
+
+def weights_message(red: Reduction, pl: Placement) -> p.ReduceWeights:
+    """The :class:`~hoplite_gpu.protocol.ReduceWeights` for vertex ``pl`` once weights are chosen."""
+    plan = red.plan
+    return p.ReduceWeights(
+        reduction_id=plan.reduction_id, vertex=pl.vertex, epoch=plan.epoch, weights=vertex_weights(red, pl)
+    )
+
+
+def reduce_inline(red: Reduction) -> bytes:
+    """The result of a reduction whose inputs are all inline (``red.inline``, in arrival order)."""
+    plan = red.plan
+    dtype = dtype_from_wire(plan.dtype)
+    arrays = [np.frombuffer(b, dtype) for b in red.inline]
+    out = np.empty_like(arrays[0])
+    if red.weights:
+        scales = [red.weights.get(oid, 1.0) for oid in red.inline_ids]
+        weighted_sum_chunk(arrays[0], arrays[1:], out, scales)
+    else:
+        reduce_chunk(as_op(red.op), arrays[0], arrays[1:], out, plan.num_objects)
+    return out.tobytes()

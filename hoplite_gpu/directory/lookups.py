@@ -1,0 +1,421 @@
+"""Lookups and transfers: who waits for which object, and who streams it to whom.
+
+A lookup is answered with the object's bytes (inline), a same-host segment to copy from, or a
+sender to pull from (:mod:`.scheduling` chooses it); the sender is then busy (it serves one
+receiver at a time) and the receiver is at once a partial location whose upstream is the sender,
+so a later receiver can pull from it while it fills: concurrent receivers form pipelined chains
+that branch as copies complete. A lookup with no idle source (or for an object not yet put)
+waits, FIFO per object, until a source becomes idle, the object is put, or its deadline passes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as p
+from .records import Location, LocationState, ObjectEntry, PendingLookup, Transfer
+from .reduce import ReducePlan
+from .scheduling import choose_sender, computed_on_host, same_host_copy
+
+if TYPE_CHECKING:
+    from .state import DirectoryState
+
+
+class Lookups:
+    """The waiting lookups (:attr:`pending`, FIFO per object, with indexes) and the transfers
+    under way (:attr:`transfers`)."""
+
+    def __init__(self, state: DirectoryState) -> None:
+        self.state = state
+        self.config = state.config
+        self.nodes = state.nodes
+        self.objects = state.objects
+        self.pending: dict[bytes, deque[PendingLookup]] = {}
+        # Indexes of ``pending`` so that no event walks every pending lookup: the deadlines (a
+        # heap; entries of lookups no longer live are dropped when they reach the top), the
+        # objects a node's request id waits for (for CancelLookup; a peer may reuse a request id,
+        # hence a count per object), and each node's count (for its quota).
+        self.deadlines: list[tuple[float, int, PendingLookup]] = []
+        self._deadline_seq = itertools.count()
+        self.by_request: dict[tuple[str, int], dict[bytes, int]] = {}
+        self.per_node: dict[str, int] = {}
+        self.transfers: dict[int, Transfer] = {}
+        self._transfer_ids = itertools.count(1)
+
+    # ------------------------------------------------------------ requests
+    def request(self, node_id: str, msg: p.LookupRequest, now: float) -> None:
+        """A node asks for an object: answer it now or queue it."""
+        state = self.state
+        red = state.reductions.get(msg.object_id)
+        if red is not None and red.error is not None:
+            state.send(node_id, failed_lookup(msg.request_id, msg.object_id, red.error))
+            return
+        if (
+            (msg.have_bytes > 0 or msg.resume)
+            and msg.object_id not in self.objects
+            and (red is None or not red.active)
+            and not state.recovery.recovering
+        ):
+            # It was receiving an object that has since been lost (or deleted): it cannot complete.
+            # (While copies are being restored, it waits: its source may not have rejoined yet.)
+            # A receiver whose sender died before any byte arrived asks with have_bytes 0 and
+            # ``resume``: its empty copy was no location to drop (tests/test_soak.py found it).
+            state.send(node_id, lost_lookup(msg.request_id, msg.object_id))
+            return
+        quota = self.config.max_pending_lookups
+        if self.per_node.get(node_id, 0) >= quota:
+            text = f"node has {quota} lookups pending, the directory's quota"
+            reply = p.LookupReply(
+                request_id=msg.request_id,
+                status="error",
+                object_id=msg.object_id,
+                error=text,
+                error_kind="QuotaExceededError",
+            )
+            state.send(node_id, reply)
+            return
+        deadline = now + msg.timeout if msg.timeout > 0 else None
+        pl = PendingLookup(
+            node_id,
+            msg.request_id,
+            msg.object_id,
+            max(0, msg.have_bytes),
+            deadline,
+            msg.shared_memory,
+            msg.direct,
+            msg.device_ipc,
+            msg.resume,
+        )
+        self.pending.setdefault(msg.object_id, deque()).append(pl)
+        by_object = self.by_request.setdefault((node_id, msg.request_id), {})
+        by_object[msg.object_id] = by_object.get(msg.object_id, 0) + 1
+        self.per_node[node_id] = self.per_node.get(node_id, 0) + 1
+        if deadline is not None:
+            heapq.heappush(self.deadlines, (deadline, next(self._deadline_seq), pl))
+        state.record(now, "lookup", node=node_id, object_id=msg.object_id.hex(), request_id=msg.request_id)
+        self.serve(msg.object_id, now)
+
+    def cancel(self, node_id: str, request_id: int) -> None:
+        """Withdraw ``node_id``'s lookups under ``request_id`` (CancelLookup)."""
+        for oid in list(self.by_request.get((node_id, request_id), ())):
+            self.retain(oid, lambda pl: (pl.node_id, pl.request_id) != (node_id, request_id))
+
+    # ------------------------------------------------------------ answering
+    def serve(self, oid: bytes, now: float) -> None:
+        """Answer as many waiting lookups for ``oid`` as there are idle sources, FIFO."""
+        queue = self.pending.get(oid)
+        entry = self.objects.get(oid)
+        if not queue or entry is None:
+            return
+        self.retain(oid, lambda pl: not self._try_answer(entry, pl, now))
+
+    def serve_all(self, now: float) -> None:
+        """Try every waiting lookup again (a suspect node may serve again)."""
+        for oid in list(self.pending):
+            self.serve(oid, now)
+
+    def _try_answer(self, entry: ObjectEntry, pl: PendingLookup, now: float) -> bool:
+        state = self.state
+        meta: dict[str, Any] = dict(
+            request_id=pl.request_id,
+            object_id=entry.object_id,
+            size=entry.size,
+            dtype=entry.dtype,
+            shape=list(entry.shape),
+            digest=entry.digest,
+            reduction_id=entry.reduction,
+            memory=entry.memory,
+        )
+        if entry.inline is not None:
+            # Recorded as a holder so that the owner's delete drops the reader's copy too.
+            entry.locations.setdefault(pl.node_id, Location(pl.node_id, LocationState.COMPLETE, entry.size))
+            state.send(pl.node_id, p.LookupReply(status="inline", inline=entry.inline, **meta))
+            state.record(now, "lookup_inline", node=pl.node_id, object_id=entry.object_id.hex())
+            return True
+        own = entry.locations.get(pl.node_id)
+        if own is not None and (own.state is LocationState.COMPLETE or own.producing):
+            # The requester already holds it (e.g. a re-put), or a reduce vertex placed on it
+            # computes it (after the lookup was sent): nothing to transfer.
+            state.send(pl.node_id, p.LookupReply(status="local", **meta))
+            return True
+        nodes = self.nodes
+        shared = same_host_copy(nodes, entry, pl.node_id, pl.device_ipc) if pl.shared_memory else None
+        if shared is not None and shared.copying:
+            return False  # its segment is being filled: mapping it then beats pulling it now
+        if shared is None and pl.shared_memory and computed_on_host(nodes, entry, pl.node_id, pl.device_ipc):
+            return False  # likewise for a result being computed on this host
+        if shared is not None:
+            state.send(
+                pl.node_id,
+                p.LookupReply(status="shm", sender_node=shared.node_id, segment=shared.segment, **meta),
+            )
+            kind = "lookup_ipc" if shared.segment.startswith(p.IPC_SEGMENT_PREFIX) else "lookup_shm"
+            state.record(now, kind, node=pl.node_id, object_id=entry.object_id.hex(), sender=shared.node_id)
+            return True
+        sender = choose_sender(nodes, entry, pl.node_id, pl.direct)
+        if sender is None:
+            return False
+        info = nodes[sender.node_id]
+        transfer = Transfer(next(self._transfer_ids), entry.object_id, sender.node_id, pl.node_id, now)
+        self.transfers[transfer.transfer_id] = transfer
+        sender.busy = True
+        have = min(pl.have_bytes, entry.size)  # a requester claiming more than the object holds
+        if own is None:
+            own = Location(pl.node_id, LocationState.PARTIAL, have)
+            entry.locations[pl.node_id] = own
+        own.upstream = sender.node_id
+        own.progress = max(own.progress, have)
+        state.send(
+            pl.node_id,
+            p.LookupReply(
+                status="pull",
+                transfer_id=transfer.transfer_id,
+                sender_node=sender.node_id,
+                sender_host=info.data_host,
+                sender_port=info.data_port,
+                sender_complete=sender.state is LocationState.COMPLETE,
+                **meta,
+            ),
+        )
+        state.record(
+            now,
+            "transfer_start",
+            object_id=entry.object_id.hex(),
+            transfer_id=transfer.transfer_id,
+            sender=sender.node_id,
+            receiver=pl.node_id,
+            sender_complete=sender.state is LocationState.COMPLETE,
+            sender_progress=sender.progress,
+            have=own.progress,
+        )
+        return True
+
+    def retain(self, oid: bytes, keep: Callable[[PendingLookup], bool]) -> None:
+        """Keep, in order, the lookups waiting for ``oid`` for which ``keep`` is true (it may
+        answer the others); forget the queue once it is empty."""
+        kept: deque[PendingLookup] = deque()
+        for pl in self.pending.get(oid, ()):
+            if keep(pl):
+                kept.append(pl)
+                continue
+            pl.live = False
+            left = self.per_node.get(pl.node_id, 0) - 1
+            if left > 0:
+                self.per_node[pl.node_id] = left
+            else:
+                self.per_node.pop(pl.node_id, None)
+            key = (pl.node_id, pl.request_id)
+            by_object = self.by_request.get(key)
+            if by_object is not None and oid in by_object:
+                by_object[oid] -= 1
+                if by_object[oid] <= 0:
+                    del by_object[oid]
+                if not by_object:
+                    del self.by_request[key]
+        if kept:
+            self.pending[oid] = kept
+        else:
+            self.pending.pop(oid, None)
+
+    def fail(self, oid: bytes, reply: Callable[[PendingLookup], p.LookupReply]) -> None:
+        """Answer every lookup waiting for ``oid`` with ``reply(lookup)`` (an error)."""
+
+        def answer(pl: PendingLookup) -> bool:
+            self.state.send(pl.node_id, reply(pl))
+            return False
+
+        self.retain(oid, answer)
+
+    # ------------------------------------------------------------ transfers
+    def transfer_done(self, node_id: str, msg: p.TransferDone, now: float) -> None:
+        """A receiver reports a transfer ended (complete, or failed with ``progress`` bytes)."""
+        state = self.state
+        transfer = self.transfers.get(msg.transfer_id)
+        if transfer is None or transfer.receiver != node_id:
+            return  # unknown, finished, or not this node's transfer: nothing to change
+        del self.transfers[msg.transfer_id]
+        entry = self.objects.get(transfer.object_id)
+        state.record(
+            now,
+            "transfer_done",
+            object_id=transfer.object_id.hex(),
+            transfer_id=transfer.transfer_id,
+            sender=transfer.sender,
+            receiver=node_id,
+            ok=msg.ok,
+            progress=msg.progress,
+            reason=msg.reason,
+        )
+        if entry is None:
+            return
+        sender = entry.locations.get(transfer.sender)
+        if sender is not None:
+            sender.busy = False
+        if msg.sender_failed and not msg.ok:
+            state.members.suspect(transfer.sender, now, node_id, msg.reason)
+        own = entry.locations.get(node_id)
+        if msg.ok:
+            reducer = state.reducer
+            reducer.link = reducer.link.with_transfer(entry.size, now - transfer.started)
+        if own is not None:
+            if msg.ok:
+                state.catalog.add_complete(entry, node_id, msg.segment)
+                state.reducer.object_ready(transfer.object_id, now)
+            else:
+                # The receiver will look up again with what it holds; keep its bytes on record
+                # (no more than the object has: found by tests/test_fuzz.py).
+                own.progress = max(own.progress, min(msg.progress, entry.size))
+                if own.state is LocationState.PARTIAL and own.upstream == transfer.sender:
+                    own.upstream = None
+                if (
+                    own.progress == 0
+                    and own.state is LocationState.PARTIAL
+                    and not own.busy
+                    and not own.producing
+                ):
+                    del entry.locations[node_id]
+        self.serve(transfer.object_id, now)
+
+    def serve_failed(self, node_id: str, transfer_id: int, now: float) -> None:
+        """The sender gave up on a transfer (its receiver stalled, e.g. a stopped process): it is
+        free to serve others now, not only once the receiver reports or is declared dead."""
+        transfer = self.transfers.get(transfer_id)
+        entry = self.objects.get(transfer.object_id) if transfer is not None else None
+        if transfer is None or entry is None or transfer.sender != node_id:
+            return
+        sender = entry.locations.get(node_id)
+        if sender is not None and sender.busy:
+            sender.busy = False
+            self.serve(transfer.object_id, now)
+
+    def drop_transfers(self, oid: bytes) -> None:
+        """``oid`` was forgotten: so are its transfers."""
+        for tid in [t for t, tr in self.transfers.items() if tr.object_id == oid]:
+            del self.transfers[tid]
+
+    def forget_node(self, node_id: str, reason: str) -> set[bytes]:
+        """``node_id`` left: drop its lookups and end the transfers it took part in (a receiver
+        whose sender left is told at once). The ids of the objects those transfers were of."""
+        for oid in list(self.pending):
+            self.retain(oid, lambda pl: pl.node_id != node_id)
+        touched: set[bytes] = set()
+        for tid, tr in list(self.transfers.items()):
+            if node_id in (tr.sender, tr.receiver):
+                del self.transfers[tid]
+                entry = self.objects.get(tr.object_id)
+                if tr.sender == node_id and tr.receiver in self.nodes:
+                    self.state.send(tr.receiver, p.AbortTransfer(tid, f"sender {node_id[:8]} {reason}"))
+                if entry is not None:
+                    peer = entry.locations.get(tr.sender if tr.receiver == node_id else tr.receiver)
+                    if peer is not None and tr.receiver == node_id:
+                        peer.busy = False
+                    elif peer is not None and peer.upstream == node_id:
+                        peer.upstream = None  # it will ask for another source
+                touched.add(tr.object_id)
+        return touched
+
+    # ------------------------------------------------------------ time
+    def deadline(self) -> float | None:
+        """The earliest deadline of a waiting lookup."""
+        heap = self.deadlines
+        while heap and not heap[0][2].live:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def expire(self, now: float) -> None:
+        """Answer the lookups whose deadline passed with ``timeout`` and why they still wait."""
+
+        def alive(pl: PendingLookup) -> bool:
+            if pl.deadline is None or pl.deadline > now:
+                return True
+            reply = p.LookupReply(
+                request_id=pl.request_id,
+                status="timeout",
+                object_id=pl.object_id,
+                error=self.diagnose(pl.object_id),
+            )
+            self.state.send(pl.node_id, reply)
+            self.state.record(now, "lookup_timeout", node=pl.node_id, object_id=pl.object_id.hex())
+            return False
+
+        due = set()  # only the queues of lookups whose deadline passed (the heap knows them)
+        heap = self.deadlines
+        while heap and heap[0][0] <= now:
+            _, _, pl = heapq.heappop(heap)
+            if pl.live:
+                due.add(pl.object_id)
+        for oid in due:
+            self.retain(oid, alive)
+
+    def diagnose(self, object_id: bytes) -> str:
+        """Why a lookup of ``object_id`` is still waiting, naming the nodes concerned (for the
+        error of a get that timed out: which member is missing or slow)."""
+        entry = self.objects.get(object_id)
+        red = self.state.reductions.get(object_id)
+        if red is not None and red.active and not red.plan.full:
+            plan = red.plan
+            return (
+                f"it is the result of a reduction with {len(plan.placed)} of its {plan.num_objects} "
+                f"inputs ready; {not_ready(plan)}"
+            )
+        if entry is None:
+            if self.state.recovery.recovering:
+                return "the directory restarted and no node has restored it yet"
+            return "no node has put it"
+
+        def where(node_id: str) -> str:
+            info = self.nodes.get(node_id)
+            return (
+                f"node {node_id[:8]} at {info.data_host}:{info.data_port}" if info else f"node {node_id[:8]}"
+            )
+
+        complete = [n for n, loc in entry.locations.items() if loc.state is LocationState.COMPLETE]
+        partial = [(n, loc) for n, loc in entry.locations.items() if loc.state is LocationState.PARTIAL]
+        parts = []
+        if complete:
+            busy = [n for n in complete if entry.locations[n].busy]
+            parts.append(
+                f"complete at {', '.join(where(n) for n in complete[:4])}"
+                + (f" ({len(busy)} of them busy serving)" if busy else "")
+            )
+        for node_id, loc in partial[:4]:
+            source = f" from {where(loc.upstream)}" if loc.upstream else ""
+            doing = "computing it" if loc.producing else f"receiving it{source}"
+            parts.append(f"{where(node_id)} is {doing}, {loc.progress} of {entry.size} bytes so far")
+        if not parts:
+            parts.append(f"put by {where(entry.owner)}, but no copy is left")
+        return "; ".join(parts)
+
+
+# ---------------------------------------------------------------- replies
+def failed_lookup(request_id: int, oid: bytes, error: tuple[str, str, bytes]) -> p.LookupReply:
+    """The answer to a lookup of ``oid`` that failed with ``error`` (kind, message, culprit)."""
+    kind, message, culprit = error
+    return p.LookupReply(
+        request_id=request_id,
+        status="error",
+        object_id=oid,
+        error=message,
+        error_kind=kind,
+        error_object_id=culprit,
+    )
+
+
+def lost_lookup(request_id: int, oid: bytes) -> p.LookupReply:
+    """The answer to a lookup of ``oid``, which was lost."""
+    message = (
+        f"object {oid.hex()} was lost: every complete copy died while it was being received; put it again"
+    )
+    return failed_lookup(request_id, oid, ("ObjectLostError", message, oid))
+
+
+def not_ready(plan: ReducePlan) -> str:
+    """``"not ready: <ids>"``: the inputs of ``plan`` not placed yet (the first 8)."""
+    placed = set(plan.reduced_objects())
+    missing = [oid.hex() for oid in plan.inputs if oid not in placed]
+    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    return f"not ready: {', '.join(missing[:8])}{more}"

@@ -1,0 +1,117 @@
+"""Who is in: joined nodes, their leases, suspicion of a failed sender, and per-node quotas of
+bytes kept inline.
+
+A node is dead when its connection closes or when it sends nothing (heartbeats included) for
+``lease_timeout`` seconds. A directory that itself stalled (``Tick.lag``) renews every lease
+instead of declaring everyone dead. A node a receiver reported as a failed sender is *suspect*: it
+serves nobody until a heartbeat shows it is alive.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .config import SUSPECT_GRACE
+from .events import NodeJoined
+from .records import NodeInfo, ObjectEntry
+
+if TYPE_CHECKING:
+    from .state import DirectoryState
+
+
+class Membership:
+    """What happens to :attr:`~.state.DirectoryState.nodes` (the table itself is the state's: every
+    room reads it), and the inline bytes each node holds against its quota."""
+
+    def __init__(self, state: DirectoryState) -> None:
+        self.state = state
+        self.config = state.config
+        self.nodes = state.nodes
+        # What each node's inline objects hold now (Config.directory_max_inline_bytes); no zeros.
+        self.inline_bytes: dict[str, int] = {}
+
+    # ------------------------------------------------------------ joining and leaving
+    def join(self, ev: NodeJoined) -> None:
+        """Record a node that authenticated."""
+        self.nodes[ev.node_id] = NodeInfo(
+            ev.node_id,
+            ev.data_host,
+            ev.data_port,
+            ev.now,
+            ev.host_key,
+            ev.now,
+            gpu=ev.gpu,
+            gpus=ev.gpus,
+        )
+        self.state.record(ev.now, "node_joined", node=ev.node_id, rejoin=ev.rejoin, gpu=ev.gpu)
+
+    def leave(self, node_id: str) -> bool:
+        """Forget a node; False if it was not joined."""
+        return self.nodes.pop(node_id, None) is not None
+
+    def seen(self, node_id: str, now: float) -> NodeInfo | None:
+        """A message from ``node_id`` arrived: renew its lease. None if it is not joined (not
+        authenticated, or declared dead: nothing it sends is acted on)."""
+        info = self.nodes.get(node_id)
+        if info is not None:
+            info.last_seen = max(info.last_seen, now)
+        return info
+
+    # ------------------------------------------------------------ leases
+    def renew_if_stalled(self, now: float, lag: float) -> None:
+        """The host woke ``lag`` seconds late for a tick: if that is a fair part of a lease, the
+        directory was stalled, not its nodes, so every lease is renewed."""
+        if lag > self.config.lease_timeout / 4:
+            for info in self.nodes.values():
+                info.last_seen = max(info.last_seen, now)
+            self.state.record(now, "directory_stalled", lag=round(lag, 3))
+
+    def expired(self, now: float) -> list[NodeInfo]:
+        """The nodes silent for a whole lease at ``now``."""
+        return [i for i in self.nodes.values() if now - i.last_seen >= self.config.lease_timeout]
+
+    def lease_deadline(self) -> float | None:
+        """When the first lease runs out (None: no node, or leases never do)."""
+        if self.nodes and math.isfinite(self.config.lease_timeout):
+            return min(info.last_seen for info in self.nodes.values()) + self.config.lease_timeout
+        return None
+
+    # ------------------------------------------------------------ suspects
+    def suspect(self, node_id: str, now: float, reporter: str, reason: str) -> None:
+        """A receiver reported ``node_id`` failed as its sender: it serves nobody until it shows
+        it is alive."""
+        info = self.nodes.get(node_id)
+        if info is not None and info.suspect_since is None:
+            info.suspect_since = now
+            self.state.record(now, "node_suspect", node=node_id, reporter=reporter, reason=reason)
+
+    def trust(self, node_id: str, now: float) -> bool:
+        """A heartbeat from ``node_id``: if it was suspect long enough ago (one sent just before
+        it stopped may still have been in flight), it may serve again. True if it was cleared."""
+        info = self.nodes.get(node_id)
+        if info is None or info.suspect_since is None or now - info.suspect_since < SUSPECT_GRACE:
+            return False
+        info.suspect_since = None
+        self.state.record(now, "node_trusted", node=node_id)
+        return True
+
+    # ------------------------------------------------------------ inline quota
+    def inline_fits(self, node_id: str, size: int) -> bool:
+        """Whether ``size`` more inline bytes stay within ``node_id``'s quota."""
+        return self.inline_bytes.get(node_id, 0) + size <= self.config.max_inline_bytes
+
+    def charge_inline(self, entry: ObjectEntry, node_id: str) -> None:
+        """Count ``entry``'s inline bytes against ``node_id``'s quota."""
+        entry.charged = node_id
+        if entry.size:  # (the per-node counts hold no zeros)
+            self.inline_bytes[node_id] = self.inline_bytes.get(node_id, 0) + entry.size
+
+    def release_inline(self, entry: ObjectEntry) -> None:
+        """``entry`` was forgotten: its inline bytes no longer count against its node's quota."""
+        if entry.inline is not None and entry.charged and entry.size:
+            left = self.inline_bytes[entry.charged] - entry.size
+            if left:
+                self.inline_bytes[entry.charged] = left
+            else:
+                del self.inline_bytes[entry.charged]

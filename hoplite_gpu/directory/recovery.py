@@ -1,0 +1,120 @@
+"""Recovery after this directory restarted and lost its records.
+
+Nodes that lost their directory rejoin (``NodeJoined.rejoin``) and re-send what they hold as
+:class:`~hoplite_gpu.protocol.Restore` messages, and their unfinished reductions with ``rejoin``.
+For a lease after the first rejoin, a resumed lookup of an object not known yet waits (its source
+may not have rejoined yet) instead of failing as lost; after it, such a lookup fails.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .. import protocol as p
+from .lookups import lost_lookup
+from .records import ObjectEntry, PendingLookup
+
+if TYPE_CHECKING:
+    from .state import DirectoryState
+
+
+class Recovery:
+    """Restoring copies after a restart, and the window in which they are still coming."""
+
+    def __init__(self, state: DirectoryState) -> None:
+        self.state = state
+        self.config = state.config
+        self.objects = state.objects
+        # Until when copies are still being restored (None: not recovering).
+        self.until: float | None = None
+
+    @property
+    def recovering(self) -> bool:
+        """Whether nodes may still be restoring their copies."""
+        return self.until is not None
+
+    def rejoined(self, now: float) -> None:
+        """A node rejoined after losing its directory (this one, restarted): copies follow."""
+        if self.until is None:
+            self.until = now + self.config.lease_timeout
+            self.state.record(now, "directory_recovering", until=self.until)
+
+    def restore(self, node_id: str, msg: p.Restore, now: float) -> None:
+        """A rejoining node's complete copy (this directory restarted and lost its records)."""
+        state, members, oid = self.state, self.state.members, msg.object_id
+        if len(oid) != 20 or msg.size < 0:
+            return
+        inline = msg.inline if msg.inline is not None and len(msg.inline) == msg.size else None
+        too_big = msg.size > self.config.inline_threshold_bytes or not members.inline_fits(node_id, msg.size)
+        if inline is not None and too_big:
+            inline = None  # over the threshold or the quota: the node's own copy is registered
+        entry = self.objects.get(oid)
+        if entry is None:
+            entry = ObjectEntry(
+                oid,
+                msg.size,
+                msg.dtype,
+                list(msg.shape),
+                msg.digest,
+                node_id if msg.owner else "",
+                inline,
+                memory=msg.memory,
+            )
+            if inline is not None:
+                members.charge_inline(entry, node_id)
+            self.objects[oid] = entry
+        elif (entry.size, entry.dtype, list(entry.shape)) != (msg.size, msg.dtype, list(msg.shape)) or (
+            entry.digest and msg.digest and entry.digest != msg.digest
+        ):
+            # Size, dtype and shape always; the content when both sides know its digest (a
+            # reduction's result has none).
+            state.record(now, "restore_conflict", node=node_id, object_id=oid.hex())
+            return
+        else:
+            entry.digest = entry.digest or msg.digest
+            if msg.owner and entry.owner != node_id:
+                if entry.owner and entry.owner in state.nodes:
+                    # Another joined node owns it: a Restore does not take it over (only the node
+                    # that put an object may delete it for everyone).
+                    state.record(
+                        now, "restore_owner_refused", node=node_id, object_id=oid.hex(), owner=entry.owner
+                    )
+                else:
+                    entry.owner = node_id
+        if entry.inline is None:
+            state.catalog.add_complete(entry, node_id, msg.segment)
+        state.record(now, "restore", node=node_id, object_id=oid.hex(), owner=msg.owner)
+        red = state.reductions.get(oid)
+        if red is not None and red.active:
+            # The result was complete before the restart; the re-sent request's tree is not needed.
+            red.restored = True
+            state.reducer.finish(red, now)  # which also marks the result final (not void on a restart)
+        state.catalog.ready(oid, now)
+
+    def deadline(self) -> float | None:
+        """When the window for restoring copies closes."""
+        if self.until is not None and math.isfinite(self.until):
+            return self.until
+        return None
+
+    def expire(self, now: float) -> None:
+        """Every live node had time to rejoin and restore its copies: a resumed lookup of an object
+        still unknown was for a copy that died with the old directory's records (lost)."""
+        if self.until is None or now < self.until:
+            return
+        state, lookups = self.state, self.state.lookups
+        self.until = None
+        state.record(now, "directory_recovered", objects=len(self.objects))
+        for oid in [o for o in lookups.pending if o not in self.objects]:
+            red = state.reductions.get(oid)
+            if red is not None and red.active:
+                continue
+
+            def fail(pl: PendingLookup, oid: bytes = oid) -> bool:
+                if pl.have_bytes == 0 and not pl.resume:
+                    return True  # a get before the put: it waits, as always
+                state.send(pl.node_id, lost_lookup(pl.request_id, oid))
+                return False
+
+            lookups.retain(oid, fail)

@@ -1,0 +1,536 @@
+"""Reductions: requests, the placement of inputs in a tree as they become ready, the tree's
+vertices, and the answers to ``reduced_objects``.
+
+Inputs are placed in a tree (:class:`~.reduce.ReducePlan`) as they become ready (put), in the
+order they arrive; every vertex but a leaf gets a :class:`~hoplite_gpu.protocol.ReduceTask` on the
+node holding its input, and its output is registered at once as a partial object there, so its
+parent (or a ``get`` of the result) streams it through the same lookup/pull path as any object
+while it is being reduced. Inline-sized inputs are reduced here, without any transfer. A
+reduction given a code's encoding rows chooses its weights once its inputs are chosen, or, asked
+for the first arrivals that decode, once the rows that arrived do. Repairs after a failure are
+:mod:`.repair`'s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import protocol as p
+from ..coding import DECODE_TOLERANCE
+from ..errors import InvalidArgumentError
+from ..reduce_ops import as_op
+from . import combine
+from .config import REDUCTIONS_KEPT
+from .lookups import failed_lookup, not_ready
+from .records import Location, LocationState, ObjectEntry, PendingQuery, Reduction
+from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
+from .scheduling import computes_at, in_segment, input_holder, one_host
+
+if TYPE_CHECKING:
+    from .state import DirectoryState
+
+
+class Reductions:
+    """What happens to :attr:`~.state.DirectoryState.reductions`; which inputs they wait for
+    (:attr:`awaiting`) and the link estimate their trees are shaped by (:attr:`link`)."""
+
+    def __init__(self, state: DirectoryState) -> None:
+        self.state = state
+        self.config = state.config
+        self.nodes = state.nodes
+        self.objects = state.objects
+        self.reductions = state.reductions
+        self.awaiting: dict[bytes, set[bytes]] = {}  # input ObjectID -> reductions waiting for it
+        self.link = LinkEstimate()
+
+    # ------------------------------------------------------------ requests
+    def request(self, node_id: str, msg: p.ReduceRequest, now: float) -> None:
+        """A node asks for a reduction (every rank of a group may ask for the same one)."""
+        state = self.state
+        rid, inputs = msg.reduction_id, tuple(msg.object_ids)
+
+        def refuse(kind: str, text: str, culprit: bytes = b"") -> None:
+            reply = p.ReduceReply(
+                request_id=msg.request_id, error=text, error_kind=kind, error_object_id=culprit
+            )
+            state.send(node_id, reply)
+
+        if len(rid) != 20 or not inputs or any(len(o) != 20 for o in inputs) or rid in inputs:
+            refuse(
+                "InvalidArgumentError", "a reduction needs 20-byte ObjectIDs and an id not among its inputs"
+            )
+            return
+        as_arrive = msg.num_objects == 0 and bool(msg.coding)
+        try:
+            op = as_op(msg.op).value
+            plan = ReducePlan(rid, inputs, len(inputs) if as_arrive else msg.num_objects, fan_in=msg.degree)
+        except (InvalidArgumentError, ValueError) as exc:
+            refuse("InvalidArgumentError", str(exc))
+            return
+        if (msg.weights or msg.coding) and op != "sum":
+            refuse("InvalidArgumentError", f"weights need the SUM op, not {op.upper()}")
+            return
+        weights = dict(zip(inputs, msg.weights, strict=True)) if msg.weights else {}
+        coding = dict(zip(inputs, msg.coding, strict=True)) if msg.coding else {}
+        existing = self.reductions.get(rid)
+        if existing is None:  # (bounded: the directory keeps at most REDUCTIONS_KEPT of them)
+            active = sum(1 for red in self.reductions.values() if red.requester == node_id and red.active)
+            quota = self.config.max_reductions
+            if active >= quota:
+                refuse(
+                    "QuotaExceededError", f"node has {quota} reductions not finished, the directory's quota"
+                )
+                return
+        if existing is not None:
+            old = existing.plan
+            asked = (existing.candidates, 0) if existing.candidates else (old.inputs, old.num_objects)
+            if (*asked, existing.op, existing.coding) == (
+                inputs,
+                msg.num_objects,
+                op,
+                coding,
+            ) and (coding or existing.weights == weights):
+                state.send(node_id, p.ReduceReply(request_id=msg.request_id))  # every rank may ask
+            else:
+                refuse("ObjectExistsError", f"reduction {rid.hex()} already exists with other inputs or op")
+            return
+        if rid in self.objects and msg.rejoin:
+            # Re-sent to this restarted directory, and a node restored the finished result.
+            red = Reduction(plan, op, node_id, None, msg.timeout, done=True, restored=True)
+            red.candidates = inputs if as_arrive else ()
+            self.reductions[rid] = red
+            self.objects[rid].reduction = b""
+            state.send(node_id, p.ReduceReply(request_id=msg.request_id))
+            state.record(now, "reduce_restored", node=node_id, object_id=rid.hex())
+            return
+        if rid in self.objects:
+            refuse("ObjectExistsError", f"object {rid.hex()} already exists; use another reduction id")
+            return
+        objects = self.objects
+        present = [objects[o] for o in inputs if o in objects]
+        if present:  # refuse what is already known to be wrong: nothing gets reduced
+            first = present[0]
+            for entry in present:
+                same_kind = (entry.size, entry.dtype, entry.shape) == (first.size, first.dtype, first.shape)
+                if entry is not first and same_kind:
+                    continue  # the first had the full check
+                problem = combine.input_problem(plan, entry, first, bool(weights or coding))
+                if problem is not None:
+                    refuse(problem[0], problem[1], entry.object_id)
+                    return
+        red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
+        red.weights = weights
+        red.coding = coding
+        if as_arrive:
+            red.candidates = inputs
+            red.gather = combine.new_tracker(red)
+        self.reductions[rid] = red
+        self._forget_old()
+        state.send(node_id, p.ReduceReply(request_id=msg.request_id))
+        state.record(
+            now, "reduce", node=node_id, object_id=rid.hex(), inputs=len(inputs), k=msg.num_objects, op=op
+        )
+        awaiting = self.awaiting
+        for oid in inputs:
+            waiting = awaiting.get(oid)
+            if waiting is None:
+                awaiting[oid] = {rid}
+            else:
+                waiting.add(rid)
+        # The requester's own inputs first: one of them computes the root (see offer), whatever
+        # the others' position in the list.
+        mine = [entry.object_id for entry in present if computes_at(self.nodes, entry, node_id)]
+        red.backlog.extend(mine)
+        if mine:
+            chosen = set(mine)
+            red.backlog.extend(entry.object_id for entry in present if entry.object_id not in chosen)
+        else:
+            red.backlog.extend(entry.object_id for entry in present)
+        if len(red.backlog) > self.config.place_slice:
+            state.resume(rid)  # this event did the O(inputs) part; placing comes next
+        else:
+            self.place_backlog(red, now)
+
+    def place_backlog(self, red: Reduction, now: float) -> None:
+        """Offer up to ``place_slice`` of the inputs that were present when ``red`` was
+        requested; ask the host to come back (:class:`~.events.Resume`) for the rest. Inputs that
+        arrive meanwhile are offered as they arrive (they still wait in ``awaiting``), and an
+        input of the backlog placed some other way, deleted or no longer wanted is skipped by
+        :meth:`offer`."""
+        for _ in range(min(self.config.place_slice, len(red.backlog))):
+            self.offer(red, red.backlog.popleft(), now)
+        if not red.active:
+            red.backlog.clear()
+        elif red.backlog:
+            self.state.resume(red.plan.reduction_id)
+
+    # ------------------------------------------------------------ placing inputs
+    def object_ready(self, oid: bytes, now: float) -> None:
+        """``oid`` has a copy a reduction can use: offer it to the reductions waiting for it."""
+        for rid in list(self.awaiting.get(oid, ())):
+            red = self.reductions.get(rid)
+            if red is not None:
+                self.offer(red, oid, now)
+
+    def offer(self, red: Reduction, oid: bytes, now: float) -> None:
+        """Place input ``oid`` of ``red`` in its tree if it is wanted and has a usable copy."""
+        state, plan = self.state, red.plan
+        entry = self.objects.get(oid)
+        if not red.active or entry is None or not plan.wants(oid):
+            return
+        holder = input_holder(self.nodes, entry)
+        if holder is None:
+            return
+        problem = combine.input_problem(plan, entry, entry, bool(red.weights or red.coding))
+        if problem is None and plan.placed and (entry.inline is not None) != bool(red.inline):
+            problem = "ReduceMismatchError", f"input {oid.hex()} is stored differently from the others"
+        if problem is not None:
+            self.fail(red, problem[0], problem[1], now, culprit=oid)
+            return
+        if red.memory is None:
+            red.memory = entry.memory
+        if red.gather is not None:
+            self._gather(red, entry, now)
+            return
+        try:
+            # The requester reads the result: its own input, if it has one, computes the root.
+            at_root = holder == red.requester
+            pl = plan.place(
+                oid,
+                holder,
+                entry.size,
+                entry.dtype,
+                tuple(entry.shape),
+                self.link,
+                at_root=at_root,
+                # Only the first placement fixes the shape: the scan of every node is done once.
+                one_host=plan.tree is None and in_segment(entry, holder) and one_host(self.nodes),
+            )
+        except MismatchError as exc:  # pragma: no cover - input_problem checked the same
+            self.fail(red, "ReduceMismatchError", str(exc), now, culprit=oid)
+            return
+        self.unawait(oid, plan.reduction_id)
+        if len(plan.placed) == 1:
+            state.record(
+                now, "reduce_tree", object_id=plan.reduction_id.hex(), degree=plan.degree, reason=plan.reason
+            )
+        state.record(
+            now,
+            "reduce_place",
+            object_id=plan.reduction_id.hex(),
+            input=oid.hex(),
+            vertex=pl.vertex,
+            node=holder,
+        )
+        if entry.inline is not None:
+            red.inline.append(entry.inline)
+            red.inline_ids.append(oid)
+        else:
+            self._start_vertex(red, pl, now)
+        if plan.full:
+            for other in plan.inputs:
+                self.unawait(other, plan.reduction_id)
+            if red.coding and not red.weights and not self._choose_weights(red, now):
+                return
+            if red.inline:
+                self._reduce_inline(red, now)
+
+    def _gather(self, red: Reduction, entry: ObjectEntry, now: float) -> None:
+        """An input of a reduction that decodes as inputs arrive is ready: add its row, and once
+        the rows that arrived decode, place the inputs the decoding uses (all present) as the
+        tree, with their weights known from the start."""
+        state, plan, tracker, oid = self.state, red.plan, red.gather, entry.object_id
+        assert tracker is not None
+        if plan.size < 0:  # later inputs are checked against the first (see input_problem)
+            plan.size, plan.dtype, plan.shape = entry.size, entry.dtype, tuple(entry.shape)
+        before = tracker.seen
+        decodable = tracker.add(oid, red.coding[oid])
+        if tracker.seen == before:
+            return  # offered again (another copy completed): counted already
+        state.record(
+            now, "reduce_arrival", object_id=plan.reduction_id.hex(), input=oid.hex(), decodable=decodable
+        )
+        if not decodable:
+            if tracker.seen >= len(red.candidates):
+                self.fail(
+                    red,
+                    "NotDecodableError",
+                    f"all {len(red.candidates)} inputs of reduction {plan.reduction_id.hex()} arrived and "
+                    f"their encoding rows do not combine into all ones (they span {len(tracker.keys)} of "
+                    f"{tracker.width} dimensions)",
+                    now,
+                )
+            return
+        used, weights = tracker.solution()
+        chosen = set(used)
+        for other in red.candidates:  # the chosen stay awaited until offer places them below
+            if other not in chosen:
+                self.unawait(other, plan.reduction_id)
+        red.gather = None
+        red.plan = ReducePlan(plan.reduction_id, tuple(used), len(used), epoch=plan.epoch, fan_in=plan.fan_in)
+        red.weights = dict(zip(used, weights, strict=True))
+        state.record(
+            now,
+            "reduce_decodable",
+            object_id=plan.reduction_id.hex(),
+            arrived=tracker.seen,
+            used=len(used),
+            epoch=plan.epoch,
+        )
+        for oid in used:
+            self.offer(red, oid, now)
+
+    def _start_vertex(self, red: Reduction, pl: Placement, now: float) -> None:
+        """Give the vertex's node its task (registering the output it will produce) and tell an
+        already placed parent where this vertex's output is."""
+        state, plan = self.state, red.plan
+        if pl.runs_task:
+            root = pl.parent is None
+            self.objects[pl.output_id] = ObjectEntry(
+                object_id=pl.output_id,
+                size=plan.size,
+                dtype=plan.dtype,
+                shape=list(plan.shape),
+                digest=b"",
+                owner=red.requester if root else pl.node_id,
+                inline=None,
+                memory=red.memory or "",
+                locations={pl.node_id: Location(pl.node_id, LocationState.PARTIAL, 0, producing=True)},
+                reduction=plan.reduction_id,
+            )
+            task = p.ReduceTask(
+                reduction_id=plan.reduction_id,
+                vertex=pl.vertex,
+                input_id=pl.object_id,
+                output_id=pl.output_id,
+                children=plan.child_sources(pl.vertex),
+                op=red.op,
+                count=plan.num_objects if root else 0,
+                size=plan.size,
+                dtype=plan.dtype,
+                shape=list(plan.shape),
+                epoch=plan.epoch,
+                weights=combine.vertex_weights(red, pl),
+                await_weights=bool(red.coding) and not red.weights,
+                memory=red.memory or "",
+            )
+            state.send(pl.node_id, task)
+            state.catalog.ready(pl.output_id, now)
+        parent = plan.by_vertex.get(pl.parent) if pl.parent is not None else None
+        if parent is not None:
+            child = p.ReduceChild(
+                reduction_id=plan.reduction_id,
+                vertex=parent.vertex,
+                index=parent.children.index(pl.vertex),
+                object_id=pl.output_id,
+                epoch=plan.epoch,
+                weight=combine.stream_weight(red, pl),
+            )
+            state.send(parent.node_id, child)
+
+    def _choose_weights(self, red: Reduction, now: float) -> bool:
+        """A decoded reduction just chose its inputs: the weights whose sum of their encoding
+        rows is all ones (:func:`~.combine.decoding_weights`), sent to every vertex waiting for
+        them. False (and the reduction failed) if the chosen inputs do not decode."""
+        plan = red.plan
+        weights, residual = combine.decoding_weights(red)
+        if residual > DECODE_TOLERANCE:
+            self.fail(
+                red,
+                "NotDecodableError",
+                f"the first {len(plan.placed)} inputs of reduction {plan.reduction_id.hex()} to arrive do "
+                f"not decode (their encoding rows do not combine into all ones; residual {residual:.2e})",
+                now,
+            )
+            return False
+        red.weights = weights
+        self.state.record(now, "reduce_weights", object_id=plan.reduction_id.hex(), epoch=plan.epoch)
+        for pl in plan.placed:
+            if pl.runs_task:
+                self.state.send(pl.node_id, combine.weights_message(red, pl))
+        return True
+
+    def _reduce_inline(self, red: Reduction, now: float) -> None:
+        """All inputs are inline: reduce them here and store the result inline."""
+        plan = red.plan
+        rid = plan.reduction_id
+        result = combine.reduce_inline(red)
+        self.objects[rid] = ObjectEntry(
+            rid, plan.size, plan.dtype, list(plan.shape), b"", red.requester, result, memory=red.memory or ""
+        )
+        red.done = True
+        red.inline = []
+        red.inline_ids = []
+        self._answer_queries(red)
+        self.state.record(now, "reduce_done", object_id=rid.hex(), inline=True)
+        self.state.catalog.ready(rid, now)
+
+    # ------------------------------------------------------------ vertices, results, failures
+    def vertex_done(self, node_id: str, msg: p.VertexDone, now: float) -> None:
+        """A vertex finished its output, failed, or lost a source (its tree is rebuilt)."""
+        red = self.reductions.get(msg.reduction_id)
+        pl = red.plan.by_vertex.get(msg.vertex) if red is not None else None
+        if (
+            red is None
+            or pl is None
+            or pl.node_id != node_id
+            or not red.active
+            or msg.epoch != red.plan.epoch
+        ):
+            return  # unknown, finished, or a vertex of a tree rebuilt since
+        if not msg.ok and msg.retry:
+            # A source died or was reset under it: rebuild (the dead node's own report may follow).
+            why = f"vertex {msg.vertex} on node {node_id[:8]} lost a source: {msg.reason}"
+            self.state.repair.rebuild(red, now, why)
+            return
+        if not msg.ok:
+            self.fail(
+                red,
+                "ReductionFailedError",
+                f"vertex {msg.vertex} of reduction {msg.reduction_id.hex()} on node {node_id[:8]} "
+                f"failed: {msg.reason}",
+                now,
+            )
+            return
+        entry = self.objects.get(pl.output_id)
+        if entry is not None:
+            self.state.catalog.add_complete(entry, node_id, msg.segment)
+        self.state.record(
+            now, "vertex_done", object_id=msg.reduction_id.hex(), vertex=msg.vertex, node=node_id
+        )
+        if pl.parent is None:
+            self.finish(red, now)
+        self.state.catalog.ready(pl.output_id, now)
+
+    def finish(self, red: Reduction, now: float) -> None:
+        """The root's output is complete: the reduction is done."""
+        red.done = True
+        for oid in red.plan.inputs:  # finished early (restored, or just before a repair)
+            self.unawait(oid, red.plan.reduction_id)
+        for inner in red.plan.intermediates():  # their parents hold everything they need
+            self.state.catalog.remove(inner.output_id, now)
+        result = self.objects.get(red.plan.reduction_id)
+        if result is not None:
+            result.reduction = b""  # final: a copy of it survives a directory restart
+        self._answer_queries(red)
+        self.state.record(now, "reduce_done", object_id=red.plan.reduction_id.hex(), repairs=red.repairs)
+
+    def fail(self, red: Reduction, kind: str, message: str, now: float, culprit: bytes = b"") -> None:
+        """Abandon a reduction: its tasks are dropped (which cancels them), waiters get the error."""
+        if not red.active:
+            return
+        plan = red.plan
+        red.error = error = (kind, message, culprit)
+        red.inline = []
+        red.inline_ids = []
+        self.state.record(
+            now, "reduce_failed", object_id=plan.reduction_id.hex(), error_kind=kind, reason=message
+        )
+        for oid in plan.inputs:
+            self.unawait(oid, plan.reduction_id)
+        for pl in plan.placed:
+            if pl.runs_task:
+                self.state.catalog.remove(pl.output_id, now)
+        self.state.lookups.fail(
+            plan.reduction_id, lambda pl: failed_lookup(pl.request_id, plan.reduction_id, error)
+        )
+        self._answer_queries(red)
+
+    # ------------------------------------------------------------ reduced_objects
+    def reduced_objects(self, node_id: str, msg: p.ReducedObjectsRequest, now: float) -> None:
+        """Which inputs a reduction uses: answered now if it finished or failed, else once it does."""
+        red = self.reductions.get(msg.reduction_id)
+        if red is None:
+            reply = p.ReducedObjectsReply(
+                request_id=msg.request_id,
+                error=f"no reduction {msg.reduction_id.hex()} is known (never requested, or deleted)",
+                error_kind="ObjectNotFoundError",
+            )
+            self.state.send(node_id, reply)
+        elif red.error is not None or red.done:
+            self.state.send(node_id, reduced_reply(msg.request_id, red))
+        else:
+            deadline = now + msg.timeout if msg.timeout > 0 else None
+            red.queries.append(PendingQuery(node_id, msg.request_id, deadline))
+
+    def _answer_queries(self, red: Reduction) -> None:
+        """Answer every waiting ``reduced_objects`` query (the reduction failed or finished)."""
+        for q in red.queries:
+            self.state.send(q.node_id, reduced_reply(q.request_id, red))
+        red.queries.clear()
+
+    # ------------------------------------------------------------ bookkeeping
+    def unawait(self, oid: bytes, rid: bytes) -> None:
+        """Reduction ``rid`` no longer waits for input ``oid``."""
+        waiting = self.awaiting.get(oid)
+        if waiting is not None:
+            waiting.discard(rid)
+            if not waiting:
+                del self.awaiting[oid]
+
+    def _forget_old(self) -> None:
+        """Keep at most :data:`~.config.REDUCTIONS_KEPT` finished or failed reductions (oldest go
+        first)."""
+        excess = len(self.reductions) - REDUCTIONS_KEPT
+        if excess <= 0:
+            return
+        for rid in [rid for rid, red in self.reductions.items() if not red.active][:excess]:
+            del self.reductions[rid]
+
+    def deadlines(self) -> list[float]:
+        """The deadlines of reductions waiting for inputs and of queries waiting for them."""
+        out: list[float] = []
+        for red in self.reductions.values():
+            if red.deadline is not None and red.active and not red.plan.full:
+                out.append(red.deadline)
+            out.extend(q.deadline for q in red.queries if q.deadline is not None)
+        return out
+
+    def expire(self, now: float) -> None:
+        """Fail the reductions that did not get their inputs in time, and answer the queries
+        that waited too long."""
+        for red in list(self.reductions.values()):
+            if red.active and not red.plan.full and red.deadline is not None and red.deadline <= now:
+                plan = red.plan
+                if red.gather is not None:
+                    text = (
+                        f"reduction {plan.reduction_id.hex()}: the {red.gather.seen} of its "
+                        f"{len(red.candidates)} inputs that became ready within its timeout do not decode"
+                    )
+                else:
+                    text = (
+                        f"reduction {plan.reduction_id.hex()}: only {len(plan.placed)} of "
+                        f"{plan.num_objects} inputs became ready within its timeout; {not_ready(plan)}"
+                    )
+                self.fail(red, "HopliteTimeoutError", text, now)
+            expired = [q for q in red.queries if q.deadline is not None and q.deadline <= now]
+            for q in expired:
+                red.queries.remove(q)
+                reply = p.ReducedObjectsReply(
+                    request_id=q.request_id,
+                    error=f"reduction {red.plan.reduction_id.hex()} did not choose its inputs in time",
+                    error_kind="HopliteTimeoutError",
+                )
+                self.state.send(q.node_id, reply)
+
+
+def reduced_reply(request_id: int, red: Reduction) -> p.ReducedObjectsReply:
+    """The answer to a ``reduced_objects`` query of a failed or finished reduction."""
+    if red.error is not None:
+        kind, message, culprit = red.error
+        return p.ReducedObjectsReply(
+            request_id=request_id, error=message, error_kind=kind, error_object_id=culprit
+        )
+    plan = red.plan
+    if red.restored and (red.candidates or plan.num_objects < len(plan.inputs)):
+        return p.ReducedObjectsReply(
+            request_id=request_id,
+            error=(
+                f"reduction {plan.reduction_id.hex()} finished before the directory restarted; "
+                f"which of its {len(red.candidates or plan.inputs)} inputs it reduced is not known"
+            ),
+            error_kind="ObjectNotFoundError",
+        )
+    if red.restored:
+        return p.ReducedObjectsReply(request_id=request_id, object_ids=list(plan.inputs))
+    return p.ReducedObjectsReply(request_id=request_id, object_ids=plan.reduced_objects())
