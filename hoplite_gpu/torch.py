@@ -101,7 +101,7 @@ def _fused(tensors: list[Any], bucket_bytes: int, run: Callable[[Any], Any]) -> 
     its bucket is used as it is; others are packed into one flat tensor and unpacked after)."""
     import torch
 
-    from .ray import as_buffer
+    from .ray.common import as_buffer
 
     for bucket in _buckets(tensors, bucket_bytes):
         if len(bucket) == 1:

@@ -19,8 +19,8 @@ ray = pytest.importorskip("ray")
 
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hgray  # noqa: E402
-from hoplite_gpu import rdt  # noqa: E402
 from hoplite_gpu.memory import kernels  # noqa: E402
+from hoplite_gpu.ray import tensor_transport as rdt  # noqa: E402
 from tests.procs import wait_for_events  # noqa: E402
 
 # At import, in the driver and in every actor process that imports this module: the decorators

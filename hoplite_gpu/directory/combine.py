@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import protocol as p
-from ..coding import DecodeTracker, solve_decoding
+from ..coding.decoding import DecodeTracker, solve_decoding
 from ..dtypes import dtype_from_wire
 from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op, check_dtype, reduce_chunk, weighted_sum_chunk

@@ -7,7 +7,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..coding import DecodeTracker
+from ..coding.decoding import DecodeTracker
 from ..topology import Inventory
 from .reduce import ReducePlan
 

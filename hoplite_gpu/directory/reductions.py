@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import protocol as p
-from ..coding import DECODE_TOLERANCE
+from ..coding.decoding import DECODE_TOLERANCE
 from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op
 from . import combine

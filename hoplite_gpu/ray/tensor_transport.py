@@ -1,5 +1,6 @@
 """hoplite_gpu as a Ray Direct Transport: actors' torch tensors move through hoplite's store instead
-of Ray's object store.
+of Ray's object store. The transport (:class:`HopliteTensorTransport`) and its metadata live here;
+it imports Ray, so :func:`hoplite_gpu.ray.register_tensor_transport` imports it on first use.
 
 Register it in the driver before creating the actors that use it (Ray hands it to every actor
 created afterwards), then name it on the methods whose tensors it carries::
@@ -69,9 +70,11 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportMetadata,
 )
 
-from .errors import HopliteError, HopliteTimeoutError, InvalidArgumentError, TransportError
-from .iothread import IOThread
-from .object_id import ObjectID
+from ..errors import HopliteError, HopliteTimeoutError, InvalidArgumentError, TransportError
+from ..iothread import IOThread
+from ..object_id import ObjectID
+from .common import as_buffer
+from .directory import node as _node
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -122,12 +125,6 @@ def object_id_for(ray_object_id: str, index: int) -> ObjectID:
     return ObjectID.from_name(f"ray-rdt/{ray_object_id}/{index}")
 
 
-def _node() -> Any:
-    from . import ray as hgray
-
-    return hgray.node()
-
-
 def _torch() -> Any:
     import torch
 
@@ -167,8 +164,6 @@ class HopliteTensorTransport(TensorTransportManager):  # type: ignore[misc]
     ) -> HopliteTransportMetadata:
         """Put each tensor of Ray's object ``obj_id`` into this process's hoplite node (sharing
         its memory) and return the metadata that locates them."""
-        from .ray import as_buffer
-
         torch = _torch()
         node = _node()
         meta: list[tuple[Any, Any]] = []
@@ -251,8 +246,6 @@ class HopliteTensorTransport(TensorTransportManager):  # type: ignore[misc]
         tensors = self._buffers(meta, target_buffers)
         if not tensors:
             return []
-        from .ray import as_buffer
-
         views = [as_buffer(t) for t in tensors]
         node = _node()
         oids = [ObjectID.from_hex(h) for h in meta.object_ids]

@@ -1,0 +1,152 @@
+"""The ``ray.util.collective`` backend ``"hoplite"``: :class:`HopliteGroup`, a group whose collectives
+run on :mod:`hoplite_gpu.collective`.
+
+Like Ray's own backends, the group is a module-level subclass of Ray's ``BaseGroup``, so this module
+imports Ray; :func:`hoplite_gpu.ray.register_collective_backend` imports it and registers the class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ray.util.collective.collective_group.base_collective_group import BaseGroup
+
+from .. import collective
+from ..errors import HopliteError, InvalidArgumentError
+from ..reduce_ops import ReduceOp, as_op
+from .common import BACKEND, DEFAULT_TIMEOUT, as_buffer
+from .directory import group_generation, node
+
+
+def _op(op: Any) -> ReduceOp:
+    """Ray's ``ReduceOp`` (by its name) or anything :func:`hoplite_gpu.reduce_ops.as_op` takes."""
+    name = getattr(op, "name", None)
+    if type(op).__module__.startswith("ray.") and isinstance(name, str):
+        return {"SUM": ReduceOp.SUM, "PRODUCT": ReduceOp.PROD, "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}[name]
+    return as_op(op)
+
+
+def _seconds(options: Any) -> float | None:
+    """The timeout of a call's options (``timeout_ms``) in seconds; None when it sets none."""
+    value = getattr(options, "timeout_ms", None)
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float):
+        seconds = value / 1000.0
+    else:
+        return None
+    return seconds if seconds >= 0 else None
+
+
+def _single(tensors: Any, argument: str) -> Any:
+    if isinstance(tensors, list | tuple):
+        if len(tensors) != 1:
+            raise InvalidArgumentError(
+                f"{argument}: the hoplite backend takes one tensor per process, got {len(tensors)}",
+                argument=argument,
+            )
+        return tensors[0]
+    return tensors
+
+
+class HopliteGroup(BaseGroup):  # type: ignore[misc]
+    """A ``ray.util.collective`` group whose collectives run on hoplite_gpu (see
+    :mod:`hoplite_gpu.collective`); created by ``init_collective_group(...,
+    backend="hoplite")``. Its :attr:`group` is the underlying
+    :class:`hoplite_gpu.collective.Group`."""
+
+    def __init__(self, world_size: int, rank: int, group_name: str) -> None:
+        super().__init__(world_size, rank, group_name)
+        generation = group_generation(group_name, rank, world_size)
+        self.group = collective.Group(
+            node(), rank, world_size, f"ray/{group_name}/{generation}", timeout=DEFAULT_TIMEOUT
+        )
+
+    @classmethod
+    def backend(cls) -> str:
+        return BACKEND
+
+    @classmethod
+    def check_backend_availability(cls) -> bool:
+        return True
+
+    def destroy_group(self) -> None:
+        """Wait for every member, then delete this member's objects (a member that is gone
+        only makes the wait time out)."""
+        try:
+            self.group.destroy()
+        except HopliteError:
+            pass
+
+    def _call(self, options: Any, fn: Callable[[], Any]) -> Any:
+        seconds = _seconds(options)
+        if seconds is None:
+            return fn()
+        saved = self.group.timeout
+        self.group.timeout = seconds
+        try:
+            return fn()
+        finally:
+            self.group.timeout = saved
+
+    def _inplace(self, tensors: Any, argument: str, options: Any, fn: Callable[[Any], Any]) -> None:
+        buf, back = as_buffer(_single(tensors, argument))
+        self._call(options, lambda: fn(buf))
+        if back is not None:
+            back()
+
+    def allreduce(self, tensor: Any, allreduce_options: Any = None) -> None:
+        """Reduce every member's tensor into it, in place (``allreduce_options.reduceOp``)."""
+        op = _op(getattr(allreduce_options, "reduceOp", ReduceOp.SUM))
+        self._inplace(tensor, "tensor", allreduce_options, lambda b: collective.allreduce(b, self.group, op))
+
+    def barrier(self, barrier_options: Any = None) -> None:
+        """Return once every member has called ``barrier``."""
+        self._call(barrier_options, lambda: collective.barrier(self.group))
+
+    def reduce(self, tensor: Any, reduce_options: Any = None) -> None:
+        """Reduce every member's tensor into ``reduce_options.root_rank``'s, in place."""
+        op = _op(getattr(reduce_options, "reduceOp", ReduceOp.SUM))
+        root = int(getattr(reduce_options, "root_rank", 0))
+        self._inplace(tensor, "tensor", reduce_options, lambda b: collective.reduce(b, root, self.group, op))
+
+    def broadcast(self, tensor: Any, broadcast_options: Any = None) -> None:
+        """Copy ``broadcast_options.root_rank``'s tensor into every member's, in place."""
+        root = int(getattr(broadcast_options, "root_rank", 0))
+        self._inplace(
+            tensor, "tensor", broadcast_options, lambda b: collective.broadcast(b, root, self.group)
+        )
+
+    def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = None) -> None:
+        """Fill ``tensor_list[r]`` with member ``r``'s ``tensor`` on every member."""
+        outs = _single(tensor_list, "tensor_list")
+        bufs = [as_buffer(t) for t in outs]
+        src, _ = as_buffer(_single(tensor, "tensor"))
+        self._call(allgather_options, lambda: collective.allgather([b for b, _ in bufs], src, self.group))
+        for _, back in bufs:
+            if back is not None:
+                back()
+
+    def reducescatter(self, tensor: Any, tensor_list: Any, reducescatter_options: Any = None) -> None:
+        """Member ``r`` gets the reduction over members of their ``tensor_list[r]``, in ``tensor``."""
+        op = _op(getattr(reducescatter_options, "reduceOp", ReduceOp.SUM))
+        inputs = [as_buffer(t)[0] for t in _single(tensor_list, "tensor_list")]
+        self._inplace(
+            tensor,
+            "tensor",
+            reducescatter_options,
+            lambda b: collective.reducescatter(b, inputs, self.group, op),
+        )
+
+    def send(self, tensor: Any, send_options: Any) -> None:
+        """Send ``tensor`` to ``send_options.dst_rank``; returns once it has received it."""
+        dst = int(send_options.dst_rank)
+        buf, _ = as_buffer(_single(tensor, "tensor"))
+        self._call(send_options, lambda: collective.send(buf, dst, self.group))
+
+    def recv(self, tensor: Any, recv_options: Any) -> None:
+        """Receive the next tensor ``recv_options.src_rank`` sends, into ``tensor``."""
+        src = int(recv_options.src_rank)
+        self._inplace(tensor, "tensor", recv_options, lambda b: collective.recv(b, src, self.group))
