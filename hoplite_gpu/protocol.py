@@ -24,10 +24,10 @@ import msgpack
 from .errors import InvalidArgumentError, ProtocolError
 from .object_id import OBJECT_ID_SIZE
 
-PROTOCOL_VERSION = 10  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+PROTOCOL_VERSION = 11  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
 # 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
 # 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag);
-# 9: weighted reductions; 10: decoded as inputs arrive (num_objects 0 with coding)
+# 9: weighted reductions; 10: decoded as inputs arrive (num_objects 0 with coding); 11: Goodbye
 FRAME_HEADER = struct.Struct(">I")
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -420,6 +420,15 @@ class AbortTransfer(Message):
     TYPE: ClassVar[str] = "abort_transfer"
     transfer_id: int
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye(Message):
+    """Directory -> node (push): the directory is stopping normally and closes the connection
+    next. The node still reconnects (a restarted directory may come back), but says so quietly:
+    only a connection lost without this message is a failure worth a warning."""
+
+    TYPE: ClassVar[str] = "goodbye"
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,13 +171,20 @@ class DirectoryService:
         log.info("directory %s listening on %s", self.directory_id, self.address)
 
     async def stop(self) -> None:
-        """Stop serving and close every connection."""
+        """Stop serving and close every connection, telling each node first (``Goodbye``), so
+        that nodes tell a normal shutdown from a lost directory."""
         if self._server is not None:
             self._server.close()
         if self._ticker is not None:
             self._ticker.cancel()
+        closing = []
         for conn in list(self._conns.values()):
+            if not conn.writer.is_closing():
+                conn.writer.write(p.encode(p.Goodbye()))
             conn.writer.close()
+            closing.append(asyncio.ensure_future(conn.writer.wait_closed()))
+        if closing:  # the goodbyes leave before this process may exit (bounded: a peer may not read)
+            await asyncio.wait(closing, timeout=1.0)
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
