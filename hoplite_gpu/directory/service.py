@@ -41,6 +41,12 @@ log = logging.getLogger("hoplite_gpu.directory")
 HANDSHAKE_TIMEOUT = 10.0
 
 
+async def _closed(writer: asyncio.StreamWriter) -> None:
+    """Wait until ``writer``'s connection is closed (how it ended does not matter here)."""
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+
+
 class _Conn:
     __slots__ = ("node_id", "peer", "writer")
 
@@ -182,9 +188,11 @@ class DirectoryService:
             if not conn.writer.is_closing():
                 conn.writer.write(p.encode(p.Goodbye()))
             conn.writer.close()
-            closing.append(asyncio.ensure_future(conn.writer.wait_closed()))
+            closing.append(asyncio.ensure_future(_closed(conn.writer)))
         if closing:  # the goodbyes leave before this process may exit (bounded: a peer may not read)
-            await asyncio.wait(closing, timeout=1.0)
+            _, late = await asyncio.wait(closing, timeout=1.0)
+            for task in late:
+                task.cancel()
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
