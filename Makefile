@@ -4,13 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: help venv demo test test-fast lint bench bench-cluster soak fuzz clean docker docker-test docker-tools \
+.PHONY: help venv demo test test-fast lint docs bench bench-cluster soak fuzz clean docker docker-test docker-tools \
 	gpu-wheels gpu-check
 
 help:
 	@echo "make demo   - install into .venv and run the demo (broadcast, reduce, allreduce) locally"
 	@echo "make test   - install into .venv and run the whole test suite"
 	@echo "make lint   - ruff + mypy"
+	@echo "make docs   - regenerate the tables of docs/configuration.md from hoplite_gpu/config.py"
 	@echo "make bench  - point-to-point, collective and recovery benchmarks"
 	@echo "make bench-cluster - collectives vs MPI, Gloo and Ray on an emulated cluster of 4 and 8 hosts (root)"
 	@echo "make soak   - randomized fault soak (1000 runs; HOPLITE_SOAK_RUNS, HOPLITE_SOAK_SEED)"
@@ -41,8 +42,11 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not multiprocess"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hoplite_gpu tests bench examples docker
+	$(VENV)/bin/ruff check hoplite_gpu tests bench examples docker docs
 	$(VENV)/bin/mypy
+
+docs: $(STAMP)
+	$(PY) docs/config_reference.py
 
 bench: $(STAMP)
 	$(PY) bench/p2p.py

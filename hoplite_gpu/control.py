@@ -57,6 +57,7 @@ class ControlClient:
         self.ids = ids or itertools.count(1)
         self._read_task: asyncio.Task[None] | None = None
         self._lost: HopliteError | None = None
+        self._goodbye = False  # the directory said it is stopping (p.Goodbye)
 
     async def connect(
         self,
@@ -206,6 +207,9 @@ class ControlClient:
         try:
             while True:
                 msg = await p.read_frame(self._reader, self.limit)
+                if isinstance(msg, p.Goodbye):
+                    self._goodbye = True
+                    continue
                 request_id = getattr(msg, "request_id", None)
                 fut = self._pending.pop(request_id, None) if request_id is not None else None
                 if fut is not None:
@@ -222,11 +226,16 @@ class ControlClient:
                 "the directory connection was closed", peer=self.address, cause="closed"
             )
         except Exception as exc:
-            error = DirectoryUnavailableError(
-                f"lost the connection to the directory at {self.address}: {type(exc).__name__}",
-                peer=self.address,
-                cause=type(exc).__name__,
-            )
+            if self._goodbye:  # what ends the connection after a Goodbye is the shutdown itself
+                error = DirectoryUnavailableError(
+                    f"the directory at {self.address} shut down", peer=self.address, cause="shutdown"
+                )
+            else:
+                error = DirectoryUnavailableError(
+                    f"lost the connection to the directory at {self.address}: {type(exc).__name__}",
+                    peer=self.address,
+                    cause=type(exc).__name__,
+                )
         self._lost = error
         for fut in self._pending.values():
             if not fut.done():

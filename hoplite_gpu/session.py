@@ -164,7 +164,10 @@ class DirectorySession:
             self._unreachable = error
             self._on_lost(False)
             return
-        log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
+        if getattr(error, "cause", "") == "shutdown":  # it said Goodbye: stopped, not lost
+            log.debug("the directory at %s shut down; reconnecting in case it comes back", self.address)
+        else:
+            log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
         if self._reconnecting is None or self._reconnecting.done():
             self._reconnecting = asyncio.ensure_future(self._reconnect(error))
         self._on_lost(True)

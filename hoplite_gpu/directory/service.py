@@ -43,6 +43,12 @@ log = logging.getLogger("hoplite_gpu.directory")
 HANDSHAKE_TIMEOUT = 10.0
 
 
+async def _closed(writer: asyncio.StreamWriter) -> None:
+    """Wait until ``writer``'s connection is closed (how it ended does not matter here)."""
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+
+
 class _Conn:
     __slots__ = ("node_id", "peer", "writer")
 
@@ -119,13 +125,22 @@ class DirectoryService:
         log.info("directory %s listening on %s", self.directory_id, self.address)
 
     async def stop(self) -> None:
-        """Stop serving and close every connection."""
+        """Stop serving and close every connection, telling each node first (``Goodbye``), so
+        that nodes tell a normal shutdown from a lost directory."""
         if self._server is not None:
             self._server.close()
         if self._ticker is not None:
             self._ticker.cancel()
+        closing = []
         for conn in list(self._conns.values()):
+            if not conn.writer.is_closing():
+                conn.writer.write(p.encode(p.Goodbye()))
             conn.writer.close()
+            closing.append(asyncio.ensure_future(_closed(conn.writer)))
+        if closing:  # the goodbyes leave before this process may exit (bounded: a peer may not read)
+            _, late = await asyncio.wait(closing, timeout=1.0)
+            for task in late:
+                task.cancel()
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)

@@ -416,6 +416,15 @@ class AbortTransfer(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Goodbye(Message):
+    """Directory -> node (push): the directory is stopping normally and closes the connection
+    next. The node still reconnects (a restarted directory may come back), but says so quietly:
+    only a connection lost without this message is a failure worth a warning."""
+
+    TYPE: ClassVar[str] = "goodbye"
+
+
+@dataclass(frozen=True, slots=True)
 class ReduceReply(Message):
     """Directory -> node: the reduction was accepted (``error`` empty) or refused."""
 
