@@ -1,7 +1,7 @@
-"""Asynchronous SGD (``examples/async_sgd.py``) with hoplite_gpu against plain Ray: samples per
-second of each, their ratio, the loss each reaches after the same number of updates, and a variant
-that SIGKILLs a worker mid-run, with the update times around the failure (the workload of section 5.3
-of the Hoplite paper, Zhuang et al., SIGCOMM 2021).
+"""Asynchronous SGD (``examples/async_sgd.py``'s workload, run by :mod:`bench.workloads.asgd`) with
+hoplite_gpu against plain Ray: samples per second of each, their ratio, the loss each reaches after
+the same number of updates, and a variant that SIGKILLs a worker mid-run, with the update times
+around the failure (the workload of section 5.3 of the Hoplite paper, Zhuang et al., SIGCOMM 2021).
 
 Emulated cluster (the default; root): ``--hosts`` hosts of :class:`bench.cluster.Cluster` with links
 of ``--rate`` each way, one Ray node per host (:class:`bench.peers.ray_peer.RayCluster`), the PS and
@@ -37,13 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Every actor of the emulated cluster: hoplite_gpu over the links only (namespaces share /dev/shm).
 HOST_ENV = {"HOPLITE_SHARED_MEMORY": "0", "UCX_TLS": "tcp"}
 #: Environment of every Ray process this benchmark starts: one BLAS thread per actor (2 cores, up to
-#: ten actors), and this repository importable (the actors' classes live in ``examples``).
+#: ten actors), and this repository importable (the actors' classes live in ``bench.workloads``).
 PROCESS_ENV = {"OPENBLAS_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 VARIANTS = ("hoplite", "ray", "hoplite-kill", "ray-kill")
 
 
 def _runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The variants to run, with the arguments of :func:`examples.async_sgd.run` they share."""
+    """The variants to run, with the arguments of :func:`bench.workloads.asgd.run` they share."""
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -69,9 +69,9 @@ def _runs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run_variant(spec: dict[str, Any], **placement: Any) -> dict[str, Any]:
     """Run one variant (Ray initialised) and return its record, with ``failure`` for a kill."""
-    from examples import async_sgd
+    from bench.workloads import asgd
 
-    record = async_sgd.run(
+    record = asgd.run(
         spec["mode"],
         spec["workers"],
         spec["k"],
@@ -86,7 +86,7 @@ def run_variant(spec: dict[str, Any], **placement: Any) -> dict[str, Any]:
     )
     record["name"] = spec["name"]
     if spec["kill"]:
-        record["failure"] = async_sgd.failure_summary(record)
+        record["failure"] = asgd.failure_summary(record)
     return record
 
 
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         _driver(json.loads(argv[1]))
         return 0
     from bench.common import cluster_options
-    from examples.async_sgd import parse_bytes
+    from bench.workloads.asgd import parse_bytes
 
     ap = cluster_options(
         __doc__ or "", "hga", hosts=9, hosts_help="cluster hosts: the PS's and one per worker"

@@ -1,7 +1,8 @@
-"""Straggler-exact aggregation (issue 20): synchronous SGD of ``examples/coded_sgd.py`` in four
-modes (wait-for-all, first-k, gradient coding, partial-straggler coding) under seeded stragglers,
-every mode seeing the same straggler draws, on one machine (n worker processes and a parameter
-server with an embedded directory, hoplite over UCX on loopback, no shared memory).
+"""Straggler-exact aggregation (issue 20): synchronous SGD of ``examples/coded_sgd.py``'s problem
+(:mod:`bench.workloads.coded_sgd`) in four modes (wait-for-all, first-k, gradient coding,
+partial-straggler coding) under seeded stragglers, every mode seeing the same straggler draws, on
+one machine (n worker processes and a parameter server with an embedded directory, hoplite over UCX
+on loopback, no shared memory).
 
 For each scenario and mode: median and mean iteration time, the ratio of each to wait-for-all
 and of partial to plain gradient coding (measured, and what the emulated compute alone allows:
@@ -44,8 +45,8 @@ LABEL = {"all": "wait-for-all", "firstk": "first-k", "gc": "gradient coding", "p
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every (scenario, mode) in turn; the records of :func:`examples.coded_sgd.run`."""
-    from examples import coded_sgd
+    """Every (scenario, mode) in turn; the records of :func:`bench.workloads.coded_sgd.run`."""
+    from bench.workloads import coded_sgd
 
     records = []
     for scenario in args.scenarios.split(","):

@@ -1,10 +1,11 @@
-"""Synchronous RL (``examples/rl.py``) moved three ways: plain Ray's object store, Ray Direct
-Transport over Gloo, and hoplite_gpu (weights through its HOPLITE transport, gradients summed by
-its reduce). Each iteration the learner broadcasts its weights to every rollout worker and sums the
-gradients they return (the RL workload of section 5.4 of the Hoplite paper, Zhuang et al., SIGCOMM
-2021); reports the median iteration time of each, hoplite_gpu's speedup over Ray and over Gloo,
-the ideal iteration time at the measured link rate (a broadcast and a reduce, each ``S/B``), and
-variants that SIGKILL a worker mid-run, with the iteration times around the failure.
+"""Synchronous RL (``examples/rl.py``'s workload, :mod:`bench.workloads.rl`) moved three ways: plain
+Ray's object store, Ray Direct Transport over Gloo, and hoplite_gpu (weights through its HOPLITE
+transport, gradients summed by its reduce). Each iteration the learner broadcasts its weights to
+every rollout worker and sums the gradients they return (the RL workload of section 5.4 of the
+Hoplite paper, Zhuang et al., SIGCOMM 2021); reports the median iteration time of each,
+hoplite_gpu's speedup over Ray and over Gloo, the ideal iteration time at the measured link rate (a
+broadcast and a reduce, each ``S/B``), and variants that SIGKILL a worker mid-run, with the
+iteration times around the failure.
 
 Emulated cluster (the default; root): ``--hosts`` hosts of :class:`bench.cluster.Cluster` with
 links of ``--rate`` each way, one Ray node per host (:class:`bench.peers.ray_peer.RayCluster`), the
@@ -25,7 +26,7 @@ Results go to ``bench/results/rl_<rate>.json`` (``rl_local.json``) unless ``--js
 and ``rl.md`` beside it is rewritten from every ``rl_*.json`` there. The kill variants SIGKILL worker
 ``--kill-worker`` right after launching iteration ``--kill-at``; Ray restarts it, the learner sums
 the others' gradients, and the run goes on until the restarted process has taken part again. Gloo
-has no kill variant (see ``examples/rl.py``).
+has no kill variant (see :mod:`bench.workloads.rl`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ VARIANTS = ("ray", "gloo", "hoplite", "hoplite-put", "hoplite-kill", "ray-kill")
 
 
 def _runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The variants to run, with the arguments of :func:`examples.rl.run` they share."""
+    """The variants to run, with the arguments of :func:`bench.workloads.rl.run` they share."""
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -88,7 +89,7 @@ def _runs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run_variant(spec: dict[str, Any], **placement: Any) -> dict[str, Any]:
     """Run one variant (Ray initialised) and return its record, with ``failure`` for a kill."""
-    from examples import rl
+    from bench.workloads import rl
 
     record = rl.run(
         spec["mode"],
@@ -338,7 +339,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "# Synchronous RL: hoplite_gpu vs Ray and Gloo (Ray Direct Transport)",
         "",
-        "`examples/rl.py`: each iteration the learner broadcasts its weights to every rollout worker "
+        "`bench/workloads/rl.py`: each iteration the learner broadcasts its weights to every rollout worker "
         "and sums their gradients (as large as the weights), checking the sum bit-exactly. "
         'ray: object store (`ray.put`/`ray.get`); gloo: `@ray.method(tensor_transport="gloo")` '
         "point to point; hoplite: weights through the HOPLITE transport, gradients by hoplite's "

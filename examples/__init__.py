@@ -1,1 +1,2 @@
-"""Runnable examples of hoplite_gpu (importable so that the tests can run them in small form)."""
+"""Short programs that use hoplite_gpu, to read and copy (``python examples/<name>.py``); importable
+so that the benchmarks (``bench/workloads``) reuse their models and the tests run them in small form."""

@@ -1,85 +1,49 @@
-"""Asynchronous SGD with a parameter server, on Ray actors, with the gradients summed either by
-hoplite_gpu's first-k reduce or by plain Ray (the workload of section 5.3 of the Hoplite paper,
-Zhuang et al., SIGCOMM 2021).
+"""Asynchronous SGD with a parameter server on Ray actors, the first ``k`` gradients of every update
+summed by hoplite_gpu's reduce (the workload of section 5.3 of the Hoplite paper, Zhuang et al.,
+SIGCOMM 2021).
 
-A parameter server (PS) and ``N`` workers are Ray actors. Every worker always has one task
-outstanding: fetch the parameters it was given, compute a gradient on its own synthetic batch, and
-hand the gradient back. Each update the PS takes the first ``k`` gradients to be ready, sums them,
-takes an SGD step, and relaunches only the ``k`` workers whose gradients it used, with the new
-parameters; the other ``N - k`` stay outstanding and are used, stale, in a later update (asynchronous
-SGD). Two interchangeable modes run the same model on the same data:
+A parameter server (PS) and ``N`` workers are Ray actors, each with its own hoplite node
+(:func:`hoplite_gpu.ray.node`). Every worker always has one task outstanding: ``get`` the parameters
+it was given (workers that fetch them at the same time form a pipelined broadcast chain), compute a
+gradient on its own batch and ``put`` it under the ObjectID the PS chose. Each update the PS asks for
+the sum of the first ``k`` gradients to be put, ``reduce(outstanding_ids, num_objects=k)``: they are
+summed in a tree among the workers holding them while the PS streams the result, and
+``reduced_objects`` says which ``k`` were used. The PS takes an SGD step, puts the new parameters and
+relaunches those ``k`` workers; the other ``N - k`` go on, and their gradients count, stale, in a
+later update. Parameters, gradients and sums are deleted once nothing needs them.
 
-* ``hoplite``: the PS ``put``s the parameters into hoplite_gpu (workers that fetch them at the same
-  time form a pipelined broadcast chain), gives each task an ObjectID for its gradient, and calls
-  ``reduce(outstanding_gradient_ids, num_objects=k)``: the first ``k`` gradients to be ``put`` are
-  summed in a tree among the workers holding them while the PS streams the result;
-  ``reduced_objects`` says which ``k`` were used. Old parameters, used gradients and reduction
-  results are deleted as soon as nothing needs them, so memory stays bounded.
-* ``ray``: ``ray.wait(gradient_refs, num_returns=k)``, ``ray.get`` of the ``k`` gradients, a sum at
-  the PS, ``ray.put`` of the new parameters, which each relaunched task receives as its argument.
+The model is a linear regression ``y = W^T x`` on synthetic data from a teacher (inputs in a random
+``rank``-dimensional subspace, targets with noise), whose expected loss has a closed form. A gradient
+carries its batch's loss as one more float32, so a sum of ``k`` gradients carries their losses' sum::
 
-The model is a linear regression ``y = W^T x`` with ``W`` of ``d_in x d_out`` float32 parameters
-(``d_in * d_out * 4`` bytes is the gradient size; 100 MB by default), trained on synthetic data
-from a teacher: inputs ``x = Q z`` in a random ``rank``-dimensional subspace, targets ``y = B z +
-noise``. Its expected loss has a closed form, so the PS reports the exact loss before and after
-training as well as the loss of every batch it used. A gradient is a flat array of ``d_in * d_out +
-1`` float32: the last element is the batch's loss, so the sum of ``k`` gradients carries the sum of
-their losses.
+    python examples/async_sgd.py                       # 4 workers, k = 2, 4 MB gradients
+    python examples/async_sgd.py --workers 8 -k 4 --grad-bytes 100000000
 
-A worker killed mid-run (SIGKILL of its process) is restarted by Ray (``max_restarts=-1``); the PS
-notices the failure (``RayActorError`` on the worker's task, or, in hoplite mode, on a call that
-each worker keeps open for that purpose: a finished gradient lives in the worker's process and dies
-with it) and relaunches the worker with a fresh gradient id, while the first-k reduce goes on with
-the other workers' gradients. If the reduction in progress could no longer find ``k`` live
-candidates, or its result was lost with the node computing it before the PS had all of it, the PS
-deletes it and requests another one over the outstanding tasks, the relaunched one included.
-
-In hoplite mode the PS relaunches the workers whose gradients it used before it has computed and
-``put`` the new parameters (a ``get`` waits for the ``put``), so that the calls reach the workers
-meanwhile.
-
-    python examples/async_sgd.py --mode both --workers 8 -k 4 --grad-bytes 100MB --steps 20
-    python examples/async_sgd.py --mode hoplite --workers 4 -k 2 --grad-bytes 1MiB --kill-at 10
+``bench/asgd.py`` measures this workload against plain Ray and with a worker SIGKILLed mid-run (its
+parameter server, :mod:`bench.workloads.asgd_actors`, also relaunches a worker that died and asks
+for another reduction when one can no longer find ``k`` gradients).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import concurrent.futures
 import dataclasses
-import logging
 import math
 import os
-import signal
-import statistics
-import sys
-import threading
 import time
 import uuid
 from typing import Any
 
 import numpy as np
+import ray
 
-MODES = ("hoplite", "ray")
-#: Seconds between two checks of the workers' health while the PS waits for a reduction.
-POLL_SECONDS = 0.05
-#: Relaunches of one worker after failures before the PS gives up on the run.
-MAX_FAILURES_PER_WORKER = 20
-#: Reductions requested for one update (the first, and again after failures) before giving up.
-MAX_ATTEMPTS = 20
-#: Seconds the PS waits for its get of a reduction it deleted to fail before cancelling it. It fails
-#: at once unless the get's partial copy was reset (a tree rebuilt after a node died) while it asked
-#: the directory for a source: it then starts again with a lookup that, the id being deleted, waits
-#: for ever (hoplite_gpu 0.1.0: ``Node._fetch`` raises the stored reset instead of the deletion).
-DELETED_GET_GRACE = 5.0
-#: Seconds a worker waits for the parameters of its task (they exist: this only bounds a bug).
-FETCH_TIMEOUT = 600.0
-#: Seconds the actors of a run may take to start (an actor that cannot be placed waits forever).
-START_TIMEOUT = 300.0
+import hoplite_gpu.ray as hgray
+from hoplite_gpu import ObjectID
+
+#: Seconds a get or a reduction may wait (an update takes about a second: this bounds a bug).
+TIMEOUT = 120.0
 
 
-# ---------------------------------------------------------------------------------------- the model
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """The synthetic regression problem and the model's shape (see the module docstring).
@@ -161,706 +125,117 @@ class Model:
         return 0.5 * (float(np.square(fit, dtype=np.float64).sum()) / pr.d_out + pr.noise**2)
 
 
-def _setenv(env: dict[str, str] | None) -> None:
-    for key, value in (env or {}).items():
-        os.environ[key] = value
-
-
 # ---------------------------------------------------------------------------------------- the actors
 class Worker:
-    """A worker (a Ray actor, see :func:`run`): computes gradients of its batches.
+    """A worker (a Ray actor): the gradient of its next batch at the parameters it is given."""
 
-    Args:
-        index: Its number (selects its batches).
-        problem: The model and data.
-        mode: ``"hoplite"`` or ``"ray"``.
-        env: Environment variables to set first (e.g. ``HOPLITE_SHARED_MEMORY=0``).
-    """
+    def __init__(self, index: int, problem: Problem) -> None:
+        self.index, self.model, self.tasks = index, Model(problem), 0
+        self.node = hgray.node()  # this process's hoplite node
+        self.last: ObjectID | None = None  # the gradient put last
 
-    def __init__(self, index: int, problem: Problem, mode: str, env: dict[str, str] | None = None) -> None:
-        _setenv(env)
-        self.index = index
-        self.model = Model(problem)
-        self.node: Any = None
-        if mode == "hoplite":
-            import hoplite_gpu.ray as hgray
-
-            self.node = hgray.node()
-        self._last_grad: Any = None
-        self._lock = threading.Lock()
-        self._released = threading.Event()
-
-    def pid(self) -> int:
-        """This actor's process id."""
-        return os.getpid()
-
-    def watch(self) -> None:
-        """Returns only after :meth:`release`: the PS keeps one call open to learn of this
-        process's death (the call then fails with ``RayActorError``)."""
-        self._released.wait()
-
-    def release(self) -> None:
-        """Let :meth:`watch` return."""
-        self._released.set()
-
-    def stats(self) -> dict[str, Any]:
-        """The local store's figures (hoplite mode) and the process id."""
-        out: dict[str, Any] = {"pid": os.getpid()}
-        if self.node is not None:
-            out.update(self.node.stats())
-        return out
-
-    def compute_hoplite(self, params_id: Any, grad_id: Any, task: int) -> dict[str, Any]:
-        """Fetch the parameters ``params_id``, compute the gradient of batch ``task`` and put it as
-        ``grad_id``. The previous gradient's reduction is finished when the PS relaunches this
-        worker, so it is deleted first."""
-        with self._lock:
-            start = time.time()
-            if self._last_grad is not None:
-                self.node.delete(self._last_grad)
-                self._last_grad = None
-            params = self.node.get(params_id, timeout=FETCH_TIMEOUT)
-            fetched = time.time()
-            grad = self.model.gradient(params, self.index, task)
-            del params  # a view of the local copy: the PS deletes it when nobody needs it
-            computed = time.time()
-            self.node.put(grad, grad_id, copy=False)
-            self._last_grad = grad_id
-            end = time.time()
-        return _task_info(self.index, task, start, fetched, computed, end)
-
-    def compute_ray(self, params: np.ndarray, task: int) -> tuple[np.ndarray, dict[str, Any]]:
-        """The gradient of batch ``task`` at ``params`` (resolved by Ray), and the task's figures."""
-        start = time.time()
-        grad = self.model.gradient(params, self.index, task)
-        computed = time.time()
-        return grad, _task_info(self.index, task, start, start, computed, computed)
-
-
-def _task_info(
-    worker: int, task: int, start: float, fetched: float, computed: float, end: float
-) -> dict[str, Any]:
-    return {
-        "worker": worker,
-        "task": task,
-        "pid": os.getpid(),
-        "start": start,
-        "fetch_s": fetched - start,
-        "compute_s": computed - fetched,
-        "end": end,
-    }
-
-
-@dataclasses.dataclass
-class _Task:
-    """An outstanding worker task, as the PS tracks it."""
-
-    worker: int
-    number: int  # the worker's task count: selects its batch
-    version: int  # the update whose parameters it computes on
-    grad: Any  # hoplite: the gradient's ObjectID; ray: the gradient's ObjectRef
-    params: Any  # hoplite: the parameters' ObjectID; ray: None
-    ref: Any  # the call's ObjectRef (hoplite: its info dict; ray: the info ref)
-    returned: bool = False  # its call returned (hoplite: the gradient was put)
-    retired: bool = False  # it needs its parameters no more
+    def compute(self, params_id: ObjectID, grad_id: ObjectID) -> None:
+        """``get`` the parameters, ``put`` the gradient of the next batch as ``grad_id``."""
+        if self.last is not None:  # the PS relaunched this worker: its last gradient was summed
+            self.node.delete(self.last)
+        params = self.node.get(params_id, timeout=TIMEOUT)  # a read-only view of the local copy
+        grad = self.model.gradient(params, self.index, self.tasks)
+        self.node.put(grad, grad_id, copy=False)  # never modified again: no copy
+        self.last, self.tasks = grad_id, self.tasks + 1
 
 
 class ParameterServer:
-    """The parameter server (a Ray actor, see :func:`run`); :meth:`train` runs the whole loop.
+    """The parameter server (a Ray actor): :meth:`train` runs the whole loop."""
 
-    Args:
-        problem: The model and data.
-        mode: ``"hoplite"`` or ``"ray"``.
-        env: Environment variables to set first.
-    """
+    def __init__(self, problem: Problem) -> None:
+        self.problem, self.model = problem, Model(problem)
+        self.node = hgray.node()
+        self.tag = uuid.uuid4().hex[:8]  # names this run's objects
+        self.tasks: dict[ObjectID, tuple[int, ObjectID]] = {}  # gradient -> worker, its parameters
+        self.users: dict[ObjectID, int] = {}  # parameters -> outstanding tasks that need them
+        self.launched = 0
 
-    def __init__(self, problem: Problem, mode: str, env: dict[str, str] | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        _setenv(env)
-        self.problem = problem
-        self.mode = mode
-        self.model = Model(problem)
-        self.node: Any = None
-        if mode == "hoplite":
-            import hoplite_gpu.ray as hgray
+    def _publish(self, params: np.ndarray, version: int) -> ObjectID:
+        params_id = ObjectID.from_name(f"asgd/{self.tag}/params/{version}")
+        self.node.put(params, params_id, copy=False)  # an update makes a new array: no copy
+        self.users[params_id] = 0
+        return params_id
 
-            self.node = hgray.node()
-        self._step = 0
+    def _launch(self, worker: Any, index: int, params_id: ObjectID) -> None:
+        grad_id = ObjectID.from_name(f"asgd/{self.tag}/grad/{self.launched}")
+        self.launched += 1
+        worker.compute.remote(params_id, grad_id)
+        self.tasks[grad_id] = (index, params_id)
+        self.users[params_id] += 1
 
-    def pid(self) -> int:
-        """This actor's process id."""
-        return os.getpid()
-
-    def progress(self) -> int:
-        """Updates done so far (answered while :meth:`train` runs)."""
-        return self._step
-
-    def train(
-        self, workers: list[Any], k: int, steps: int, lr: float, timeout: float = 1800.0
-    ) -> dict[str, Any]:
-        """Run ``steps`` updates of asynchronous SGD with ``workers`` (actor handles), each update
-        summing the first ``k`` gradients; returns the run's record (see :func:`run`)."""
-        if not 1 <= k <= len(workers):
-            raise ValueError(f"k must be in 1..{len(workers)}, got {k}")
-        loop = _HopliteLoop if self.mode == "hoplite" else _RayLoop
-        return loop(self, workers, k, lr, time.monotonic() + timeout).train(steps)
-
-
-# ---------------------------------------------------------------------------------------- PS loops
-class _Loop:
-    """What both modes' PS loops share: parameters, bookkeeping of tasks and steps, the record."""
-
-    def __init__(self, ps: ParameterServer, workers: list[Any], k: int, lr: float, deadline: float) -> None:
-        self.ps, self.workers, self.k, self.lr, self.deadline = ps, workers, k, lr, deadline
-        self.problem = ps.problem
-        self.params = np.zeros(self.problem.params, np.float32)
-        self.version = 0
-        self.tasks: dict[int, _Task] = {}  # worker -> its current task
-        self.counts = [0] * len(workers)  # tasks launched per worker
-        self.failures = [0] * len(workers)
-        self.infos: list[Any] = []  # refs of the tasks' info dicts, read at the end
-        self.record: dict[str, Any] = {
-            "step_end": [],
-            "step_seconds": [],
-            "reduce_seconds": [],
-            "losses": [],
-            "used": [],
-            "used_tasks": [],
-            "staleness": [],
-            "relaunches": [],
-            "reissued": [],
-            "cancelled_gets": 0,
-        }
-
-    def remaining(self) -> float:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the run did not finish in time ({self.ps.progress()} updates done)")
-        return left
-
-    def next_task(self, worker: int) -> int:
-        """The number of ``worker``'s next task (it selects the batch)."""
-        number = self.counts[worker]
-        self.counts[worker] += 1
-        return number
-
-    def failed(self, worker: int, reason: str) -> None:
-        self.failures[worker] += 1
-        if self.failures[worker] > MAX_FAILURES_PER_WORKER:
-            raise RuntimeError(f"worker {worker} failed {self.failures[worker]} times; last: {reason}")
-        self.record["relaunches"].append(
-            {"worker": worker, "step": self.ps.progress(), "time": time.time(), "reason": reason}
-        )
-
-    def update(self, total: np.ndarray, used: list[_Task], in_place: bool) -> None:
-        """One SGD step from the sum of ``used``'s gradients (``total``: the gradient sum and the
-        loss sum), into a new array unless ``in_place``."""
-        n = self.problem.params
-        step = np.float32(-self.lr / len(used))
-        if in_place:
-            self.params += step * total[:n]
-        else:
-            new = np.multiply(total[:n], step)
-            new += self.params
-            self.params = new
-        self.version += 1
-
-    def record_step(self, total: np.ndarray, used: list[_Task], started: float, reduced: float) -> None:
-        """Record an update that started at ``started`` and had its gradients' sum at ``reduced``
-        (``time.monotonic()``)."""
-        rec = self.record
-        now = time.monotonic()
-        rec["step_end"].append(time.time())
-        rec["step_seconds"].append(now - started)
-        rec["reduce_seconds"].append(reduced - started)
-        rec["losses"].append(float(total[self.problem.params]) / len(used))
-        rec["used"].append(sorted(t.worker for t in used))
-        rec["used_tasks"].append(sorted([t.worker, t.number] for t in used))
-        rec["staleness"].append([self.version - 1 - t.version for t in used])
-
-    def finish(self, first: float) -> dict[str, Any]:
-        import ray
-
-        rec = self.record
-        rec["final_loss"] = self.ps.model.loss(self.params)
-        # Tasks still running (unused at the end) are left out.
-        ready, _ = ray.wait(self.infos, num_returns=len(self.infos), timeout=1.0, fetch_local=False)
-        infos: list[dict[str, Any]] = []
-        for ref in ready:
-            try:
-                infos.append(ray.get(ref, timeout=self.remaining()))
-            except ray.exceptions.RayActorError:
-                pass  # a task of a killed worker
-        rec["tasks"] = sorted(infos, key=lambda i: i["start"])
-        rec["started"] = first
-        return rec
-
-
-class _Runner:
-    """An event loop on a thread of its own, running hoplite_gpu's ``*_async`` calls so that one can
-    be cancelled (a blocking call cannot)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="asgd-ps-io", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
-        """Run ``coro`` on the loop; cancelling the returned future cancels it."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        """Stop the loop and its thread."""
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-class _HopliteLoop(_Loop):
-    def __init__(self, ps: ParameterServer, workers: list[Any], k: int, lr: float, deadline: float) -> None:
-        super().__init__(ps, workers, k, lr, deadline)
-        self.node = ps.node
-        self.tag = uuid.uuid4().hex[:12]
-        self.param_users: dict[Any, int] = {}  # params ObjectID -> outstanding tasks using it
-        self.leases: dict[int, Any] = {}  # worker -> its open watch() call
-        self.by_grad: dict[Any, _Task] = {}  # every gradient id issued -> its task
-        self.params_id: Any = None
-        self.params_version = 0
-
-    def name_params(self, version: int) -> None:
-        """Name the parameters of ``version`` (tasks launched with them fetch them once put)."""
-        from hoplite_gpu import ObjectID
-
-        self.params_id = ObjectID.from_name(f"asgd/{self.tag}/params/{version}")
-        self.params_version = version
-        self.param_users[self.params_id] = 0
-
-    def put_params(self) -> None:
-        # Without a copy: the PS never modifies an array it put (an update makes a new one).
-        self.node.put(self.params, self.params_id, copy=False)
-
-    def launch(self, worker: int) -> None:
-        from hoplite_gpu import ObjectID
-
-        number = self.next_task(worker)
-        grad = ObjectID.from_name(f"asgd/{self.tag}/grad/{worker}/{number}")
-        ref = self.workers[worker].compute_hoplite.remote(self.params_id, grad, number)
-        task = _Task(worker, number, self.params_version, grad, self.params_id, ref)
-        self.tasks[worker] = task
-        self.by_grad[grad] = task
-        self.param_users[self.params_id] += 1
-        self.infos.append(ref)
-
-    def retire(self, task: _Task) -> None:
-        """``task`` needs its parameters no more: delete them if no other task does either."""
-        if task.retired:
-            return
-        task.retired = True
-        self.param_users[task.params] -= 1
-        if self.param_users[task.params] == 0 and task.params != self.params_id:
-            del self.param_users[task.params]
-            self.node.delete(task.params)
-
-    def check_workers(self) -> None:
-        """Relaunch the tasks of workers that died (seen on their task or their watch call)."""
-        import ray
-
-        refs = {t.ref: t for t in self.tasks.values() if not t.returned}
-        leases = {ref: w for w, ref in self.leases.items()}
-        waiting = [*refs, *leases]
-        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0, fetch_local=False)
-        ready_set = set(ready)
-        for ref in [r for r in refs if r in ready_set]:  # tasks first: a task that returned
-            task = refs[ref]
-            try:
-                ray.get(ref, timeout=0)
-                task.returned = True
-            except ray.exceptions.RayActorError as exc:
-                self.relaunch(task, f"task failed: {type(exc).__name__}")
-        for ref in [r for r in leases if r in ready_set]:
-            worker = leases[ref]
-            try:
-                ray.get(ref, timeout=0)
-                raise RuntimeError(f"worker {worker}'s watch call returned")
-            except ray.exceptions.RayActorError as exc:
-                self.leases[worker] = self.workers[worker].watch.remote()
-                task = self.tasks[worker]
-                # A gradient already put died with the process; a task still running fails by itself
-                # (or runs on the restarted process, if it was sent after the restart).
-                if task.returned:
-                    self.relaunch(task, f"process died after its task: {type(exc).__name__}")
-
-    def relaunch(self, task: _Task, reason: str) -> None:
-        self.failed(task.worker, reason)
-        self.retire(task)
-        self.launch(task.worker)
-
-    def reduce_once(self, step: int, attempt: int, buf: np.ndarray, runner: _Runner) -> list[_Task] | None:
-        """Request a first-k reduction of the outstanding gradients, stream its result into ``buf``
-        and return the tasks whose gradients it summed; None if it cannot complete (it was deleted
-        and must be requested again): a candidate's worker died and fewer than ``k`` live candidates
-        are left, or the result was lost (its only copy was on the node that computed it, which
-        died before all of it arrived here)."""
-        from hoplite_gpu import HopliteError, ObjectID, ObjectLostError
-
-        self.check_workers()
-        candidates = [t.grad for t in self.tasks.values()]
-        rid = ObjectID.from_name(f"asgd/{self.tag}/sum/{step}/{attempt}")
-        self.node.reduce(candidates, num_objects=self.k, reduction_id=rid)
-        fut = runner.submit(self.node.get_async(rid, None, buf))
-        reason = ""
-        while not reason:
-            try:
-                fut.result(timeout=min(POLL_SECONDS, self.remaining()))
-                used = self.node.reduced_objects(rid, timeout=self.remaining())
-                self.node.delete(rid)
-                return [self.by_grad[g] for g in used]
-            except concurrent.futures.TimeoutError:
-                pass
-            except ObjectLostError as exc:
-                reason = f"result lost: {exc}"
-                break
-            self.check_workers()
-            live = {t.grad for t in self.tasks.values()}
-            if sum(1 for g in candidates if g in live) < self.k:
-                reason = "fewer than k live candidates"
-        # Deleted, the reduction also forgets which inputs it used: even one that finished just now
-        # is requested again. The get then fails at once, normally; one whose partial copy was reset
-        # (the tree rebuilt after a node died) just before may instead wait for ever for the deleted
-        # id (see DELETED_GET_GRACE): it is cancelled.
-        self.node.delete(rid)
-        try:
-            fut.result(timeout=DELETED_GET_GRACE)
-        except HopliteError:
-            pass
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            self.record["cancelled_gets"] += 1
-        self.record["reissued"].append({"step": step, "time": time.time(), "reason": reason})
-        if attempt + 1 >= MAX_ATTEMPTS:
-            raise RuntimeError(f"update {step}: {attempt + 1} reductions failed; last: {reason}")
-        return None
-
-    def train(self, steps: int) -> dict[str, Any]:
-        node = self.node
-        buf = np.empty(self.problem.params + 1, np.float32)
-        self.name_params(0)
-        self.put_params()
-        first = time.time()
-        for w, handle in enumerate(self.workers):
-            self.leases[w] = handle.watch.remote()
-            self.launch(w)
-        runner = _Runner()
-        try:
-            for step in range(steps):
-                started = time.monotonic()
-                attempt = 0
-                while (used := self.reduce_once(step, attempt, buf, runner)) is None:
-                    attempt += 1
-                reduced = time.monotonic()
-                old_params = self.params_id
-                # Relaunch first: the workers' gets of the new parameters wait for their put, while
-                # the calls reach the workers and they delete their used gradients.
-                self.name_params(self.version + 1)
-                for task in used:
-                    self.retire(task)
-                    if self.tasks.get(task.worker) is task:  # else relaunched already (it died)
-                        self.launch(task.worker)
-                for task in used:
-                    del self.by_grad[task.grad]
-                self.update(buf, used, in_place=False)  # the old array may still be sent
-                self.put_params()
-                self.record_step(buf, used, started, reduced)
-                if self.param_users.get(old_params) == 0:
-                    del self.param_users[old_params]
-                    node.delete(old_params)
-                self.ps._step = step + 1
-        finally:
-            runner.close()
-        self.record["ps_store"] = node.stats()
-        rec = self.finish(first)
-        for handle in self.workers:
-            handle.release.remote()
-        return rec
-
-
-class _RayLoop(_Loop):
-    def launch(self, worker: int, params_ref: Any) -> None:
-        number = self.next_task(worker)
-        grad, info = self.workers[worker].compute_ray.options(num_returns=2).remote(params_ref, number)
-        self.tasks[worker] = _Task(worker, number, self.version, grad, None, info)
-        self.infos.append(info)
-
-    def train(self, steps: int) -> dict[str, Any]:
-        import ray
-
-        buf = np.empty(self.problem.params + 1, np.float32)
-        params_ref = ray.put(self.params)
-        first = time.time()
-        for w in range(len(self.workers)):
-            self.launch(w, params_ref)
-        for step in range(steps):
-            started = time.monotonic()
-            used: list[_Task] = []
-            buf[:] = 0
-            while len(used) < self.k:
-                pending = {t.grad: t for t in self.tasks.values() if all(t is not u for u in used)}
-                ready, _ = ray.wait(list(pending), num_returns=self.k - len(used), timeout=self.remaining())
-                for ref in ready:
-                    task = pending[ref]
-                    try:
-                        grad = ray.get(ref, timeout=self.remaining())
-                    except ray.exceptions.RayActorError as exc:
-                        self.failed(task.worker, f"task failed: {type(exc).__name__}")
-                        self.launch(task.worker, params_ref)
-                        continue
-                    buf += grad
-                    del grad
-                    used.append(task)
-            reduced = time.monotonic()
-            self.update(buf, used, in_place=True)  # ray.put copies
-            params_ref = ray.put(self.params)
-            for task in used:
-                self.launch(task.worker, params_ref)
-            self.record_step(buf, used, started, reduced)
-            self.ps._step = step + 1
-        return self.finish(first)
+    def train(self, workers: list[Any], k: int, steps: int, lr: float) -> list[tuple[float, float]]:
+        """``steps`` updates, each from the first ``k`` gradients to be put; returns each update's
+        mean batch loss and the exact loss after it."""
+        n, node = self.problem.params, self.node
+        params = np.zeros(n, np.float32)
+        params_id = self._publish(params, 0)
+        for i, worker in enumerate(workers):
+            self._launch(worker, i, params_id)
+        curve = []
+        for step in range(1, steps + 1):
+            sum_id = node.reduce(list(self.tasks), num_objects=k, timeout=TIMEOUT)
+            total = node.get(sum_id, timeout=TIMEOUT)  # streamed here while the tree sums
+            params = params - np.float32(lr / k) * total[:n]  # a new array: the old one may be read
+            curve.append((float(total[n]) / k, self.model.loss(params)))
+            used = node.reduced_objects(sum_id, timeout=TIMEOUT)
+            del total
+            node.delete(sum_id)
+            params_id = self._publish(params, step)
+            for grad_id in used:  # relaunch the workers whose gradients were summed
+                index, their_params = self.tasks.pop(grad_id)
+                self.users[their_params] -= 1
+                self._launch(workers[index], index, params_id)
+            for old in [p for p, count in self.users.items() if count == 0 and p != params_id]:
+                del self.users[old]
+                node.delete(old)
+        return curve
 
 
 # ---------------------------------------------------------------------------------------- the driver
-def run(
-    mode: str,
-    workers: int = 8,
-    k: int = 4,
-    grad_bytes: int = 100_000_000,
-    steps: int = 20,
-    *,
-    batch: int = 8,
-    lr: float = 0.1,
-    seed: int = 0,
-    warmup: int = 2,
-    kill_worker: int | None = None,
-    kill_at_step: int | None = None,
-    env: dict[str, str] | None = None,
-    ps_options: dict[str, Any] | None = None,
-    worker_options: list[dict[str, Any]] | None = None,
-    directory_options: dict[str, Any] | None = None,
-    timeout: float = 1800.0,
-) -> dict[str, Any]:
-    """Train with a PS and ``workers`` workers in ``mode`` (Ray must be initialised; in hoplite mode
-    the directory actor is started here unless it exists) and return the run's record.
-
-    Args:
-        mode: ``"hoplite"`` or ``"ray"``.
-        workers: Number of workers.
-        k: Gradients summed per update.
-        grad_bytes: About the size of a gradient (sets the model's shape, see :meth:`Problem.for_bytes`).
-        steps: Updates.
-        batch: Samples per worker batch.
-        lr: Learning rate (of the mean of the ``k`` gradients).
-        seed: Seed of the data and the teacher.
-        warmup: Updates left out of the throughput (the first ones include starting up).
-        kill_worker: Worker to SIGKILL once ``kill_at_step`` updates are done (None: no kill).
-        kill_at_step: See ``kill_worker``.
-        env: Environment variables set in the actors before anything else.
-        ps_options: More Ray ``.options()`` of the PS (e.g. placement resources).
-        worker_options: More Ray ``.options()`` of each worker.
-        directory_options: ``actor_options`` of :func:`hoplite_gpu.ray.start_directory`.
-        timeout: Seconds the whole run may take.
-
-    Returns:
-        A dict: the settings; ``samples_per_s`` (``k * batch`` samples per update, over the updates
-        after ``warmup``); per update: ``step_seconds``, ``reduce_seconds`` (until the sum of its
-        gradients was at the PS), ``step_end`` (``time.time()``), ``losses`` (mean batch loss of its
-        gradients), ``used``/``used_tasks`` (their workers and task numbers), ``staleness`` (updates
-        between a used gradient's parameters and the update); ``initial_loss``/``final_loss``
-        (exact); ``relaunches`` after failures; ``reissued`` (hoplite: reductions deleted and
-        requested again, with why) and ``cancelled_gets`` (see :data:`DELETED_GET_GRACE`);
-        ``tasks`` (every finished task's figures, with its pid); ``kill`` (worker, pid, step, time)
-        when one was killed; ``ps_store`` and ``worker_stores`` (hoplite: the local stores' figures
-        at the end, see :meth:`hoplite_gpu.Node.stats`).
-    """
-    import ray
-
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if (kill_worker is None) != (kill_at_step is None):
-        raise ValueError("kill_worker and kill_at_step go together")
-    if kill_worker is not None and not 0 <= kill_worker < workers:
-        raise ValueError(f"kill_worker must be in 0..{workers - 1}")
-    if not 0 <= warmup < steps:
-        raise ValueError("warmup must be in 0..steps-1")
-    problem = Problem.for_bytes(grad_bytes, batch=batch, seed=seed)
-    if mode == "hoplite":
-        import hoplite_gpu.ray as hgray
-
-        hgray.start_directory(actor_options=directory_options)
-    deadline = time.monotonic() + timeout
-    ps_cls = ray.remote(ParameterServer).options(num_cpus=0, max_concurrency=2, **(ps_options or {}))
-    worker_cls = ray.remote(Worker)
-    ps: Any = ps_cls.remote(problem, mode, env)  # actor handles
-    handles: list[Any] = [
-        worker_cls.options(
-            num_cpus=0,
-            max_restarts=-1,
-            max_task_retries=0,
-            max_concurrency=4,  # compute, watch, and pid/stats calls meanwhile
-            **((worker_options or [{}] * workers)[i]),
-        ).remote(i, problem, mode, env)
-        for i in range(workers)
-    ]
+def run(workers: int, k: int, problem: Problem, steps: int, lr: float) -> list[tuple[float, float]]:
+    """Train with a PS and ``workers`` workers (Ray initialised, hoplite's directory started);
+    returns the PS's curve (see :meth:`ParameterServer.train`)."""
+    ps = ray.remote(ParameterServer).options(num_cpus=0).remote(problem)
+    handles = [ray.remote(Worker).options(num_cpus=0).remote(i, problem) for i in range(workers)]
     try:
-        starting = min(START_TIMEOUT, _left(deadline))
-        pids = ray.get([h.pid.remote() for h in handles], timeout=starting)
-        ray.get(ps.pid.remote(), timeout=starting)
-        initial = Model(problem).loss(np.zeros(problem.params, np.float32))
-        training = ps.train.remote(handles, k, steps, lr, _left(deadline))
-        kill = None
-        if kill_worker is not None and kill_at_step is not None:
-            kill = _kill_when(ps, training, kill_at_step, pids[kill_worker], kill_worker, deadline)
-        record = ray.get(training, timeout=_left(deadline))
-        if mode == "hoplite":  # what the workers' stores hold at the end
-            record["worker_stores"] = ray.get([h.stats.remote() for h in handles], timeout=_left(deadline))
+        return ray.get(ps.train.remote(handles, k, steps, lr))
     finally:
-        for h in [ps, *handles]:
-            ray.kill(h)
-    record.update(
-        mode=mode,
-        workers=workers,
-        k=k,
-        batch=batch,
-        lr=lr,
-        seed=seed,
-        steps=steps,
-        warmup=warmup,
-        params=problem.params,
-        grad_bytes=problem.grad_bytes,
-        initial_loss=initial,
-        kill=kill,
-    )
-    ends = record["step_end"]
-    timed = ends[-1] - ends[warmup - 1] if warmup else ends[-1] - record["started"]
-    record["seconds"] = timed
-    record["samples_per_s"] = (steps - warmup) * k * batch / timed
-    return record
+        for actor in [ps, *handles]:
+            ray.kill(actor)
 
 
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the run did not finish in time")
-    return left
-
-
-def _kill_when(ps: Any, training: Any, step: int, pid: int, worker: int, deadline: float) -> dict[str, Any]:
-    """SIGKILL ``pid`` once the PS has done ``step`` updates (polled)."""
-    import ray
-
-    while (done := ray.get(ps.progress.remote(), timeout=_left(deadline))) < step:
-        finished, _ = ray.wait([training], timeout=0.02)
-        if finished:
-            raise RuntimeError(f"the run ended before update {step} (at {done})")
-    os.kill(pid, signal.SIGKILL)
-    return {"worker": worker, "pid": pid, "step": done, "time": time.time()}
-
-
-def failure_summary(record: dict[str, Any], window: int = 5) -> dict[str, Any]:
-    """Figures of a run with a killed worker: the median update time before the kill, the
-    ``window`` updates from the first one to end after it, how long until the PS relaunched the
-    worker after seeing it fail, and until a gradient computed by the restarted process (a pid other
-    than the killed one) was used."""
-    kill = record["kill"]
-    if kill is None:
-        raise ValueError("the run killed no worker")
-    ends, secs = record["step_end"], record["step_seconds"]
-    at = next((i for i, t in enumerate(ends) if t > kill["time"]), len(ends))
-    before = secs[record["warmup"] : at] or secs[:at]
-    relaunch = [
-        r for r in record["relaunches"] if r["worker"] == kill["worker"] and r["time"] >= kill["time"]
-    ]
-    pid_of = {(t["worker"], t["task"]): t["pid"] for t in record["tasks"]}
-
-    def restarted(step: int) -> bool:
-        return any(
-            w == kill["worker"] and pid_of.get((w, n)) not in (None, kill["pid"])
-            for w, n in record["used_tasks"][step]
-        )
-
-    back = next((i for i in range(at, len(ends)) if restarted(i)), None)
-    after = secs[at : at + window]
-    return {
-        "kill_step": at,
-        "median_step_s_before": statistics.median(before) if before else None,
-        "steps_after_s": after,
-        "max_step_s_after": max(after) if after else None,
-        "relaunched_after_s": relaunch[0]["time"] - kill["time"] if relaunch else None,
-        "rejoined_step": back,
-        "rejoined_after_s": ends[back] - kill["time"] if back is not None else None,
-    }
-
-
-def parse_bytes(text: str) -> int:
-    """A size in bytes: ``"100MB"`` (decimal units: KB, MB, GB) or ``"64MiB"`` (binary, as
-    :func:`hoplite_gpu.baselines.parse_size`)."""
-    from hoplite_gpu.baselines import parse_size
-
-    decimal = {"kb": 10**3, "mb": 10**6, "gb": 10**9}
-    unit = text.strip()[-2:].lower()
-    if unit in decimal and text.strip()[:-2].strip().isdigit():
-        return int(text.strip()[:-2]) * decimal[unit]
-    return parse_size(text)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line: run one or both modes locally and print their figures and loss curves."""
+def main() -> None:
+    """Command line: train and print the loss every few updates."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=[*MODES, "both"], default="both")
-    ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("--grad-bytes", default="100MB", help="gradient size (100MB, 64MiB, ...)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("-k", type=int, default=2, help="gradients summed per update")
+    ap.add_argument("--grad-bytes", type=int, default=4_000_000, help="about the size of a gradient")
+    ap.add_argument("--steps", type=int, default=30, help="updates")
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--kill-at", type=int, default=None, help="SIGKILL a worker after this many updates")
-    ap.add_argument("--kill-worker", type=int, default=1)
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
+    problem = Problem.for_bytes(args.grad_bytes)
 
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # inherited by the actors: 2 cores, many actors
-    ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # inherited by the actors: many share few cores
+    ray.init(include_dashboard=False, logging_level="WARNING")
     try:
-        for mode in MODES if args.mode == "both" else (args.mode,):
-            rec = run(
-                mode,
-                args.workers,
-                args.k,
-                parse_bytes(args.grad_bytes),
-                args.steps,
-                batch=args.batch,
-                lr=args.lr,
-                seed=args.seed,
-                warmup=args.warmup,
-                kill_worker=args.kill_worker if args.kill_at is not None else None,
-                kill_at_step=args.kill_at,
-            )
-            every = max(1, args.steps // 10)
-            curve = " ".join(f"{loss:.4g}" for loss in rec["losses"][::every])
-            print(
-                f"{mode}: {rec['samples_per_s']:.1f} samples/s, median update "
-                f"{statistics.median(rec['step_seconds']):.3f} s, loss {rec['initial_loss']:.4g} -> "
-                f"{rec['final_loss']:.4g} (batch losses every {every}: {curve})"
-            )
-            if rec["kill"] is not None:
-                print(f"  kill: {failure_summary(rec)}")
+        hgray.start_directory()  # hoplite's directory, as a Ray actor
+        start = time.monotonic()
+        curve = run(args.workers, args.k, problem, args.steps, args.lr)
+        seconds = time.monotonic() - start
     finally:
         ray.shutdown()
-    return 0
+    print(f"{problem.params} parameters, {args.workers} workers, first {args.k} gradients per update")
+    print(f"loss at zero: {Model(problem).loss(np.zeros(problem.params, np.float32)):.4f}")
+    for step, (batch_loss, loss) in enumerate(curve, 1):
+        if step % max(1, args.steps // 10) == 0 or step == args.steps:
+            print(f"update {step:4d}: batch loss {batch_loss:.4f}, loss {loss:.4f}")
+    print(f"{args.steps} updates in {seconds:.1f} s (the first ones include starting the actors)")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.exit(main())
+    main()

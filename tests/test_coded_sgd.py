@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from examples import coded_sgd
+from bench.workloads import coded_sgd
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

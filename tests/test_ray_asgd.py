@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from examples.async_sgd import failure_summary, run
+from bench.workloads.asgd import failure_summary, run
 
 pytestmark = [pytest.mark.multiprocess]
 

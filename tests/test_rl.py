@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-from examples.rl import failure_summary, initial_weights, rollout_advantage, run
+from bench.workloads.rl import failure_summary, run
+from examples.rl import initial_weights, rollout_advantage
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -1,0 +1,45 @@
+"""The examples a user copies (``examples/*.py``), run in small form: each one trains, and what it
+computes is right. The benchmarks measure the same workloads with more machinery
+(``bench/workloads``); ``examples/ray_training.py`` is checked in ``tests/test_ray.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+@pytest.mark.timeout(180)
+def test_coded_sgd_example_decodes_the_full_gradient() -> None:
+    from examples import coded_sgd
+
+    problem = coded_sgd.Problem(n=4, samples=32, features=16, outputs=256)
+    for mode in ("gc", "partial"):
+        got = coded_sgd.train(mode, problem, s=1, iterations=3, seconds=0.02, slowdown=5.0)
+        assert len(got["seconds"]) == 3
+        assert max(got["errors"]) <= 1e-4, (mode, got["errors"])
+        assert got["final_loss"] < got["initial_loss"]
+
+
+@pytest.mark.timeout(180)
+def test_async_sgd_example_converges(ray_session: Any) -> None:
+    from examples import async_sgd
+
+    problem = async_sgd.Problem.for_bytes(256 * 1024)  # over the inline limit: the data plane
+    curve = async_sgd.run(workers=4, k=2, problem=problem, steps=30, lr=0.1)
+    initial = async_sgd.Model(problem).loss(np.zeros(problem.params, np.float32))
+    assert len(curve) == 30
+    assert curve[-1][1] < 0.1 * initial, (initial, curve[-1])
+
+
+@pytest.mark.timeout(180)
+def test_rl_example_sums_exactly(ray_session: Any) -> None:
+    pytest.importorskip("torch")
+    from examples import rl
+
+    done = rl.run(workers=2, n=1 << 18, iterations=3)  # the learner raises on a wrong sum
+    assert len(done) == 3
+    assert all(abs(step) <= 2 * rl.ADVANTAGE for _, step in done)
