@@ -17,9 +17,9 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
 from hoplite_gpu.config import Config
+from hoplite_gpu.dataplane import DataPlane
 from hoplite_gpu.memory.buffers import Buffer
 from hoplite_gpu.memory.store import LocalObject, LocalStore
-from hoplite_gpu.transport import DataPlane
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -157,7 +157,7 @@ def test_a_device_vertex_reduces_inputs_it_holds_in_few_steps(dtype_name: str, m
 
     import cupy
 
-    from hoplite_gpu.vertex import reduce_stream
+    from hoplite_gpu.node.vertex import reduce_stream
 
     dtype = _dtype(dtype_name)
     n = (16 << 20) // dtype.itemsize
@@ -181,7 +181,7 @@ def test_a_device_vertex_publishes_only_reduced_bytes_while_a_host_child_arrives
 
     import cupy
 
-    from hoplite_gpu.vertex import reduce_stream
+    from hoplite_gpu.node.vertex import reduce_stream
 
     dtype = np.dtype(np.float32)
     n = (24 << 20) // 4

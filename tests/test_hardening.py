@@ -15,13 +15,13 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
-from hoplite_gpu.control import ControlClient
 from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request
 from hoplite_gpu.dtypes import dtype_from_wire, dtype_to_wire
 from hoplite_gpu.errors import InvalidArgumentError, ProtocolError
 from hoplite_gpu.iothread import IOThread
 from hoplite_gpu.memory import shm
+from hoplite_gpu.node.control import ControlClient
 from hoplite_gpu.topology import GpuInfo, Inventory
 
 pytestmark = pytest.mark.timeout(60)
@@ -409,7 +409,7 @@ def test_a_directory_served_over_tls(tmp_path: Any) -> None:
 _FLOOD = r"""
 import asyncio, os, sys
 import numpy as np
-from hoplite_gpu.ucx import ucxx_module
+from hoplite_gpu.dataplane.ucx import ucxx_module
 
 ucxx = ucxx_module()  # the same UCX settings as a node, no interface limit
 
@@ -459,7 +459,7 @@ def test_a_node_told_where_to_listen_limits_ucx_to_that_interface_only() -> None
     assert interface_of("0.0.0.0") == "" and interface_of("not-an-address") == ""
     script = (
         "import os, sys, hoplite_gpu as hg\n"
-        "from hoplite_gpu.ucx import net_devices\n"
+        "from hoplite_gpu.dataplane.ucx import net_devices\n"
         "node = hg.init(**({'listen_host': sys.argv[1]} if sys.argv[1] else {}))\n"
         "print(net_devices() or '-', 'UCX_NET_DEVICES' in os.environ, flush=True)\n"
         "node.close()\n"

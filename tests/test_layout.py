@@ -1,39 +1,38 @@
-"""The package's layout: what its pure parts load.
+"""The package's layout: what its pure parts load, which rooms talk to which, and no import cycle.
 
 The directory is a pure state machine: importing it (its state and rooms, and the wire protocol it
-speaks) must load nothing of the node side (memory, the data plane, sessions, fetch, vertices) and
-neither ucxx nor CuPy, so that it runs where those are missing and stays testable on its own.
-Each check imports in a fresh interpreter, where nothing else was loaded before.
+speaks) must load nothing of the node side (memory, the data plane, the node) and neither ucxx nor
+CuPy, so that it runs where those are missing and stays testable on its own. Each such check
+imports in a fresh interpreter, where nothing else was loaded before. The other checks read the
+import statements of every module (function bodies included; ``if TYPE_CHECKING:`` blocks, which
+never run, left out).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-#: Modules of the node side (and their heavy dependencies) the pure parts must not load.
+PACKAGE = Path(__file__).resolve().parent.parent / "hoplite_gpu"
+
+#: Packages of the node side (and heavy dependencies) the pure parts must not load.
 NODE_SIDE = (
-    "hoplite_gpu.buffers",
-    "hoplite_gpu.device",
-    "hoplite_gpu.gpu",
-    "hoplite_gpu.shm",
-    "hoplite_gpu.ipc",
-    "hoplite_gpu.store",
-    "hoplite_gpu.fetch",
-    "hoplite_gpu.sources",
-    "hoplite_gpu.puts",
-    "hoplite_gpu.vertex",
-    "hoplite_gpu.transport",
-    "hoplite_gpu.session",
-    "hoplite_gpu.node",
     "hoplite_gpu.memory",
+    "hoplite_gpu.node",
+    "hoplite_gpu.dataplane",
+    "hoplite_gpu.collective",
+    "hoplite_gpu.ray",
     "ucxx",
     "cupy",
+    "torch",
+    "ray",
 )
 
 #: The directory's pure rooms and the protocol (the service and the child process are not pure:
@@ -74,3 +73,147 @@ def test_the_pure_directory_and_protocol_load_nothing_of_the_node_side(module: s
     loaded = _loaded_after_import(module)
     assert module in loaded
     assert _node_side(loaded) == [], f"importing {module} loads the node side"
+
+
+# ---------------------------------------------------------------- the import graph
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports anywhere (a ``from X import y`` of a submodule
+    ``X.y`` counts as importing ``X.y``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    graph = _graph()
+    assert "hoplite_gpu.node.fetch" in graph and "hoplite_gpu.memory.face" in graph["hoplite_gpu.memory"]
+    assert _cycles(graph) == []
+
+
+def test_the_rest_of_the_package_asks_the_memory_wing_through_its_face() -> None:
+    """Outside ``hoplite_gpu.memory`` only its package (the face) is imported, but for the kernels
+    and the GPU inventory (``hoplite-gpu info``), the simulated device of tests and the CUDA views
+    of the Ray backend's caller arrays."""
+    allowed = {
+        "hoplite_gpu.memory",
+        "hoplite_gpu.memory.kernels",
+        "hoplite_gpu.memory.placement",
+        "hoplite_gpu.memory.cuda",
+    }
+    reaching = {
+        (name, target)
+        for name, targets in _graph().items()
+        if not name.startswith("hoplite_gpu.memory")
+        for target in targets
+        if target.startswith("hoplite_gpu.memory.") and target not in allowed
+    }
+    assert reaching == set()
+    users = {"hoplite_gpu.node.fetch", "hoplite_gpu.node.sources", "hoplite_gpu.node.puts"}
+    for name in users | {"hoplite_gpu.node.vertex", "hoplite_gpu.dataplane.transport"}:
+        assert _graph()[name] & {"hoplite_gpu.memory.kernels", "hoplite_gpu.memory.cuda"} == set()
+
+
+def test_a_put_does_not_import_the_get_side() -> None:
+    graph = _graph()
+    assert graph["hoplite_gpu.node.puts"] & {"hoplite_gpu.node.fetch", "hoplite_gpu.node.sources"} == set()
+    assert "hoplite_gpu.node.vertex" not in graph["hoplite_gpu.node.fetch"]
+
+
+#: Modules allowed past :data:`MAX_LINES`, and why.
+LONGER: dict[str, str] = {}
+#: About 600 lines: a module longer than this is a room to split.
+MAX_LINES = 650
+
+
+def test_no_module_is_a_house_of_its_own() -> None:
+    long = {
+        name: len(path.read_text().splitlines())
+        for name, path in _modules().items()
+        if len(path.read_text().splitlines()) > MAX_LINES and name not in LONGER
+    }
+    assert long == {}

@@ -97,8 +97,8 @@ def test_a_removed_object_is_refused_at_once() -> None:
 
 def test_chunk_size_follows_measured_throughput() -> None:
     from hoplite_gpu.config import Config, MiB
+    from hoplite_gpu.dataplane import DataPlane
     from hoplite_gpu.memory.store import LocalStore
-    from hoplite_gpu.transport import DataPlane
 
     cfg = Config(chunk_bytes=4 * MiB, chunk_seconds=0.004, min_chunk_bytes=MiB // 4, max_chunk_bytes=16 * MiB)
     plane = DataPlane(LocalStore(1), "token", cfg)

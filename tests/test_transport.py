@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hoplite_gpu import protocol as p
-from hoplite_gpu.ucx import ucxx_module
+from hoplite_gpu.dataplane.ucx import ucxx_module
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,9 +23,9 @@ from hoplite_gpu.errors import ObjectDeletedError, PeerLostError
 from hoplite_gpu.memory.buffers import Buffer
 from hoplite_gpu.memory.sim import SimBackend, sim_array
 from hoplite_gpu.memory.store import LocalObject
+from hoplite_gpu.node.vertex import reduce_stream
 from hoplite_gpu.object_id import ObjectID
 from hoplite_gpu.reduce_ops import SUPPORTED_DTYPES, ReduceOp, reduce_chunk
-from hoplite_gpu.vertex import reduce_stream
 
 pytestmark = pytest.mark.timeout(120)
 

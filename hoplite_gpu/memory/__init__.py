@@ -34,6 +34,7 @@ from .face import (
     shared_memory_available,
     sweep_orphans,
 )
+from .placement import node_place
 from .store import MEMORY_DEVICE, MEMORY_HOST, LocalObject, LocalStore
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "flat_view",
     "host_key",
     "kind_of",
+    "node_place",
     "shared_memory_available",
     "sweep_orphans",
     "to_host",

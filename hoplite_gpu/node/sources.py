@@ -1,6 +1,6 @@
 """How an object's bytes arrive at a node: one class per way in, chosen by the directory's reply.
 
-A ``get`` asks the directory where the object is (:meth:`~hoplite_gpu.fetch.Fetcher.get`); the
+A ``get`` asks the directory where the object is (:meth:`~hoplite_gpu.node.fetch.Fetcher.get`); the
 reply's status picks the source that fills the local copy:
 
 * ``inline``: small objects come with the reply (:class:`InlineSource`);
@@ -31,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol as p
-from .config import Config
-from .dtypes import dtype_from_wire
-from .errors import (
+from .. import protocol as p
+from ..config import Config
+from ..dataplane.transport import DataPlane
+from ..dtypes import dtype_from_wire
+from ..errors import (
     AuthenticationError,
     HopliteError,
     HopliteTimeoutError,
@@ -43,9 +44,8 @@ from .errors import (
     TransportError,
     as_hoplite_error,
 )
-from .memory import Buffer, LocalObject, LocalStore, digest_of
-from .object_id import ObjectID
-from .transport import DataPlane
+from ..memory import Buffer, LocalObject, LocalStore, digest_of
+from ..object_id import ObjectID
 
 log = logging.getLogger("hoplite_gpu")
 

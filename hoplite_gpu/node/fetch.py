@@ -2,7 +2,7 @@
 report the copy.
 
 :meth:`Fetcher.get` is a short loop: a lookup (:meth:`Fetcher._lookup`: the directory's answer,
-checked), the source (:mod:`hoplite_gpu.sources`) that answer names (:meth:`Fetcher._source_for`)
+checked), the source (:mod:`hoplite_gpu.node.sources`) that answer names (:meth:`Fetcher._source_for`)
 filling the local copy, and a report when it is complete (:meth:`Fetcher.completed`), so later
 readers can pull from it. A source that asks for another one sends the loop round again, with the
 bytes it already holds; the copy is visible in the local store while it fills, so other readers can
@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol as p
-from . import sources
-from .config import Config
-from .dtypes import dtype_from_wire
-from .errors import (
+from .. import protocol as p
+from ..config import Config
+from ..dataplane.transport import DataPlane
+from ..dtypes import dtype_from_wire
+from ..errors import (
     HopliteError,
     HopliteTimeoutError,
     InvalidArgumentError,
@@ -32,7 +32,7 @@ from .errors import (
     ObjectTooLargeError,
     from_kind,
 )
-from .memory import (
+from ..memory import (
     MEMORY_DEVICE,
     OUT_KINDS,
     ArrayKind,
@@ -42,9 +42,9 @@ from .memory import (
     device_in_use,
     device_result,
 )
-from .object_id import ObjectID
+from ..object_id import ObjectID
+from . import sources
 from .session import DirectorySession
-from .transport import DataPlane
 
 log = logging.getLogger("hoplite_gpu")
 

@@ -9,8 +9,8 @@ import os
 from collections.abc import Awaitable
 from typing import Any
 
-from .config import apply_ucx_defaults, interface_of
-from .errors import HopliteError, PeerLostError
+from ..config import apply_ucx_defaults, interface_of
+from ..errors import HopliteError, PeerLostError
 
 log = logging.getLogger("hoplite_gpu.transport")
 

@@ -9,10 +9,10 @@ import logging
 import ssl
 from collections.abc import Callable
 
-from . import auth
-from . import protocol as p
-from .errors import AuthenticationError, DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
-from .topology import GpuPlace
+from .. import auth
+from .. import protocol as p
+from ..errors import AuthenticationError, DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
+from ..topology import GpuPlace
 
 log = logging.getLogger("hoplite_gpu.control")
 

@@ -1,7 +1,7 @@
 """A node's link to its directory: one authenticated connection at a time, heartbeats, and the
 reconnection to a restarted directory.
 
-:class:`DirectorySession` owns the :class:`~hoplite_gpu.control.ControlClient` of the moment. A
+:class:`DirectorySession` owns the :class:`~hoplite_gpu.node.control.ControlClient` of the moment. A
 request made through it (:meth:`~DirectorySession.request`, :meth:`~DirectorySession.lookup`) that
 fails because the connection was lost waits for the reconnection and is made again on the new
 connection, within its timeout. After a reconnection the node restores its copies (its
@@ -22,12 +22,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from . import protocol as p
-from .config import Config
+from .. import protocol as p
+from ..config import Config
+from ..errors import DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
+from ..object_id import ObjectID
+from ..topology import GpuPlace
 from .control import ControlClient
-from .errors import DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
-from .object_id import ObjectID
-from .topology import GpuPlace
 
 log = logging.getLogger("hoplite_gpu")
 

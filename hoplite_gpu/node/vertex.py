@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol as p
-from .dtypes import dtype_from_wire
-from .errors import (
+from .. import protocol as p
+from ..dtypes import dtype_from_wire
+from ..errors import (
     HopliteError,
     HopliteTimeoutError,
     ObjectDeletedError,
@@ -30,10 +30,10 @@ from .errors import (
     ObjectReset,
     TransportError,
 )
-from .faults import INJECTOR
-from .memory import Buffer, DeviceEvent, LocalObject, LocalStore
-from .object_id import ObjectID
-from .reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
+from ..faults import INJECTOR
+from ..memory import Buffer, DeviceEvent, LocalObject, LocalStore
+from ..object_id import ObjectID
+from ..reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
 
 log = logging.getLogger("hoplite_gpu")
 

@@ -1,4 +1,4 @@
-"""The UCX data plane: with :mod:`hoplite_gpu.ucx`, the only code that talks to ``ucxx``.
+"""The UCX data plane: with :mod:`hoplite_gpu.dataplane.ucx`, the only code that talks to ``ucxx``.
 
 A node runs one :class:`DataPlane`: a UCX listener that serves pulls of local objects (complete or
 still filling), and a cache of authenticated endpoints to peers for its own pulls.
@@ -24,19 +24,19 @@ from typing import Any
 
 import numpy as np
 
-from . import auth
-from . import protocol as p
-from .config import Config, ucx_cuda
-from .errors import (
+from .. import auth
+from .. import protocol as p
+from ..config import Config, ucx_cuda
+from ..errors import (
     AuthenticationError,
     HopliteError,
     ObjectNotFoundError,
     PeerLostError,
     TransportError,
 )
-from .faults import INJECTOR
-from .memory import LocalObject, LocalStore
-from .object_id import ObjectID
+from ..faults import INJECTOR
+from ..memory import LocalObject, LocalStore
+from ..object_id import ObjectID
 from .ucx import as_transport_error, failure_of, forget, landed, timed, ucxx_module
 
 log = logging.getLogger("hoplite_gpu.transport")

@@ -22,12 +22,12 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from . import faults
-from . import protocol as p
-from .arguments import reduce_request, resolve_timeout
-from .config import WILDCARD_HOSTS, Config, host_of, is_loopback
-from .directory.service import DirectoryService
-from .errors import (
+from .. import faults
+from .. import protocol as p
+from ..config import WILDCARD_HOSTS, Config, host_of, is_loopback
+from ..dataplane.transport import DataPlane
+from ..directory.service import DirectoryService
+from ..errors import (
     AuthenticationError,
     HopliteError,
     InvalidArgumentError,
@@ -39,14 +39,14 @@ from .errors import (
     ProtocolError,
     from_kind,
 )
+from ..iothread import IOThread
+from ..memory import LocalStore, Memory, host_key, node_place, shared_memory_available, sweep_orphans
+from ..object_id import ObjectID
+from ..reduce_ops import ReduceOp
+from .arguments import reduce_request, resolve_timeout
 from .fetch import Fetcher, check_out, deliver, streamable
-from .iothread import IOThread
-from .memory import LocalStore, Memory, host_key, placement, shared_memory_available, sweep_orphans
-from .object_id import ObjectID
 from .puts import Putter
-from .reduce_ops import ReduceOp
 from .session import DirectorySession
-from .transport import DataPlane
 from .vertex import VertexRunner
 
 __all__ = ["IOThread", "Node"]
@@ -118,7 +118,7 @@ class Node:
             self._on_lost,
             self._on_rejoined,
             resolve_directory,
-            placement.node_place(),
+            node_place(),
         )
         self._fetcher = Fetcher(
             self._store,

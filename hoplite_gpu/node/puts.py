@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol as p
-from .config import Config
-from .dtypes import dtype_to_wire
-from .errors import (
+from .. import protocol as p
+from ..config import Config
+from ..dtypes import dtype_to_wire
+from ..errors import (
     InvalidArgumentError,
     ObjectExistsError,
     ObjectTooLargeError,
@@ -31,8 +31,8 @@ from .errors import (
     as_hoplite_error,
     from_kind,
 )
-from .memory import MEMORY_DEVICE, Buffer, BufferKind, CallerArray, LocalObject, LocalStore, digest_of
-from .object_id import ObjectID
+from ..memory import MEMORY_DEVICE, Buffer, BufferKind, CallerArray, LocalObject, LocalStore, digest_of
+from ..object_id import ObjectID
 from .session import DirectorySession
 
 #: Bytes a put copies at a time when it copies after publishing (see :meth:`Putter.prepare`).

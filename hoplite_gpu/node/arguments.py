@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol as p
-from .errors import InvalidArgumentError
-from .object_id import ObjectID
-from .reduce_ops import ReduceOp, as_op
+from .. import protocol as p
+from ..errors import InvalidArgumentError
+from ..object_id import ObjectID
+from ..reduce_ops import ReduceOp, as_op
 
 
 def resolve_timeout(timeout: float | None, default: float) -> float | None:
