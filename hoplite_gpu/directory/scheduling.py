@@ -22,7 +22,7 @@ def same_host_copy(
     nodes: Nodes, entry: ObjectEntry, receiver: str, device_ipc: bool = False
 ) -> Location | None:
     """A complete copy in a shared-memory segment on ``receiver``'s host. A device copy's
-    ticket (:mod:`hoplite_gpu.ipc`) counts only for a ``device_ipc`` receiver, and the holders
+    ticket (:mod:`hoplite_gpu.memory.ipc`) counts only for a ``device_ipc`` receiver, and the holders
     whose GPU reaches the receiver's best come first (the same GPU, then NVLink, then PCIe on
     its NUMA node: :func:`hoplite_gpu.topology.link_between`, from the GPUs nodes named when
     they joined). Then the owner's copy, and one still being copied into its segment (see

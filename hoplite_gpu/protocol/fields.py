@@ -37,7 +37,7 @@ MAX_CODING_COLUMNS = 4096
 #: :attr:`~.messages.PutRequest.memory` values: host memory, device memory.
 MEMORY_KINDS = ("", "device")
 #: What a copy's ``segment`` starts with when it names a device memory ticket
-#: (:mod:`hoplite_gpu.ipc`) rather than a shared-memory segment.
+#: (:mod:`hoplite_gpu.memory.ipc`) rather than a shared-memory segment.
 IPC_SEGMENT_PREFIX = "ipc:"
 
 _NAME = re.compile(r"[A-Za-z0-9._:-]+")

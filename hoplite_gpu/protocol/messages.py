@@ -66,7 +66,7 @@ class Hello(Message):
     proof: bytes
     data_host: str
     data_port: int
-    host_key: str = ""  # shared-memory namespace (:func:`hoplite_gpu.shm.host_key`); "" for none
+    host_key: str = ""  # shared-memory namespace (:func:`hoplite_gpu.memory.shm.host_key`); "" for none
     # Reconnecting after losing its directory: the id of the one it lost (its copies follow as
     # Restore messages); "" on a first join.
     previous_directory: str = ""
@@ -163,7 +163,7 @@ class LookupRequest(Message):
     deleted meanwhile (it fails the lookup) rather than not put yet (the lookup waits).
     ``shared_memory``: the requester can copy from a
     complete copy's shared-memory segment on its own host; ``device_ipc``: also open a same-host
-    device copy's memory (:mod:`hoplite_gpu.ipc`). ``direct``: pull from the owner (or the
+    device copy's memory (:mod:`hoplite_gpu.memory.ipc`). ``direct``: pull from the owner (or the
     node computing the object) even while it serves others, rather than from the chain of readers.
     """
 
