@@ -262,7 +262,7 @@ def test_a_ticket_opens_only_for_its_object_and_size(backend: str) -> None:
     assert ipc.PROCESS.open_ticket(ticket.name, OID, 65) is None  # another size
     assert ipc.PROCESS.open_ticket(ticket.name[len(tickets.PREFIX) :], OID, 64) is None  # not a ticket
     assert ipc.PROCESS.open_ticket(tickets.PREFIX + "../etc/passwd", OID, 64) is None
-    ticket.retire()
+    ipc.PROCESS.retire(ticket)
     assert ipc.PROCESS.open_ticket(ticket.name, OID, 64) is None and not ticket.held
 
 
@@ -425,8 +425,8 @@ def test_a_retired_ticket_stays_retired(backend: str) -> None:
     ticket = ipc.PROCESS.export(device.default_backend().empty_shared(16, 0))
     assert ticket is not None
     ticket.publish(OID)
-    ticket.retire()
-    ticket.retire()  # a second retirement (the store's, after a failed put's) changes nothing
+    ipc.PROCESS.retire(ticket)
+    ipc.PROCESS.retire(ticket)  # a second retirement (the store's, after a failed put's) changes nothing
     ipc.PROCESS.reap()
     assert ticket.publish(OID) == "" and not ticket.held
 

@@ -31,7 +31,8 @@ from . import device, shm
 from .backend import DeviceBackend
 
 if TYPE_CHECKING:
-    from .tickets import Opened, Ticket
+    from .ipc import Opened
+    from .tickets import Ticket
 
 
 class BufferKind(enum.Enum):
@@ -142,6 +143,13 @@ class Buffer:
         unpin, self.unpin = self.unpin, None
         if unpin is not None:
             unpin()
+
+    def close_lease(self) -> None:
+        """Close the other process's memory this buffer reads in place, if any (a lent copy,
+        once read); idempotent."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.close()
 
     @property
     def on_device(self) -> bool:

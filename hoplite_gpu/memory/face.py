@@ -228,7 +228,15 @@ class Memory:
         if buffer.pooled:
             self.pool.release(buffer.host)
         if buffer.ticket is not None:
-            buffer.ticket.retire()
+            PROCESS.retire(buffer.ticket)
+
+    @staticmethod
+    def drop(buffer: Buffer) -> None:
+        """A buffer that never was the store's is not kept: its page-locking is undone and its
+        export retired (its memory goes with its last reference)."""
+        buffer.release_pin()
+        if buffer.ticket is not None:
+            PROCESS.retire(buffer.ticket)
 
     def clear(self) -> None:
         """Drop every buffer the pool holds (node shutdown)."""

@@ -53,18 +53,7 @@ import numpy as np
 from . import device, shm
 from .backend import DeviceBackend
 from .device_pool import DevicePool, Spare
-from .tickets import (
-    PIN_ID,
-    PREFIX,
-    Opened,
-    Record,
-    Ticket,
-    close_mapping,
-    drop_record,
-    read,
-    read_segment,
-    write,
-)
+from .tickets import PIN_ID, PREFIX, Record, Ticket, drop_record, read, read_segment, write
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -72,6 +61,39 @@ log = logging.getLogger("hoplite_gpu")
 MAX_MAPPINGS = 16
 
 _MappingKey = tuple[str, bytes, int, int, int]
+
+
+class Opened:
+    """A holder's device memory, open for reading: ``array`` (flat ``uint8``, of this process's
+    default backend) until :meth:`close`, which also lets go of the ticket's lock."""
+
+    __slots__ = ("_close", "_ticket", "array")
+
+    def __init__(self, array: Any, close: Callable[[], None], ticket: shm.Locked) -> None:
+        self.array = array
+        self._close: Callable[[], None] | None = close
+        self._ticket: shm.Locked | None = ticket
+
+    def close(self) -> None:
+        """Close the memory and let go of the ticket (the holder may then free it); idempotent."""
+        close, self._close = self._close, None
+        ticket, self._ticket = self._ticket, None
+        self.array = None
+        try:
+            if close is not None:
+                close_mapping(close)
+        finally:
+            if ticket is not None:
+                ticket.close()  # the ticket's lock goes now
+
+
+def close_mapping(close: Callable[[], None]) -> None:
+    """Call a mapping's ``close`` (from :meth:`DeviceBackend.open_export
+    <hoplite_gpu.memory.backend.DeviceBackend.open_export>`), logging a failure."""
+    try:
+        close()
+    except Exception as exc:  # a CUDA error while closing: nothing more to do than say so
+        log.warning("closing a device IPC mapping failed: %s", exc)
 
 
 @dataclass(eq=False, slots=True)
@@ -151,15 +173,18 @@ class ProcessIpc:
                 self.let_go(array, pin)
                 return None
             record, pin = written
-        ticket = Ticket(self, record, array, backend, pooled, pin)
+        ticket = Ticket(record, array, backend, pooled, pin)
         with self._exports_lock:
             self._local[ticket.name] = ticket
         self.reap()
         return ticket
 
-    def drain(self, ticket: Ticket) -> None:
-        """A retired ticket's memory goes once no reader holds the ticket (called by
-        :meth:`Ticket.retire`)."""
+    def retire(self, ticket: Ticket) -> None:
+        """The object of one of this process's tickets is dropped: readers reject the ticket from
+        now on, and its memory goes once no reader holds it (now, or at a later :meth:`reap`).
+        Idempotent."""
+        if not ticket.retire():
+            return
         with self._exports_lock:
             self._draining.append(ticket)
         self.reap()

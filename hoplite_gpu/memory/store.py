@@ -11,10 +11,20 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..dtypes import dtype_from_wire
-from ..errors import HopliteError, HopliteTimeoutError, ObjectDeletedError, StoreFullError
+from ..errors import (
+    HopliteError,
+    HopliteTimeoutError,
+    InvalidArgumentError,
+    ObjectDeletedError,
+    StoreFullError,
+)
 from ..object_id import ObjectID
+from .arrays import CallerArray
 from .buffers import Buffer, BufferPool
+from .device import device_result
 from .face import Memory
 
 #: :attr:`LocalObject.memory` of an object put from host memory (NumPy, CPU tensors).
@@ -54,6 +64,49 @@ class LocalObject:
         """Typed view of the complete object's bytes (read-only for host memory; an array of the
         buffer's device backend for device memory)."""
         return self.buffer.typed(dtype_from_wire(self.dtype), self.shape)
+
+    def deliver(self, out: CallerArray | None) -> Any:
+        """The complete object's array for a caller, or ``out`` (any array kind, checked against
+        it) filled with it.
+
+        Without ``out``: an object put from host memory is a read-only NumPy view of the store's
+        copy; one put from device memory is a new array on the caller's current device (CuPy; a
+        bfloat16 object as uint16 where CuPy lacks bfloat16), or a host copy where this process
+        has no usable device. A lent copy (another process's device memory) is closed once read.
+        """
+        try:
+            return self._deliver(out)
+        finally:
+            self.buffer.close_lease()
+
+    def _deliver(self, out: CallerArray | None) -> Any:
+        dtype = dtype_from_wire(self.dtype)
+        if out is None:
+            if self.memory == MEMORY_DEVICE:
+                result = device_result(self.buffer.array, dtype, self.shape)
+                if result is not None:
+                    return result
+            if self.buffer.on_device:  # a host copy of device bytes (read-only, like the store's views)
+                host = self._host_copy(dtype)
+                host.flags.writeable = False
+                return host
+            return self.array()
+        array = out.value
+        bits = dtype.name == "bfloat16" and out.on_device and np.dtype(array.dtype) == np.uint16
+        if tuple(array.shape) != self.shape or (np.dtype(array.dtype) != dtype and not bits):
+            raise InvalidArgumentError(
+                f"out has dtype {array.dtype} and shape {tuple(array.shape)}, the object "
+                f"{self.object_id} has dtype {dtype} and shape {self.shape}",
+                argument="out",
+            )
+        # Device bytes go to a host ``out`` as ``dtype`` (bfloat16 may be viewed as uint16 on a device).
+        host_out = self.buffer.on_device and not out.on_device
+        out.copy_from(self._host_copy(dtype) if host_out else self.array())
+        return array
+
+    def _host_copy(self, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        """A host copy of a device object's bytes, typed."""
+        return self.buffer.to_host().view(dtype).reshape(self.shape)
 
     def advance(self, progress: int) -> None:
         """Record that bytes ``[0, progress)`` are present and wake the waiters they satisfy."""

@@ -5,7 +5,8 @@ The holder writes the allocation's inter-process handle into a *ticket*, a share
 of :mod:`~hoplite_gpu.memory.shm` published under the object's ID, and tells the directory its name
 (:data:`PREFIX` followed by the segment's name, in the copy's ``segment`` field). A reader reads
 the ticket under the ticket's shared lock (:func:`~hoplite_gpu.memory.shm.read_locked`: one
-``pread``) and keeps the lock for as long as it has the holder's memory open (:class:`Opened`):
+``pread``) and keeps the lock for as long as it has the holder's memory open
+(:class:`~hoplite_gpu.memory.ipc.Opened`):
 the holder marks the ticket retired when it drops the object and lets the memory go only once no
 reader holds the lock. What a process does with tickets (exporting, draining, opening, keeping
 mappings) is :mod:`hoplite_gpu.memory.ipc`'s.
@@ -36,18 +37,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..protocol import IPC_SEGMENT_PREFIX
 from . import shm
 from .backend import DeviceBackend
-
-if TYPE_CHECKING:
-    from .ipc import ProcessIpc
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -133,12 +130,11 @@ def write(
 
 class Ticket:
     """The holder's export of one device buffer: the published record and the memory it names
-    (referenced until the ticket is retired and no reader holds it; then handed back to ``owner``,
-    the process's :class:`~hoplite_gpu.memory.ipc.ProcessIpc`, which pools it when ``pooled``)."""
+    (referenced until the ticket is retired and no reader holds it; then let go by the process's
+    :class:`~hoplite_gpu.memory.ipc.ProcessIpc`, which pools it when ``pooled``)."""
 
     def __init__(
         self,
-        owner: ProcessIpc,
         record: np.ndarray[Any, Any],
         array: Any,
         backend: DeviceBackend,
@@ -147,7 +143,6 @@ class Ticket:
     ) -> None:
         segment = shm.segment_of(record)
         assert segment is not None
-        self._owner = owner
         self._segment: shm.Segment | None = segment
         self._record: np.ndarray[Any, Any] | None = record  # the segment's payload
         self.array: Any = array
@@ -179,14 +174,15 @@ class Ticket:
             return False
         return self._segment.link(shm.index_name(cluster, object_id))
 
-    def retire(self) -> None:
-        """The object is dropped: readers reject the ticket from now on, and the memory is let go
-        as soon as no reader has it open. Idempotent."""
+    def retire(self) -> bool:
+        """The object is dropped: readers reject the ticket from now on. Whether this call retired
+        it (false when it was already); the memory is let go by :meth:`ProcessIpc.retire
+        <hoplite_gpu.memory.ipc.ProcessIpc.retire>`, which calls this, once no reader has it open."""
         if self._retired or self._segment is None:
-            return
+            return False
         self._retired = True
         self._segment.retire()
-        self._owner.drain(self)
+        return True
 
     def release(self) -> np.ndarray[Any, Any] | None:
         """Stop naming the memory if no reader holds the ticket: the retired record (its segment,
@@ -265,36 +261,3 @@ def read_segment(segment: str, object_id: bytes, nbytes: int) -> tuple[shm.Locke
         found[0].close()
         return None
     return found
-
-
-class Opened:
-    """A holder's device memory, open for reading: ``array`` (flat ``uint8``, of this process's
-    default backend) until :meth:`close`, which also lets go of the ticket's lock."""
-
-    __slots__ = ("_close", "_ticket", "array")
-
-    def __init__(self, array: Any, close: Callable[[], None], ticket: shm.Locked) -> None:
-        self.array = array
-        self._close: Callable[[], None] | None = close
-        self._ticket: shm.Locked | None = ticket
-
-    def close(self) -> None:
-        """Close the memory and let go of the ticket (the holder may then free it); idempotent."""
-        close, self._close = self._close, None
-        ticket, self._ticket = self._ticket, None
-        self.array = None
-        try:
-            if close is not None:
-                close_mapping(close)
-        finally:
-            if ticket is not None:
-                ticket.close()  # the ticket's lock goes now
-
-
-def close_mapping(close: Callable[[], None]) -> None:
-    """Call a mapping's ``close`` (from :meth:`DeviceBackend.open_export
-    <hoplite_gpu.memory.backend.DeviceBackend.open_export>`), logging a failure."""
-    try:
-        close()
-    except Exception as exc:  # a CUDA error while closing: nothing more to do than say so
-        log.warning("closing a device IPC mapping failed: %s", exc)

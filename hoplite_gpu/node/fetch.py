@@ -6,7 +6,8 @@ checked), the source (:mod:`hoplite_gpu.node.sources`) that answer names (:meth:
 filling the local copy, and a report when it is complete (:meth:`Fetcher.completed`), so later
 readers can pull from it. A source that asks for another one sends the loop round again, with the
 bytes it already holds; the copy is visible in the local store while it fills, so other readers can
-pull from it even then. :func:`deliver` hands the object to the caller.
+pull from it even then. :meth:`LocalObject.deliver <hoplite_gpu.memory.LocalObject.deliver>`
+hands the object to the caller.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from ..memory import (
     LocalObject,
     LocalStore,
     device_in_use,
-    device_result,
 )
 from ..object_id import ObjectID
 from . import sources
@@ -90,54 +90,6 @@ async def _follow(source: LocalObject, dst: np.ndarray[Any, Any]) -> LocalObject
         dst[copied:end] = source.buffer.host[copied:end]
         copied = end
     return source
-
-
-def deliver(obj: LocalObject, out: CallerArray | None) -> Any:
-    """``obj``'s array, or ``out`` (any array kind, checked against it) filled with it.
-
-    Without ``out``: an object put from host memory is a read-only NumPy view of the store's
-    copy; one put from device memory is a new array on the caller's current device (CuPy; a
-    bfloat16 object as uint16 where CuPy lacks bfloat16), or a host copy where this process has no usable
-    device. A lent copy (another process's device memory) is closed once read.
-    """
-    lease = obj.buffer.lease
-    if lease is not None:
-        try:
-            return _deliver(obj, out)
-        finally:
-            lease.close()
-    return _deliver(obj, out)
-
-
-def _deliver(obj: LocalObject, out: CallerArray | None) -> Any:
-    dtype = dtype_from_wire(obj.dtype)
-    if out is None:
-        if obj.memory == MEMORY_DEVICE:
-            result = device_result(obj.buffer.array, dtype, obj.shape)
-            if result is not None:
-                return result
-        if obj.buffer.on_device:  # a host copy of device bytes (read-only, like the store's views)
-            host = _host_copy(obj, dtype)
-            host.flags.writeable = False
-            return host
-        return obj.array()
-    array = out.value
-    bits = dtype.name == "bfloat16" and out.on_device and np.dtype(array.dtype) == np.uint16
-    if tuple(array.shape) != obj.shape or (np.dtype(array.dtype) != dtype and not bits):
-        raise InvalidArgumentError(
-            f"out has dtype {array.dtype} and shape {tuple(array.shape)}, the object "
-            f"{obj.object_id} has dtype {dtype} and shape {obj.shape}",
-            argument="out",
-        )
-    # Device bytes go to a host ``out`` as ``dtype`` (bfloat16 may be viewed as uint16 on a device).
-    host_out = obj.buffer.on_device and not out.on_device
-    out.copy_from(_host_copy(obj, dtype) if host_out else obj.array())
-    return array
-
-
-def _host_copy(obj: LocalObject, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """A host copy of a device object's bytes, typed."""
-    return obj.buffer.to_host().view(dtype).reshape(obj.shape)
 
 
 def _lookup_error(oid: ObjectID, reply: p.LookupReply) -> HopliteError:
@@ -201,8 +153,7 @@ class Fetcher:
         try:
             dtype, shape = sources.check_meta(oid, record.dtype, record.shape, record.nbytes, "ticket")
         except HopliteError:
-            if buffer.lease is not None:
-                buffer.lease.close()
+            buffer.close_lease()
             return None
         return LocalObject(
             oid, record.nbytes, dtype, shape, b"", buffer, progress=record.nbytes, memory=MEMORY_DEVICE
@@ -258,7 +209,7 @@ class Fetcher:
             fetch.cancel()
             if follower is not None and not follower.done():
                 follower.cancel()
-        return deliver(obj, CallerArray.of(out))
+        return obj.deliver(CallerArray.of(out))
 
     async def _fetch(self, attempt: sources.Attempt) -> LocalObject:
         """One attempt of :meth:`get` (raises :class:`ObjectReset` if its copy was voided): a

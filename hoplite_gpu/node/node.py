@@ -44,7 +44,7 @@ from ..memory import LocalStore, Memory, host_key, node_place, shared_memory_ava
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 from .arguments import reduce_request, resolve_timeout
-from .fetch import Fetcher, check_out, deliver, streamable
+from .fetch import Fetcher, check_out, streamable
 from .puts import Putter
 from .session import DirectorySession
 from .vertex import VertexRunner
@@ -301,10 +301,10 @@ class Node:
         into = check_out(out)
         indexed = self._fetcher.indexed(object_id)
         if indexed is not None:
-            return deliver(indexed, into)
+            return indexed.deliver(into)
         if streamable(into):
             return self._io.run(self._fetcher.get_into(object_id, timeout, out, direct))
-        return deliver(self._io.run(self._fetcher.get(object_id, timeout, direct=direct, lend=True)), into)
+        return self._io.run(self._fetcher.get(object_id, timeout, direct=direct, lend=True)).deliver(into)
 
     async def get_async(
         self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
@@ -316,11 +316,11 @@ class Node:
         into = check_out(out)
         indexed = self._fetcher.indexed(object_id)
         if indexed is not None:
-            return deliver(indexed, into)
+            return indexed.deliver(into)
         if streamable(into):
             return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct))
         fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True)
-        return deliver(await self._io.run_async(fetch), into)
+        return (await self._io.run_async(fetch)).deliver(into)
 
     @staticmethod
     def _check_oid(object_id: Any) -> None:

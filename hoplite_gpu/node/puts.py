@@ -185,9 +185,7 @@ class Putter:
         if existing is not None:
             # This copy is not kept: nor its page-locking, nor its export (its pooled memory is the
             # caller's array or goes with it).
-            obj.buffer.release_pin()
-            if obj.buffer.ticket is not None:
-                obj.buffer.ticket.retire()
+            self._memory.drop(obj.buffer)
             same = existing.digest == obj.digest or not (existing.digest and obj.digest)
             if same and existing.dtype == obj.dtype and existing.shape == obj.shape:
                 if existing.owner and not existing.complete:  # the same put, still copying

@@ -244,7 +244,7 @@ class DeviceIpcSource(Source):
                 memory.release(buffer)
                 raise
         finally:
-            lent.buffer.lease.close()
+            lent.buffer.close_lease()
         obj = from_reply(oid, reply, (lent.dtype, lent.shape), buffer, progress=reply.size)
         self.ctx.store.add(obj)
         self.ctx.completed(obj, generation, 0)
