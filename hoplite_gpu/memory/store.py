@@ -23,7 +23,7 @@ from ..errors import (
 )
 from ..object_id import ObjectID
 from .arrays import CallerArray
-from .buffers import Buffer, BufferPool
+from .buffers import Buffer
 from .device import device_result
 from .face import Memory
 
@@ -183,17 +183,6 @@ class LocalStore:
         self._objects: dict[ObjectID, LocalObject] = {}
         self._arrivals: dict[ObjectID, list[asyncio.Future[LocalObject]]] = {}
         self._removed: OrderedDict[ObjectID, None] = OrderedDict()  # recent removals, oldest first
-
-    @property
-    def pool(self) -> BufferPool:
-        """The pool of the store's host buffers (:attr:`Memory.pool`)."""
-        return self.memory.pool
-
-    @property
-    def shares(self) -> bool:
-        """Whether processes on this host read this store's copies in place (shared-memory
-        segments, device memory tickets): the node runs with ``Config.shared_memory``."""
-        return self.memory.shares
 
     def __contains__(self, oid: ObjectID) -> bool:
         return oid in self._objects
