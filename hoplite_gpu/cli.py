@@ -56,8 +56,8 @@ async def probe(address: str, timeout: float) -> None:
         DirectoryUnavailableError: no connection, no challenge, or something else came back.
     """
     from . import protocol as p
-    from .control import parse_address
     from .errors import DirectoryUnavailableError
+    from .node.control import parse_address
 
     host, port = parse_address(address)
 
