@@ -202,7 +202,7 @@ def test_index_links_of_a_killed_process_are_replaced_or_swept() -> None:
     paths = [os.path.join(shm.SHM_DIR, n) for n in names]
     assert all(os.path.exists(path) for path in paths)  # a killed process removes nothing
     read = shm.read_locked(names[0], oids[0], 64)  # still published, but its creator is gone,
-    assert read is not None and not shm.alive(read.creator)  # which readers check (open_indexed)
+    assert read is not None and not shm.alive(read.creator)  # a ticket names it too (open_indexed)
     read.close()
     mine = shm.segment_of(shm.create(64))
     assert mine is not None
@@ -212,6 +212,33 @@ def test_index_links_of_a_killed_process_are_replaced_or_swept() -> None:
     assert not os.path.exists(paths[0]) and os.path.exists(paths[1])
     mine.unlink()
     assert not os.path.exists(paths[1])
+
+
+def test_a_segment_of_another_user_is_not_read_under_any_name() -> None:
+    """A name the directory gave may be made anew by another user once its holder removed it
+    (and then truncated under a reader's mapping: SIGBUS): readers open only their own user's
+    files, under segment names as under index names."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a file of another user")
+    buf = shm.create(64)
+    seg = shm.segment_of(buf)
+    assert seg is not None
+    seg.publish(OID)
+    path = os.path.join(shm.SHM_DIR, seg.name)
+    index = shm.index_name(CLUSTER, OID)
+    assert seg.link(index)
+    try:
+        os.chown(path, 65534, 65534)  # now another user's (as if it had made the name anew)
+        for name in (seg.name, index):
+            assert shm.map_view(name, OID, 64) is None
+            assert shm.read_locked(name, OID, 64) is None
+            assert shm.map_payload(name, 0, 64) is None
+        os.chown(path, os.geteuid(), os.getegid())  # this user's again: read
+        view = shm.map_view(seg.name, OID, 64)
+        assert view is not None and shm.map_payload(seg.name, 0, 64) is not None
+        del view
+    finally:
+        seg.unlink()
 
 
 # ---------------------------------------------------------------- directory decisions

@@ -32,8 +32,11 @@ derive from an ObjectID alone (:func:`index_name`: ``hoplite-i-<pid namespace>-<
 key>-<ObjectID>``), so they find it without asking the directory (:meth:`Segment.link`). The link
 is the same file, so the header, the published ObjectID and the lock are those of the segment. Its
 holder removes the link when it retires or unlinks the segment; links of killed processes go in
-:func:`sweep_orphans` (the header says who created the file). Only files of this user are read
-under an index name (anyone may create files in ``/dev/shm``).
+:func:`sweep_orphans` (the header says who created the file).
+
+Anyone may create files in ``/dev/shm``: only regular files of this process's user are read, under
+an index name or a name from the directory (:func:`_open_regular`), and what a device object's
+ticket says is trusted only with its cluster's seal (:mod:`hoplite_gpu.memory.tickets`).
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def _whoami() -> tuple[int, int, int]:
     up once per process (a forked child looks again): the same-host read paths ask for them at
     every read, and each lookup is a system call (costly where system calls are intercepted, as
     in gVisor). A process that changes its effective user later keeps the old one here:
-    :func:`_open_regular` then reads only the index links of the user it started as, and refuses
-    its new user's (the reader asks the directory instead)."""
+    :func:`_open_regular` then reads only the segments and index links of the user it started
+    as, and refuses its new user's (the reader pulls or asks the directory instead)."""
     global _identity
     if _identity is None:
         try:
@@ -169,7 +172,9 @@ class Segment(mmap.mmap):
     def link(self, name: str) -> bool:
         """Hard-link the segment under the index name ``name`` (:func:`index_name`); whether it
         is there now. A link left by a process that is gone is replaced; a live one is kept (its
-        holder has the same object: readers find that one)."""
+        holder has the same object: readers find that one), and so is whatever this process may
+        not remove (anyone can create the name first). Never raises: an index link only saves
+        readers a lookup."""
         if not _INDEX.fullmatch(name) or name in self._links:
             return name in self._links
         path = os.path.join(SHM_DIR, name)
@@ -179,7 +184,13 @@ class Segment(mmap.mmap):
             except FileExistsError:
                 if _creator_alive(name):
                     return False
-                _unlink(path)  # a killed holder's: replace it
+                try:
+                    _unlink(path)  # a killed holder's: replace it
+                except OSError as exc:
+                    # Not ours to remove (another user's, in sticky /dev/shm): the name stays
+                    # taken and readers ask the directory; the put itself goes on.
+                    log.debug("cannot replace %s to index segment %s: %s", name, self.name, exc)
+                    return False
                 continue
             except OSError as exc:
                 log.debug("cannot link segment %s as %s: %s", self.name, name, exc)
@@ -263,8 +274,10 @@ def _open_segment(name: str) -> int:
 
 def _open_regular(name: str) -> tuple[int, int] | None:
     """A read-only descriptor of segment ``name`` (the caller closes it) and the file's size, or
-    None when the name is not one of ours, nothing is there, or it is not a regular file (a FIFO
-    or device under a segment's name is never read), or, under an index name, not this user's.
+    None when the name is not one of ours, nothing is there, it is not a regular file (a FIFO or
+    device under a segment's name is never read), or it is not this user's: under an index name
+    anyone may have made it, and under a name from the directory another user may have made it
+    anew once its holder removed it (and could then truncate it under a reader's mapping: SIGBUS).
     (A segment's size is fixed when it is created, so the size stays right while it is open.)"""
     if not valid_name(name):
         return None
@@ -274,7 +287,7 @@ def _open_regular(name: str) -> tuple[int, int] | None:
         return None
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and (st.st_uid == _whoami()[2] or not name.startswith(INDEX_PREFIX)):
+        if stat.S_ISREG(st.st_mode) and st.st_uid == _whoami()[2]:
             return fd, st.st_size
     except OSError:
         pass
