@@ -137,9 +137,8 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
             from hoplite_gpu.memory import ipc, to_host
 
             segment, oid_hex, dtype, shape = args
-            opened = ipc.PROCESS.open_ticket(
-                segment, bytes.fromhex(oid_hex), int(np.prod(shape)) * np.dtype(dtype).itemsize
-            )
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            opened = ipc.PROCESS.open_ticket(segment, bytes.fromhex(oid_hex), nbytes, node._memory.seal_key)
             if opened is None:
                 return None
             held["ipc"] = opened

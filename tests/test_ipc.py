@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import os
 import signal
+import struct
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +24,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
+from hoplite_gpu.auth import new_token
 from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request
 from hoplite_gpu.errors import ProtocolError
@@ -45,6 +48,8 @@ pytestmark = [
 
 SHAPE = (4, 1 << 15)  # 512 KiB of float32: several data-plane chunks when pulled
 OID = b"o" * 20
+KEY = tickets.ticket_key("a-token-of-this-test")  # seals the tickets made in this process by hand
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
 def _sim_only(backend: str) -> None:
@@ -65,6 +70,11 @@ def ipc_workers(backend: str, ipc_owner: Any) -> Iterator[list[Worker]]:
     yield ws
     for w in ws:
         w.stop()
+
+
+def _seal(node: Any) -> bytes:
+    """The key that seals the tickets of ``node``'s cluster."""
+    return bytes(node._memory.seal_key)
 
 
 def _events(node: Any, oid: str, since: int) -> list[dict[str, Any]]:
@@ -203,7 +213,7 @@ def test_device_memory_that_does_not_open_falls_back_to_a_pull(
     _sim_only(backend)
     oid, want = _put(ipc_owner, backend, 6)
     ticket = ipc_owner._store.get(oid).buffer.ticket
-    record = ipc.PROCESS.read_ticket(ticket.name, oid.binary(), want.nbytes)
+    record = ipc.PROCESS.read_ticket(ticket.name, oid.binary(), want.nbytes, _seal(ipc_owner))
     assert record is not None and record.backend == "sim"
     os.unlink(os.path.join(shm.SHM_DIR, record.handle.decode()))  # the memory's file is gone
     start = ipc_owner.event_log()[-1]["seq"] + 1
@@ -225,7 +235,9 @@ def test_a_holder_frees_device_memory_only_once_its_readers_let_go(
     assert reader.call("ipc_open", ticket.name, oid.hex(), "float32", SHAPE) == digest(want)
     assert ipc_owner.delete(oid)
     assert ticket.held  # retired, but a reader has the memory open: not freed
-    assert ipc.PROCESS.open_ticket(ticket.name, oid.binary(), want.nbytes) is None  # no new reader
+    assert (
+        ipc.PROCESS.open_ticket(ticket.name, oid.binary(), want.nbytes, _seal(ipc_owner)) is None
+    )  # none new
     assert reader.call("ipc_close")
     ipc.PROCESS.reap()
     assert not ticket.held
@@ -237,10 +249,10 @@ def test_memory_of_a_killed_holder_is_not_opened(backend: str, ipc_owner: Any) -
         oid = holder.call("put_device", backend, "float32", SHAPE, 8, "")
         name = holder.call("ticket", oid)
         nbytes = int(np.prod(SHAPE)) * 4
-        assert ipc.PROCESS.read_ticket(name, bytes.fromhex(oid), nbytes) is not None
+        assert ipc.PROCESS.read_ticket(name, bytes.fromhex(oid), nbytes, _seal(ipc_owner)) is not None
         os.kill(holder.proc.pid, signal.SIGKILL)
         holder.proc.join(30)
-        assert ipc.PROCESS.open_ticket(name, bytes.fromhex(oid), nbytes) is None
+        assert ipc.PROCESS.open_ticket(name, bytes.fromhex(oid), nbytes, _seal(ipc_owner)) is None
     finally:
         holder.stop()
         shm.sweep_orphans()  # the killed holder's ticket and memory files
@@ -253,17 +265,17 @@ def test_a_ticket_opens_only_for_its_object_and_size(backend: str) -> None:
     device.default_backend().from_host(array, ramp)
     ticket = ipc.PROCESS.export(array)
     assert ticket is not None and tickets.is_ticket(ticket.name)
-    assert ipc.PROCESS.open_ticket(ticket.name, OID, 64) is None  # not published yet
-    ticket.publish(OID)
-    opened = ipc.PROCESS.open_ticket(ticket.name, OID, 64)
+    assert ipc.PROCESS.open_ticket(ticket.name, OID, 64, KEY) is None  # not published yet
+    ticket.publish(OID, KEY)
+    opened = ipc.PROCESS.open_ticket(ticket.name, OID, 64, KEY)
     assert opened is not None and np.array_equal(to_host(opened.array), ramp)
     opened.close()
-    assert ipc.PROCESS.open_ticket(ticket.name, b"x" * 20, 64) is None  # another object
-    assert ipc.PROCESS.open_ticket(ticket.name, OID, 65) is None  # another size
-    assert ipc.PROCESS.open_ticket(ticket.name[len(tickets.PREFIX) :], OID, 64) is None  # not a ticket
-    assert ipc.PROCESS.open_ticket(tickets.PREFIX + "../etc/passwd", OID, 64) is None
+    assert ipc.PROCESS.open_ticket(ticket.name, b"x" * 20, 64, KEY) is None  # another object
+    assert ipc.PROCESS.open_ticket(ticket.name, OID, 65, KEY) is None  # another size
+    assert ipc.PROCESS.open_ticket(ticket.name[len(tickets.PREFIX) :], OID, 64, KEY) is None  # not a ticket
+    assert ipc.PROCESS.open_ticket(tickets.PREFIX + "../etc/passwd", OID, 64, KEY) is None
     ipc.PROCESS.retire(ticket)
-    assert ipc.PROCESS.open_ticket(ticket.name, OID, 64) is None and not ticket.held
+    assert ipc.PROCESS.open_ticket(ticket.name, OID, 64, KEY) is None and not ticket.held
 
 
 def test_memory_of_a_pool_is_not_exported(backend: str) -> None:
@@ -424,11 +436,11 @@ def test_nothing_is_left_in_dev_shm(backend: str, ipc_owner: Any) -> None:
 def test_a_retired_ticket_stays_retired(backend: str) -> None:
     ticket = ipc.PROCESS.export(device.default_backend().empty_shared(16, 0))
     assert ticket is not None
-    ticket.publish(OID)
+    ticket.publish(OID, KEY)
     ipc.PROCESS.retire(ticket)
     ipc.PROCESS.retire(ticket)  # a second retirement (the store's, after a failed put's) changes nothing
     ipc.PROCESS.reap()
-    assert ticket.publish(OID) == "" and not ticket.held
+    assert ticket.publish(OID, KEY) == "" and not ticket.held
 
 
 # ---------------------------------------------------------------- the pool of device allocations
@@ -542,12 +554,14 @@ def test_a_reader_on_the_host_reads_each_object_of_reused_memory(
         ticket = ipc_owner._store.get(oid).buffer.ticket.name
         tickets.add(ticket)
         for old in earlier:  # the ticket names only its present object
-            assert ipc.PROCESS.read_ticket(ticket, old.binary(), nbytes) is None
-        assert ipc.PROCESS.read_ticket(ticket, oid.binary(), nbytes) is not None
+            assert ipc.PROCESS.read_ticket(ticket, old.binary(), nbytes, _seal(ipc_owner)) is None
+        assert ipc.PROCESS.read_ticket(ticket, oid.binary(), nbytes, _seal(ipc_owner)) is not None
         assert reader.call("get_typed", oid.hex(), 60) == (DEVICE_TYPE[backend], digest(want))
         assert ipc_owner.delete(oid)
         ipc.PROCESS.reap()
-        assert ipc.PROCESS.read_ticket(ticket, oid.binary(), nbytes) is None  # retired with its object
+        assert (
+            ipc.PROCESS.read_ticket(ticket, oid.binary(), nbytes, _seal(ipc_owner)) is None
+        )  # retired with its object
         earlier.append(oid)
     assert len(seen) == 1  # one allocation served all three
     assert len(tickets) == 1  # named by one ticket, published again for each object
@@ -594,9 +608,15 @@ def test_an_allocation_a_reader_keeps_open_is_freed_once_it_closed_it(
 
 
 # ---------------------------------------------------------------- index links
+def _index_key(node: Any) -> str:
+    """The key ``node`` indexes under now."""
+    key = node._memory.index_key
+    assert key
+    return str(key)
+
+
 def _index_path(node: Any, oid_hex: str) -> str:
-    key = tickets.cluster_key(node.token, node.directory_address)
-    return os.path.join(shm.SHM_DIR, shm.index_name(key, bytes.fromhex(oid_hex)))
+    return os.path.join(shm.SHM_DIR, shm.index_name(_index_key(node), bytes.fromhex(oid_hex)))
 
 
 def test_a_deleted_object_is_not_found_through_its_index_link(
@@ -619,10 +639,11 @@ def test_an_index_link_is_of_one_cluster_and_goes_with_a_killed_owner(backend: s
     try:
         oid = holder.call("put_device", backend, "float32", SHAPE, 62, "")
         path = _index_path(ipc_owner, oid)
-        key = tickets.cluster_key(ipc_owner.token, ipc_owner.directory_address)
-        other = tickets.cluster_key("another-token", ipc_owner.directory_address)
-        assert ipc.PROCESS.open_indexed(other, bytes.fromhex(oid)) is None  # another cluster's name
-        found = ipc.PROCESS.open_indexed(key, bytes.fromhex(oid))
+        key, seal = _index_key(ipc_owner), _seal(ipc_owner)
+        other = tickets.cluster_key("another-token", ipc_owner._session.control.directory_id)
+        assert ipc.PROCESS.open_indexed(other, bytes.fromhex(oid), seal) is None  # another cluster's name
+        assert ipc.PROCESS.open_indexed(key, bytes.fromhex(oid), KEY) is None  # another token's seal
+        found = ipc.PROCESS.open_indexed(key, bytes.fromhex(oid), seal)
         assert found is not None
         opened, record = found
         assert (np.dtype(record.dtype), record.shape) == (np.float32, SHAPE)
@@ -633,10 +654,285 @@ def test_an_index_link_is_of_one_cluster_and_goes_with_a_killed_owner(backend: s
         os.kill(holder.proc.pid, signal.SIGKILL)
         holder.proc.join(30)
         assert os.path.exists(path)  # a killed process removes nothing
-        assert ipc.PROCESS.open_indexed(key, bytes.fromhex(oid)) is None  # its process is gone
+        assert ipc.PROCESS.open_indexed(key, bytes.fromhex(oid), seal) is None  # its process is gone
         shm.sweep_orphans()
         assert not os.path.exists(path)
     finally:
         holder.stop()
         shm.sweep_orphans()
         ipc.PROCESS.sweep()
+
+
+# ---------------------------------------------------------------- what a reader trusts in /dev/shm
+def _forge_ticket(name: str, object_id: bytes, memory: str, dtype: str, shape: tuple[int, ...]) -> Any:
+    """Write, as an attacker without the token would, a published ticket for ``object_id`` under
+    the shared-memory name ``name`` naming the simulated device memory of segment ``memory``, made
+    by process 1 (alive in every pid namespace): the ticket layout is in the open, the seal's key
+    is not (any 32 bytes are as good a guess as another). Returns the ticket's segment."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    record = shm.create(tickets.RECORD_BYTES)
+    seg = shm.segment_of(record) if record is not None else None
+    assert seg is not None
+    handle = memory.encode()
+    tickets._RECORD.pack_into(record.data, 0, b"sim", 0, 1, 0, nbytes, len(handle))
+    record[tickets._RECORD.size : tickets._RECORD.size + len(handle)] = np.frombuffer(handle, np.uint8)
+    tickets._META.pack_into(record.data, tickets._META_AT, np.dtype(dtype).str.encode(), len(shape))
+    struct.pack_into(f"<{len(shape)}Q", record.data, tickets._SHAPE_AT, *shape)
+    record[-32:] = np.frombuffer(os.urandom(32), np.uint8)  # where a seal goes
+    struct.pack_into("<I", seg, 36, 1)  # the header's creator: process 1
+    seg.publish(object_id)
+    os.link(os.path.join(shm.SHM_DIR, seg.name), os.path.join(shm.SHM_DIR, name))
+    return seg
+
+
+def test_a_ticket_opens_only_with_its_clusters_seal(backend: str) -> None:
+    array = device.default_backend().empty_shared(64, 0)
+    device.default_backend().from_host(array, np.arange(64, dtype=np.uint8))
+    ticket = ipc.PROCESS.export(array)
+    assert ticket is not None
+    ticket.publish(OID, KEY, "|u1", (64,))
+    found = tickets.read(ticket.name[len(tickets.PREFIX) :], OID, KEY)
+    assert found is not None
+    found[0].close()
+    assert ipc.PROCESS.read_ticket(ticket.name, OID, 64, KEY) is not None
+    refused = ipc.PROCESS.stats()["refused"]
+    assert ipc.PROCESS.read_ticket(ticket.name, OID, 64, tickets.ticket_key("another token")) is None
+    assert ipc.PROCESS.read_ticket(ticket.name, OID, 64, b"") is None  # a reader without a key
+    assert ipc.PROCESS.stats()["refused"] == refused + 2
+    # Any byte of the record changed (here the offset into the allocation) breaks the seal.
+    segment = ticket._segment
+    assert segment is not None
+    struct.pack_into("<Q", segment, shm.HEADER_BYTES + 16, 8)
+    assert ipc.PROCESS.read_ticket(ticket.name, OID, 64, KEY) is None
+    struct.pack_into("<Q", segment, shm.HEADER_BYTES + 16, 0)
+    assert ipc.PROCESS.read_ticket(ticket.name, OID, 64, KEY) is not None
+    ticket.publish(b"x" * 20, b"")  # published without a key: nobody opens it
+    assert ipc.PROCESS.read_ticket(ticket.name, b"x" * 20, 64, KEY) is None
+    ipc.PROCESS.retire(ticket)
+    ipc.PROCESS.reap()
+
+
+def test_a_forged_index_link_is_refused_and_the_get_asks_the_directory(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    """The issue's attack: a process without the token reads the cluster's key off the names in
+    /dev/shm, and writes a ticket at the index name of a predictable ObjectID before its owner
+    puts it, naming memory of its own, by process 1. The owner's put goes on (the name is taken),
+    and the reader refuses the forged ticket (no seal) and gets the true bytes through the
+    directory."""
+    _sim_only(backend)
+    owner, reader = ipc_workers[0], ipc_workers[2]
+    # The cluster's key, as anyone on the host reads it: off the index name of an earlier put.
+    seen = owner.call("put_device", backend, "float32", (4,), 1, "")
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    (key,) = {
+        n.split("-")[3]
+        for n in os.listdir(shm.SHM_DIR)
+        if n.startswith(f"hoplite-i-{ns}-") and n.endswith(seen)
+    }
+    oid = hg.ObjectID.from_name(f"allreduce-step-{os.urandom(4).hex()}")  # predictable
+    evil = make_array("float32", SHAPE, 666)
+    memory = shm.create(evil.nbytes)
+    assert memory is not None
+    memory[:] = evil.view(np.uint8).reshape(-1)
+    name = shm.index_name(key, oid.binary())
+    forged = _forge_ticket(name, oid.binary(), shm.segment_of(memory).name, "float32", SHAPE)  # type: ignore[union-attr]
+    path = os.path.join(shm.SHM_DIR, name)
+    try:
+        before = reader.call("stats")
+        start = ipc_owner.event_log()[-1]["seq"] + 1
+        assert owner.call("put_device", backend, "float32", SHAPE, 70, oid.hex()) == oid.hex()
+        assert os.path.samefile(path, os.path.join(shm.SHM_DIR, forged.name))  # the name stays taken
+        got = reader.call("get_typed", oid.hex(), 60)
+        assert got == (DEVICE_TYPE[backend], digest(make_array("float32", SHAPE, 70))), "the forged bytes"
+        after = reader.call("stats")
+        assert after["device_ipc_indexed"] == before["device_ipc_indexed"]
+        assert after["device_ipc_refused"] >= before["device_ipc_refused"] + 1
+        assert "lookup_ipc" in [e["kind"] for e in _events(ipc_owner, oid.hex(), start)]  # asked
+        owner.call("delete", oid.hex())
+    finally:
+        forged.unlink()
+        os.unlink(path)
+        shm.segment_of(memory).unlink()  # type: ignore[union-attr]
+        owner.call("delete", seen)
+
+
+# A holder that is not root: it joins as root (the interpreter's files may be root's only), then
+# acts as another user; puts the object the test names and prints what became of the put.
+_UNPRIVILEGED_HOLDER = r"""
+import os, sys, numpy as np, hoplite_gpu as hg
+from hoplite_gpu.memory import sim
+from tests.procs import make_array
+node = hg.connect(sys.argv[1], token=sys.argv[2], shared_memory=True)
+os.setegid(int(sys.argv[3])); os.seteuid(int(sys.argv[3]))
+array = sim.sim_array(make_array("float32", (4, 1 << 15), 71))
+try:
+    print("PUT", node.put(array, hg.ObjectID.from_hex(sys.argv[4])).hex(), flush=True)
+except Exception as exc:
+    print("FAILED", type(exc).__name__, exc, flush=True)
+sys.stdin.readline()  # hold the object until the test is done with it
+os.seteuid(0)
+node.close()
+"""
+
+
+def test_a_put_goes_on_when_another_user_holds_its_index_name(
+    backend: str, ipc_owner: Any, ipc_workers: list[Worker]
+) -> None:
+    """Another local user creates the index name of a predictable id first, as a file whose
+    creator is gone: the holder (not root, in sticky /dev/shm) cannot remove it. Its put succeeds
+    all the same (the name is just not its), and readers get the object through the directory."""
+    _sim_only(backend)
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to act as two other users")
+    import subprocess
+    import sys
+
+    other, holder_uid = 65532, 65533
+    oid = hg.ObjectID.random()
+    path = os.path.join(shm.SHM_DIR, shm.index_name(_index_key(ipc_owner), oid.binary()))
+    header = bytearray(shm.HEADER_BYTES + tickets.RECORD_BYTES)
+    struct.pack_into("<QQ20sI", header, 0, 0, tickets.RECORD_BYTES, oid.binary(), 2**31 - 2)  # no such pid
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, bytes(header))
+    os.fchown(fd, other, other)
+    os.close(fd)
+    env = {**os.environ, "HOPLITE_DEVICE_BACKEND": "sim", "PYTHONPATH": _ROOT}
+    args = [ipc_owner.directory_address, ipc_owner.token, str(holder_uid), oid.hex()]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _UNPRIVILEGED_HOLDER, *args],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().split() == ["PUT", oid.hex()]  # not FAILED PermissionError
+        assert os.stat(path).st_uid == other  # the name is still the other user's
+        got = ipc_workers[1].call("get_typed", oid.hex(), 60)
+        assert got == (DEVICE_TYPE[backend], digest(make_array("float32", SHAPE, 71)))
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        try:
+            holder.wait(60)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+            os.unlink(path)
+
+
+# One cluster in a network namespace: a directory at 127.0.0.1:17070 and a node of it, which puts
+# a device object (argv "put") or gets it within a second (argv "get") and prints what it found.
+_CLUSTER_IN_NAMESPACE = r"""
+import sys, numpy as np, hoplite_gpu as hg
+from hoplite_gpu.memory import sim
+from tests.procs import digest, make_array
+service = hg.start_directory(sys.argv[1], host="127.0.0.1", port=17070)
+node = hg.connect("127.0.0.1:17070", token=sys.argv[1], shared_memory=True)
+oid = hg.ObjectID.from_hex(sys.argv[3])
+sim.sim_array(np.zeros(1, np.uint8))  # works with (simulated) device memory, as a GPU process
+if sys.argv[2] == "put":
+    node.put(sim.sim_array(make_array("float32", (4, 1 << 15), 72)), oid)
+    print("PUT", flush=True)
+    sys.stdin.readline()  # hold the object until the other cluster has tried
+else:
+    try:
+        got = node.get(oid, timeout=1.0)
+        print("GOT", digest(np.asarray(got).view(np.ndarray)), node.stats()["device_ipc_indexed"], flush=True)
+    except hg.HopliteError as exc:
+        print("NOT FOUND", type(exc).__name__, flush=True)
+node.close()
+hg.stop_directory(service)
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_clusters_of_one_token_and_directory_address_share_no_index_link(backend: str) -> None:
+    """Two network namespaces, each with a directory on 127.0.0.1:17070 and the same token, one
+    /dev/shm: a get in cluster B of an id put only in cluster A does not find A's object (each
+    directory instance gives its cluster index names of its own)."""
+    _sim_only(backend)
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2, to make network namespaces")
+    names = [f"hg39ix{i}{os.getpid()}" for i in range(2)]
+    made: list[str] = []
+    token = new_token()
+    oid = hg.ObjectID.from_name(f"step-{os.urandom(4).hex()}").hex()
+    env = {**os.environ, "HOPLITE_DEVICE_BACKEND": "sim", "PYTHONPATH": _ROOT}
+    env.pop("HOPLITE_LISTEN_HOST", None)
+    env.pop("HOPLITE_ADVERTISE_HOST", None)
+    holder = None
+    try:
+        for ns in names:
+            subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+            made.append(ns)
+            subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True, capture_output=True)
+        run = ["ip", "netns", "exec"]
+        code = [sys.executable, "-c", _CLUSTER_IN_NAMESPACE, token]
+        holder = subprocess.Popen(
+            [*run, names[0], *code, "put", oid],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "PUT"
+        reader = subprocess.run(
+            [*run, names[1], *code, "get", oid], env=env, capture_output=True, text=True, timeout=90
+        )
+        assert reader.stdout.split()[:2] == ["NOT", "FOUND"], (reader.stdout, reader.stderr[-2000:])
+    finally:
+        if holder is not None:
+            if holder.stdin is not None:
+                holder.stdin.close()
+            try:
+                holder.wait(60)
+            finally:
+                if holder.poll() is None:
+                    holder.kill()
+                    holder.wait(10)
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shm.sweep_orphans()
+
+
+def test_a_restarted_directory_gives_new_index_names_and_the_old_links_go(backend: str) -> None:
+    """A node that rejoins a restarted directory (a new instance id) indexes under the new
+    instance's key, and removes the links it made under the old one: no name of a directory that
+    is gone outlives it. The object stays readable."""
+    token = new_token()
+    service = hg.start_directory(token)
+    port = service.port
+    node = hg.connect(service.address, token=token, shared_memory=True)
+    try:
+        oid, want = _put(node, backend, 73)
+        old_key = _index_key(node)
+        assert old_key == tickets.cluster_key(token, node._session.control.directory_id)
+        old_link = os.path.join(shm.SHM_DIR, shm.index_name(old_key, oid.binary()))
+        assert os.path.exists(old_link)
+        first = node._session.control.directory_id
+        hg.stop_directory(service)
+        service = hg.start_directory(token, port=port)
+        deadline = time.monotonic() + 60
+        while node._session.control.directory_id in ("", first) or node._session.control.lost:
+            assert time.monotonic() < deadline, "the node did not rejoin the restarted directory"
+            time.sleep(0.02)
+        new_key = _index_key(node)
+        assert new_key != old_key
+        assert new_key == tickets.cluster_key(token, node._session.control.directory_id)
+        assert not os.path.exists(old_link)  # removed as the node rejoined
+        assert np.array_equal(to_host(node.get(oid, timeout=30)), want)
+        again, _ = _put(node, backend, 74)
+        assert os.path.exists(os.path.join(shm.SHM_DIR, shm.index_name(new_key, again.binary())))
+        node.delete(again)
+        node.delete(oid)
+    finally:
+        node.close()
+        hg.stop_directory(service)

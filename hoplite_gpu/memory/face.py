@@ -17,6 +17,7 @@ decided here and below; callers hold :class:`~hoplite_gpu.memory.buffers.Buffer`
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import InvalidArgumentError
@@ -24,7 +25,7 @@ from . import device, shm
 from .arrays import CallerArray
 from .buffers import Buffer, BufferKind, BufferPool
 from .ipc import PROCESS
-from .tickets import Record, cluster_key, is_ticket
+from .tickets import Record, cluster_key, is_ticket, ticket_key
 
 #: Buffers at least this large are set up (allocated, or mapped from another process's segment,
 #: page faults included) on a worker thread, so the event loop keeps serving transfers meanwhile.
@@ -60,17 +61,44 @@ class Memory:
         shared_min_bytes: Host buffers of at least this many bytes live in shared-memory segments
             that processes of this host map (0: the node does not share).
         index: The cluster's key for index links (:func:`cluster_key`): device objects put here are
-            linked under it, and found there by same-host readers; "" for none.
+            linked under it, and found there by same-host readers; "" for none (until
+            :meth:`rekey`: the key depends on the directory instance joined).
+        seal: The cluster's key for device memory tickets (:func:`ticket_key`): tickets published
+            here are sealed with it, and a ticket another process published is opened only with
+            its seal; b"" for none (nothing published here is opened elsewhere, and nothing of
+            another process is opened here).
     """
 
-    def __init__(self, pool_bytes: int = 0, shared_min_bytes: int = 0, index: str = "") -> None:
+    def __init__(
+        self, pool_bytes: int = 0, shared_min_bytes: int = 0, index: str = "", seal: bytes = b""
+    ) -> None:
         self.pool = BufferPool(pool_bytes, shared_min_bytes)
         self.index_key = index
+        self.seal_key = seal
 
     @staticmethod
-    def cluster_key(token: str, directory_address: str) -> str:
-        """The key a node of the cluster of ``token`` and ``directory_address`` indexes under."""
-        return cluster_key(token, directory_address)
+    def cluster_key(token: str, directory_id: str) -> str:
+        """The key a node of the cluster of ``token`` indexes under while it is joined to the
+        directory instance ``directory_id`` (from its ``Welcome``)."""
+        return cluster_key(token, directory_id)
+
+    @staticmethod
+    def ticket_key(token: str) -> bytes:
+        """The key that seals the device memory tickets of the cluster of ``token``."""
+        return ticket_key(token)
+
+    def rekey(self, index: str, buffers: Iterable[Buffer]) -> None:
+        """The node joined a directory instance whose index key is ``index``: index under it from
+        now on. Where it differs from the key before (another instance: a restarted directory),
+        the index links of ``buffers`` (the store's) made under the old key are removed; their
+        objects are found through the directory until put again."""
+        if index == self.index_key:
+            return
+        old, self.index_key = self.index_key, index
+        if old:
+            for buffer in buffers:
+                if buffer.ticket is not None:
+                    buffer.ticket.unindex()
 
     @property
     def shares(self) -> bool:
@@ -162,12 +190,12 @@ class Memory:
         seg = _segment(buffer)
         return "" if seg is None else seg.name
 
-    @staticmethod
-    def publish(buffer: Buffer, object_id: bytes, dtype: str, shape: tuple[int, ...]) -> str:
+    def publish(self, buffer: Buffer, object_id: bytes, dtype: str, shape: tuple[int, ...]) -> str:
         """Publish a complete copy for same-host readers: in its shared-memory segment, or a device
-        copy in its ticket; the name they open, or "" where it is not shared."""
+        copy in its ticket (sealed with the cluster's key); the name they open, or "" where it is
+        not shared."""
         if buffer.ticket is not None:
-            return buffer.ticket.publish(object_id, dtype, shape)
+            return buffer.ticket.publish(object_id, self.seal_key, dtype, shape)
         seg = _segment(buffer)
         if seg is None:
             return ""
@@ -198,12 +226,11 @@ class Memory:
         """Whether a copy's ``segment`` (from the directory) names device memory (a ticket)."""
         return is_ticket(segment)
 
-    @staticmethod
-    def open_device(segment: str, object_id: bytes, nbytes: int) -> Buffer | None:
+    def open_device(self, segment: str, object_id: bytes, nbytes: int) -> Buffer | None:
         """A same-host holder's device memory published as ``object_id`` under ``segment``, open
         for reading in place: a buffer whose :attr:`~Buffer.lease` the reader closes once read;
-        None if it does not open here."""
-        opened = PROCESS.open_ticket(segment, object_id, nbytes)
+        None if it does not open here (or its ticket lacks the cluster's seal)."""
+        opened = PROCESS.open_ticket(segment, object_id, nbytes, self.seal_key)
         return None if opened is None else Buffer.wrap(opened.array, lease=opened)
 
     def open_indexed(self, object_id: bytes) -> tuple[Buffer, Record] | None:
@@ -213,7 +240,7 @@ class Memory:
         memory yet: then ask the directory."""
         if not self.index_key or not device_in_use():
             return None
-        found = PROCESS.open_indexed(self.index_key, object_id)
+        found = PROCESS.open_indexed(self.index_key, object_id, self.seal_key)
         if found is None:
             return None
         opened, record = found

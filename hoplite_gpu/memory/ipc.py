@@ -36,6 +36,11 @@ pins, and of processes that are gone, at their next open and at every :meth:`Pro
 Readers of the same cluster find the ticket of an object its owner put without asking the
 directory (:meth:`ProcessIpc.open_indexed`): once the directory has registered the put, the owner
 links the ticket under a name derived from the ObjectID and a key of the cluster.
+
+Every ticket a reader opens, whether its name came from the directory or from an index link, must
+carry the seal of the cluster's token (:func:`~hoplite_gpu.memory.tickets.read`): the reader is
+given the key (:func:`~hoplite_gpu.memory.tickets.ticket_key`) by its node, and a ticket anyone
+else wrote in ``/dev/shm`` is refused before its record is used.
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ class ProcessIpc:
         self._pinned: list[tuple[Any, shm.Segment]] = []  # let go while a reader keeps it open
         self._mappings_lock = threading.Lock()
         self._mappings: OrderedDict[_MappingKey, _Mapping] = OrderedDict()
-        self._counts = {"opened": 0, "reused": 0, "indexed": 0}
+        self._counts = {"opened": 0, "reused": 0, "indexed": 0, "refused": 0}
 
     # ------------------------------------------------------------ the holder's side
     def allocate(
@@ -247,20 +252,21 @@ class ProcessIpc:
             return any(kept is pin for _, kept in self._pinned)
 
     # ------------------------------------------------------------ the reader's side
-    def read_ticket(self, segment: str, object_id: bytes, nbytes: int) -> Record | None:
+    def read_ticket(self, segment: str, object_id: bytes, nbytes: int, key: bytes) -> Record | None:
         """The record of a published ticket (None: see :meth:`open_ticket`), without opening it."""
-        found = read_segment(segment, object_id, nbytes)
+        found = read_segment(segment, object_id, nbytes, key, self._refused)
         if found is None:
             return None
         found[0].close()
         return found[1]
 
-    def open_ticket(self, segment: str, object_id: bytes, nbytes: int) -> Opened | None:
+    def open_ticket(self, segment: str, object_id: bytes, nbytes: int, key: bytes) -> Opened | None:
         """Open the device memory a same-host holder published as ``object_id`` under ``segment``
         (from the directory), for reading it with this process's default backend; None when the
-        ticket is gone, retired, of another object or size, of another backend, or when the
+        ticket is gone, retired, of another object or size, not sealed with ``key`` (the
+        cluster's :func:`~hoplite_gpu.memory.tickets.ticket_key`), of another backend, or when the
         handle does not open here (its process is gone, no peer access). Close it once read."""
-        found = read_segment(segment, object_id, nbytes)
+        found = read_segment(segment, object_id, nbytes, key, self._refused)
         if found is None:
             return None
         ticket, record = found
@@ -279,19 +285,23 @@ class ProcessIpc:
             return None  # its process is gone: its memory with it (CUDA would refuse the handle)
         return self._open_record(ticket, record, known)
 
-    def open_indexed(self, cluster: str, object_id: bytes) -> tuple[Opened, Record] | None:
-        """Open the device memory of ``object_id`` that its owner in ``cluster`` put on this host
-        and indexed (:meth:`Ticket.index`), without asking the directory: the memory open for
+    def open_indexed(self, cluster: str, object_id: bytes, key: bytes) -> tuple[Opened, Record] | None:
+        """Open the device memory of ``object_id`` that its owner in ``cluster`` put on this host and
+        indexed (:meth:`Ticket.index`), without asking the directory: the memory open for
         reading (close it once read) and the ticket's record, whose ``dtype`` and ``shape``
-        describe the object. None when there is no such index link, or the ticket is retired,
-        undescribed, of this process, of a process that is gone, or does not open here: the
-        caller asks the directory."""
-        found = read(shm.index_name(cluster, object_id), object_id)
+        describe the object. None when there is no such index link, or the ticket is not sealed
+        with ``key`` (anyone may create the name: see :func:`~hoplite_gpu.memory.tickets.read`),
+        retired, undescribed, of this process, of a process that is gone, or does not open here:
+        the caller asks the directory."""
+        name = shm.index_name(cluster, object_id)
+        found = read(name, object_id, key, self._refused)
         if found is None:
             return None
         ticket, record = found
         known: dict[int, bool] = {}
-        if not record.dtype or record.pid == shm.own_pid() or not shm.alive(ticket.creator, known):
+        # The sealed record names its exporter (the header's creator is not sealed): the
+        # holder in this pid namespace (the index name is of this one) that must still run.
+        if not record.dtype or record.pid == shm.own_pid() or not shm.alive(record.pid, known):
             ticket.close()
             return None
         opened = self._open_record(ticket, record, known)
@@ -300,6 +310,12 @@ class ProcessIpc:
         with self._mappings_lock:
             self._counts["indexed"] += 1
         return opened, record
+
+    def _refused(self) -> None:
+        """A ticket without the cluster's seal was refused (counted: someone without the token
+        wrote it, or a holder of another token)."""
+        with self._mappings_lock:
+            self._counts["refused"] += 1
 
     def _open_record(self, ticket: shm.Locked, record: Record, known: dict[int, bool]) -> Opened | None:
         """Open the memory of another process's ticket (read under its lock, which the result
@@ -322,7 +338,8 @@ class ProcessIpc:
     def stats(self) -> dict[str, int]:
         """This process's reads of other processes' device memory: how many mappings it opened,
         how many reads used one it kept, how many found the memory through an index link rather
-        than the directory (:meth:`open_indexed`), and how many mappings it keeps now."""
+        than the directory (:meth:`open_indexed`), how many tickets it refused for want of the
+        cluster's seal, and how many mappings it keeps now."""
         with self._mappings_lock:
             return {**self._counts, "kept": len(self._mappings)}
 

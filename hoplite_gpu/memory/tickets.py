@@ -25,18 +25,28 @@ Record layout (the ticket's payload, little-endian)::
     228 16s  dtype of the object (wire form; empty: not described)
     244 B    number of dimensions (at most MAX_DIMS)
     245 ...  shape, one Q per dimension
+    501 32s  seal: HMAC-SHA256 of the ObjectID and bytes 0-500, keyed by :func:`ticket_key`
 
 A ticket may also be linked under a name every node of the cluster derives from the ObjectID
 (:meth:`Ticket.index`, :func:`~hoplite_gpu.memory.shm.index_name`, keyed by :func:`cluster_key`), so
 same-host readers find it without asking the directory; the record's dtype and shape give them what
 a lookup would have.
+
+Anyone on the host can create files in ``/dev/shm``, and a root process in another container that
+shares it can create them as any user. So the holder *seals* each publication (:meth:`Ticket.publish`):
+an HMAC, keyed by a key derived from the cluster's token (:func:`ticket_key`), over the ObjectID it
+is published as and the whole record. Every reader checks the seal before it trusts a word of the
+record (:func:`read`): a ticket made without the token is never opened (the reader asks the
+directory, or pulls). The seal costs no system call.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,17 +72,44 @@ MAX_DIMS = 32
 _META = struct.Struct("<16sB")
 _META_AT = _PIN_AT + _PIN.size + PIN_BYTES
 _SHAPE_AT = _META_AT + _META.size
+_SEAL_AT = _SHAPE_AT + 8 * MAX_DIMS
+_SEAL_BYTES = 32  # HMAC-SHA256
 #: Payload bytes of a ticket.
-RECORD_BYTES = _SHAPE_AT + 8 * MAX_DIMS
+RECORD_BYTES = _SEAL_AT + _SEAL_BYTES
+_SEAL_DOMAIN = b"hoplite-ticket-seal\0"
 #: What a pin is published as (it stands for an allocation, not an object).
 PIN_ID = bytes(20)
 
 
-def cluster_key(token: str, directory_address: str) -> str:
-    """The key every node of one cluster derives alike for index links (16 hex digits of a hash of
-    the cluster's token and its directory's address: two clusters on one host never share one)."""
-    digest = hashlib.sha256(b"hoplite-index\0" + token.encode() + b"\0" + directory_address.encode())
+def cluster_key(token: str, directory_id: str) -> str:
+    """The key every node of one cluster derives alike for index links: 16 hex digits of a hash of
+    the cluster's token and the id of the directory instance its nodes joined (a random id each
+    directory makes at start, sent in its ``Welcome``): two clusters on one host never share one,
+    even with one token and one directory address (two network namespaces), and a restarted
+    directory starts a new set of names. "" (no index links) without a directory id."""
+    if not directory_id:
+        return ""
+    digest = hashlib.sha256(b"hoplite-index\0" + token.encode() + b"\0" + directory_id.encode())
     return digest.hexdigest()[:16]
+
+
+def ticket_key(token: str) -> bytes:
+    """The key that seals the tickets of holders of ``token`` (see the module docstring): a hash
+    of the token under a domain of its own (the token itself is used for nothing else here)."""
+    return hashlib.sha256(b"hoplite-ticket-key\0" + token.encode()).digest()
+
+
+def _seal(key: bytes, object_id: bytes, payload: Any) -> bytes:
+    """The seal of a record ``payload`` (its bytes before the seal) published as ``object_id``."""
+    return hmac.digest(key, _SEAL_DOMAIN + object_id + bytes(payload[:_SEAL_AT]), "sha256")
+
+
+def sealed(key: bytes, object_id: bytes, payload: bytes) -> bool:
+    """Whether a ticket's ``payload`` carries the seal of ``key`` for ``object_id`` (never with an
+    empty key: a reader that knows no token trusts no ticket)."""
+    if not key or len(payload) < RECORD_BYTES:
+        return False
+    return hmac.compare_digest(_seal(key, object_id, payload), payload[_SEAL_AT:RECORD_BYTES])
 
 
 def is_ticket(segment: str) -> bool:
@@ -152,19 +189,23 @@ class Ticket:
         self._retired = False
         self.name = PREFIX + segment.name
 
-    def publish(self, object_id: bytes, dtype: str = "", shape: tuple[int, ...] = ()) -> str:
+    def publish(self, object_id: bytes, key: bytes, dtype: str = "", shape: tuple[int, ...] = ()) -> str:
         """Declare the memory to hold ``object_id`` (complete), of ``dtype`` (wire form) and
-        ``shape``; the name for the directory ("" once retired: a dropped copy is never offered
+        ``shape``, sealed with ``key`` (:func:`ticket_key`; readers trust no ticket published
+        without one); the name for the directory ("" once retired: a dropped copy is never offered
         again)."""
         if self._retired or self._segment is None:
             return ""
-        self._segment.begin_write()
+        segment = self._segment
+        segment.begin_write()
         described = len(dtype.encode()) <= 16 and len(shape) <= MAX_DIMS
         name = dtype.encode() if described else b""
         dims = shape if described else ()
-        _META.pack_into(self._segment, shm.HEADER_BYTES + _META_AT, name, len(dims))
-        struct.pack_into(f"<{len(dims)}Q", self._segment, shm.HEADER_BYTES + _SHAPE_AT, *dims)
-        self._segment.publish(object_id)
+        _META.pack_into(segment, shm.HEADER_BYTES + _META_AT, name, len(dims))
+        struct.pack_into(f"<{len(dims)}Q", segment, shm.HEADER_BYTES + _SHAPE_AT, *dims)
+        with memoryview(segment)[shm.HEADER_BYTES : shm.HEADER_BYTES + RECORD_BYTES] as payload:
+            payload[_SEAL_AT:] = _seal(key, object_id, payload) if key else bytes(_SEAL_BYTES)
+        segment.publish(object_id)
         return self.name
 
     def index(self, cluster: str, object_id: bytes) -> bool:
@@ -173,6 +214,12 @@ class Ticket:
         if self._retired or self._segment is None or not self._segment.published:
             return False
         return self._segment.link(shm.index_name(cluster, object_id))
+
+    def unindex(self) -> None:
+        """Remove the ticket's index links (its holder joined another directory instance: the
+        names of the one it left are not kept)."""
+        if self._segment is not None:
+            self._segment.unlink_links()
 
     def retire(self) -> bool:
         """The object is dropped: readers reject the ticket from now on. Whether this call retired
@@ -238,11 +285,21 @@ def parse(raw: bytes) -> Record | None:
     return Record(backend, dev, pid, offset, size, handle, pin, dtype, tuple(shape))
 
 
-def read(name: str, object_id: bytes) -> tuple[shm.Locked, Record] | None:
+def read(
+    name: str, object_id: bytes, key: bytes, refused: Callable[[], None] | None = None
+) -> tuple[shm.Locked, Record] | None:
     """The ticket in segment (or index link) ``name``, read under its shared lock (held until the
-    first item is closed), and its record; None when it is gone, retired or of another object."""
+    first item is closed), and its record; None when it is gone, retired, of another object, or
+    not sealed with ``key`` (:func:`ticket_key`: not made by a holder of the cluster's token; then
+    ``refused`` is called too)."""
     ticket = shm.read_locked(name, object_id, RECORD_BYTES)
     if ticket is None:
+        return None
+    if not sealed(key, object_id, ticket.payload):
+        log.debug("refused ticket %s: not sealed with this cluster's key", name)
+        ticket.close()
+        if refused is not None:
+            refused()
         return None
     record = parse(ticket.payload)
     if record is None:
@@ -251,12 +308,14 @@ def read(name: str, object_id: bytes) -> tuple[shm.Locked, Record] | None:
     return ticket, record
 
 
-def read_segment(segment: str, object_id: bytes, nbytes: int) -> tuple[shm.Locked, Record] | None:
+def read_segment(
+    segment: str, object_id: bytes, nbytes: int, key: bytes, refused: Callable[[], None] | None = None
+) -> tuple[shm.Locked, Record] | None:
     """:func:`read` of a copy's ``segment`` (a ticket's name from the directory), also None when
     it is not a ticket or names an object of another size."""
     if not is_ticket(segment):
         return None
-    found = read(segment[len(PREFIX) :], object_id)
+    found = read(segment[len(PREFIX) :], object_id, key, refused)
     if found is not None and found[1].nbytes != nbytes:
         found[0].close()
         return None

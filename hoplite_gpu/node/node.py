@@ -95,14 +95,13 @@ class Node:
         self._shm = self.config.shared_memory and shared_memory_available()
         if self._shm:
             sweep_orphans()
-        # Same-host readers find device objects put here without a lookup (see Memory.index).
-        index = (
-            Memory.cluster_key(token, directory_address) if self._shm and self.config.same_host_index else ""
-        )
+        # Same-host readers find device objects put here without a lookup (see Memory.index),
+        # under a key of the directory instance joined (set at each join: _index_joined).
+        self._indexes = self._shm and self.config.same_host_index
         self._memory = Memory(
             self.config.buffer_pool_bytes,
             shared_min_bytes=self.config.inline_threshold_bytes + 1 if self._shm else 0,
-            index=index,
+            seal=Memory.ticket_key(token),
         )
         self._store = LocalStore(self.config.store_capacity_bytes, self._memory)
         self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
@@ -188,6 +187,7 @@ class Node:
         except BaseException:
             await self._data.close()
             raise
+        self._index_joined()
         Memory.attach(self.node_id, self.config.device_pool_bytes)  # detached by _close
         if self._shm:
             self._ipc_sweeper = asyncio.ensure_future(self._sweep_ipc())
@@ -387,8 +387,18 @@ class Node:
                     ),
                 )
 
+    def _index_joined(self) -> None:
+        """Index device objects under the key of the directory instance joined now: a restarted
+        directory (another instance id) gets new index names, and the links made under the old
+        key go (see :meth:`Memory.rekey <hoplite_gpu.memory.Memory.rekey>`)."""
+        if self._indexes:
+            key = Memory.cluster_key(self._token, self._session.control.directory_id)
+            self._memory.rekey(key, (obj.buffer for obj in self._store.objects()))
+
     def _on_rejoined(self) -> None:
-        """Reconnected to a restarted directory: tell it about every complete copy held here."""
+        """Reconnected to a restarted directory: index under its key, and tell it about every
+        complete copy held here."""
+        self._index_joined()
         for obj in self._store.objects():
             if obj.complete and not obj.reduction:
                 self._fetcher.restore(obj)
