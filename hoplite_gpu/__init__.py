@@ -101,13 +101,20 @@ def start_directory(
     """Start a directory service on this process's I/O thread and return it.
 
     Its ``address`` and ``token`` are what nodes need. Stop it with ``stop_directory(service)``.
+
+    Raises:
+        AuthenticationError: ``token`` has fewer than :data:`~hoplite_gpu.auth.MIN_TOKEN_CHARS`
+            characters (None makes one).
+        InvalidArgumentError: ``port`` is not in 0..65535.
     """
-    from .auth import new_token
+    from .auth import check_token, new_token
+    from .config import check_port
     from .directory.service import DirectoryService
     from .iothread import IOThread
 
     config = config or Config.from_env()
-    service = DirectoryService.from_config(token or new_token(), host, port, config)
+    token = check_token(token, "the token argument") if token else new_token()
+    service = DirectoryService.from_config(token, host, check_port(port), config)
     IOThread.get().run(service.start(), timeout=config.connect_timeout)
     return service
 

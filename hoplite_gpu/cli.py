@@ -9,30 +9,45 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 from typing import Any
 
 from .auth import new_token, read_token_file, token_from_env
-from .config import Config
+from .config import Config, check_port
 from .errors import HopliteError
+
+
+def _port(text: str) -> int:
+    """An argument's port number (argparse reports the error in one line)."""
+    try:
+        return check_port(int(text))
+    except (ValueError, HopliteError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0..65535)") from None
 
 
 def _directory(args: argparse.Namespace) -> int:
     from .directory.service import DirectoryService
 
+    def refuse(text: object) -> int:
+        print(f"hoplite-gpu directory: {text}", file=sys.stderr)
+        return 2
+
     try:
         token = read_token_file(args.token_file) if args.token_file else token_from_env()
+        config = Config.from_env()
     except HopliteError as exc:
-        print(f"hoplite-gpu directory: {exc}", file=sys.stderr)
-        return 2
-    generated = not token
+        return refuse(exc)
+    generated = not token  # neither HOPLITE_TOKEN nor a token file named: make one
     if generated:
         token = new_token()
-    config = Config.from_env()
 
-    async def serve() -> None:
-        service = DirectoryService.from_config(token, args.host, args.port, config)
-        await service.start()
+    async def serve() -> int:
+        service = DirectoryService.from_config(token, args.host, args.port, config)  # loads TLS
+        try:
+            await service.start()
+        except OSError as exc:  # the port is taken, or the host is not this machine's
+            return refuse(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
         print(f"hoplite-gpu directory listening on {service.address}", flush=True)
         if generated:
             print(f"HOPLITE_TOKEN={token}", flush=True)
@@ -42,18 +57,22 @@ def _directory(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await service.stop()
+        return 0
 
-    asyncio.run(serve())
-    return 0
+    try:
+        return asyncio.run(serve())
+    except HopliteError as exc:  # e.g. a certificate or key that does not load
+        return refuse(exc)
 
 
-async def probe(address: str, timeout: float) -> None:
-    """Check that a directory at ``address`` is serving: it accepts a connection and sends its
-    authentication challenge within ``timeout`` seconds (no token is needed, nothing is
-    registered; the connection is closed before the handshake goes further).
+async def probe(address: str, timeout: float, tls: ssl.SSLContext | None = None) -> None:
+    """Check that a directory at ``address`` is serving: it accepts a connection (over TLS with
+    ``tls``) and sends its authentication challenge within ``timeout`` seconds (no token is
+    needed, nothing is registered; the connection is closed before the handshake goes further).
 
     Raises:
-        DirectoryUnavailableError: no connection, no challenge, or something else came back.
+        DirectoryUnavailableError: no connection, no challenge, or something else came back; the
+            message says when TLS on one side only may be why.
     """
     from . import protocol as p
     from .errors import DirectoryUnavailableError
@@ -62,7 +81,8 @@ async def probe(address: str, timeout: float) -> None:
     host, port = parse_address(address)
 
     async def first_frame() -> p.Message:
-        reader, writer = await asyncio.open_connection(host, port)
+        opening = asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
+        reader, writer = await opening
         try:
             return await p.read_frame(reader, 4096)
         finally:
@@ -71,8 +91,14 @@ async def probe(address: str, timeout: float) -> None:
     try:
         first = await asyncio.wait_for(first_frame(), timeout)
     except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, HopliteError) as exc:
+        if isinstance(exc, ssl.SSLError):
+            hint = " (TLS failed: check --tls-ca-file, or --no-tls if the directory serves plain TCP)"
+        elif tls is None and isinstance(exc, asyncio.TimeoutError):
+            hint = " (no challenge came: if the directory serves TLS, pass --tls)"
+        else:
+            hint = ""
         raise DirectoryUnavailableError(
-            f"no directory serving at {address}: {str(exc) or type(exc).__name__}",
+            f"no directory serving at {address}: {str(exc) or type(exc).__name__}{hint}",
             peer=address,
             cause=type(exc).__name__,
         ) from exc
@@ -84,14 +110,40 @@ async def probe(address: str, timeout: float) -> None:
         )
 
 
+def health_tls(use_tls: bool | None, ca_file: str | None, config: Config) -> ssl.SSLContext | None:
+    """The TLS context ``hoplite-gpu health`` probes with (None: plain TCP).
+
+    ``use_tls`` None: TLS where the environment configures it (``HOPLITE_TLS_CERT_FILE``, as in a
+    TLS directory's own container, where the image's health check runs, or
+    ``HOPLITE_TLS_CA_FILE``). With a CA file (``ca_file``, else ``Config.tls_ca_file``) the
+    directory's certificate and host are checked; without one they are not: the probe sends
+    nothing and only reads the directory's challenge.
+
+    Raises:
+        InvalidArgumentError: the CA file does not load.
+    """
+    ca = ca_file if ca_file is not None else config.tls_ca_file
+    if use_tls is None:
+        use_tls = bool(ca_file or config.tls_cert_file or config.tls_ca_file)
+    if not use_tls:
+        return None
+    if ca:
+        return config.replace(tls_ca_file=ca).client_tls()
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 def _health(args: argparse.Namespace) -> int:
     address = args.address or os.environ.get("HOPLITE_DIRECTORY") or "127.0.0.1:7070"
     try:
-        asyncio.run(probe(address, args.timeout))
+        tls = health_tls(args.tls, args.tls_ca_file, Config.from_env())
+        asyncio.run(probe(address, args.timeout, tls))
     except HopliteError as exc:
         print(f"unhealthy: {exc}", file=sys.stderr)
         return 1
-    print(f"directory at {address} is serving")
+    print(f"directory at {address} is serving" + (" (TLS)" if tls else ""))
     return 0
 
 
@@ -198,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("directory", help="run a standalone directory")
     d.add_argument("--host", default="127.0.0.1")
-    d.add_argument("--port", type=int, default=7070)
+    d.add_argument("--port", type=_port, default=7070)
     d.add_argument(
         "--token-file",
-        help="file holding the shared token (default: $HOPLITE_TOKEN, else the file "
-        "$HOPLITE_TOKEN_FILE names if it exists, else a new token is generated and printed)",
+        help="file holding the shared token, at least 16 characters (default: $HOPLITE_TOKEN, else "
+        "the file $HOPLITE_TOKEN_FILE names, which must then exist; with neither set, a new token is "
+        "generated and printed)",
     )
     d.set_defaults(func=_directory)
     h = sub.add_parser(
@@ -210,6 +263,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     h.add_argument("--address", help="host:port (default: $HOPLITE_DIRECTORY, else 127.0.0.1:7070)")
     h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for its answer")
+    h.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="probe over TLS (default: when $HOPLITE_TLS_CERT_FILE or $HOPLITE_TLS_CA_FILE is set)",
+    )
+    h.add_argument(
+        "--tls-ca-file",
+        help="CA certificates to check the directory's certificate and host with (implies --tls; "
+        "default: $HOPLITE_TLS_CA_FILE; without one, a TLS probe checks neither)",
+    )
     h.set_defaults(func=_health)
     m = sub.add_parser("demo", help="broadcast, reduce and allreduce demo on an embedded local cluster")
     m.add_argument("--workers", type=int, default=4)

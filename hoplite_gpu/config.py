@@ -326,6 +326,21 @@ def route_address(host: str) -> str:
         ) from exc
 
 
+def check_port(port: Any, argument: str = "port", any_free: bool = True) -> int:
+    """``port`` as an int, checked: 1..65535, or 0 (any free port) where ``any_free``.
+
+    Raises:
+        InvalidArgumentError: not an int in that range (a socket would raise a bare
+            ``OverflowError`` for 99999).
+    """
+    low = 0 if any_free else 1
+    if isinstance(port, bool) or not isinstance(port, int) or not low <= port <= 65535:
+        raise InvalidArgumentError(
+            f"{argument} must be an int in {low}..65535, got {port!r}", argument=argument
+        )
+    return port
+
+
 def host_of(address: str) -> str:
     """The host part of a ``host:port`` address (brackets of an IPv6 literal removed)."""
     return address.rsplit(":", 1)[0].strip("[]")

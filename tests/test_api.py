@@ -196,7 +196,7 @@ def test_advertised_data_address_follows_the_route_to_the_directory() -> None:
 
 
 def test_standalone_directory_command() -> None:
-    env = dict(os.environ, HOPLITE_TOKEN="cli-token")
+    env = dict(os.environ, HOPLITE_TOKEN="cli-token-0123456789")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", "0"],
         stdout=subprocess.PIPE,
@@ -208,8 +208,8 @@ def test_standalone_directory_command() -> None:
         line = proc.stdout.readline()
         assert "listening on" in line
         address = line.rsplit(" ", 1)[1].strip()
-        a = hg.connect(address, token="cli-token")
-        b = hg.connect(address, token="cli-token")
+        a = hg.connect(address, token="cli-token-0123456789")
+        b = hg.connect(address, token="cli-token-0123456789")
         try:
             oid = a.put(np.arange(300_000, dtype=np.int64))  # 2.4 MB, through the data plane
             assert np.array_equal(b.get(oid, timeout=30), np.arange(300_000))

@@ -311,8 +311,9 @@ def test_owner_delete_drops_object_everywhere():
         Send("C", DropObject(object_id=OID)),
     ]
     assert OID not in state.objects and state.transfers == {}
-    assert lookup(state, "D", 2, timeout=1.0) == []  # the object is gone: the lookup waits
-    assert state.handle(Tick(1.0))[0].message.status == "timeout"
+    # The object is gone, and the directory says so (issue 39: it used to wait for a put).
+    (answer,) = lookup(state, "D", 2, timeout=1.0)
+    assert (answer.message.status, answer.message.error_kind) == ("error", "ObjectDeletedError")
 
 
 def test_non_owner_delete_removes_only_its_own_location():

@@ -5,19 +5,25 @@ An object has locations: nodes holding a *complete* copy, or a *partial* copy st
 Objects of at most ``inline_threshold_bytes`` are stored here and returned with the lookup. When
 a dead node held the last complete copy of an object (and nobody is computing it), the object is
 *lost*: partial holders drop it and waiting lookups fail with ``ObjectLostError``; a later put of
-the same ObjectID (a restarted task) makes it available again.
+the same ObjectID (a restarted task) makes it available again. The ids of the latest
+:data:`DELETES_KEPT` deletes are kept, so that a lookup of a deleted object fails at once with
+``ObjectDeletedError`` instead of waiting for a put that will not come (until the id is put again).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from .. import protocol as p
-from .lookups import lost_lookup
+from .lookups import deleted_lookup, lost_lookup
 from .records import Location, LocationState, ObjectEntry
 
 if TYPE_CHECKING:
     from .state import DirectoryState
+
+#: Deleted ObjectIDs the directory remembers, the latest (about 100 bytes each).
+DELETES_KEPT = 65_536
 
 
 class Catalog:
@@ -29,6 +35,7 @@ class Catalog:
         self.config = state.config
         self.nodes = state.nodes
         self.objects = state.objects
+        self.deleted: OrderedDict[bytes, None] = OrderedDict()  # the latest deletes, oldest first
 
     # ------------------------------------------------------------ requests
     def put(self, node_id: str, msg: p.PutRequest, now: float) -> None:
@@ -99,6 +106,7 @@ class Catalog:
         else:
             members.charge_inline(entry, node_id)
         self.objects[oid] = entry
+        self.deleted.pop(oid, None)  # put again: a lookup waits for it as for any put
         state.send(node_id, p.PutReply(request_id=msg.request_id))
         state.record(
             now, "put", node=node_id, object_id=oid.hex(), size=msg.size, inline=msg.inline is not None
@@ -125,6 +133,7 @@ class Catalog:
             state.reducer.fail(red, "ObjectDeletedError", f"reduction {oid.hex()} was deleted", now)
             del state.reductions[oid]
             if oid not in self.objects:  # the result was never placed, or dropped above
+                self.remember_delete(oid)
                 state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
                 state.record(now, "delete", node=node_id, object_id=oid.hex())
                 return
@@ -147,6 +156,7 @@ class Catalog:
             state.record(now, "delete_local", node=node_id, object_id=oid.hex())
             return
         self.remove(oid, now, skip=node_id)
+        self.remember_delete(oid)
         state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
         state.record(now, "delete", node=node_id, object_id=oid.hex())
 
@@ -196,6 +206,16 @@ class Catalog:
         for holder in entry.locations:
             if holder != skip and holder in self.nodes:
                 self.state.send(holder, p.DropObject(object_id=oid, reason=reason))
+
+    def remember_delete(self, oid: bytes) -> None:
+        """Its owner deleted ``oid``: lookups waiting for it, and later ones (among the latest
+        :data:`DELETES_KEPT` deletes, until it is put again), fail with ``ObjectDeletedError``."""
+        deleted = self.deleted
+        deleted[oid] = None
+        deleted.move_to_end(oid)
+        while len(deleted) > DELETES_KEPT:
+            deleted.popitem(last=False)
+        self.state.lookups.fail(oid, lambda pl: deleted_lookup(pl.request_id, oid))
 
     def lose(self, oid: bytes, now: float) -> None:
         """No live complete copy of ``oid`` is left and nobody computes it: partial holders drop

@@ -4,6 +4,8 @@ Pure functions over a :class:`~.records.Reduction`; NumPy only."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from .. import protocol as p
@@ -41,6 +43,23 @@ def input_problem(
             "nothing was reduced"
         )
     return None
+
+
+def weights_problem(weights: Iterable[float], wire_dtype: str) -> tuple[str, str] | None:
+    """Why ``weights`` cannot scale inputs of ``wire_dtype``: a weight that overflows it (vertices
+    multiply in the inputs' dtype, so ``1e308`` on float32 would turn every element into inf or
+    NaN): (error kind, message), or None."""
+    try:
+        dtype = dtype_from_wire(wire_dtype)
+    except (InvalidArgumentError, TypeError):
+        return None  # input_problem reports the dtype itself
+    values = np.fromiter(weights, np.float64)
+    with np.errstate(over="ignore"):
+        bad = ~np.isfinite(values.astype(dtype))
+    if not bad.any():
+        return None
+    big = float(values[int(np.argmax(bad))])
+    return "InvalidArgumentError", f"weight {big!r} cannot be represented in the inputs' dtype {dtype.name}"
 
 
 def stream_weight(red: Reduction, pl: Placement) -> float:

@@ -54,6 +54,9 @@ class Lookups:
         if red is not None and red.error is not None:
             state.send(node_id, failed_lookup(msg.request_id, msg.object_id, red.error))
             return
+        if red is None and msg.object_id in state.catalog.deleted and msg.object_id not in self.objects:
+            state.send(node_id, deleted_lookup(msg.request_id, msg.object_id))  # it will not come
+            return
         if (
             (msg.have_bytes > 0 or msg.resume)
             and msg.object_id not in self.objects
@@ -411,6 +414,12 @@ def lost_lookup(request_id: int, oid: bytes) -> p.LookupReply:
         f"object {oid.hex()} was lost: every complete copy died while it was being received; put it again"
     )
     return failed_lookup(request_id, oid, ("ObjectLostError", message, oid))
+
+
+def deleted_lookup(request_id: int, oid: bytes) -> p.LookupReply:
+    """The answer to a lookup of ``oid``, which its owner deleted (and nobody put again)."""
+    message = f"object {oid.hex()} was deleted by its owner; put it again to use the id anew"
+    return failed_lookup(request_id, oid, ("ObjectDeletedError", message, oid))
 
 
 def not_ready(plan: ReducePlan) -> str:

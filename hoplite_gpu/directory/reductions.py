@@ -115,6 +115,8 @@ class Reductions:
                 if entry is not first and same_kind:
                     continue  # the first had the full check
                 problem = combine.input_problem(plan, entry, first, bool(weights or coding))
+                if problem is None and entry is first and weights:
+                    problem = combine.weights_problem(weights.values(), entry.dtype)
                 if problem is not None:
                     refuse(problem[0], problem[1], entry.object_id)
                     return
@@ -182,6 +184,8 @@ class Reductions:
         if holder is None:
             return
         problem = combine.input_problem(plan, entry, entry, bool(red.weights or red.coding))
+        if problem is None and red.weights and not plan.placed:  # the dtype is known from now on
+            problem = combine.weights_problem(red.weights.values(), entry.dtype)
         if problem is None and plan.placed and (entry.inline is not None) != bool(red.inline):
             problem = "ReduceMismatchError", f"input {oid.hex()} is stored differently from the others"
         if problem is not None:

@@ -20,9 +20,11 @@ log = logging.getLogger("hoplite_gpu.control")
 def parse_address(address: str) -> tuple[str, int]:
     """Split ``host:port`` (raises DirectoryUnavailableError on a malformed address)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise DirectoryUnavailableError(
-            f"directory address {address!r} is not host:port", peer=address, cause="bad address"
+            f"directory address {address!r} is not host:port (a port in 1..65535)",
+            peer=address,
+            cause="bad address",
         )
     return host.strip("[]"), int(port)
 
@@ -133,8 +135,10 @@ class ControlClient:
                 )
         except asyncio.TimeoutError as exc:
             writer.close()
+            # A TLS directory waits for a TLS hello and sends nothing to a plain-TCP client.
+            hint = "" if tls else "; if it serves TLS, set Config.tls_ca_file (HOPLITE_TLS_CA_FILE) here"
             raise DirectoryUnavailableError(
-                f"the directory at {address} did not complete the handshake in {timeout} s",
+                f"the directory at {address} did not complete the handshake in {timeout} s{hint}",
                 peer=address,
                 cause="timeout",
             ) from exc

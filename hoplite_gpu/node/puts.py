@@ -52,6 +52,15 @@ def _copy_advancing(
         pos = end
 
 
+def _copy_bytes(dst: np.ndarray[Any, Any], host: np.ndarray[Any, Any]) -> None:
+    """Copy ``host``'s bytes, item by item in C order, into the flat ``uint8`` ``dst``: every byte
+    of each item, a structured dtype's padding included (an assignment of the array copies field
+    by field and leaves the padding as ``dst`` had it: a removed object's bytes, in a recycled
+    buffer). Works for any strides: each item is viewed as ``itemsize`` bytes of its own."""
+    items = host[..., np.newaxis].view(np.uint8)  # shape + (itemsize,): a length-1 axis may change size
+    np.copyto(dst.reshape(items.shape), items)
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A put ready to publish: the local object, the caller's bytes still to copy into it (None:
@@ -129,7 +138,7 @@ class Putter:
             elif contiguous and nbytes >= 2 * PUT_COPY_BYTES:
                 pending = flat
             elif nbytes:
-                buffer.array.view(host.dtype).reshape(host.shape)[...] = host
+                _copy_bytes(buffer.array, host)
         else:
             buffer = Buffer.wrap(flat)
         obj = LocalObject(
