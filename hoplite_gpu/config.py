@@ -120,6 +120,10 @@ class Config:
             not there yet); beyond it a get fails with ``QuotaExceededError``.
         directory_max_reductions: Quota of reductions one node may have requested and not seen
             finish; beyond it a reduce fails with ``QuotaExceededError``.
+        directory_max_reduce_inputs: Quota of inputs of one node's reductions the directory holds,
+            finished ones it still remembers included (each weight and each number of an encoding
+            row counts as one more; about 400 bytes each): its oldest finished ones are forgotten to
+            make room, and beyond it a reduce fails with ``QuotaExceededError``.
         directory_max_inline_bytes: Quota of bytes of one node's small objects the directory keeps
             inline; beyond it a small ``put`` fails with ``QuotaExceededError`` until it deletes some.
         directory_event_log_bytes: Bound of the directory's event log in estimated bytes, beside its
@@ -168,6 +172,7 @@ class Config:
     directory_max_handshakes_per_address: int = 64
     directory_max_pending_lookups: int = 100_000
     directory_max_reductions: int = 10_000
+    directory_max_reduce_inputs: int = 262_144
     directory_max_inline_bytes: int = 256 * MiB
     directory_event_log_bytes: int = 64 * MiB
     directory_place_slice: int = 256
@@ -182,6 +187,7 @@ class Config:
             "directory_max_handshakes_per_address",
             "directory_max_pending_lookups",
             "directory_max_reductions",
+            "directory_max_reduce_inputs",
             "directory_max_inline_bytes",
             "directory_event_log_bytes",
             "directory_place_slice",
