@@ -2,8 +2,9 @@
 
 The service is a thin shell: it authenticates connections, decodes frames into events, feeds them to
 the state machine with the current monotonic time, and writes the resulting instructions to the
-right connections. A connection that fails authentication, or sends a malformed or oversized frame,
-is closed and logged; everyone else keeps being served.
+right connections. A request that is too large or fails its checks is answered with an
+``ErrorReply`` (``InvalidArgumentError``); a connection that fails authentication, or sends another
+malformed or oversized frame, is closed and logged; everyone else keeps being served.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import ssl
 import time
 import uuid
 from typing import Any
+
+import msgpack
 
 from .. import auth
 from .. import protocol as p
@@ -47,6 +50,52 @@ async def _closed(writer: asyncio.StreamWriter) -> None:
     """Wait until ``writer``'s connection is closed (how it ended does not matter here)."""
     with contextlib.suppress(Exception):
         await writer.wait_closed()
+
+
+#: Messages the directory answers: one it refuses is answered with an ``ErrorReply`` naming its
+#: ``request_id`` (what it waits for), not by closing the connection.
+ANSWERED = frozenset(
+    cls.TYPE
+    for cls in (
+        p.PutRequest,
+        p.LookupRequest,
+        p.DeleteRequest,
+        p.ReduceRequest,
+        p.ReducedObjectsRequest,
+        p.EventLogRequest,
+    )
+)
+#: Bytes of an oversized frame read to find which request it is (its type and ``request_id``
+#: come first).
+_REQUEST_HEAD_BYTES = 256
+#: An oversized request up to this many times the limit is skipped and refused; a larger frame
+#: closes the connection.
+_SKIPPED_FRAME_LIMITS = 16
+
+
+def _answered_request(body: bytes) -> tuple[str, int] | None:
+    """``(type, request_id)`` of the request a frame body (or its start) holds, if it is one the
+    directory answers (:data:`ANSWERED`) and names its ``request_id`` within ``body``; None
+    otherwise. Reads only the frame's shape: nothing else in it need be valid."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1))
+    unpacker.feed(body)
+    try:
+        if unpacker.read_array_header() != 3 or unpacker.unpack() != p.PROTOCOL_VERSION:
+            return None
+        kind = unpacker.unpack()
+        if kind not in ANSWERED:
+            return None
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() != "request_id":
+                unpacker.skip()
+                continue
+            request_id = unpacker.unpack()
+            if isinstance(request_id, int) and not isinstance(request_id, bool) and request_id >= 0:
+                return str(kind), request_id
+            return None
+    except Exception:  # truncated, or not msgpack: msgpack raises several unrelated types
+        return None
+    return None
 
 
 class _Conn:
@@ -93,6 +142,7 @@ class DirectoryService:
         self.handshaking = 0
         self._handshaking_from: dict[str, int] = {}  # peer address -> connections authenticating
         self.refused_handshakes = 0
+        self.refused_requests = 0  # refused with an ErrorReply (too large, or failing checks)
         self._warned: dict[str, tuple[float, int]] = {}  # warning kind -> (last logged, suppressed)
         self.violations = 0
         self.directory_id = uuid.uuid4().hex
@@ -188,8 +238,9 @@ class DirectoryService:
             if node_id is None:
                 return
             while True:
-                msg = await p.read_frame(reader, self.config.max_message_bytes)
-                self._apply(Request(node_id, msg, time.monotonic()))
+                msg = await self._read_request(reader, writer, node_id)
+                if msg is not None:
+                    self._apply(Request(node_id, msg, time.monotonic()))
         except ProtocolError as exc:
             log.warning("closing connection from %s (node %s): %s", peer, node_id, exc)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -203,6 +254,49 @@ class DirectoryService:
                     del self._conns[node_id]
                     self._apply(NodeLeft(node_id, time.monotonic()))
             writer.close()
+
+    async def _read_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, node_id: str
+    ) -> p.Message | None:
+        """The next message of an authenticated node, or None for a request refused with an
+        ``ErrorReply`` (too large, or failing its checks): the node's caller gets the error, where
+        closing the connection made the node reconnect and send it again, forever. Raises
+        :class:`ProtocolError` for what cannot be answered (the connection is then closed)."""
+        limit = self.config.max_message_bytes
+        (length,) = p.FRAME_HEADER.unpack(await reader.readexactly(p.FRAME_HEADER.size))
+        if length > limit:
+            head = await reader.readexactly(min(length, _REQUEST_HEAD_BYTES))
+            request = _answered_request(head)
+            if request is None or length > _SKIPPED_FRAME_LIMITS * limit:
+                raise ProtocolError(f"control message of {length} bytes exceeds the limit of {limit}")
+            left = length - len(head)
+            while left:  # skipped a piece at a time: never held whole
+                left -= len(await reader.readexactly(min(left, 1 << 16)))
+            why = (
+                f"{length} bytes, over the directory's control message limit of {limit} "
+                "(Config.control_message_limit)"
+            )
+            self._refuse(writer, node_id, *request, why)
+            return None
+        payload = await reader.readexactly(length)
+        try:
+            return p.decode(payload)
+        except ProtocolError as exc:
+            request = _answered_request(payload)
+            if request is None:
+                raise
+            self._refuse(writer, node_id, *request, str(exc))
+            return None
+
+    def _refuse(
+        self, writer: asyncio.StreamWriter, node_id: str, kind: str, request_id: int, why: str
+    ) -> None:
+        """Answer a request the directory will not handle with an ``InvalidArgumentError``."""
+        self.refused_requests += 1
+        self._warn("refused", "refused a %s request from node %s: %s", kind, node_id[:8], why)
+        self.state.record(time.monotonic(), "request_refused", node=node_id, request=kind, reason=why[:500])
+        text = f"the directory refused this {kind} request: {why}"
+        writer.write(p.encode(p.ErrorReply(request_id=request_id, kind="InvalidArgumentError", message=text)))
 
     def _warn(self, kind: str, text: str, *args: Any) -> None:
         """Log a warning of this kind at most once a second (a flood of bad connections must not
