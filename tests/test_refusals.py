@@ -7,6 +7,9 @@ deadline."""
 from __future__ import annotations
 
 import math
+import shutil
+import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -127,6 +130,71 @@ def test_a_remembered_reduction_a_restarted_directory_refuses_is_not_sent_again(
             time.sleep(0.05)
         assert node._session.generation == 1
     finally:
+        if node is not None:
+            node.close()
+        directory.kill()
+
+
+# --------------------------------------------------------------------------- finding 4
+# Runs the directory with at most 256 open files, as the issue did.
+_LIMITED = (
+    "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def _idle_connections(host: str, port: int, count: int, source: str) -> list[socket.socket]:
+    """``count`` TCP connections from ``source`` that never send a byte (no TLS either); not
+    waited for, since a directory out of descriptors leaves them in its backlog."""
+    out = []
+    for _ in range(count):
+        sock = socket.socket()
+        out.append(sock)
+        sock.bind((source, 0))
+        sock.setblocking(False)
+        sock.connect_ex((host, port))
+    return out
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False  # open, and silent
+    except OSError:
+        return True  # reset, or never connected
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_idle_connections_that_never_start_tls_are_capped_from_accept(tmp_path: Any) -> None:
+    from tests.test_hardening import _self_signed
+
+    cert, key = _self_signed(tmp_path, "directory")
+    tls = {"HOPLITE_TLS_CERT_FILE": cert, "HOPLITE_TLS_KEY_FILE": key}
+    directory = DirectoryProcess(new_token(), env=tls, wrap=[sys.executable, "-c", _LIMITED])
+    directory.start()
+    idle: list[socket.socket] = []
+    node = None
+    try:
+        # 400 connections from one address that never begin TLS: 64 (the cap per address) wait
+        # for their handshake, the rest are closed as they are accepted.
+        idle = _idle_connections(directory.host, directory.port, 400, "127.0.0.2")
+        deadline = time.monotonic() + 20
+        while sum(_closed_by_peer(s) for s in idle) < 400 - 64:  # poll with a deadline
+            assert time.monotonic() < deadline, f"{sum(_closed_by_peer(s) for s in idle)} of 400 closed"
+            time.sleep(0.1)
+        # A node from another address joins at once, over TLS, while they are held.
+        start = time.monotonic()
+        node = hg.connect(directory.address, token=directory.token, tls_ca_file=cert, reconnect_timeout=0)
+        joined = time.monotonic() - start
+        assert joined < 5.0, joined
+        oid = node.put(np.arange(5))
+        assert np.array_equal(node.get(oid, timeout=10), np.arange(5))
+        assert sum(_closed_by_peer(s) for s in idle) == 400 - 64  # the cap's 64 still wait
+    finally:
+        for sock in idle:
+            sock.close()
         if node is not None:
             node.close()
         directory.kill()
