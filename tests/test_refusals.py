@@ -198,3 +198,70 @@ def test_idle_connections_that_never_start_tls_are_capped_from_accept(tmp_path: 
         if node is not None:
             node.close()
         directory.kill()
+
+
+# A directory in a process whose every descriptor is taken: prints its port, then, 3 s after the
+# test connected, how many tries to accept it made and how many log lines said so; then frees the
+# descriptors and serves on.
+_OUT_OF_FILES = r"""
+import asyncio, logging, os, resource, sys
+from hoplite_gpu.directory.service import DirectoryService
+
+lines = []
+class Count(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger().addHandler(Count())
+logging.getLogger().setLevel(logging.WARNING)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+async def main():
+    service = DirectoryService("token")
+    await service.start()
+    taken = []
+    try:
+        while True:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    print("port", service.port, flush=True)
+    sys.stdin.readline()  # the test connected
+    await asyncio.sleep(3)
+    tries = getattr(service, "accept_errors", -1)
+    print("tries", tries, "lines", sum("accept" in line for line in lines), flush=True)
+    for fd in taken:
+        os.close(fd)
+    await asyncio.to_thread(sys.stdin.readline)  # the test got its challenge
+    await service.stop()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_directory_out_of_descriptors_backs_off_and_serves_once_they_are_free() -> None:
+    import subprocess
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _OUT_OF_FILES], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    waiting: list[socket.socket] = []
+    try:
+        port = int(child.stdout.readline().split()[1])
+        waiting = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(5)]
+        child.stdin.write("connected\n")
+        child.stdin.flush()
+        _, tries, _, lines = child.stdout.readline().split()
+        # Backed off: asyncio's accept loop logged about 100 errors a second, with tracebacks.
+        assert 1 <= int(tries) <= 15 and 1 <= int(lines) <= 4, (tries, lines)
+        waiting[0].settimeout(5)
+        assert waiting[0].recv(4096)  # its challenge, once descriptors are free again
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 0
+    finally:
+        for sock in waiting:
+            sock.close()
+        child.kill()
+        child.wait()
