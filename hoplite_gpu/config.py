@@ -113,7 +113,8 @@ class Config:
         directory_unread_bytes: A directory drops a node whose unread replies pile up beyond this
             (a stuck or hostile reader would grow its memory); the node is repaired as a dead one.
         directory_max_handshakes: A directory closes new connections at once while this many have not
-            finished authenticating (10 s each), so they cannot use up its descriptors or memory.
+            finished authenticating, TLS included (10 s each from the accept), so they cannot use up
+            its descriptors or memory; at most half the files the process may open.
         directory_max_handshakes_per_address: The same bound per peer address, so one address cannot
             take every slot of ``directory_max_handshakes``.
         directory_max_pending_lookups: Quota of lookups one node may have waiting (gets of objects
