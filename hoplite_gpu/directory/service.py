@@ -430,6 +430,10 @@ class DirectoryService:
         self.state.record(time.monotonic(), "request_refused", node=node_id, request=kind, reason=why[:500])
         text = f"the directory refused this {kind} request: {why}"
         writer.write(p.encode(p.ErrorReply(request_id=request_id, kind="InvalidArgumentError", message=text)))
+        if writer.transport.get_write_buffer_size() > self.config.max_unread_bytes:
+            log.warning("dropping node %s: its refusals are not read", node_id[:8])
+            self.dropped_unread += 1
+            writer.transport.abort()
 
     def _warn(self, kind: str, text: str, *args: Any) -> None:
         """Log a warning of this kind at most once a second (a flood of bad connections must not

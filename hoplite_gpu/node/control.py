@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from .. import auth
 from .. import protocol as p
+from ..config import MiB
 from ..errors import (
     AuthenticationError,
     DirectoryUnavailableError,
@@ -188,15 +189,18 @@ class ControlClient:
         """Send a message that expects no reply.
 
         Raises:
-            InvalidArgumentError: it encodes to more than the control message limit, which the
-                directory would refuse (nothing is sent).
+            InvalidArgumentError: it encodes to more than the control message limit (ours, or
+                what the directory's inline threshold implies if larger), which the directory
+                would refuse (nothing is sent).
         """
         if self._lost is not None:
             raise self._lost
         assert self._writer is not None
         frame = p.encode(msg)
-        if len(frame) - p.FRAME_HEADER.size > self.limit:
-            raise _too_large(msg, len(frame) - p.FRAME_HEADER.size, self.limit)
+        # A put carries objects up to the directory's inline threshold, which may exceed ours.
+        limit = max(self.limit, self.inline_threshold_bytes + MiB)
+        if len(frame) - p.FRAME_HEADER.size > limit:
+            raise _too_large(msg, len(frame) - p.FRAME_HEADER.size, limit)
         self._writer.write(frame)
 
     def expect(self, request_id: int) -> asyncio.Future[p.Message]:
