@@ -113,13 +113,18 @@ class Config:
         directory_unread_bytes: A directory drops a node whose unread replies pile up beyond this
             (a stuck or hostile reader would grow its memory); the node is repaired as a dead one.
         directory_max_handshakes: A directory closes new connections at once while this many have not
-            finished authenticating (10 s each), so they cannot use up its descriptors or memory.
+            finished authenticating, TLS included (10 s each from the accept), so they cannot use up
+            its descriptors or memory; at most half the files the process may open.
         directory_max_handshakes_per_address: The same bound per peer address, so one address cannot
             take every slot of ``directory_max_handshakes``.
         directory_max_pending_lookups: Quota of lookups one node may have waiting (gets of objects
             not there yet); beyond it a get fails with ``QuotaExceededError``.
         directory_max_reductions: Quota of reductions one node may have requested and not seen
             finish; beyond it a reduce fails with ``QuotaExceededError``.
+        directory_max_reduce_inputs: Quota of inputs of one node's reductions the directory holds,
+            finished ones it still remembers included (each weight and each number of an encoding
+            row counts as one more; about 400 bytes each): its oldest finished ones are forgotten to
+            make room, and beyond it a reduce fails with ``QuotaExceededError``.
         directory_max_inline_bytes: Quota of bytes of one node's small objects the directory keeps
             inline; beyond it a small ``put`` fails with ``QuotaExceededError`` until it deletes some.
         directory_event_log_bytes: Bound of the directory's event log in estimated bytes, beside its
@@ -168,6 +173,7 @@ class Config:
     directory_max_handshakes_per_address: int = 64
     directory_max_pending_lookups: int = 100_000
     directory_max_reductions: int = 10_000
+    directory_max_reduce_inputs: int = 262_144
     directory_max_inline_bytes: int = 256 * MiB
     directory_event_log_bytes: int = 64 * MiB
     directory_place_slice: int = 256
@@ -182,6 +188,7 @@ class Config:
             "directory_max_handshakes_per_address",
             "directory_max_pending_lookups",
             "directory_max_reductions",
+            "directory_max_reduce_inputs",
             "directory_max_inline_bytes",
             "directory_event_log_bytes",
             "directory_place_slice",

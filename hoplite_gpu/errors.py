@@ -72,10 +72,11 @@ class PinnedMemoryError(HopliteError, MemoryError):
 
 class QuotaExceededError(HopliteError):
     """The directory refused a request because the node already has as many of that kind
-    outstanding as it allows (pending lookups, unfinished reductions, bytes of small objects kept
-    inline); the message says which quota and its limit. Finish, cancel or delete some first, or
-    raise the directory's setting (``Config.directory_max_pending_lookups``,
-    ``Config.directory_max_reductions``, ``Config.directory_max_inline_bytes``)."""
+    outstanding as it allows (pending lookups, unfinished reductions or their inputs, bytes of small
+    objects kept inline); the message says which quota and its limit. Finish, cancel or delete some
+    first, or raise the directory's setting (``Config.directory_max_pending_lookups``,
+    ``Config.directory_max_reductions``, ``Config.directory_max_reduce_inputs``,
+    ``Config.directory_max_inline_bytes``)."""
 
 
 class InvalidArgumentError(HopliteError, ValueError):

@@ -16,7 +16,7 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
 from hoplite_gpu.directory.config import DirectoryConfig
-from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request
+from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request, Tick
 from hoplite_gpu.dtypes import dtype_from_wire, dtype_to_wire
 from hoplite_gpu.errors import InvalidArgumentError, ProtocolError
 from hoplite_gpu.iothread import IOThread
@@ -649,3 +649,57 @@ def test_a_reduce_over_many_present_inputs_is_placed_a_slice_per_event() -> None
     assert not plan.full
     state.handle(Request(owner, p.PutRequest(11, ids[-1], 1 << 20, "|u1", [1 << 20], b""), 1.3))
     assert plan.full and len(plan.placed) == n
+
+
+# --------------------------------------------------------------------------- issue 39, finding 6
+def _reduce(
+    state: DirectoryState, node: str, rid: bytes, n: int, now: float = 1.0, **kw: Any
+) -> p.ReduceReply:
+    ids = [b"\xff" + rid[-3:] + i.to_bytes(16, "big") for i in range(n)]  # nobody put them: they wait
+    msg = p.ReduceRequest(request_id=1, reduction_id=rid, object_ids=ids, op="sum", num_objects=n, **kw)
+    (out,) = state.handle(Request(node, msg, now))
+    assert isinstance(out.message, p.ReduceReply)
+    return out.message
+
+
+def test_reductions_have_a_per_node_quota_of_inputs() -> None:
+    state = _state(max_reduce_inputs=100)
+    assert [_reduce(state, "A", bytes([i]) * 20, 30, timeout=5.0).error for i in (1, 2, 3)] == [""] * 3
+    refused = _reduce(state, "A", b"\x04" * 20, 30)  # 120 inputs held: past the quota
+    assert refused.error_kind == "QuotaExceededError" and "directory_max_reduce_inputs" in refused.error
+    assert b"\x04" * 20 not in state.reductions
+    assert _reduce(state, "B", b"\x05" * 20, 30).error == ""  # the quota is per node
+    # Weights and encoding numbers are held too: they count as inputs.
+    assert _reduce(state, "C", b"\x06" * 20, 2, coding=[[1.0] * 50, [1.0] * 50]).error_kind == (
+        "QuotaExceededError"
+    )
+    assert _reduce(state, "C", b"\x07" * 20, 2, coding=[[1.0] * 40, [1.0] * 40]).error == ""
+    # Deleting an unfinished reduction frees its inputs.
+    state.handle(Request("A", p.DeleteRequest(7, b"\x01" * 20), 2.0))
+    assert _reduce(state, "A", b"\x08" * 20, 30).error == ""
+    # A finished or failed reduction still holds its inputs here, but is forgotten (oldest first)
+    # to make room: failing fast does not let a node pile them up.
+    state.handle(Tick(10.0))  # the two with a timeout of 5 s fail
+    assert not state.reductions[b"\x02" * 20].active and not state.reductions[b"\x03" * 20].active
+    assert _reduce(state, "A", b"\x09" * 20, 30, now=10.0).error == ""
+    assert b"\x02" * 20 not in state.reductions and b"\x03" * 20 in state.reductions
+    assert state.members.reduce_inputs == {"A": 90, "B": 30, "C": 82}
+    # One larger than the whole quota is refused at once, and forgets nothing.
+    assert _reduce(state, "A", b"\x0a" * 20, 101, now=10.0).error_kind == "QuotaExceededError"
+    assert b"\x03" * 20 in state.reductions
+
+
+def test_the_issues_twenty_reductions_of_44000_inputs_stay_within_the_quota() -> None:
+    import tracemalloc
+
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf))  # the default quota
+    state.handle(NodeJoined("A", "127.0.0.1", 7000, 0.0))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        answers = [_reduce(state, "A", i.to_bytes(20, "big"), 44_000).error_kind for i in range(1, 21)]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert answers == [""] * 5 + ["QuotaExceededError"] * 15  # 262,144 inputs by default
+    assert held < 120 << 20  # 313 MiB before the quota counted inputs (20 accepted)

@@ -131,7 +131,7 @@ class Catalog:
         red = state.reductions.get(oid)
         if red is not None and red.requester == node_id:
             state.reducer.fail(red, "ObjectDeletedError", f"reduction {oid.hex()} was deleted", now)
-            del state.reductions[oid]
+            state.reducer.forget(oid)
             if oid not in self.objects:  # the result was never placed, or dropped above
                 self.remember_delete(oid)
                 state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))

@@ -45,6 +45,8 @@ class DirectoryConfig:
             (``Config.directory_max_pending_lookups``).
         max_reductions: Per-node quota of unfinished reductions
             (``Config.directory_max_reductions``).
+        max_reduce_inputs: Per-node quota of the inputs (weights and encoding numbers included) of
+            the reductions held here, finished ones included (``Config.directory_max_reduce_inputs``).
         max_inline_bytes: Per-node quota of bytes of the objects a node put (or restored) that are
             stored inline here (``Config.directory_max_inline_bytes``).
         event_log_bytes: Bound of the event log's estimated size; with :data:`EVENT_LOG_CAPACITY`
@@ -65,6 +67,7 @@ class DirectoryConfig:
     validate: bool = _DEFAULT.validate_directory
     max_pending_lookups: int = _DEFAULT.directory_max_pending_lookups
     max_reductions: int = _DEFAULT.directory_max_reductions
+    max_reduce_inputs: int = _DEFAULT.directory_max_reduce_inputs
     max_inline_bytes: int = _DEFAULT.directory_max_inline_bytes
     event_log_bytes: int = EVENT_LOG_BYTES
     place_slice: int = PLACE_SLICE
@@ -83,6 +86,7 @@ class DirectoryConfig:
             validate=config.validate_directory,
             max_pending_lookups=config.directory_max_pending_lookups,
             max_reductions=config.directory_max_reductions,
+            max_reduce_inputs=config.directory_max_reduce_inputs,
             max_inline_bytes=config.directory_max_inline_bytes,
             event_log_bytes=config.directory_event_log_bytes,
             place_slice=config.directory_place_slice,

@@ -6,7 +6,8 @@ vertex names a node that is joined; progress stays within the object's size; a c
 no upstream; no upstream chain is a cycle (the scheduling rule of :mod:`.scheduling`); a busy
 sender serves a recorded transfer; ``awaiting`` lists exactly the unplaced inputs of active,
 unfilled reductions; the indexes of pending lookups (per node, per request, by deadline) match the
-queues; the per-node inline bytes and the event log's size accounting match what they count.
+queues; the per-node inline bytes and reduction inputs and the event log's size accounting match
+what they count.
 """
 
 from __future__ import annotations
@@ -104,8 +105,11 @@ def _reduction_problems(state: DirectoryState) -> list[str]:
     """Reductions: their plans, their vertices' nodes and outputs, and ``awaiting``."""
     out: list[str] = []
     expected: dict[bytes, set[bytes]] = {}
+    charged: dict[str, int] = {}
     for rid, red in state.reductions.items():
         plan, name = red.plan, f"reduction {rid.hex()[:12]}"
+        if red.charged:
+            charged[red.requester] = charged.get(red.requester, 0) + red.charged
         if plan.reduction_id != rid or len(plan.placed) > plan.num_objects:
             out.append(f"{name}: bad key, or more inputs placed than asked for")
         if [pl.vertex for pl in plan.placed] != [v for v in plan.by_vertex] or any(
@@ -126,4 +130,6 @@ def _reduction_problems(state: DirectoryState) -> list[str]:
                     expected.setdefault(oid, set()).add(rid)
     if {o: set(r) for o, r in state.reducer.awaiting.items()} != expected:
         out.append("awaiting does not list exactly the unplaced inputs of active reductions")
+    if charged != state.members.reduce_inputs:
+        out.append("the per-node counts of reduction inputs are not those of the reductions held")
     return out

@@ -1,5 +1,5 @@
 """Who is in: joined nodes, their leases, suspicion of a failed sender, and per-node quotas of
-bytes kept inline.
+bytes kept inline and of reduction inputs held.
 
 A node is dead when its connection closes or when it sends nothing (heartbeats included) for
 ``lease_timeout`` seconds. A directory that itself stalled (``Tick.lag``) renews every lease
@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from .. import protocol as p
 from .config import SUSPECT_GRACE
 from .events import NodeJoined
-from .records import NodeInfo, ObjectEntry
+from .records import NodeInfo, ObjectEntry, Reduction
 
 if TYPE_CHECKING:
     from .state import DirectoryState
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 class Membership:
     """What happens to :attr:`~.state.DirectoryState.nodes` (the table itself is the state's: every
-    room reads it), and the inline bytes each node holds against its quota."""
+    room reads it), and the inline bytes and reduction inputs each node holds against its quotas."""
 
     def __init__(self, state: DirectoryState) -> None:
         self.state = state
@@ -30,6 +31,9 @@ class Membership:
         self.nodes = state.nodes
         # What each node's inline objects hold now (Config.directory_max_inline_bytes); no zeros.
         self.inline_bytes: dict[str, int] = {}
+        # The inputs of the reductions each node requested that are held here, finished ones
+        # included (Config.directory_max_reduce_inputs); no zeros.
+        self.reduce_inputs: dict[str, int] = {}
 
     # ------------------------------------------------------------ joining and leaving
     def join(self, ev: NodeJoined) -> None:
@@ -115,3 +119,32 @@ class Membership:
                 self.inline_bytes[entry.charged] = left
             else:
                 del self.inline_bytes[entry.charged]
+
+    # ------------------------------------------------------------ reduction inputs quota
+    def reduce_inputs_fit(self, node_id: str, count: int) -> bool:
+        """Whether a reduction of ``count`` inputs (see :func:`reduction_cost`) stays within
+        ``node_id``'s quota."""
+        return self.reduce_inputs.get(node_id, 0) + count <= self.config.max_reduce_inputs
+
+    def charge_reduction(self, red: Reduction, count: int) -> None:
+        """Count ``red``'s ``count`` inputs against its requester's quota."""
+        red.charged = count
+        if count:
+            self.reduce_inputs[red.requester] = self.reduce_inputs.get(red.requester, 0) + count
+
+    def release_reduction(self, red: Reduction) -> None:
+        """``red`` was forgotten: its inputs no longer count against its requester's quota."""
+        if red.charged:
+            left = self.reduce_inputs[red.requester] - red.charged
+            red.charged = 0
+            if left:
+                self.reduce_inputs[red.requester] = left
+            else:
+                del self.reduce_inputs[red.requester]
+
+
+def reduction_cost(msg: p.ReduceRequest) -> int:
+    """What a requested reduction counts against its node's quota of inputs
+    (``Config.directory_max_reduce_inputs``): its inputs, its weights and the numbers of its
+    encoding rows, each held here for as long as the reduction is."""
+    return len(msg.object_ids) + len(msg.weights) + sum(len(row) for row in msg.coding)

@@ -112,6 +112,7 @@ class Reduction:
     queries: list[PendingQuery] = field(default_factory=list)
     backlog: deque[bytes] = field(default_factory=deque)  # present inputs not offered yet (Resume)
     memory: str | None = None  # the memory of the first input placed: its result's and vertices'
+    charged: int = 0  # inputs counted against the requester's quota (Membership.reduce_inputs)
 
     @property
     def active(self) -> bool:

@@ -22,6 +22,7 @@ from ..reduce_ops import as_op
 from . import combine
 from .config import REDUCTIONS_KEPT
 from .lookups import failed_lookup, not_ready
+from .membership import reduction_cost
 from .records import Location, LocationState, ObjectEntry, PendingQuery, Reduction
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
 from .scheduling import computes_at, in_segment, input_holder, one_host
@@ -73,12 +74,22 @@ class Reductions:
         weights = dict(zip(inputs, msg.weights, strict=True)) if msg.weights else {}
         coding = dict(zip(inputs, msg.coding, strict=True)) if msg.coding else {}
         existing = self.reductions.get(rid)
+        cost = reduction_cost(msg)
         if existing is None:  # (bounded: the directory keeps at most REDUCTIONS_KEPT of them)
             active = sum(1 for red in self.reductions.values() if red.requester == node_id and red.active)
             quota = self.config.max_reductions
             if active >= quota:
                 refuse(
                     "QuotaExceededError", f"node has {quota} reductions not finished, the directory's quota"
+                )
+                return
+            if not self._make_room(node_id, cost):
+                held = self.state.members.reduce_inputs.get(node_id, 0)
+                refuse(
+                    "QuotaExceededError",
+                    f"node's reductions hold {held} inputs here and this one counts {cost} "
+                    "(weights and encoding numbers included): that exceeds the directory's quota of "
+                    f"{self.config.max_reduce_inputs} (Config.directory_max_reduce_inputs)",
                 )
                 return
         if existing is not None:
@@ -99,6 +110,7 @@ class Reductions:
             red = Reduction(plan, op, node_id, None, msg.timeout, done=True, restored=True)
             red.candidates = inputs if as_arrive else ()
             self.reductions[rid] = red
+            self.state.members.charge_reduction(red, cost)
             self.objects[rid].reduction = b""
             state.send(node_id, p.ReduceReply(request_id=msg.request_id))
             state.record(now, "reduce_restored", node=node_id, object_id=rid.hex())
@@ -127,6 +139,7 @@ class Reductions:
             red.candidates = inputs
             red.gather = combine.new_tracker(red)
         self.reductions[rid] = red
+        self.state.members.charge_reduction(red, cost)
         self._forget_old()
         state.send(node_id, p.ReduceReply(request_id=msg.request_id))
         state.record(
@@ -472,6 +485,13 @@ class Reductions:
             if not waiting:
                 del self.awaiting[oid]
 
+    def forget(self, rid: bytes) -> None:
+        """Forget reduction ``rid`` (deleted, or finished long ago): its inputs no longer count
+        against its requester's quota."""
+        red = self.reductions.pop(rid, None)
+        if red is not None:
+            self.state.members.release_reduction(red)
+
     def _forget_old(self) -> None:
         """Keep at most :data:`~.config.REDUCTIONS_KEPT` finished or failed reductions (oldest go
         first)."""
@@ -479,7 +499,23 @@ class Reductions:
         if excess <= 0:
             return
         for rid in [rid for rid, red in self.reductions.items() if not red.active][:excess]:
-            del self.reductions[rid]
+            self.forget(rid)
+
+    def _make_room(self, node_id: str, cost: int) -> bool:
+        """Whether a new reduction of ``cost`` inputs (:func:`~.membership.reduction_cost`) fits
+        ``node_id``'s quota of inputs, after forgetting as many of its finished or failed
+        reductions as that takes (oldest first); unfinished ones are never forgotten."""
+        members = self.state.members
+        if members.reduce_inputs_fit(node_id, cost):
+            return True
+        if cost > self.config.max_reduce_inputs:
+            return False
+        done = [rid for rid, red in self.reductions.items() if red.requester == node_id and not red.active]
+        for rid in done:
+            self.forget(rid)
+            if members.reduce_inputs_fit(node_id, cost):
+                return True
+        return False
 
     def deadlines(self) -> list[float]:
         """The deadlines of reductions waiting for inputs and of queries waiting for them."""

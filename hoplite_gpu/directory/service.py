@@ -2,8 +2,9 @@
 
 The service is a thin shell: it authenticates connections, decodes frames into events, feeds them to
 the state machine with the current monotonic time, and writes the resulting instructions to the
-right connections. A connection that fails authentication, or sends a malformed or oversized frame,
-is closed and logged; everyone else keeps being served.
+right connections. A request that is too large or fails its checks is answered with an
+``ErrorReply`` (``InvalidArgumentError``); a connection that fails authentication, or sends another
+malformed or oversized frame, is closed and logged; everyone else keeps being served.
 """
 
 from __future__ import annotations
@@ -11,12 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
+import resource
+import socket
 import ssl
 import time
 import uuid
 from typing import Any
+
+import msgpack
 
 from .. import auth
 from .. import protocol as p
@@ -40,13 +46,123 @@ from .state import DirectoryState
 
 log = logging.getLogger("hoplite_gpu.directory")
 
+#: Seconds a connection has, from its accept, to finish TLS (if served) and authenticate.
 HANDSHAKE_TIMEOUT = 10.0
+#: First and longest pauses before accepting again after an accept failed for want of descriptors
+#: or memory (the connections wait in the kernel's backlog meanwhile).
+ACCEPT_BACKOFF = (0.01, 1.0)
+#: Kernel backlog of connections not accepted yet.
+LISTEN_BACKLOG = 128
+#: The caps of connections still authenticating take at most 1/this of the descriptors the
+#: process may open, so that they never leave none for the nodes that authenticated.
+HANDSHAKE_SHARE_OF_FILES = 2
 
 
 async def _closed(writer: asyncio.StreamWriter) -> None:
     """Wait until ``writer``'s connection is closed (how it ended does not matter here)."""
     with contextlib.suppress(Exception):
         await writer.wait_closed()
+
+
+#: Messages the directory answers: one it refuses is answered with an ``ErrorReply`` naming its
+#: ``request_id`` (what it waits for), not by closing the connection.
+ANSWERED = frozenset(
+    cls.TYPE
+    for cls in (
+        p.PutRequest,
+        p.LookupRequest,
+        p.DeleteRequest,
+        p.ReduceRequest,
+        p.ReducedObjectsRequest,
+        p.EventLogRequest,
+    )
+)
+#: Bytes of an oversized frame read to find which request it is (its type and ``request_id``
+#: come first).
+_REQUEST_HEAD_BYTES = 256
+#: An oversized request up to this many times the limit is skipped and refused; a larger frame
+#: closes the connection.
+_SKIPPED_FRAME_LIMITS = 16
+
+
+def _answered_request(body: bytes) -> tuple[str, int] | None:
+    """``(type, request_id)`` of the request a frame body (or its start) holds, if it is one the
+    directory answers (:data:`ANSWERED`) and names its ``request_id`` within ``body``; None
+    otherwise. Reads only the frame's shape: nothing else in it need be valid."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1))
+    unpacker.feed(body)
+    try:
+        if unpacker.read_array_header() != 3 or unpacker.unpack() != p.PROTOCOL_VERSION:
+            return None
+        kind = unpacker.unpack()
+        if kind not in ANSWERED:
+            return None
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() != "request_id":
+                unpacker.skip()
+                continue
+            request_id = unpacker.unpack()
+            if isinstance(request_id, int) and not isinstance(request_id, bool) and request_id >= 0:
+                return str(kind), request_id
+            return None
+    except Exception:  # truncated, or not msgpack: msgpack raises several unrelated types
+        return None
+    return None
+
+
+def _handshake_caps(config: DirectoryConfig) -> tuple[int, int]:
+    """The caps of connections still authenticating, in all and per address: the configured
+    ones, within :data:`HANDSHAKE_SHARE_OF_FILES` of the descriptors this process may open."""
+    most, per_address = config.max_handshakes, config.max_handshakes_per_address
+    try:
+        files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        files = resource.RLIM_INFINITY
+    if files != resource.RLIM_INFINITY and most > max(1, files // HANDSHAKE_SHARE_OF_FILES):
+        most = max(1, files // HANDSHAKE_SHARE_OF_FILES)
+        log.warning(
+            "at most %d connections may authenticate at once (Config.directory_max_handshakes is %d): "
+            "this process may open %d files",
+            most,
+            config.max_handshakes,
+            files,
+        )
+    return most, min(per_address, most)
+
+
+def _listen(infos: list[Any], port: int) -> list[socket.socket]:
+    """Listening sockets on every address of ``infos`` (``getaddrinfo`` results): non-blocking,
+    all on the port the first got when ``port`` is 0."""
+    sockets: list[socket.socket] = []
+    seen: set[tuple[int, Any]] = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # each family on its own socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:  # that family is not enabled here (as asyncio)
+                    sockets.pop().close()
+                    continue
+                raise OSError(exc.errno, f"cannot listen on {address!r}: {exc.strerror}") from None
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    if not sockets:
+        raise OSError(f"no address to listen on for port {port}")
+    return sockets
 
 
 class _Conn:
@@ -93,13 +209,18 @@ class DirectoryService:
         self.handshaking = 0
         self._handshaking_from: dict[str, int] = {}  # peer address -> connections authenticating
         self.refused_handshakes = 0
+        self.refused_requests = 0  # refused with an ErrorReply (too large, or failing checks)
         self._warned: dict[str, tuple[float, int]] = {}  # warning kind -> (last logged, suppressed)
         self.violations = 0
         self.directory_id = uuid.uuid4().hex
         self.auth_failures = 0
         self._conns: dict[str, _Conn] = {}
-        self._server: asyncio.base_events.Server | None = None
+        self.accept_errors = 0
+        self._max_handshakes, self._max_handshakes_per_address = _handshake_caps(config)
+        self._listeners: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
         self._ticker: asyncio.Task[None] | None = None
+        self._stopping = False
         self._wake = asyncio.Event()
         self._handlers: set[asyncio.Task[Any]] = set()
 
@@ -117,18 +238,34 @@ class DirectoryService:
         return f"{self.host}:{self.port}"
 
     async def start(self) -> None:
-        """Bind and start serving."""
-        self._server = await asyncio.start_server(self._on_connection, self.host, self.port, ssl=self.tls)
-        sock = self._server.sockets[0]
-        self.port = sock.getsockname()[1]
+        """Bind and start serving.
+
+        Connections are accepted as plain TCP and counted against the caps of connections still
+        authenticating (``Config.directory_max_handshakes``, ``..._per_address``) before any
+        TLS: one beyond a cap is closed at once, and TLS must then finish within
+        :data:`HANDSHAKE_TIMEOUT` with the rest of the handshake. (Served by asyncio with TLS,
+        a connection was counted only after its TLS handshake, whose timeout is 60 s: idle ones
+        used up the descriptors and no node could join.)
+        """
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(
+            self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        self._listeners = _listen(infos, self.port)
+        self.port = self._listeners[0].getsockname()[1]
+        self._accepting = [asyncio.create_task(self._accept_loop(sock)) for sock in self._listeners]
         self._ticker = asyncio.create_task(self._tick_loop())
         log.info("directory %s listening on %s", self.directory_id, self.address)
 
     async def stop(self) -> None:
         """Stop serving and close every connection, telling each node first (``Goodbye``), so
         that nodes tell a normal shutdown from a lost directory."""
-        if self._server is not None:
-            self._server.close()
+        for task in self._accepting:
+            task.cancel()
+        await asyncio.gather(*self._accepting, return_exceptions=True)
+        for sock in self._listeners:
+            sock.close()
+        self._stopping = True
         if self._ticker is not None:
             self._ticker.cancel()
         closing = []
@@ -144,56 +281,100 @@ class DirectoryService:
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        if self._ticker is not None:  # (its cancellation may be lost in a wait_for: it also stops)
+            self._wake.set()
+            await asyncio.wait({self._ticker}, timeout=1.0)
 
     # ------------------------------------------------------------ connections
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        peername = writer.get_extra_info("peername")
-        peer = ":".join(str(x) for x in peername[:2])
-        node_id: str | None = None
-        address = str(peername[0])
-        from_address = self._handshaking_from.get(address, 0)
-        if (
-            self.handshaking >= self.config.max_handshakes
-            or from_address >= self.config.max_handshakes_per_address
-        ):
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        """Accept connections on ``listener`` for as long as the service runs. Out of
+        descriptors or memory, it backs off (up to a second) instead of retrying at once: the
+        connections wait in the kernel's backlog, and asyncio's own loop logged an error for
+        each try (62,779 in 6 s in the issue's test)."""
+        loop = asyncio.get_running_loop()
+        pause = ACCEPT_BACKOFF[0]
+        while True:
+            try:
+                sock, address = await loop.sock_accept(listener)
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue  # a peer that gave up before it was accepted
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM
+                self.accept_errors += 1
+                self._warn("accept", "cannot accept a connection (%s); trying again in %.2f s", exc, pause)
+                await asyncio.sleep(pause)  # backoff, not synchronisation
+                pause = min(2 * pause, ACCEPT_BACKOFF[1])
+                continue
+            pause = ACCEPT_BACKOFF[0]
+            self._admit(sock, address)
+
+    def _admit(self, sock: socket.socket, address: Any) -> None:
+        """Count a connection just accepted against the caps of those still authenticating
+        (closed at once beyond one), and start its handshake."""
+        host = str(address[0])
+        from_address = self._handshaking_from.get(host, 0)
+        if self.handshaking >= self._max_handshakes or from_address >= self._max_handshakes_per_address:
             self.refused_handshakes += 1
             self._warn(
                 "handshakes",
                 "closing connections at once: %d are still authenticating, %d of them from %s",
                 self.handshaking,
                 from_address,
-                address,
+                host,
             )
-            self._handlers.discard(task)
-            writer.transport.abort()
+            sock.close()
             return
+        self.handshaking += 1
+        self._handshaking_from[host] = from_address + 1
+        task = asyncio.create_task(self._on_connection(sock, address))
+        self._handlers.add(task)
+
+    def _handshake_done(self, host: str) -> None:
+        """A connection counted by :meth:`_admit` authenticated, failed or closed."""
+        self.handshaking -= 1
+        left = self._handshaking_from[host] - 1
+        if left:
+            self._handshaking_from[host] = left
+        else:
+            del self._handshaking_from[host]
+
+    async def _open(self, sock: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Streams over an accepted socket, after a TLS handshake of at most
+        :data:`HANDSHAKE_TIMEOUT` if the service has TLS."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(reader)
+        timeout = HANDSHAKE_TIMEOUT if self.tls is not None else None
+        transport, _ = await loop.connect_accepted_socket(
+            lambda: protocol, sock, ssl=self.tls, ssl_handshake_timeout=timeout
+        )
+        return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+    async def _on_connection(self, sock: socket.socket, address: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        peer = ":".join(str(x) for x in address[:2])
+        host = str(address[0])
+        node_id: str | None = None
+        writer: asyncio.StreamWriter | None = None
         try:
-            self.handshaking += 1
-            self._handshaking_from[address] = from_address + 1
             try:
-                node_id = await self._handshake(reader, writer, peer)
+                reader, writer = await self._open(sock)
+                node_id = await self._handshake(reader, writer, peer, deadline)
             finally:
-                self.handshaking -= 1
-                left = self._handshaking_from[address] - 1
-                if left:
-                    self._handshaking_from[address] = left
-                else:
-                    del self._handshaking_from[address]
+                self._handshake_done(host)
             if node_id is None:
                 return
             while True:
-                msg = await p.read_frame(reader, self.config.max_message_bytes)
-                self._apply(Request(node_id, msg, time.monotonic()))
+                msg = await self._read_request(reader, writer, node_id)
+                if msg is not None:
+                    self._apply(Request(node_id, msg, time.monotonic()))
         except ProtocolError as exc:
             log.warning("closing connection from %s (node %s): %s", peer, node_id, exc)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
+        except ssl.SSLError as exc:  # before OSError: it is one
+            self._warn("tls", "dropping %s: TLS failed (%s)", peer, exc)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.TimeoutError):
+            pass  # (TimeoutError: TLS did not finish in time)
         except asyncio.CancelledError:
             pass
         finally:
@@ -202,7 +383,57 @@ class DirectoryService:
                 if self._conns[node_id].writer is writer:
                     del self._conns[node_id]
                     self._apply(NodeLeft(node_id, time.monotonic()))
-            writer.close()
+            if writer is not None:
+                writer.close()
+            else:
+                sock.close()
+
+    async def _read_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, node_id: str
+    ) -> p.Message | None:
+        """The next message of an authenticated node, or None for a request refused with an
+        ``ErrorReply`` (too large, or failing its checks): the node's caller gets the error, where
+        closing the connection made the node reconnect and send it again, forever. Raises
+        :class:`ProtocolError` for what cannot be answered (the connection is then closed)."""
+        limit = self.config.max_message_bytes
+        (length,) = p.FRAME_HEADER.unpack(await reader.readexactly(p.FRAME_HEADER.size))
+        if length > limit:
+            head = await reader.readexactly(min(length, _REQUEST_HEAD_BYTES))
+            request = _answered_request(head)
+            if request is None or length > _SKIPPED_FRAME_LIMITS * limit:
+                raise ProtocolError(f"control message of {length} bytes exceeds the limit of {limit}")
+            left = length - len(head)
+            while left:  # skipped a piece at a time: never held whole
+                left -= len(await reader.readexactly(min(left, 1 << 16)))
+            why = (
+                f"{length} bytes, over the directory's control message limit of {limit} "
+                "(Config.control_message_limit)"
+            )
+            self._refuse(writer, node_id, *request, why)
+            return None
+        payload = await reader.readexactly(length)
+        try:
+            return p.decode(payload)
+        except ProtocolError as exc:
+            request = _answered_request(payload)
+            if request is None:
+                raise
+            self._refuse(writer, node_id, *request, str(exc))
+            return None
+
+    def _refuse(
+        self, writer: asyncio.StreamWriter, node_id: str, kind: str, request_id: int, why: str
+    ) -> None:
+        """Answer a request the directory will not handle with an ``InvalidArgumentError``."""
+        self.refused_requests += 1
+        self._warn("refused", "refused a %s request from node %s: %s", kind, node_id[:8], why)
+        self.state.record(time.monotonic(), "request_refused", node=node_id, request=kind, reason=why[:500])
+        text = f"the directory refused this {kind} request: {why}"
+        writer.write(p.encode(p.ErrorReply(request_id=request_id, kind="InvalidArgumentError", message=text)))
+        if writer.transport.get_write_buffer_size() > self.config.max_unread_bytes:
+            log.warning("dropping node %s: its refusals are not read", node_id[:8])
+            self.dropped_unread += 1
+            writer.transport.abort()
 
     def _warn(self, kind: str, text: str, *args: Any) -> None:
         """Log a warning of this kind at most once a second (a flood of bad connections must not
@@ -218,13 +449,14 @@ class DirectoryService:
         log.warning(text, *args)
 
     async def _handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, deadline: float
     ) -> str | None:
         nonce = auth.new_nonce()
         writer.write(p.encode(p.Challenge(nonce=nonce)))
         await writer.drain()
         try:
-            hello = await asyncio.wait_for(p.read_frame(reader, p.MAX_HELLO_BYTES), HANDSHAKE_TIMEOUT)
+            left = max(0.0, deadline - time.monotonic())
+            hello = await asyncio.wait_for(p.read_frame(reader, p.MAX_HELLO_BYTES), left)
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 self.auth_failures += 1
@@ -317,7 +549,7 @@ class DirectoryService:
         """Send the state machine a Tick at its next deadline (or when woken), for as long as the
         service runs: an error in one round is logged and the loop goes on, since without it no
         timeout fires and no silent node is ever declared dead."""
-        while True:
+        while not self._stopping:
             try:
                 await self._tick_once()
             except asyncio.CancelledError:

@@ -11,7 +11,15 @@ from collections.abc import Callable
 
 from .. import auth
 from .. import protocol as p
-from ..errors import AuthenticationError, DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
+from ..config import MiB
+from ..errors import (
+    AuthenticationError,
+    DirectoryUnavailableError,
+    HopliteError,
+    InvalidArgumentError,
+    ProtocolError,
+    from_kind,
+)
 from ..topology import GpuPlace
 
 log = logging.getLogger("hoplite_gpu.control")
@@ -27,6 +35,21 @@ def parse_address(address: str) -> tuple[str, int]:
             cause="bad address",
         )
     return host.strip("[]"), int(port)
+
+
+def _too_large(msg: p.Message, size: int, limit: int) -> InvalidArgumentError:
+    """The error for a message of ``size`` bytes, over the control message ``limit``."""
+    argument, hint = "request", ""
+    if isinstance(msg, p.ReduceRequest):
+        argument = "coding" if msg.coding else "object_ids"
+        hint = "; reduce fewer objects at a time (a reduction's result can be an input of another)"
+        if msg.coding:
+            hint = "; give fewer objects or shorter encoding rows"
+    return InvalidArgumentError(
+        f"this {msg.TYPE} request encodes to {size} bytes, over the control message limit of {limit} "
+        f"(Config.control_message_limit){hint}",
+        argument=argument,
+    )
 
 
 class ControlClient:
@@ -167,11 +190,22 @@ class ControlClient:
         return self._lost is not None
 
     def send(self, msg: p.Message) -> None:
-        """Send a message that expects no reply."""
+        """Send a message that expects no reply.
+
+        Raises:
+            InvalidArgumentError: it encodes to more than the control message limit (ours, or
+                what the directory's inline threshold implies if larger), which the directory
+                would refuse (nothing is sent).
+        """
         if self._lost is not None:
             raise self._lost
         assert self._writer is not None
-        self._writer.write(p.encode(msg))
+        frame = p.encode(msg)
+        # A put carries objects up to the directory's inline threshold, which may exceed ours.
+        limit = max(self.limit, self.inline_threshold_bytes + MiB)
+        if len(frame) - p.FRAME_HEADER.size > limit:
+            raise _too_large(msg, len(frame) - p.FRAME_HEADER.size, limit)
+        self._writer.write(frame)
 
     def expect(self, request_id: int) -> asyncio.Future[p.Message]:
         """Register interest in the reply to ``request_id`` (call before :meth:`send`)."""

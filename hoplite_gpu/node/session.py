@@ -6,7 +6,9 @@ request made through it (:meth:`~DirectorySession.request`, :meth:`~DirectorySes
 fails because the connection was lost waits for the reconnection and is made again on the new
 connection, within its timeout. After a reconnection the node restores its copies (its
 ``on_rejoined`` callback) and the session re-sends the reductions the node requested, so a
-restarted directory rebuilds them.
+restarted directory rebuilds them (one it refuses is forgotten). A request the directory refuses
+(too large, or failing its checks) fails its caller with the directory's error and is never
+made again.
 """
 
 from __future__ import annotations
@@ -209,9 +211,39 @@ class DirectorySession:
         self.control = client
         self.generation += 1
         self._on_rejoined()
-        for msg in self._requested.values():
-            client.send(dataclasses.replace(msg, request_id=client.next_id(), rejoin=True))
+        for msg in list(self._requested.values()):
+            self._resend(client, msg)
         log.warning("rejoined the directory at %s (%s)", self.address, client.directory_id[:8])
+
+    def _resend(self, client: ControlClient, msg: p.ReduceRequest) -> None:
+        """Send a remembered reduction to a restarted directory; one it refuses is forgotten,
+        never sent again."""
+        request_id = client.next_id()
+        try:
+            reply = client.expect(request_id)
+            client.send(dataclasses.replace(msg, request_id=request_id, rejoin=True))
+        except HopliteError as exc:  # lost already (the next connection re-sends), or too large
+            client.forget(request_id)
+            if not isinstance(exc, DirectoryUnavailableError):
+                self._refused(msg, str(exc))
+            return
+
+        def answered(fut: asyncio.Future[p.Message]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                return  # the connection was lost: the next one re-sends it
+            answer = fut.result()
+            if isinstance(answer, p.ErrorReply):
+                self._refused(msg, answer.message)
+            elif isinstance(answer, p.ReduceReply) and answer.error:
+                self._refused(msg, answer.error)
+
+        reply.add_done_callback(answered)
+
+    def _refused(self, msg: p.ReduceRequest, why: str) -> None:
+        """Forget a remembered reduction the directory refused (unless asked for again since)."""
+        if self._requested.get(msg.reduction_id) is msg:
+            del self._requested[msg.reduction_id]
+        log.warning("the directory refused reduction %s when re-sent: %s", msg.reduction_id.hex(), why)
 
     async def _resolve_address(self, give_up: float) -> None:
         """Ask ``resolve`` where the directory is now (bounded by the reconnection's time left)."""
