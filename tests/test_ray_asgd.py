@@ -26,11 +26,11 @@ def _check_complete(rec: dict[str, Any], steps: int, k: int) -> None:
     assert rec["final_loss"] < 0.1 * rec["initial_loss"], (rec["initial_loss"], rec["final_loss"])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)  # bounds for a busy machine (issue 39); idle, about 75 s
 def test_first_k_async_sgd_converges_like_ray(ray_session: Any) -> None:
     steps, workers, k = 30, 4, 2
-    hop = run("hoplite", workers, k, SMALL, steps, warmup=1, timeout=100)
-    ray_ = run("ray", workers, k, SMALL, steps, warmup=1, timeout=100)
+    hop = run("hoplite", workers, k, SMALL, steps, warmup=1, timeout=400)
+    ray_ = run("ray", workers, k, SMALL, steps, warmup=1, timeout=400)
     for rec in (hop, ray_):
         _check_complete(rec, steps, k)
         assert rec["relaunches"] == []
@@ -47,7 +47,7 @@ def test_first_k_async_sgd_converges_like_ray(ray_session: Any) -> None:
     assert max(s["objects"] for s in hop["worker_stores"]) <= 3, hop["worker_stores"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)  # bounds for a busy machine (issue 39); idle, about 75 s
 @pytest.mark.parametrize(
     ("mode", "workers", "k", "steps"),
     [
@@ -63,7 +63,7 @@ def test_worker_killed_mid_run_restarts_and_contributes(
     ray_session: Any, mode: str, workers: int, k: int, steps: int
 ) -> None:
     victim = 1
-    rec = run(mode, workers, k, MEDIUM, steps, warmup=1, kill_worker=victim, kill_at_step=10, timeout=100)
+    rec = run(mode, workers, k, MEDIUM, steps, warmup=1, kill_worker=victim, kill_at_step=10, timeout=400)
     _check_complete(rec, steps, k)
     kill = rec["kill"]
     assert kill is not None and kill["worker"] == victim and kill["step"] >= 10

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]  # bounds for a busy machine (issue 39)
 
 pytest.importorskip("torch")
 pytest.importorskip("ray")
@@ -59,7 +59,7 @@ def restartable(ray_session: Any) -> Any:
 def _kill_directory(ray: Any) -> str:
     """SIGKILL the directory actor's process; return the address it had."""
     actor = ray.get_actor(NAME)
-    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=240)
     address = hgray.directory_info(NAME)[0]
     os.kill(pid, signal.SIGKILL)
     return address
@@ -71,21 +71,21 @@ def test_a_broadcast_completes_across_a_directory_actor_restart(restartable: Any
     sender = holder.remote(RATE)
     receivers = [holder.remote(0) for _ in range(3)]
     driver = hgray.node(NAME)
-    hex_id = ray.get(sender.put.remote("int64", 4 << 20, 5), timeout=60)  # 32 MiB
+    hex_id = ray.get(sender.put.remote("int64", 4 << 20, 5), timeout=240)  # 32 MiB
     expected = make_array("int64", (4 << 20,), 5)
-    pending = [r.get.remote(hex_id, 120) for r in receivers]
+    pending = [r.get.remote(hex_id, 300) for r in receivers]
     before = wait_for_events(driver, lambda evs: len(kinds(evs, "transfer_start")) >= 3)
     assert len([e for e in kinds(before, "transfer_done") if e["ok"]]) < 3  # mid-broadcast
     old = _kill_directory(ray)
-    for got in ray.get(pending, timeout=150):
+    for got in ray.get(pending, timeout=300):
         assert np.array_equal(got, expected)
     new = hgray.directory_info(NAME)[0]
     assert new != old  # a new process at a new address, found through the actor
     # (a receiver's get may finish over the data plane before its node has rejoined)
-    assert ray.get(receivers[0].rejoined.remote(), timeout=60) == new
+    assert ray.get(receivers[0].rejoined.remote(), timeout=240) == new
     after = driver.event_log()  # the new directory's: the driver's node reconnected too
     assert kinds(after, "directory_recovering")
-    assert np.array_equal(driver.get(hg.ObjectID.from_hex(hex_id), timeout=60), expected)
+    assert np.array_equal(driver.get(hg.ObjectID.from_hex(hex_id), timeout=240), expected)
 
 
 def test_a_reduction_completes_across_a_directory_actor_restart(restartable: Any) -> None:
@@ -94,16 +94,16 @@ def test_a_reduction_completes_across_a_directory_actor_restart(restartable: Any
     members = [holder.remote(RATE) for _ in range(4)]
     driver = hgray.node(NAME)
     arrays = [make_array("float32", (8 << 20,), 20 + i) for i in range(4)]  # 32 MiB each
-    ids = ray.get([m.put.remote("float32", 8 << 20, 20 + i) for i, m in enumerate(members)], timeout=60)
+    ids = ray.get([m.put.remote("float32", 8 << 20, 20 + i) for i, m in enumerate(members)], timeout=240)
     rid = hg.ObjectID.random()
     driver.reduce([hg.ObjectID.from_hex(h) for h in ids], "sum", reduction_id=rid)
-    readers = [m.get.remote(rid.hex(), 150) for m in members[1:]]  # an allreduce: read while reduced
+    readers = [m.get.remote(rid.hex(), 300) for m in members[1:]]  # an allreduce: read while reduced
     before = wait_for_events(driver, lambda evs: len(kinds(evs, "transfer_start")) >= 2)
     assert not kinds(before, "reduce_done")  # mid-reduction
     _kill_directory(ray)
     expected = np.sum(arrays, axis=0, dtype=np.float32)
-    assert np.array_equal(driver.get(rid, timeout=150), expected)
-    for got in ray.get(readers, timeout=150):
+    assert np.array_equal(driver.get(rid, timeout=300), expected)
+    for got in ray.get(readers, timeout=300):
         assert np.array_equal(got, expected)
     after = driver.event_log()
     assert kinds(after, "directory_recovering") and kinds(after, "reduce_done")
@@ -155,7 +155,7 @@ def test_a_resolver_that_never_answers_does_not_keep_the_process_alive() -> None
         proc.stdin.write("go\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "resolving"
-        assert proc.wait(timeout=60) == 0  # it exits although its resolver never returns
+        assert proc.wait(timeout=240) == 0  # it exits although its resolver never returns
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,7 +10,7 @@ import pytest
 
 from bench import serving
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]  # bounds for a busy machine (issue 39)
 
 MODELS = 4
 
@@ -35,8 +35,8 @@ def test_both_modes_match_numpy(ray_session: Any, batch: int, classes: int) -> N
             expected = serving.reference(workload, query)
             # Every model contributes: each image's probabilities sum to about 1 per model.
             np.testing.assert_allclose(expected.sum(axis=1), MODELS, atol=1e-2)
-            by_hoplite = serving.query_hoplite(models, query, releases, timeout=30)
-            by_ray = serving.query_ray(models, query, timeout=30)
+            by_hoplite = serving.query_hoplite(models, query, releases, timeout=120)
+            by_ray = serving.query_ray(models, query, timeout=120)
             assert by_hoplite.dtype == by_ray.dtype == np.float32
             np.testing.assert_array_equal(by_hoplite, expected)
             np.testing.assert_array_equal(by_ray, expected)
@@ -52,7 +52,7 @@ def test_run_mode_reports_and_checks(ray_session: Any) -> None:
     workload = serving.Workload(models=2, batch=2, image=64, pool=8, classes=100, seed=7)
     models = serving.start_models(workload, inflight=2)
     try:
-        results = serving.serve_both(workload, models, count=4, warmup=1, inflight=2, timeout=30)
+        results = serving.serve_both(workload, models, count=4, warmup=1, inflight=2, timeout=120)
         for mode in ("hoplite", "ray"):
             assert results[mode]["queries"] == 4
             assert len(results[mode]["latency"]) == 4

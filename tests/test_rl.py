@@ -48,25 +48,25 @@ def test_rollout_is_deterministic_and_bounded() -> None:
     assert rollout_advantage(w, 1, 2, 0) == rollout_advantage(w.copy(), 1, 2, 0)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # bounds for a busy machine (issue 39)
 @pytest.mark.parametrize("mode", ["ray", "gloo", "hoplite"])
 def test_every_sum_is_exact(ray_session: Any, mode: str) -> None:
-    rec = run(mode, 2, WEIGHTS, 3, warmup=1, timeout=100)
+    rec = run(mode, 2, WEIGHTS, 3, warmup=1, timeout=400)
     _check_exact(rec, 3, 2)
     if mode == "hoplite":
         assert rec["weights_via"] == "transport"
         assert all(r["attempts"] == 1 for r in rec["iterations"])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # bounds for a busy machine (issue 39)
 def test_hoplite_weights_through_put(ray_session: Any) -> None:
     """Without the HOPLITE transport: the learner puts the weights and passes their ObjectID."""
-    rec = run("hoplite", 2, WEIGHTS, 3, warmup=1, hoplite_transport=False, timeout=100)
+    rec = run("hoplite", 2, WEIGHTS, 3, warmup=1, hoplite_transport=False, timeout=400)
     assert rec["weights_via"] == "put"
     _check_exact(rec, 3, 2)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # bounds for a busy machine (issue 39)
 @pytest.mark.parametrize("mode", ["hoplite", "ray"])
 def test_killed_worker_is_left_out_then_rejoins(ray_session: Any, mode: str) -> None:
     victim = 1
@@ -81,7 +81,7 @@ def test_killed_worker_is_left_out_then_rejoins(ray_session: Any, mode: str) -> 
         kill_worker=victim,
         kill_at=2,
         until_rejoined=True,
-        timeout=100,
+        timeout=400,
     )
     _check_exact(rec, 6, 2)
     summary = failure_summary(rec)
