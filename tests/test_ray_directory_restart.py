@@ -24,13 +24,20 @@ from tests.procs import make_array, wait_for_events  # noqa: E402
 NAME = "hoplite-restart-test"
 #: 32 MiB takes 2 s to send at this rate: the kill lands mid-transfer.
 RATE = 16 << 20
+#: Seconds a node waits for the restarted actor: Ray restarted it in more than the default 30 s
+#: on a busy 2-core machine (issue 39).
+RECONNECT = 240.0
+
+
+def _config() -> hg.Config:
+    return hg.Config.from_env().replace(reconnect_timeout=RECONNECT)
 
 
 class Holder:
     """A node of the test's directory, without shared memory (every byte over UCX)."""
 
     def __init__(self, rate: float) -> None:
-        config = hg.Config.from_env().replace(shared_memory=False, send_rate_limit=rate)
+        config = _config().replace(shared_memory=False, send_rate_limit=rate)
         self.node = hgray.node(NAME, config=config)
 
     def put(self, dtype: str, n: int, seed: int) -> str:
@@ -70,7 +77,7 @@ def test_a_broadcast_completes_across_a_directory_actor_restart(restartable: Any
     holder = ray.remote(num_cpus=0)(Holder)
     sender = holder.remote(RATE)
     receivers = [holder.remote(0) for _ in range(3)]
-    driver = hgray.node(NAME)
+    driver = hgray.node(NAME, config=_config())
     hex_id = ray.get(sender.put.remote("int64", 4 << 20, 5), timeout=240)  # 32 MiB
     expected = make_array("int64", (4 << 20,), 5)
     pending = [r.get.remote(hex_id, 300) for r in receivers]
@@ -92,7 +99,7 @@ def test_a_reduction_completes_across_a_directory_actor_restart(restartable: Any
     ray = restartable
     holder = ray.remote(num_cpus=0)(Holder)
     members = [holder.remote(RATE) for _ in range(4)]
-    driver = hgray.node(NAME)
+    driver = hgray.node(NAME, config=_config())
     arrays = [make_array("float32", (8 << 20,), 20 + i) for i in range(4)]  # 32 MiB each
     ids = ray.get([m.put.remote("float32", 8 << 20, 20 + i) for i, m in enumerate(members)], timeout=240)
     rid = hg.ObjectID.random()
