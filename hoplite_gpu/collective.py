@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import memory
-from .errors import HopliteTimeoutError, InvalidArgumentError
+from .errors import HopliteError, HopliteTimeoutError, InvalidArgumentError
 from .node import Node
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
@@ -39,6 +39,8 @@ T = TypeVar("T")
 
 #: Member objects a group remembers, to name the ranks a timed-out collective waited for.
 DESCRIBED_KEPT = 4096
+#: Seconds ``Group.destroy(wait=False)`` waits for the other members when the group has no timeout.
+DESTROY_WAIT = 300.0
 _HEX_ID = re.compile(r"\b[0-9a-f]{40}\b")
 
 __all__ = [
@@ -94,6 +96,7 @@ class Group:
         self._received = [0] * world_size  # and received from each rank
         self._acks: dict[int, ObjectID] = {}  # the last acknowledgement this member put, per sender
         self._described: dict[str, tuple[str, int | None]] = {}  # see _describe
+        self.destroyed = False  # see destroy
 
     def __repr__(self) -> str:
         return (
@@ -151,18 +154,46 @@ class Group:
         }
         return HopliteTimeoutError(text, **fields)
 
-    def destroy(self) -> None:
-        """Wait for every member (a barrier), then delete the objects this member created (but
-        the final barrier's one-byte result, which a slower member may still be reading)."""
-        if self.node.closed:
+    def destroy(self, wait: bool = True) -> None:
+        """Delete the objects this member created, once every member is past them; later
+        collectives on this member's group raise :class:`InvalidArgumentError` (again: no-op).
+
+        Args:
+            wait: True: a barrier first (every member calls ``destroy``), then the deletes, but
+                of the final barrier's one-byte result, which a slower member may still be
+                reading. False: return at once, leaving the barrier and the deletes to run in the
+                background (``destroy_collective_group`` in Ray is local: a member destroys its
+                group without the others). They wait for the others at most the group's timeout
+                (:data:`DESTROY_WAIT` when it has none), then delete anyway: a member that never
+                destroys its group only delays this one's clean-up.
+        """
+        if self.destroyed or self.node.closed:
+            self.destroyed = True
             return
-        barrier(self)
+        if wait:
+            barrier(self)
+            self.destroyed = True
+            self._run(self._clean_up())
+            return
+        self.destroyed = True
+        seconds = self.timeout if self.timeout else DESTROY_WAIT
+        self.node._io.submit(self._destroy_later(seconds))
+
+    async def _destroy_later(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(_small_allreduce(self, self._next(), np.zeros(1, np.uint8)), seconds)
+        except (HopliteError, TimeoutError):
+            pass  # a member gone or never destroying its group: clean up without it
+        await self._clean_up()
+
+    async def _clean_up(self) -> None:
+        """Delete this member's objects, but the last collective's result (see :meth:`destroy`)."""
         last = self.seq - 1
         result = self.object_id(last, "allreduce-result")
         self._owned = [(s, oid) for s, oid in self._owned if oid != result]
         self._owned += [(last, ack) for ack in self._acks.values()]  # every sender has read them
         self._acks.clear()
-        self._run(self._delete_before(self.seq, wait=True))
+        await self._delete_before(self.seq, wait=True)
 
     # ------------------------------------------------------------ plumbing
     def _next(self) -> int:
@@ -237,6 +268,8 @@ def _check_group(group: Any) -> Group:
         raise InvalidArgumentError(
             f"group must be a hoplite_gpu.collective.Group, got {type(group).__name__}", argument="group"
         )
+    if group.destroyed:
+        raise InvalidArgumentError(f"group {group.name!r} was destroyed on this member", argument="group")
     return group
 
 
@@ -313,15 +346,16 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     n = g.world_size
     if n > 1 and flat is not None and flat.nbytes >= SHARD_MIN_BYTES and flat.size >= n:
         return g._run(_sharded_allreduce(g, seq, array, flat, reduce_op))
-    inputs = [g.object_id(seq, "allreduce", r) for r in range(n)]
+    return g._run(_small_allreduce(g, seq, array, reduce_op))
 
-    async def run() -> Any:
-        mine = g._put(seq, array, inputs[g.rank])
-        await g._reduce_into(seq, inputs, g.object_id(seq, "allreduce-result"), reduce_op, array, mine)
-        await g._delete_before(seq)
-        return array
 
-    return g._run(run())
+async def _small_allreduce(g: Group, seq: int, array: Any, op: ReduceOp = ReduceOp.SUM) -> Any:
+    """Collective ``seq``: reduce every member's ``array`` on one tree, read into ``array``."""
+    inputs = [g.object_id(seq, "allreduce", r) for r in range(g.world_size)]
+    mine = g._put(seq, array, inputs[g.rank])
+    await g._reduce_into(seq, inputs, g.object_id(seq, "allreduce-result"), op, array, mine)
+    await g._delete_before(seq)
+    return array
 
 
 async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any:
