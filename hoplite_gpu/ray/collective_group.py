@@ -14,7 +14,7 @@ from typing import Any
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
 from .. import collective
-from ..errors import HopliteError, InvalidArgumentError
+from ..errors import InvalidArgumentError
 from ..reduce_ops import ReduceOp, as_op
 from .common import BACKEND, DEFAULT_TIMEOUT, as_buffer
 from .directory import group_generation, node
@@ -73,12 +73,10 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
         return True
 
     def destroy_group(self) -> None:
-        """Wait for every member, then delete this member's objects (a member that is gone
-        only makes the wait time out)."""
-        try:
-            self.group.destroy()
-        except HopliteError:
-            pass
+        """Destroy the group on this member alone, at once, as Ray's contract says: its objects
+        are deleted in the background once the other members destroy theirs, or after the
+        group's timeout (:meth:`hoplite_gpu.collective.Group.destroy` with ``wait=False``)."""
+        self.group.destroy(wait=False)
 
     def _call(self, options: Any, fn: Callable[[], Any]) -> Any:
         seconds = _seconds(options)
@@ -123,7 +121,7 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
         """Fill ``tensor_list[r]`` with member ``r``'s ``tensor`` on every member."""
         outs = _single(tensor_list, "tensor_list")
         bufs = [as_buffer(t) for t in outs]
-        src, _ = as_buffer(_single(tensor, "tensor"))
+        src, _ = as_buffer(_single(tensor, "tensor"), write=False)
         self._call(allgather_options, lambda: collective.allgather([b for b, _ in bufs], src, self.group))
         for _, back in bufs:
             if back is not None:
@@ -132,7 +130,7 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
     def reducescatter(self, tensor: Any, tensor_list: Any, reducescatter_options: Any = None) -> None:
         """Member ``r`` gets the reduction over members of their ``tensor_list[r]``, in ``tensor``."""
         op = _op(getattr(reducescatter_options, "reduceOp", ReduceOp.SUM))
-        inputs = [as_buffer(t)[0] for t in _single(tensor_list, "tensor_list")]
+        inputs = [as_buffer(t, write=False)[0] for t in _single(tensor_list, "tensor_list")]
         self._inplace(
             tensor,
             "tensor",
@@ -143,7 +141,7 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
     def send(self, tensor: Any, send_options: Any) -> None:
         """Send ``tensor`` to ``send_options.dst_rank``; returns once it has received it."""
         dst = int(send_options.dst_rank)
-        buf, _ = as_buffer(_single(tensor, "tensor"))
+        buf, _ = as_buffer(_single(tensor, "tensor"), write=False)
         self._call(send_options, lambda: collective.send(buf, dst, self.group))
 
     def recv(self, tensor: Any, recv_options: Any) -> None:

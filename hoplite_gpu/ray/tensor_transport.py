@@ -183,7 +183,7 @@ class HopliteTensorTransport(TensorTransportManager):  # type: ignore[misc]
                     f"{tensor.device.type}",
                     argument="rdt_object",
                 )
-            buf, _ = as_buffer(tensor)  # a view where it can (a copy if not contiguous)
+            buf, _ = as_buffer(tensor, write=False)  # a view where it can (a copy if not contiguous)
             oid = object_id_for(obj_id, index)
             node.put(buf, oid, copy=False)
             meta.append((tensor.shape, tensor.dtype))
