@@ -23,6 +23,7 @@ would find the first one's results).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -154,7 +155,7 @@ class Group:
         }
         return HopliteTimeoutError(text, **fields)
 
-    def destroy(self, wait: bool = True) -> None:
+    def destroy(self, wait: bool = True) -> concurrent.futures.Future[None] | None:
         """Delete the objects this member created, once every member is past them; later
         collectives on this member's group raise :class:`InvalidArgumentError` (again: no-op).
 
@@ -166,18 +167,22 @@ class Group:
                 group without the others). They wait for the others at most the group's timeout
                 (:data:`DESTROY_WAIT` when it has none), then delete anyway: a member that never
                 destroys its group only delays this one's clean-up.
+
+        Returns:
+            With ``wait=False``, a future that completes when this member's objects are deleted
+            (None when the group was already destroyed); else None.
         """
         if self.destroyed or self.node.closed:
             self.destroyed = True
-            return
+            return None
         if wait:
             barrier(self)
             self.destroyed = True
             self._run(self._clean_up())
-            return
+            return None
         self.destroyed = True
         seconds = self.timeout if self.timeout else DESTROY_WAIT
-        self.node._io.submit(self._destroy_later(seconds))
+        return self.node._io.submit(self._destroy_later(seconds))
 
     async def _destroy_later(self, seconds: float) -> None:
         try:

@@ -199,14 +199,19 @@ COLLECTIVES = (
     "reduce_to",
     "barrier",
     "destroy",
+    "destroy_later",
+    "destroyed",
 )
+
+
+_destroying: dict[str, Any] = {}  # group name -> the future of Group.destroy(wait=False)
 
 
 def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tuple[Any, ...]) -> Any:
     """Group collectives; arrays are ``make_array(dtype, shape, seed)`` with a per-rank seed."""
     if cmd == "group":
-        name, rank, world = args
-        groups[name] = hg.collective.Group(node, rank, world, name, timeout=CMD_TIMEOUT)
+        name, rank, world, *timeout = args  # the group's timeout: CMD_TIMEOUT unless given
+        groups[name] = hg.collective.Group(node, rank, world, name, timeout=(timeout or [CMD_TIMEOUT])[0])
         return rank
     group = groups[args[0]]
     coll = hg.collective
@@ -214,6 +219,11 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
         return coll.barrier(group)
     if cmd == "destroy":
         return group.destroy()
+    if cmd == "destroy_later":  # destroy without waiting; "destroyed" waits for the clean-up
+        _destroying[args[0]] = group.destroy(wait=False)
+        return True
+    if cmd == "destroyed":
+        return _destroying.pop(args[0]).result(timeout=CMD_TIMEOUT)
     dtype, shape, seed = args[1:4]
     memory, _, dtype = dtype.rpartition(":")  # "sim:float32" / "cupy:float32": a device array
     arr = make_array(dtype, shape, seed + group.rank)

@@ -232,6 +232,48 @@ def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
     _eventually(lambda: [w.call("objects") for w in workers] == [n + 1 for n in before])
 
 
+def test_a_member_destroys_its_group_without_the_others(workers: Any) -> None:
+    """``destroy(wait=False)`` returns before the other members destroy theirs (Ray's contract);
+    the clean-up waits for them, and the destroyed group refuses collectives."""
+    world = len(workers)
+    name = hg.ObjectID.random().hex()
+    before = [w.call("objects") for w in workers]
+    for rank, w in enumerate(workers):
+        w.send("group", name, rank, world)
+    assert [w.result() for w in workers] == list(range(world))
+    for w in workers:
+        w.send("allreduce", name, "float32", (64,), 0, "sum")
+    assert all(np.array_equal(w.result(), _expected("float32", (64,), list(range(world)))) for w in workers)
+    assert workers[0].call("destroy_later", name)  # answers while the others wait for nothing
+    with pytest.raises(RuntimeError, match="InvalidArgumentError: group .* was destroyed"):
+        workers[0].call("allreduce", name, "float32", (64,), 0, "sum")
+    for w in workers[1:]:
+        w.send("destroy", name)  # waits for every member: member 0's barrier runs in the background
+    assert [w.result() for w in workers[1:]] == [None] * (world - 1)
+    assert workers[0].call("destroyed", name) is None
+    _eventually(lambda: [w.call("objects") for w in workers] == [n + 1 for n in before])
+
+
+def test_a_destroyed_group_is_cleaned_up_after_its_timeout(workers: Any) -> None:
+    """A member whose group the others never destroy deletes its objects after the group's
+    timeout, without them."""
+    pair = workers[:2]
+    name = hg.ObjectID.random().hex()
+    before = [w.call("objects") for w in pair]
+    for rank, w in enumerate(pair):
+        w.send("group", name, rank, 2, 2.0)
+    assert [w.result() for w in pair] == [0, 1]
+    for w in pair:
+        w.send("allgather", name, "int32", (1000,), 3)
+    assert [len(w.result()) for w in pair] == [2, 2]
+    assert pair[0].call("destroy_later", name)
+    assert pair[0].call("destroyed", name) is None  # after the 2 s timeout of its final barrier
+    assert pair[0].call("objects") <= before[0] + 1  # at most the final barrier's result
+    assert pair[1].call("destroy_later", name)  # its barrier meets member 0's deleted input
+    assert pair[1].call("destroyed", name) is None
+    _eventually(lambda: all(w.call("objects") <= n + 1 for w, n in zip(pair, before, strict=True)))
+
+
 def test_reduce_argument_errors_are_typed(owner: Any) -> None:
     oid = owner.put(np.zeros(4, np.float32))
     with pytest.raises(hg.InvalidArgumentError):

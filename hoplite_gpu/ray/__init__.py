@@ -39,7 +39,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .common import ACTOR_TIMEOUT, BACKEND, DEFAULT_NAME, DEFAULT_TIMEOUT, as_buffer
+from .common import (
+    ACTOR_TIMEOUT,
+    BACKEND,
+    DEFAULT_NAME,
+    DEFAULT_TIMEOUT,
+    RayReadOnlyWriteWarning,
+    as_buffer,
+)
 from .directory import directory_info, node, start_directory, stop_directory
 
 __all__ = [
@@ -48,6 +55,7 @@ __all__ = [
     "DEFAULT_NAME",
     "DEFAULT_TIMEOUT",
     "HopliteGroup",  # module __getattr__: its module imports Ray
+    "RayReadOnlyWriteWarning",
     "as_buffer",
     "directory_info",
     "node",
