@@ -19,6 +19,7 @@ from ._version import __version__
 from .config import Config
 from .errors import (
     AuthenticationError,
+    CollectiveArgumentError,
     DeviceIpcError,
     DirectoryUnavailableError,
     HopliteError,
@@ -44,6 +45,7 @@ from .object_id import ObjectID
 
 __all__ = [
     "AuthenticationError",
+    "CollectiveArgumentError",
     "Config",
     "DeviceIpcError",
     "DirectoryUnavailableError",

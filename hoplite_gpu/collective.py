@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import memory
-from .errors import HopliteError, HopliteTimeoutError, InvalidArgumentError
+from .errors import CollectiveArgumentError, HopliteError, HopliteTimeoutError, InvalidArgumentError
 from .node import Node
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
@@ -211,6 +211,11 @@ class Group:
             return self.node._io.run(coro)
         except HopliteTimeoutError as exc:
             raise self._named(exc) from None
+        except CollectiveArgumentError:
+            raise
+        except InvalidArgumentError as exc:  # checked up front, so: what other members put
+            who = f"group {self.name!r}, rank {self.rank} of {self.world_size}"
+            raise CollectiveArgumentError(f"{exc.message} [{who}]", **exc.fields) from None
 
     async def _put(self, seq: int, array: Any, oid: ObjectID) -> None:
         self._owned.append((seq, oid))

@@ -83,6 +83,12 @@ class InvalidArgumentError(HopliteError, ValueError):
     """An argument has the wrong type or value (e.g. an unsupported array type or dtype)."""
 
 
+class CollectiveArgumentError(InvalidArgumentError, RuntimeError):
+    """A group collective refused its arrays once it ran: they do not match what the other members
+    put (shape, dtype). A :class:`RuntimeError` too, which is what ``ray.util.collective``'s
+    backends raise for these, so code written for gloo catches it."""
+
+
 class NotDecodableError(InvalidArgumentError):
     """The coded messages of these workers do not determine the full gradient (too few of them,
     or a set the code cannot decode); wait for more workers.

@@ -77,6 +77,17 @@ class Holder:
         col.allreduce(a, group)
         return a
 
+    def mismatched_allgather(self, group: str) -> tuple[str, bool, bool]:
+        """An allgather whose outputs (20 elements) do not match the members' inputs (10)."""
+        import ray.util.collective as col
+
+        try:
+            outs = [np.zeros(20, np.float32) for _ in range(self.world)]
+            col.allgather(outs, np.ones(10, np.float32), group)
+        except RuntimeError as exc:  # what Ray's backends raise; ours is a hoplite error too
+            return type(exc).__name__, isinstance(exc, hg.InvalidArgumentError), "group" in str(exc)
+        return "nothing", False, False
+
 
 def _holders(ray: Any, world: int = 2) -> list[Any]:
     actor = ray.remote(num_cpus=0)(Holder)
@@ -127,6 +138,19 @@ def test_destroy_on_one_member_is_local_and_the_name_is_usable_again(ray_session
     finally:
         for h in holders:
             ray.kill(h)
+
+
+@pytest.mark.timeout(180)
+def test_arrays_unlike_the_other_members_raise_a_runtime_error(ray_session: Any) -> None:
+    ray = ray_session
+    holders = _holders(ray)
+    try:
+        assert ray.get([h.init.remote("mismatched") for h in holders], timeout=60) == [True, True]
+        results = ray.get([h.mismatched_allgather.remote("mismatched") for h in holders], timeout=120)
+    finally:
+        for h in holders:
+            ray.kill(h)
+    assert results == [("CollectiveArgumentError", True, True)] * 2
 
 
 @pytest.mark.timeout(60)

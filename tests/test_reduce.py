@@ -245,7 +245,7 @@ def test_a_member_destroys_its_group_without_the_others(workers: Any) -> None:
         w.send("allreduce", name, "float32", (64,), 0, "sum")
     assert all(np.array_equal(w.result(), _expected("float32", (64,), list(range(world)))) for w in workers)
     assert workers[0].call("destroy_later", name)  # answers while the others wait for nothing
-    with pytest.raises(RuntimeError, match="InvalidArgumentError: group .* was destroyed"):
+    with pytest.raises(RuntimeError, match=r"InvalidArgumentError: group .* was destroyed"):
         workers[0].call("allreduce", name, "float32", (64,), 0, "sum")
     for w in workers[1:]:
         w.send("destroy", name)  # waits for every member: member 0's barrier runs in the background
