@@ -27,9 +27,9 @@ GiB = 1024 * MiB
 #: :mod:`hoplite_gpu.ucx_choice` changes ``UCX_TLS`` and ``UCX_RNDV_THRESH`` on top of them. One
 #: line each below (docs/configuration.md is generated from them); why: bench/README.md#ucx-defaults.
 #:
-#: - ``UCX_TLS``: TCP only (plus RDMA and CUDA transports where UCX lists them): UCX's
-#:   shared-memory transports wedged nodes after SIGKILLs; same-host copies take hoplite_gpu's own
-#:   segments instead (``tcp,sm`` is faster without ``shared_memory``).
+#: - ``UCX_TLS``: TCP only (plus RDMA transports where UCX lists them, CUDA ones with
+#:   ``HOPLITE_UCX_CUDA=1``): UCX's shared-memory transports wedged nodes after SIGKILLs; same-host
+#:   copies take hoplite_gpu's own segments instead (``tcp,sm`` is faster without ``shared_memory``).
 #: - ``UCX_MM_ERROR_HANDLING``: lets UCX use shared memory on endpoints with peer-failure handling
 #:   (ucxx's), should ``UCX_TLS`` list ``sm``.
 #: - ``UCX_RNDV_THRESH``: the eager protocol for every size: over TCP, rendezvous moved far less

@@ -12,7 +12,8 @@ The cases:
   ``config.UCX_DEFAULTS`` unchanged.
 - **RDMA** (InfiniBand or RoCE: ``rc_*``, ``dc_mlx5``, ``ud_*`` listed): those transports plus
   ``tcp``, and UCX's own rendezvous threshold (``auto``), so large messages move zero-copy.
-- **GPU** (``cuda_copy``, ``cuda_ipc`` listed): both added, so UCX recognises device memory;
+- **GPU** (``cuda_copy``, ``cuda_ipc`` listed): both added where device chunks go to UCX as they
+  are (``HOPLITE_UCX_CUDA=1``; staging through pinned host buffers measured faster on an H100),
   ``gdr_copy`` too where RDMA transports are chosen (GPUDirect RDMA).
 
 UCX's same-host transports (``posix``, ``sysv``, ``cma``, ...) stay off in every case, and a
@@ -228,24 +229,24 @@ def choose_ucx(
     if resources and "tcp" not in listed:
         reasons.append("UCX lists no tcp transport: tcp kept (the data-plane listener needs it)")
     cuda_env = environ.get("HOPLITE_UCX_CUDA", "") == "1"
-    if gpu:
+    if gpu and cuda_env:
         tls += gpu
-        chunks = (
-            "device chunks go to UCX as they are (HOPLITE_UCX_CUDA=1)"
-            if cuda_env
-            else "device chunks still go through pinned host buffers unless HOPLITE_UCX_CUDA=1"
-        )
         reasons.append(
-            f"GPU: {', '.join(gpu)} listed: added, so UCX recognises device memory (ucxx refuses "
-            f"device buffers without cuda_copy); {chunks}, and same-host device reads take "
-            "hoplite_gpu's own CUDA IPC"
+            f"GPU: {', '.join(gpu)} listed and HOPLITE_UCX_CUDA=1: added, device chunks go to UCX "
+            "as they are; same-host device reads take hoplite_gpu's own CUDA IPC"
+        )
+    elif gpu:
+        reasons.append(
+            f"GPU: {', '.join(gpu)} listed: left out, device chunks go through pinned host buffers, "
+            "which measured faster on an H100 (bench/README.md#gpu-benchgpupy; HOPLITE_UCX_CUDA=1 "
+            "adds them), and same-host device reads take hoplite_gpu's own CUDA IPC"
         )
     if "gdr_copy" in listed:
-        if verbs and gpu:
+        if verbs and gpu and cuda_env:
             tls.append("gdr_copy")
-            reasons.append("gdr_copy listed with RDMA: added (GPUDirect RDMA copies)")
+            reasons.append("gdr_copy listed with RDMA and HOPLITE_UCX_CUDA=1: added (GPUDirect RDMA copies)")
         else:
-            reasons.append("gdr_copy listed: left out, it serves RDMA transports and there are none")
+            reasons.append("gdr_copy listed: left out, it serves device chunks over RDMA and there are none")
     same_host = [t for t in SAME_HOST_TRANSPORTS if t in listed]
     if same_host:
         reasons.append(f"{', '.join(same_host)} listed: left out: {SAME_HOST_REASON}")

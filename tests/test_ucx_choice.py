@@ -89,22 +89,26 @@ def test_an_infiniband_host_gets_verbs_and_zero_copy_rendezvous() -> None:
     assert "posix, cma listed: left out" in reasons
 
 
-def test_an_nvlink_host_adds_the_cuda_transports_and_keeps_eager_over_tcp() -> None:
+def test_an_nvlink_host_stages_device_chunks_unless_told_and_keeps_eager_over_tcp() -> None:
     choice = _choose(NVLINK)
     settings = choice["settings"]
     assert choice["case"] == "gpu" and isinstance(settings, dict)
-    assert settings["UCX_TLS"] == "tcp,cuda_copy,cuda_ipc" and settings["UCX_RNDV_THRESH"] == "inf"
+    # staging through pinned host buffers measured faster on an H100: UCX_TLS as on a TCP host
+    assert settings["UCX_TLS"] == "tcp" and settings["UCX_RNDV_THRESH"] == "inf"
     assert choice["net_devices"] == []
     reasons = "\n".join(choice["reasons"])  # type: ignore[arg-type]
-    assert "gdr_copy listed: left out" in reasons and "HOPLITE_UCX_CUDA=1" in reasons
+    assert "cuda_copy, cuda_ipc listed: left out" in reasons and "HOPLITE_UCX_CUDA=1" in reasons
+    assert "gdr_copy listed: left out" in reasons
 
 
-def test_a_gpu_host_with_infiniband_adds_gdr_copy() -> None:
-    choice = _choose(IB + NVLINK)
+def test_a_gpu_host_with_infiniband_adds_gdr_copy_where_device_chunks_go_to_ucx() -> None:
+    choice = _choose(IB + NVLINK, HOPLITE_UCX_CUDA="1")
     settings = choice["settings"]
     assert choice["case"] == "rdma+gpu" and isinstance(settings, dict)
     assert settings["UCX_TLS"] == f"{VERBS_TLS},cuda_copy,cuda_ipc,gdr_copy"
     assert settings["UCX_RNDV_THRESH"] == "auto"
+    staged = _choose(IB + NVLINK)["settings"]
+    assert staged["UCX_TLS"] == VERBS_TLS  # type: ignore[index]
 
 
 def test_hoplite_ucx_cuda_adds_cuda_copy_as_before() -> None:
