@@ -156,12 +156,18 @@ def _demo(args: argparse.Namespace) -> int:
 def node_report() -> dict[str, Any]:
     """What this node sees, as plain types: :meth:`~hoplite_gpu.topology.Inventory.to_dict` of
     its GPU inventory plus ``cupy`` (installed, version, device_count, usable, error), ``ucxx``
-    (installed, version) and ``ucx_tls`` (the UCX transports hoplite_gpu runs UCX with: ``UCX_TLS``
-    when set, else hoplite_gpu's default) with ``ucx_tls_source`` ("env" or "hoplite_gpu default")."""
-    from .config import default_ucx_tls
+    (installed, version), ``ucx_tls`` (the UCX transports hoplite_gpu runs UCX with: ``UCX_TLS``
+    when set, else hoplite_gpu's choice for this host) with ``ucx_tls_source`` ("env" or
+    "hoplite_gpu default"), and ``ucx_choice`` (:meth:`~hoplite_gpu.ucx_choice.UcxChoice.to_dict`
+    of :func:`~hoplite_gpu.config.ucx_choice`: the UCX settings chosen for this host, and why)."""
+    from .config import default_ucx_tls, ucx_choice
     from .memory import kernels
     from .memory.placement import inventory
 
+    # Before ucxx is imported: importing it sets UCX_RNDV_THRESH (8192) where it is unset.
+    tls = os.environ.get("UCX_TLS")
+    choice = ucx_choice().to_dict()
+    default_tls = default_ucx_tls()
     cupy: dict[str, Any] = {"installed": False, "version": None, "device_count": None}
     cupy.update(usable=False, error="")
     try:
@@ -179,12 +185,12 @@ def node_report() -> dict[str, Any]:
         ucx: dict[str, Any] = {"installed": True, "version": str(ucxx.__version__)}
     except Exception as exc:
         ucx = {"installed": False, "version": None, "error": f"{type(exc).__name__}: {exc}"}
-    tls = os.environ.get("UCX_TLS")
     return inventory().to_dict() | {
         "cupy": cupy,
         "ucxx": ucx,
-        "ucx_tls": tls or default_ucx_tls(),
+        "ucx_tls": tls or default_tls,
         "ucx_tls_source": "env" if tls else "hoplite_gpu default",
+        "ucx_choice": choice,
     }
 
 
@@ -209,6 +215,12 @@ def _info(args: argparse.Namespace) -> int:
         print("CuPy: not installed (GPU buffers unavailable; pip install hoplite_gpu[cuda])")
     print(f"ucxx: {ucx['version'] if ucx['installed'] else 'not importable: ' + ucx['error']}")
     print(f"UCX transports: {report['ucx_tls']} ({report['ucx_tls_source']}; set UCX_TLS to change)")
+    choice = report["ucx_choice"]
+    settings = ", ".join(f"{k}={v}" for k, v in choice["effective"].items() if k.startswith("UCX_"))
+    print(f"UCX choice for this host ({choice['case']}): {settings}")
+    print(f"  from: {choice['source'] or 'no listing'}")
+    for reason in choice["reasons"]:
+        print(f"  why: {reason}")
     gpus = report["gpus"]
     if not gpus:
         print(f"no NVIDIA GPU visible: {report['error'] or 'NVML lists no device'}")

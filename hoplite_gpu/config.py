@@ -10,23 +10,31 @@ import dataclasses
 import os
 import socket
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import DirectoryUnavailableError, InvalidArgumentError
+from .ucx_choice import UcxChoice, choose_ucx
+from .ucx_probe import host_listing, rdma_devices
 
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-#: UCX settings applied before UCX is first imported, unless already set in the environment. One
+#: UCX settings applied before UCX is first imported, unless already set in the environment: those
+#: of a host where UCX lists only TCP. On a host where it lists RDMA or CUDA transports,
+#: :mod:`hoplite_gpu.ucx_choice` changes ``UCX_TLS`` and ``UCX_RNDV_THRESH`` on top of them. One
 #: line each below (docs/configuration.md is generated from them); why: bench/README.md#ucx-defaults.
 #:
-#: - ``UCX_TLS``: TCP only: UCX's shared-memory transports wedged nodes after SIGKILLs; same-host
+#: - ``UCX_TLS``: TCP only (plus RDMA transports where UCX lists them, CUDA ones with
+#:   ``HOPLITE_UCX_CUDA=1``): UCX's shared-memory transports wedged nodes after SIGKILLs; same-host
 #:   copies take hoplite_gpu's own segments instead (``tcp,sm`` is faster without ``shared_memory``).
 #: - ``UCX_MM_ERROR_HANDLING``: lets UCX use shared memory on endpoints with peer-failure handling
 #:   (ucxx's), should ``UCX_TLS`` list ``sm``.
-#: - ``UCX_RNDV_THRESH``: the eager protocol for every size: over TCP, rendezvous moved far less.
+#: - ``UCX_RNDV_THRESH``: the eager protocol for every size: over TCP, rendezvous moved far less
+#:   (``auto``, UCX's own, where RDMA transports are chosen: rendezvous moves large messages
+#:   zero-copy there).
 #: - ``UCX_TCP_TX_SEG_SIZE``: 1 MiB TCP send segments instead of 8 KiB: fewer system calls and
 #:   progress rounds per byte.
 #: - ``UCX_TCP_RX_SEG_SIZE``: 1 MiB TCP receive segments instead of 64 KiB, for the same reason.
@@ -369,30 +377,50 @@ def ucx_cuda() -> bool:
     return os.environ.get(UCX_CUDA_ENV, "") == "1"
 
 
+def ucx_choice(environ: Mapping[str, str] | None = None) -> UcxChoice:
+    """The UCX settings :func:`apply_ucx_defaults` would apply for this host and ``environ``
+    (default ``os.environ``), and why, without applying them. Never raises: any failure to probe
+    UCX gives the TCP-only choice, with the reason."""
+    env = os.environ if environ is None else environ
+    try:
+        listing = host_listing(env)
+        return choose_ucx(
+            listing.text,
+            env,
+            UCX_DEFAULTS,
+            problem=listing.problem,
+            rdma_devices=rdma_devices(),
+            source=listing.source,
+        )
+    except Exception as exc:  # a node must start whatever the probe or the parser does
+        return choose_ucx(None, env, UCX_DEFAULTS, problem=f"choosing failed: {type(exc).__name__}: {exc}")
+
+
 def default_ucx_tls() -> str:
-    """The UCX transports used where ``UCX_TLS`` is not set: ``UCX_DEFAULTS``'s, plus ``cuda_copy``
-    with :data:`UCX_CUDA_ENV`."""
-    return _with_cuda_copy(UCX_DEFAULTS["UCX_TLS"]) if ucx_cuda() else UCX_DEFAULTS["UCX_TLS"]
+    """The UCX transports used where ``UCX_TLS`` is not set: this host's choice
+    (:func:`ucx_choice`), ``UCX_DEFAULTS``'s ``tcp`` on a TCP-only host, plus ``cuda_copy`` with
+    :data:`UCX_CUDA_ENV`."""
+    return ucx_choice({k: v for k, v in os.environ.items() if k != "UCX_TLS"}).effective()["UCX_TLS"]
 
 
-def _with_cuda_copy(tls: str) -> str:
-    """``tls`` listing ``cuda_copy`` (kept as it is where it already does, or where it is ``all``
-    or an exclusion list, ``^...``)."""
-    names = [t.strip() for t in tls.split(",") if t.strip()]
-    if not names or names[0].startswith("^") or {"all", "cuda", "cuda_copy"} & set(names):
-        return tls
-    return ",".join([*names, "cuda_copy"])
+_applied: UcxChoice | None = None
 
 
-def apply_ucx_defaults() -> None:
-    """Set the measured UCX defaults in the environment unless the user set them already. With
-    :data:`UCX_CUDA_ENV`, ``UCX_TLS`` lists ``cuda_copy`` even where it was set (a process started
-    by a node inherits the node's ``UCX_TLS=tcp``): ucxx refuses device buffers without it."""
-    os.environ.setdefault("UCX_TLS", default_ucx_tls())
-    if ucx_cuda():
-        os.environ["UCX_TLS"] = _with_cuda_copy(os.environ["UCX_TLS"])
-    for key, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+def apply_ucx_defaults() -> UcxChoice:
+    """Set this host's UCX settings (:func:`ucx_choice`) in the environment unless the user set
+    them already, and return the choice. With :data:`UCX_CUDA_ENV`, ``UCX_TLS`` lists
+    ``cuda_copy`` even where it was set (a process started by a node inherits the node's
+    ``UCX_TLS=tcp``): ucxx refuses device buffers without it."""
+    global _applied
+    choice = ucx_choice()
+    os.environ.update(dict(choice.settings))
+    _applied = choice
+    return choice
+
+
+def applied_ucx_choice() -> UcxChoice | None:
+    """The choice :func:`apply_ucx_defaults` last applied in this process (None before)."""
+    return _applied
 
 
 def interface_of(host: str) -> str:

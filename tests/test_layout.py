@@ -36,7 +36,8 @@ NODE_SIDE = (
 )
 
 #: The directory's pure rooms and the protocol (the service and the child process are not pure:
-#: they host the state over sockets).
+#: they host the state over sockets), and the UCX choice with its probe (they run before ucxx
+#: loads, and where it is missing).
 PURE = (
     "hoplite_gpu.directory.state",
     "hoplite_gpu.directory.events",
@@ -54,6 +55,8 @@ PURE = (
     "hoplite_gpu.directory.recovery",
     "hoplite_gpu.directory.reduce",
     "hoplite_gpu.protocol",
+    "hoplite_gpu.ucx_choice",
+    "hoplite_gpu.ucx_probe",
 )
 
 

@@ -24,7 +24,8 @@ def ucxx_module(listen_host: str = "") -> Any:
     With ``listen_host`` (the address a node was told to listen on: ``Config.listen_host``), UCX
     is limited to the network interface that holds it (UCX's ``NET_DEVICES``, given to
     ``ucxx.init`` rather than through the environment, so processes started later do not inherit
-    it), unless ``UCX_NET_DEVICES`` is set. ucxx's listener takes no bind address and listens on
+    it), and to the RDMA devices the UCX choice uses (``UcxChoice.net_devices``), unless
+    ``UCX_NET_DEVICES`` is set. ucxx's listener takes no bind address and listens on
     every interface; UCX then refuses a connection arriving on an interface it was not given,
     before the peer can send anything (it logs "got connection request ... on a device ... which
     was not present during UCP initialization"). UCX reads its settings once per process: a
@@ -32,13 +33,14 @@ def ucxx_module(listen_host: str = "") -> Any:
     """
     global _ucxx, _net_devices
     if _ucxx is None:
-        apply_ucx_defaults()
+        choice = apply_ucx_defaults()
         import ucxx
 
         device = interface_of(listen_host) if listen_host else ""
         if device and "UCX_NET_DEVICES" not in os.environ:
+            devices = ",".join([device, *choice.net_devices])  # RDMA ports are net devices too
             try:
-                ucxx.init(options={"NET_DEVICES": device}, env_takes_precedence=True)
+                ucxx.init(options={"NET_DEVICES": devices}, env_takes_precedence=True)
                 _net_devices = device
             except RuntimeError:  # UCX was started in this process before us: leave it as it is
                 log.warning("UCX was initialised before hoplite_gpu: not limiting it to %s", device)
