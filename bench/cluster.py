@@ -184,6 +184,15 @@ class Cluster:
         self._procs = [p for p in self._procs if p.poll() is None] + [proc]
         return proc
 
+    def pids(self) -> list[int]:
+        """Every process in the hosts' namespaces (``ip netns pids``), to sample their CPU time or to
+        find what is left of a run."""
+        found = []
+        for i in range(self.hosts):
+            out = subprocess.run(["ip", "netns", "pids", self.namespace(i)], capture_output=True, text=True)
+            found += [int(p) for p in out.stdout.split()]
+        return found
+
     def run(self, i: int, argv: list[str], timeout: float = 60.0) -> str:
         """Run ``argv`` on host ``i`` and return its output (raises on a non-zero exit)."""
         done = subprocess.run(self.command(i, argv), capture_output=True, text=True, timeout=timeout)

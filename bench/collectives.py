@@ -27,13 +27,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
+from bench.common import cpu_seconds, format_size, markdown_table, parse_size, start_workers, stop_workers
 
 OPS = ("broadcast", "reduce", "allreduce")
 
@@ -55,7 +56,11 @@ def check_result(op: str, rank: int, world: int, arr: Any, outs: list[Any]) -> N
             raise AssertionError(f"{op}: member {rank} got values in [{got.min()}, {got.max()}], not {value}")
 
 
-def _member(address: str, token: str, rank: int, world: int, shared: bool, conn: Any) -> None:
+def _member(
+    address: str, token: str, rank: int, world: int, shared: bool, conn: Any, cpu_pids: Sequence[int] = ()
+) -> None:
+    """One member: for each ``(op, size, rounds)`` it reads, answers ``(start, end, CPU seconds)`` of
+    every round (its own CPU over the round, and that of the processes ``cpu_pids``)."""
     import hoplite_gpu as hg
     from hoplite_gpu import collective as coll
 
@@ -88,6 +93,7 @@ def _member(address: str, token: str, rank: int, world: int, shared: bool, conn:
                 for oid in sent:  # every member is past the barrier: the receiver has it
                     node.delete(oid)
                 sent.clear()
+                cpu = cpu_seconds(cpu_pids)
                 start = time.monotonic()
                 if op == "broadcast":
                     coll.broadcast(arr, 0, group)
@@ -105,7 +111,8 @@ def _member(address: str, token: str, rank: int, world: int, shared: bool, conn:
                         sent.append(node.put(arr, oid))
                     elif rank == 1:
                         node.get(oid, timeout=300)
-                spans.append((start, time.monotonic()))
+                end = time.monotonic()
+                spans.append((start, end, cpu_seconds(cpu_pids) - cpu))
                 check_result(op, rank, world, arr, outs)
             coll.barrier(group)
             for oid in sent:
@@ -121,6 +128,12 @@ def round_times(spans: list[list[Any]], warmup: int, repeat: int) -> list[float]
     left the barrier, so its release skew does not count) to the last member leaving it.
     ``spans[member][round]`` is that member's (start, end)."""
     return [max(s[i][1] for s in spans) - max(s[i][0] for s in spans) for i in range(warmup, warmup + repeat)]
+
+
+def round_cpu(spans: list[list[Any]], warmup: int, repeat: int) -> list[float]:
+    """CPU seconds of each timed round, summed over the members: ``spans[member][round]`` is that
+    member's (start, end, CPU seconds), as :func:`round_times` reads it."""
+    return [sum(s[i][2] for s in spans) for i in range(warmup, warmup + repeat)]
 
 
 def run(workers: int, sizes: list[int], repeat: int, warmup: int, path: str) -> list[dict[str, Any]]:

@@ -1,33 +1,95 @@
-"""Shared helpers of the benchmarks (re-exported from :mod:`hoplite_gpu.baselines`)."""
+"""Shared helpers of the benchmarks (partly re-exported from :mod:`hoplite_gpu.baselines`), and the
+CPU cost per byte that every benchmark reports beside its times.
+
+CPU per byte: each process of a run measures its own CPU time (user + system, every thread) over
+the measured window (:func:`cpu_seconds`, with other processes it samples from ``/proc`` when a
+process of the run, such as a directory, has no window of its own); the benchmark sums them over
+the run's processes and divides by the GiB of payload (:func:`cpu_per_gib`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
+from collections.abc import Iterable
 
 from hoplite_gpu.baselines import (
     format_size,
     markdown_table,
     memcpy_gbps,
     parse_size,
+    socket_copy,
     socket_copy_gbps,
     socket_copy_times,
     start_workers,
     stop_workers,
 )
 
+GiB = 1 << 30
+#: Environment variable naming other processes (comma-separated pids) whose CPU a benchmark process
+#: adds to its own over its window: processes of the run with no window of their own.
+CPU_PIDS_VAR = "BENCH_CPU_PIDS"
+_TICK = os.sysconf("SC_CLK_TCK")
+
 __all__ = [
+    "CPU_PIDS_VAR",
+    "GiB",
     "cluster_arguments",
     "cluster_options",
+    "cpu_per_gib",
+    "cpu_pids_from_env",
+    "cpu_seconds",
+    "cpu_since",
     "format_size",
     "markdown_table",
     "memcpy_gbps",
     "parse_rate",
     "parse_size",
+    "process_cpu",
+    "socket_copy",
     "socket_copy_gbps",
     "socket_copy_times",
     "start_workers",
     "stop_workers",
 ]
+
+
+def process_cpu(pids: Iterable[int]) -> dict[int, float]:
+    """User + system CPU seconds so far of other processes, every thread, by pid
+    (``/proc/<pid>/stat``, in clock ticks: 10 ms resolution); a process gone meanwhile is left out."""
+    found = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        found[pid] = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of proc(5))
+    return found
+
+
+def cpu_since(before: dict[int, float], now: dict[int, float]) -> float:
+    """CPU seconds the processes of ``now`` used since ``before`` (two :func:`process_cpu` readings):
+    a process started in between counts in full, one gone in between is left out."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in now.items())
+
+
+def cpu_seconds(also: Iterable[int] = ()) -> float:
+    """This process's CPU seconds so far, user + system over all its threads (nanosecond resolution,
+    where :func:`os.times` counts clock ticks), plus those of the processes ``also``
+    (:func:`process_cpu`). The difference of two readings is the CPU used in between."""
+    return time.process_time() + sum(process_cpu(also).values())
+
+
+def cpu_pids_from_env() -> list[int]:
+    """The pids in :data:`CPU_PIDS_VAR` (none if unset)."""
+    return [int(p) for p in os.environ.get(CPU_PIDS_VAR, "").split(",") if p.strip()]
+
+
+def cpu_per_gib(cpu: float, nbytes: float) -> float:
+    """CPU seconds per GiB: ``cpu`` seconds spent on ``nbytes`` bytes of payload."""
+    return cpu / (nbytes / GiB) if nbytes else float("nan")
 
 
 def parse_rate(text: str) -> float:

@@ -24,6 +24,13 @@ every round's result is checked. For link bandwidth ``B`` and ``S`` bytes, the i
   ``(N-1)/N * S / B`` (what the root's, or every member's, download must carry).
 
 The link bandwidth is also measured in each run (one TCP stream between two hosts) and shown.
+
+CPU per byte (``cpu_seconds``, ``cpu_s_per_gib``): user + system CPU seconds of a timed round,
+summed over the run's processes, per GiB of ``S``; the mean of the timed rounds. Each member counts
+its own over its span of the round (the barrier before it and the checks after it left out), and
+hoplite_gpu's member 0 adds the directory process's over the same span; for Open MPI the ranks
+(``mpirun`` and its daemons carry no data); for Ray every process in the cluster's namespaces (its
+nodes, workers and driver), from the driver's start of the round to its report of the round's end.
 Needs root and iproute2; the peers need ``make bench-cluster``'s installs.
 
     python bench/netbench.py --hosts 4,8 --rate 100MB --sizes 1KiB,1MiB,64MiB --repeat 3 \
@@ -47,8 +54,17 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable, link_throughput
-from bench.collectives import check_result, round_times
-from bench.common import format_size, markdown_table, parse_rate, parse_size
+from bench.collectives import check_result, round_cpu, round_times
+from bench.common import (
+    CPU_PIDS_VAR,
+    cpu_per_gib,
+    cpu_pids_from_env,
+    cpu_seconds,
+    format_size,
+    markdown_table,
+    parse_rate,
+    parse_size,
+)
 
 OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather")
 DIRECTORY_PORT = 7070
@@ -103,6 +119,7 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
             for _ in range(rounds):
                 t.fill_(rank + 1)
                 dist.barrier()
+                cpu = cpu_seconds()
                 start = time.monotonic()
                 if op == "broadcast":
                     dist.broadcast(t, src=0)
@@ -116,7 +133,8 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
                     dist.all_gather(outs, piece)
                 else:
                     raise ValueError(op)
-                spans.append((start, time.monotonic()))
+                end = time.monotonic()
+                spans.append((start, end, cpu_seconds() - cpu))
                 check_result(op, rank, world, t.numpy(), [o.numpy() for o in outs])
             conn.send(spans)
     finally:
@@ -127,7 +145,7 @@ def _member_main(system: str, address: str, rank: int, world: int) -> None:
     if system == "hoplite_gpu":
         from bench.collectives import _member
 
-        _member(address, os.environ["HOPLITE_TOKEN"], rank, world, False, _Stdio())
+        _member(address, os.environ["HOPLITE_TOKEN"], rank, world, False, _Stdio(), cpu_pids_from_env())
     elif system == "gloo":
         _gloo_member(address, rank, world, _Stdio())
     else:
@@ -137,8 +155,11 @@ def _member_main(system: str, address: str, rank: int, world: int) -> None:
 class Member:
     """A hoplite process on one host of the cluster, driven over its stdin/stdout."""
 
-    def __init__(self, cluster: Cluster, system: str, rank: int, address: str, token: str) -> None:
+    def __init__(
+        self, cluster: Cluster, system: str, rank: int, address: str, token: str, cpu_pids: Sequence[int] = ()
+    ) -> None:
         env = {**HOST_ENV, "HOPLITE_LISTEN_HOST": cluster.address(rank), "HOPLITE_TOKEN": token}
+        env[CPU_PIDS_VAR] = ",".join(str(p) for p in cpu_pids)  # other processes it counts the CPU of
         argv = [sys.executable, os.path.abspath(__file__), "--member", system, address]
         argv += [str(rank), str(cluster.hosts)]
         self.proc = cluster.popen(
@@ -204,12 +225,13 @@ def run(
     systems: Sequence[str],
     ops: Sequence[str] = OPS,
     small_rounds: tuple[int, int] = (20, 5),
+    prefix: str = "hgb",
 ) -> dict[str, Any]:
     """Every op at every size, for every system, on one cluster; rows with the median time and its
     ratio to the ideal. Sizes under :data:`SMALL_BYTES` run ``small_rounds`` (repeat, warm-up)
     rounds instead: they are cheap, and their median needs more samples."""
     rows: list[dict[str, Any]] = []
-    with Cluster(hosts, rate) as cluster:
+    with Cluster(hosts, rate, prefix=prefix) as cluster:
         measured = link_throughput(cluster)
         note = f"N={hosts} link: {measured / 1e6:.1f} MB/s measured ({rate / 1e6:.0f} MB/s set)"
         print(note, file=sys.stderr, flush=True)
@@ -229,6 +251,8 @@ def run(
             for row in found:
                 ideal = ideal_seconds(row["op"], row["size"], hosts, rate)
                 row.update(hosts=hosts, ideal_seconds=ideal, x_ideal=row["seconds"] / ideal)
+                if "cpu_seconds" in row:
+                    row["cpu_s_per_gib"] = cpu_per_gib(row["cpu_seconds"], row["size"])
             rows += found
             print(f"N={hosts} {system}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return {"hosts": hosts, "rate_bytes": rate, "link_measured_bytes": measured, "rows": rows}
@@ -252,7 +276,11 @@ def _run_system(
         address = directory.address
     members: list[Member] = []
     try:
-        members = [Member(cluster, system, r, address, token) for r in range(cluster.hosts)]
+        # Member 0 counts the directory's CPU over its rounds with its own (the directory is on its host).
+        extra = [directory.proc.pid] if directory is not None and directory.proc is not None else []
+        members = [
+            Member(cluster, system, r, address, token, extra if r == 0 else ()) for r in range(cluster.hosts)
+        ]
         for m in members:
             if m.recv() != "ready":
                 raise RuntimeError(f"a {system} member did not start")
@@ -263,7 +291,10 @@ def _run_system(
                     m.send([op, size, warmup + repeat])
                 spans = [m.recv() for m in members]
                 seconds = statistics.median(round_times(spans, warmup, repeat))
-                rows.append({"system": system, "op": op, "size": size, "seconds": seconds})
+                cpu = statistics.mean(round_cpu(spans, warmup, repeat))
+                rows.append(
+                    {"system": system, "op": op, "size": size, "seconds": seconds, "cpu_seconds": cpu}
+                )
     finally:
         stop_all(members)
         if directory is not None:
@@ -273,18 +304,22 @@ def _run_system(
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table: one row per (N, op, size), each system's median seconds and its ratio to
-    the ideal."""
+    the ideal, then each system's CPU seconds per GiB of payload."""
     systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
     ideals = {(r["hosts"], OPS.index(r["op"]), r["size"]): r["ideal_seconds"] for r in rows}
     by_key = {(r["hosts"], OPS.index(r["op"]), r["size"], r["system"]): r for r in rows}
     columns = [("N", "r"), ("op", "l"), ("size", "r"), ("ideal s", "r")]
     columns += [(f"{s} s (x ideal)", "r") for s in systems]
+    columns += [(f"{s} CPU s/GiB", "r") for s in systems]
     cells = []
     for (hosts, op, size), ideal in sorted(ideals.items()):
         line = [str(hosts), OPS[op], format_size(size), f"{ideal:.3g}"]
         for system in systems:
             r = by_key.get((hosts, op, size, system))
             line.append("-" if r is None else f"{r['seconds']:.3g} ({r['x_ideal']:.3g})")
+        for system in systems:
+            r = by_key.get((hosts, op, size, system))
+            line.append("-" if r is None or "cpu_s_per_gib" not in r else f"{r['cpu_s_per_gib']:.3g}")
         cells.append(line)
     return markdown_table(columns, cells)
 
@@ -304,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-warmup", type=int, default=5, help="untimed rounds of sizes under 4 MiB")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
+    ap.add_argument("--prefix", default="hgb", help="namespace prefix of the emulated cluster")
     ap.add_argument("--json", help="also write the results to this file (and the table beside it, .md)")
     ap.add_argument("--plots", help="also draw one PNG per (N, op) into this directory (bench/plot.py)")
     args = ap.parse_args(argv)
@@ -318,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for hosts in [int(h) for h in args.hosts.split(",")]:
             small = (args.small_repeat, args.small_warmup)
-            runs.append(run(hosts, rate, sizes, args.repeat, args.warmup, systems, ops, small))
+            runs.append(run(hosts, rate, sizes, args.repeat, args.warmup, systems, ops, small, args.prefix))
     except ClusterUnavailable as exc:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,12 @@ timer covers what a user waits for.
 CLOCK_MONOTONIC is shared by every namespace of the machine, so times from different hosts
 compare. Each round's result is checked. Needs root and iproute2.
 
+CPU per byte (``cpu_seconds``, ``cpu_s_per_gib``): user + system CPU seconds of a round, summed
+over the hosts' processes and the directory's, per GiB of ``S``; the mean of the rounds. Each host
+counts its own from the start of its part (its ``put``, or a receiver's ``get``) until the round is
+over (asked after the last ``get`` returned, so a relay's serving counts); host 0 adds the directory
+process's over its own window.
+
     python bench/rawapi.py --hosts 4 --rate 100MB,1GB --sizes 64MiB --repeat 5 \\
         --json bench/results/rawapi.json
 """
@@ -31,7 +37,17 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, link_throughput
-from bench.common import cluster_options, format_size, markdown_table, parse_rate, parse_size
+from bench.common import (
+    CPU_PIDS_VAR,
+    cluster_options,
+    cpu_per_gib,
+    cpu_pids_from_env,
+    cpu_seconds,
+    format_size,
+    markdown_table,
+    parse_rate,
+    parse_size,
+)
 from bench.netbench import Member
 
 DIRECTORY_PORT = 7072
@@ -51,12 +67,17 @@ def _member(address: str, rank: int) -> None:
         sys.stdout.flush()
 
     node = hg.connect(address, token=os.environ["HOPLITE_TOKEN"])
+    others = cpu_pids_from_env()  # the directory's pid on host 0: counted with this process's CPU
+    window = cpu_seconds(others)  # CPU so far at the start of this host's part of the round
     send(["ready", node.data_address])
     try:
         for line in sys.stdin:
             cmd, arg, size = json.loads(line)
-            if cmd == "get":  # broadcast receiver: announce, then wait in get
+            if cmd == "cpu":  # the round is over: CPU seconds since this host's part started
+                send(cpu_seconds(others) - window)
+            elif cmd == "get":  # broadcast receiver: announce, then wait in get
                 send("waiting")
+                window = cpu_seconds(others)
                 arr = node.get(hg.ObjectID.from_hex(arg), timeout=300)
                 end = time.monotonic()
                 send([end, bool(arr[-1] == size // 4 - 1)])
@@ -76,6 +97,7 @@ def _member(address: str, rank: int) -> None:
                     time.sleep(0.002)
                 else:
                     raise TimeoutError("the receivers' lookups did not reach the directory within 60 s")
+                window = cpu_seconds(others)
                 start = time.monotonic()
                 node.put(arr, oid)
                 send(start)
@@ -85,6 +107,7 @@ def _member(address: str, rank: int) -> None:
                 send("waiting")
                 _, mine, _ = json.loads(sys.stdin.readline())  # the "put" of its own input
                 arr = np.full(size // 4, rank + 1.0, dtype=np.float32)
+                window = cpu_seconds(others)
                 start = time.monotonic()
                 node.put(arr, hg.ObjectID.from_hex(mine))
                 send(start)
@@ -95,6 +118,7 @@ def _member(address: str, rank: int) -> None:
                 node.delete(rid)
             elif cmd == "put":  # a reduce input
                 arr = np.full(size // 4, rank + 1.0, dtype=np.float32)
+                window = cpu_seconds(others)
                 start = time.monotonic()
                 node.put(arr, hg.ObjectID.from_hex(arg))
                 send(start)
@@ -108,15 +132,23 @@ def _member(address: str, rank: int) -> None:
 class _Host(Member):
     """A host's process, driven over its stdin/stdout like a netbench member."""
 
-    def __init__(self, cluster: Cluster, rank: int, address: str, token: str) -> None:
+    def __init__(self, cluster: Cluster, rank: int, address: str, token: str, cpu_pids: list[int]) -> None:
         env = {**HOST_ENV, "HOPLITE_TOKEN": token, "HOSTS": str(cluster.hosts)}
+        env[CPU_PIDS_VAR] = ",".join(str(p) for p in cpu_pids)
         argv = [sys.executable, os.path.abspath(__file__), "--member", address, str(rank)]
         self.proc = cluster.popen(
             rank, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
 
 
-def _broadcast_round(hosts: list[_Host], size: int) -> float:
+def _round_cpu(hosts: list[_Host]) -> float:
+    """CPU seconds of the round just over, summed over the hosts (see the module docstring)."""
+    for h in hosts:
+        h.send(["cpu", "", 0])
+    return float(sum(h.recv() for h in hosts))
+
+
+def _broadcast_round(hosts: list[_Host], size: int) -> tuple[float, float]:
     from hoplite_gpu import ObjectID
 
     oid = ObjectID.random().hex()
@@ -129,12 +161,13 @@ def _broadcast_round(hosts: list[_Host], size: int) -> float:
     ends = [h.recv() for h in hosts[1:]]
     if not all(ok for _, ok in ends):
         raise AssertionError("a receiver got wrong data")
+    cpu = _round_cpu(hosts)
     hosts[0].send(["delete", oid, 0])
     assert hosts[0].recv() == "deleted"
-    return max(end for end, _ in ends) - start
+    return max(end for end, _ in ends) - start, cpu
 
 
-def _reduce_round(hosts: list[_Host], size: int) -> float:
+def _reduce_round(hosts: list[_Host], size: int) -> tuple[float, float]:
     from hoplite_gpu import ObjectID
 
     ids = [ObjectID.random().hex() for _ in hosts]
@@ -146,11 +179,12 @@ def _reduce_round(hosts: list[_Host], size: int) -> float:
     end, ok = hosts[0].recv()
     if not ok:
         raise AssertionError("the reduction is wrong")
+    cpu = _round_cpu(hosts)
     for h, oid in zip(hosts, ids, strict=True):
         h.send(["delete", oid, 0])
     for h in hosts:
         assert h.recv() == "deleted"
-    return float(end - min(starts))
+    return float(end - min(starts)), cpu
 
 
 def run(hosts: int, rate: float, sizes: list[int], repeat: int, prefix: str = "hgr") -> list[dict[str, Any]]:
@@ -169,7 +203,11 @@ def run(hosts: int, rate: float, sizes: list[int], repeat: int, prefix: str = "h
         directory.start()
         members: list[_Host] = []
         try:
-            members = [_Host(cluster, r, directory.address, token) for r in range(hosts)]
+            assert directory.proc is not None
+            members = [
+                _Host(cluster, r, directory.address, token, [directory.proc.pid] if r == 0 else [])
+                for r in range(hosts)
+            ]
             for r, m in enumerate(members):
                 ready, data_address = m.recv()
                 if ready != "ready" or not data_address.startswith(cluster.address(r) + ":"):
@@ -177,7 +215,8 @@ def run(hosts: int, rate: float, sizes: list[int], repeat: int, prefix: str = "h
             for size in sizes:
                 for pattern in PATTERNS:
                     step = _broadcast_round if pattern == "broadcast" else _reduce_round
-                    times = [step(members, size) for _ in range(repeat)]
+                    rounds = [step(members, size) for _ in range(repeat)]
+                    times, cpus = [t for t, _ in rounds], [c for _, c in rounds]
                     ideal = size / rate
                     rows.append(
                         {
@@ -190,11 +229,15 @@ def run(hosts: int, rate: float, sizes: list[int], repeat: int, prefix: str = "h
                             "rounds": times,
                             "ideal_seconds": ideal,
                             "x_ideal": statistics.median(times) / ideal,
+                            "cpu_seconds": statistics.mean(cpus),
+                            "cpu_rounds": cpus,
+                            "cpu_s_per_gib": cpu_per_gib(statistics.mean(cpus), size),
                         }
                     )
                     print(
                         f"{pattern} {format_size(size)} @ {rate / 1e6:.0f} MB/s: "
-                        f"{rows[-1]['seconds']:.3f} s, {rows[-1]['x_ideal']:.2f}x ideal "
+                        f"{rows[-1]['seconds']:.3f} s, {rows[-1]['x_ideal']:.2f}x ideal, "
+                        f"{rows[-1]['cpu_s_per_gib']:.2f} CPU s/GiB "
                         f"(rounds {', '.join(f'{t:.3f}' for t in times)})",
                         file=sys.stderr,
                         flush=True,
@@ -237,11 +280,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['seconds']:.3f}",
             f"{r['ideal_seconds']:.3f}",
             f"{r['x_ideal']:.2f}x",
+            f"{r['cpu_s_per_gib']:.2f}",
         ]
         for r in rows
     ]
     columns = [("pattern", "l"), ("N", "r"), ("link", "r"), ("size", "r"), ("seconds", "r")]
-    print(markdown_table([*columns, ("ideal", "r"), ("x ideal", "r")], table))
+    print(markdown_table([*columns, ("ideal", "r"), ("x ideal", "r"), ("CPU s/GiB", "r")], table))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import re
 import socket
+import struct
 import time
 from typing import Any
 
@@ -42,19 +43,24 @@ def format_size(n: int) -> str:
 
 def _socket_sender(port: int, size: int, repeat: int) -> None:
     buf = np.ones(size, np.uint8)
+    cpu = []
     with socket.create_connection(("127.0.0.1", port)) as s:
         for _ in range(repeat):
+            c0 = time.process_time()
             s.recv(1)  # go signal
             s.sendall(memoryview(buf))  # type: ignore[arg-type]
+            cpu.append(time.process_time() - c0)
+        s.sendall(struct.pack(f"<{repeat}d", *cpu))  # this side's CPU seconds of each copy
 
 
-def socket_copy_times(size: int, repeat: int = 3) -> list[float]:
-    """Seconds per copy of a plain Python TCP socket moving ``size`` bytes between two processes.
+def socket_copy(size: int, repeat: int = 3) -> list[tuple[float, float]]:
+    """Seconds and CPU seconds (user + system, of both processes) of each copy of a plain Python TCP
+    socket moving ``size`` bytes between two processes.
 
     The connection is set up before timing and the receive buffer is reused, so every copy after
     the first runs on warm pages and a warm connection."""
     ctx = mp.get_context("spawn")
-    times: list[float] = []
+    copies: list[tuple[float, float]] = []
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
@@ -65,23 +71,36 @@ def socket_copy_times(size: int, repeat: int = 3) -> list[float]:
             conn, _ = srv.accept()
             conn.settimeout(60)
             out = np.empty(size, np.uint8)
-            view = memoryview(out)  # type: ignore[arg-type]
             with conn:
                 for _ in range(repeat):
+                    c0 = time.process_time()
                     t0 = time.perf_counter()
                     conn.sendall(b"g")
-                    got = 0
-                    while got < size:
-                        n = conn.recv_into(view[got:], size - got)
-                        if n == 0:
-                            raise ConnectionError("socket baseline sender went away")
-                        got += n
-                    times.append(time.perf_counter() - t0)
+                    _recv_exactly(conn, memoryview(out))  # type: ignore[arg-type]
+                    copies.append((time.perf_counter() - t0, time.process_time() - c0))
+                theirs = bytearray(8 * repeat)
+                _recv_exactly(conn, memoryview(theirs))
         finally:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-    return times
+    return [
+        (t, c + other) for (t, c), other in zip(copies, struct.unpack(f"<{repeat}d", theirs), strict=True)
+    ]
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:], len(view) - got)
+        if n == 0:
+            raise ConnectionError("socket baseline sender went away")
+        got += n
+
+
+def socket_copy_times(size: int, repeat: int = 3) -> list[float]:
+    """Seconds per copy of :func:`socket_copy`."""
+    return [t for t, _ in socket_copy(size, repeat)]
 
 
 def socket_copy_gbps(size: int, repeat: int = 3) -> float:

@@ -12,7 +12,8 @@ ranks yield the CPU (:data:`YIELD_WHEN_IDLE`, ``--spin`` turns it off).
 
 Every rank runs, for each size and each op, ``warmup + repeat`` rounds of: ``Barrier``, then
 ``time.monotonic()``, the collective (``Bcast``, ``Reduce``, ``Allreduce`` with ``MPI.SUM``,
-``Gather``, ``Allgather``; ``S/N`` bytes from each rank for the gathers), ``time.monotonic()``.
+``Gather``, ``Allgather``; ``S/N`` bytes from each rank for the gathers), ``time.monotonic()``,
+and the rank's CPU seconds over the collective.
 The first round's result is checked. Rank 0 gathers every rank's spans and writes them as one JSON line
 on its stdout, which ``mpirun`` forwards to the driver; the round is ``max(end) - max(start)``
 (:func:`bench.collectives.round_times`).
@@ -168,8 +169,9 @@ def _allowance(cluster: Cluster, size: int, rounds: int) -> float:
 
 def run(cluster: Cluster, sizes: list[int], ops: list[str], repeat: int, warmup: int) -> list[dict[str, Any]]:
     """Every op at every size with Open MPI on all hosts of ``cluster``: one row per (op, size) with the
-    median seconds of ``repeat`` rounds after ``warmup`` untimed ones."""
-    from bench.collectives import round_times
+    median seconds of ``repeat`` rounds after ``warmup`` untimed ones, and the mean CPU seconds of
+    those rounds summed over the ranks."""
+    from bench.collectives import round_cpu, round_times
     from bench.common import format_size
 
     unknown = [op for op in ops if op not in OPS]
@@ -213,7 +215,10 @@ def run(cluster: Cluster, sizes: list[int], ops: list[str], repeat: int, warmup:
                         if report["errors"]:
                             raise RuntimeError(f"mpi {op} {format_size(size)} is wrong: {report['errors']}")
                         seconds = statistics.median(round_times(report["spans"], warmup, repeat))
-                        rows.append({"system": NAME, "op": op, "size": size, "seconds": seconds})
+                        cpu = statistics.mean(round_cpu(report["spans"], warmup, repeat))
+                        rows.append(
+                            {"system": NAME, "op": op, "size": size, "seconds": seconds, "cpu_seconds": cpu}
+                        )
                 proc.wait(60)
                 if proc.returncode != 0:
                     raise RuntimeError(f"mpirun exited with {proc.returncode}: {_tail(errors)}")
@@ -255,6 +260,8 @@ def _rank_main(ops: list[str], sizes: list[int], rounds: int) -> None:
     import numpy as np
     from mpi4py import MPI
 
+    from bench.common import cpu_seconds
+
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     for size in sizes:
@@ -267,10 +274,11 @@ def _rank_main(ops: list[str], sizes: list[int], rounds: int) -> None:
                 out = data if rank == 0 else np.zeros_like(data)
             else:
                 out = np.zeros_like(data)
-            spans: list[tuple[float, float]] = []
+            spans: list[tuple[float, float, float]] = []
             error = ""
             for i in range(rounds):
                 comm.Barrier()
+                cpu = cpu_seconds()
                 start = time.monotonic()
                 if op == "broadcast":
                     comm.Bcast(out, root=0)
@@ -282,7 +290,8 @@ def _rank_main(ops: list[str], sizes: list[int], rounds: int) -> None:
                     comm.Gather(piece, out, root=0)
                 elif op == "allgather":
                     comm.Allgather(piece, out)
-                spans.append((start, time.monotonic()))
+                end = time.monotonic()
+                spans.append((start, end, cpu_seconds() - cpu))
                 if i == 0:
                     error = _check(op, out, rank, world)
             everything = comm.gather((spans, error), root=0)

@@ -362,6 +362,12 @@ class RayCluster:
     def settle(self, timeout: float = 300.0) -> float:
         """Wait until the links carry no bulk traffic (see :data:`QUIET_BYTES`), then let the driver
         go on; returns the seconds waited."""
+        waited = self.wait_quiet(timeout)
+        self.go()
+        return waited
+
+    def wait_quiet(self, timeout: float = 300.0) -> float:
+        """The first half of :meth:`settle`: wait until the links are quiet; returns the seconds waited."""
         started = time.monotonic()
         last, quiet = _switch_bytes(self.cluster), 0
         while quiet < 2 and time.monotonic() - started < timeout:
@@ -369,10 +375,13 @@ class RayCluster:
             now = _switch_bytes(self.cluster)
             quiet = quiet + 1 if now - last < QUIET_BYTES else 0
             last = now
+        return time.monotonic() - started
+
+    def go(self) -> None:
+        """The second half of :meth:`settle`: let the driver go on."""
         assert self.driver is not None and self.driver.stdin is not None
         self.driver.stdin.write("go\n")
         self.driver.stdin.flush()
-        return time.monotonic() - started
 
     def stop(self) -> None:
         """Stop the driver and the nodes (SIGTERM, then SIGKILL), then kill anything still in the
@@ -407,7 +416,7 @@ class RayCluster:
     def _sweep(self) -> None:
         deadline = time.monotonic() + 15
         while True:
-            pids = [p for i in range(self.cluster.hosts) for p in _netns_pids(self.cluster.namespace(i))]
+            pids = self.cluster.pids()
             if not pids:
                 return
             if time.monotonic() > deadline:
@@ -459,18 +468,14 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _netns_pids(namespace: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
 # ---------------------------------------------------------------------------------------- entry point
 def run(cluster: Cluster, sizes: list[int], ops: list[str], repeat: int, warmup: int) -> list[dict[str, Any]]:
     """Every op in ``ops`` at every size in ``sizes`` with Ray on all the cluster's hosts: one row
-    ``{"system", "op", "size", "seconds"}`` per (op, size), the median of ``repeat`` timed rounds
-    after ``warmup`` untimed ones."""
+    ``{"system", "op", "size", "seconds", "cpu_seconds"}`` per (op, size), the median of ``repeat``
+    timed rounds after ``warmup`` untimed ones, and the mean CPU seconds of those rounds summed
+    over every process in the cluster's namespaces."""
     from bench.collectives import round_times
-    from bench.common import format_size
+    from bench.common import cpu_since, format_size, process_cpu
 
     unknown = [op for op in ops if op not in OPS]
     if unknown:
@@ -496,17 +501,28 @@ def run(cluster: Cluster, sizes: list[int], ops: list[str], repeat: int, warmup:
         if msg.get("event") != "ready":
             raise RuntimeError(f"unexpected report from the ray driver: {msg}")
         timeout = 180.0
+        # CPU of every process on the cluster (Ray's nodes, its workers, the driver) over each round:
+        # from the driver's go to its next report.
+        cpu: list[float] = []
+        mark: dict[int, float] | None = None
         while (msg := ray_cluster.recv(timeout))["event"] != "done":
+            if mark is not None and msg["event"] in ("settle", "spans"):
+                cpu.append(cpu_since(mark, process_cpu(cluster.pids())))
+                mark = None
             if msg["event"] == "start":
                 print(f"{NAME} {msg['op']} {format_size(msg['size'])} ...", file=sys.stderr, flush=True)
                 timeout = 180 + round_timeout[str(msg["size"])]
+                cpu = []
             elif msg["event"] == "settle":
-                waited = ray_cluster.settle()
+                waited = ray_cluster.wait_quiet()
                 if waited > 1:
                     print(f"{NAME}: {waited:.1f} s for the links to go quiet", file=sys.stderr, flush=True)
+                mark = process_cpu(cluster.pids())
+                ray_cluster.go()
             elif msg["event"] == "spans":
                 seconds = statistics.median(round_times(msg["spans"], warmup, repeat))
-                rows.append({"system": NAME, "op": msg["op"], "size": msg["size"], "seconds": seconds})
+                row = {"system": NAME, "op": msg["op"], "size": msg["size"], "seconds": seconds}
+                rows.append({**row, "cpu_seconds": statistics.mean(cpu[warmup : warmup + repeat])})
             else:
                 raise RuntimeError(f"unexpected report from the ray driver: {msg}")
     finally:
