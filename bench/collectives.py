@@ -60,7 +60,8 @@ def _member(
     address: str, token: str, rank: int, world: int, shared: bool, conn: Any, cpu_pids: Sequence[int] = ()
 ) -> None:
     """One member: for each ``(op, size, rounds)`` it reads, answers ``(start, end, CPU seconds)`` of
-    every round (its own CPU over the round, and that of the processes ``cpu_pids``)."""
+    every round: the CPU of this process and of the processes ``cpu_pids`` from its start until
+    every member has left the op (a barrier after it: a member that returned may still serve)."""
     import hoplite_gpu as hg
     from hoplite_gpu import collective as coll
 
@@ -112,6 +113,7 @@ def _member(
                     elif rank == 1:
                         node.get(oid, timeout=300)
                 end = time.monotonic()
+                coll.barrier(group)  # every member has left the op: what it served after returning counts
                 spans.append((start, end, cpu_seconds(cpu_pids) - cpu))
                 check_result(op, rank, world, arr, outs)
             coll.barrier(group)

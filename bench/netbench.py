@@ -27,8 +27,10 @@ The link bandwidth is also measured in each run (one TCP stream between two host
 
 CPU per byte (``cpu_seconds``, ``cpu_s_per_gib``): user + system CPU seconds of a timed round,
 summed over the run's processes, per GiB of ``S``; the mean of the timed rounds. Each member counts
-its own over its span of the round (the barrier before it and the checks after it left out), and
-hoplite_gpu's member 0 adds the directory process's over the same span; for Open MPI the ranks
+its own from its start of the collective until a barrier after it has returned, so that what a
+member serves after it returned counts (a hoplite_gpu broadcast's root returns once its object is
+put); the barrier before the round and the checks after it are left out, the one after it is in.
+hoplite_gpu's member 0 adds the directory process's over the same window; for Open MPI the ranks
 (``mpirun`` and its daemons carry no data); for Ray every process in the cluster's namespaces (its
 nodes, workers and driver), from the driver's start of the round to its report of the round's end.
 Needs root and iproute2; the peers need ``make bench-cluster``'s installs.
@@ -134,6 +136,7 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
                 else:
                     raise ValueError(op)
                 end = time.monotonic()
+                dist.barrier()  # CPU until every member has left the op, as the other systems
                 spans.append((start, end, cpu_seconds() - cpu))
                 check_result(op, rank, world, t.numpy(), [o.numpy() for o in outs])
             conn.send(spans)

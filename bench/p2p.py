@@ -172,6 +172,7 @@ def run(
                     "ratio_vs_socket_best": ours[1] / theirs[1],
                     "ratio_vs_memcpy": ours[0] / mem,
                     "hoplite_cpu_s_per_gib": our_cpu,
+                    "hoplite_cpu_seconds_rounds": cpus,
                     "socket_cpu_s_per_gib": sock_cpu,
                     "cpu_ratio_vs_socket": our_cpu / sock_cpu,
                 }

@@ -13,7 +13,7 @@ ranks yield the CPU (:data:`YIELD_WHEN_IDLE`, ``--spin`` turns it off).
 Every rank runs, for each size and each op, ``warmup + repeat`` rounds of: ``Barrier``, then
 ``time.monotonic()``, the collective (``Bcast``, ``Reduce``, ``Allreduce`` with ``MPI.SUM``,
 ``Gather``, ``Allgather``; ``S/N`` bytes from each rank for the gathers), ``time.monotonic()``,
-and the rank's CPU seconds over the collective.
+and the rank's CPU seconds from the start of the collective until a ``Barrier`` after it.
 The first round's result is checked. Rank 0 gathers every rank's spans and writes them as one JSON line
 on its stdout, which ``mpirun`` forwards to the driver; the round is ``max(end) - max(start)``
 (:func:`bench.collectives.round_times`).
@@ -291,6 +291,7 @@ def _rank_main(ops: list[str], sizes: list[int], rounds: int) -> None:
                 elif op == "allgather":
                     comm.Allgather(piece, out)
                 end = time.monotonic()
+                comm.Barrier()  # CPU until every rank has left the collective, as the other systems
                 spans.append((start, end, cpu_seconds() - cpu))
                 if i == 0:
                     error = _check(op, out, rank, world)
