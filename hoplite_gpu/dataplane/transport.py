@@ -37,7 +37,7 @@ from ..errors import (
 from ..faults import INJECTOR
 from ..memory import LocalObject, LocalStore
 from ..object_id import ObjectID
-from .ucx import as_transport_error, failure_of, forget, landed, timed, ucxx_module
+from .ucx import as_transport_error, check_features, failure_of, forget, landed, timed, ucxx_module
 
 log = logging.getLogger("hoplite_gpu.transport")
 
@@ -110,6 +110,7 @@ class DataPlane:
                 are refused.
         """
         ucxx = ucxx_module(host)
+        check_features(ucxx)  # before listening: no peer may reach a context serving RMA
         self._listener = ucxx.create_listener(self._on_endpoint, port=0)
         self.port = int(self._listener.port)
         self._spawn(self._sweep_unexpected())

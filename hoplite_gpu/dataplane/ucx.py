@@ -36,6 +36,8 @@ def ucxx_module(listen_host: str = "") -> Any:
         choice = apply_ucx_defaults()
         import ucxx
 
+        _limit_features()
+
         device = interface_of(listen_host) if listen_host else ""
         if device and "UCX_NET_DEVICES" not in os.environ:
             devices = ",".join([device, *choice.net_devices])  # RDMA ports are net devices too
@@ -57,6 +59,74 @@ def ucxx_module(listen_host: str = "") -> Any:
                 "on every interface" if not _net_devices else f"only on {_net_devices}",
             )
     return _ucxx
+
+
+#: The UCX features ucxx's context asks for (names of ``ucxx._lib.libucxx.Feature``): tagged
+#: messages (the data plane), WAKEUP (ucxx's progress thread sleeps on the worker) and STREAM
+#: (ucxx's exchange of peer information on each new endpoint). ucxx's default adds, unused here:
+#: RMA, with which UCX over TCP served any peer's get and put at any address of this process,
+#: before and without authentication (UCP's software get reads the address the message names, no
+#: key checked); and AM, with which ucxx keeps every active message a peer sends until the
+#: application receives it (+100 MiB for good per flood of 100 x 1 MiB). Without them UCX has no
+#: handler for such messages: it logs and drops them. tests/test_dataplane_intruder.py tries both.
+FEATURES = ("TAG", "WAKEUP", "STREAM")
+
+#: UCX settings of the same context (an explicit ``UCX_*`` variable wins): TCP_PUT_ENABLE=n, or
+#: UCX's TCP transport tells peers it takes one-sided writes and an unmodified UCX peer writes any
+#: address of this process even with RMA off (the transport serves them below UCP's features).
+#: A peer that speaks UCX's TCP transport itself still can: see SECURITY.md.
+CONTEXT_OPTIONS = {"TCP_PUT_ENABLE": "n"}
+
+
+class _FeatureLimitedApi:
+    """``ucxx._lib.libucxx`` as ucxx's application context sees it, except that the UCX context
+    it creates asks for :data:`FEATURES` only (its ``__init__`` takes no feature flags)."""
+
+    def __init__(self, api: Any) -> None:
+        self._api = api
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+    def UCXContext(self, config_dict: Any = None, feature_flags: Any = None) -> Any:
+        flags = tuple(getattr(self._api.Feature, name) for name in FEATURES)
+        config = dict(config_dict or {})
+        for name, value in CONTEXT_OPTIONS.items():
+            if f"UCX_{name}" not in os.environ:  # a user's own setting wins
+                config.setdefault(name, value)
+        return self._api.UCXContext(config, feature_flags=flags)
+
+
+def _limit_features() -> None:
+    """Have every ucxx context this process creates from now on ask UCX for :data:`FEATURES`
+    (other code of the process using ucxx afterwards gets the same context, ucxx keeps one)."""
+    from ucxx._lib_async import application_context
+
+    if not isinstance(application_context.ucx_api, _FeatureLimitedApi):
+        application_context.ucx_api = _FeatureLimitedApi(application_context.ucx_api)
+
+
+def check_features(ucxx: Any) -> None:
+    """Start ucxx's context in this process (if not yet) and check that it asks UCX for no
+    feature beyond :data:`FEATURES`.
+
+    Raises:
+        HopliteError: UCX was started in this process before hoplite_gpu (by other code using
+            ucxx) with more features, RMA among them (ucxx's default): any peer reaching the
+            listener could read and write this process's memory, so the data plane does not
+            listen.
+    """
+    from ucxx._lib.libucxx import Feature
+
+    asked = int(ucxx.core._get_ctx().context.feature_flags)
+    extra = [f.name for f in Feature if f.value & asked and f.name not in FEATURES]
+    if extra:
+        raise HopliteError(
+            f"UCX in this process was started with {'/'.join(extra)} (by code using ucxx before "
+            "hoplite_gpu), which a peer reaches before authenticating (with RMA it reads and "
+            "writes this process's memory): the data plane does not listen on it; start "
+            "hoplite_gpu's node before other ucxx users, or in a process of its own"
+        )
 
 
 def net_devices() -> str:
