@@ -88,6 +88,20 @@ class Holder:
             return type(exc).__name__, isinstance(exc, hg.InvalidArgumentError), "group" in str(exc)
         return "nothing", False, False
 
+    def preloaded(self) -> tuple[bool, bool]:
+        """Whether ucxx was imported without a node (polled with a deadline), and whether this
+        process has a node or a UCX context of hoplite_gpu's."""
+        import sys
+        import time
+
+        from hoplite_gpu.dataplane import ucx
+        from hoplite_gpu.ray import directory
+
+        deadline = time.monotonic() + 60
+        while "ucxx" not in sys.modules and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "ucxx" in sys.modules, bool(directory._nodes) or ucx._ucxx is not None
+
 
 def _holders(ray: Any, world: int = 2) -> list[Any]:
     actor = ray.remote(num_cpus=0)(Holder)
@@ -151,6 +165,17 @@ def test_arrays_unlike_the_other_members_raise_a_runtime_error(ray_session: Any)
         for h in holders:
             ray.kill(h)
     assert results == [("CollectiveArgumentError", True, True)] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_loads_ucx_before_its_first_collective(ray_session: Any) -> None:
+    """Ray's setup hook (``register_collective_backend``) imports UCX in the background, starting
+    nothing: an actor's first collective does not wait half a second for it."""
+    (holder,) = _holders(ray_session, world=1)
+    try:
+        assert ray_session.get(holder.preloaded.remote(), timeout=90) == (True, False)
+    finally:
+        ray_session.kill(holder)
 
 
 @pytest.mark.timeout(60)

