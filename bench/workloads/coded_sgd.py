@@ -141,7 +141,15 @@ def _worker(address: str, token: str, index: int, problem: Problem, conn: Any) -
                 if pending is None:
                     return
                 continue
-            w = node.get(hg.ObjectID.from_hex(weights_hex), timeout=60)
+            try:
+                w = node.get(hg.ObjectID.from_hex(weights_hex), timeout=60)
+            except hg.ObjectDeletedError:
+                # The driver finished this iteration without this straggler (first k, or decoded
+                # from the others) and deleted its weights: wait for the next one.
+                pending = conn.recv()
+                if pending is None:
+                    return
+                continue
             grads: dict[int, Any] = {}
             aborted = False
             for k, j in enumerate(order):
