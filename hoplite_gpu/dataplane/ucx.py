@@ -6,16 +6,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Awaitable
 from typing import Any
 
 from ..config import apply_ucx_defaults, interface_of
 from ..errors import HopliteError, PeerLostError
+from ..ucx_choice import UcxChoice
 
 log = logging.getLogger("hoplite_gpu.transport")
 
 _ucxx: Any = None
 _net_devices = ""
+_load_lock = threading.Lock()
+_loaded: tuple[Any, UcxChoice] | None = None
+
+
+def load_ucxx() -> tuple[Any, UcxChoice]:
+    """Apply this host's UCX settings and import ``ucxx`` with its features limited
+    (:data:`FEATURES`), once per process; return the module and the choice applied. Starts
+    nothing (no UCX context, no thread), so it may run ahead of the first node, on any thread."""
+    global _loaded
+    with _load_lock:
+        if _loaded is None:
+            choice = apply_ucx_defaults()
+            import ucxx
+
+            _limit_features()
+            _loaded = (ucxx, choice)
+        return _loaded
 
 
 def ucxx_module(listen_host: str = "") -> Any:
@@ -33,11 +52,7 @@ def ucxx_module(listen_host: str = "") -> Any:
     """
     global _ucxx, _net_devices
     if _ucxx is None:
-        choice = apply_ucx_defaults()
-        import ucxx
-
-        _limit_features()
-
+        ucxx, choice = load_ucxx()
         device = interface_of(listen_host) if listen_host else ""
         if device and "UCX_NET_DEVICES" not in os.environ:
             devices = ",".join([device, *choice.net_devices])  # RDMA ports are net devices too

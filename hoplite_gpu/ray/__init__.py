@@ -112,10 +112,9 @@ def _start_preload() -> None:
 def _preload() -> None:
     try:
         from .. import node as _node  # noqa: F401
-        from ..config import apply_ucx_defaults
+        from ..dataplane.ucx import load_ucxx
 
-        apply_ucx_defaults()
-        import ucxx  # noqa: F401
+        load_ucxx()
     except Exception:  # only a head start: the first node() reports whatever fails here
         pass
 
