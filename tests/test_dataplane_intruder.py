@@ -29,7 +29,8 @@ SECRET = b"HOPLITE-SECRET-0123456789abcdef!"  # 32 bytes
 PUT_VALUE = b"PWNED-BY-AN-UNAUTHENTICATED-PEER"  # the same length
 UCT_VALUE = b"UCT-PUT-BY-UNAUTHENTICATED-PEER!"
 
-# The node. Commands on stdin, answers on stdout with a prefix (UCX prints its own warnings there).
+# The node. Commands on stdin, answers with a prefix on a pipe of their own (fd argv[4]): UCX prints
+# its own warnings on stdout, from C, with its own buffering.
 _VICTIM = r"""
 import os, sys
 import numpy as np
@@ -37,6 +38,7 @@ import hoplite_gpu as hg
 
 node = hg.connect(sys.argv[1], token=sys.argv[2], listen_host="127.0.0.1", shared_memory=False)
 secret = np.frombuffer(sys.argv[3].encode(), np.uint8).copy()
+answers = os.fdopen(int(sys.argv[4]), "w")
 data_port = int(node.data_address.rsplit(":", 1)[1])
 
 
@@ -60,22 +62,22 @@ def listening():
     return sorted(ports - {data_port})
 
 
-print("V:READY", node.data_address, hex(secret.ctypes.data), flush=True)
+print("V:READY", node.data_address, hex(secret.ctypes.data), file=answers, flush=True)
 for line in sys.stdin:
     cmd = line.split()
     if not cmd or cmd[0] == "quit":
         break
     if cmd[0] == "secret":
-        print("V:SECRET", secret.tobytes().hex(), flush=True)
+        print("V:SECRET", secret.tobytes().hex(), file=answers, flush=True)
     elif cmd[0] == "ports":
-        print("V:PORTS", ",".join(map(str, listening())) or "-", flush=True)
+        print("V:PORTS", ",".join(map(str, listening())) or "-", file=answers, flush=True)
     elif cmd[0] == "put":
-        print("V:OID", node.put(np.arange(1 << 18, dtype=np.int64)).hex(), flush=True)
+        print("V:OID", node.put(np.arange(1 << 18, dtype=np.int64)).hex(), file=answers, flush=True)
     elif cmd[0] == "get":
         got = node.get(hg.ObjectID.from_hex(cmd[1]), timeout=30)
-        print("V:GOT", int(np.asarray(got).sum()), flush=True)
+        print("V:GOT", int(np.asarray(got).sum()), file=answers, flush=True)
 node.close()
-print("V:CLOSED", flush=True)
+print("V:CLOSED", file=answers, flush=True)
 """
 
 
@@ -84,14 +86,18 @@ class Victim:
 
     def __init__(self, directory: str, token: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_TCP_PUT")}
+        theirs, ours = os.pipe()[::-1]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _VICTIM, directory, token, SECRET.decode()],
+            [sys.executable, "-c", _VICTIM, directory, token, SECRET.decode(), str(theirs)],
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             text=True,
             env=env,
+            pass_fds=(theirs,),
         )
+        os.close(theirs)
+        self._answers = os.fdopen(ours, "r")
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         ready = self.wait("V:READY", 60).split()
@@ -100,9 +106,9 @@ class Victim:
         self.secret_address = ready[2]
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line.rstrip("\n"))
+        with self._answers:
+            for line in self._answers:
+                self._lines.put(line.rstrip("\n"))
         self._lines.put("")  # end of output
 
     def wait(self, prefix: str, timeout: float = 30) -> str:
@@ -128,7 +134,11 @@ class Victim:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def secret(self) -> bytes:
-        return bytes.fromhex(self.ask("secret", "V:SECRET").split()[1])
+        line = self.ask("secret", "V:SECRET")
+        try:
+            return bytes.fromhex(line.split()[1])
+        except (IndexError, ValueError):
+            raise AssertionError(f"not a secret: {line!r}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
