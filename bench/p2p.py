@@ -8,9 +8,10 @@ moves the same bytes ``--repeat`` times between two processes over a connection 
 timing, into a reused buffer. Both are reported as median and best GB/s; the ratios compare median
 with median and best with best. memcpy is an in-process ``np.copyto`` into a pre-faulted buffer.
 
-Two paths are measured by default (``--paths``): ``shm``, where the receiver copies from the
-sender's shared-memory segment, and ``ucx``, with ``shared_memory=False``, where every byte goes
-through the UCX data plane (the path between hosts).
+Three paths are measured by default (``--paths``): ``shm``, where the receiver copies from the
+sender's shared-memory segment, and ``tcp`` and ``ucx``, with ``shared_memory=False``, where every
+byte goes through the data plane between hosts: the TCP one (``Config.data_plane="tcp"``, the
+default on hosts without RDMA) or the UCX one.
 
 Two more take device objects in simulated device memory (``HOPLITE_DEVICE_BACKEND=sim``:
 :class:`hoplite_gpu.memory.sim.SimBackend`, host memory behind the CUDA IPC code path): the receiver
@@ -25,7 +26,7 @@ above. ``kept`` is a get as users write it: a fresh object each round, kept by t
 by the sender) until every round of the size is done, no warm-up, the first round timed (the first
 size's first round also opens the connection between the two nodes). ``out`` is the same with
 ``get(out=...)`` into an array the receiver allocated and touched once per size before timing. The
-socket baseline is the same in every pattern. Run ``kept`` and ``out`` with ``--paths ucx`` (what
+socket baseline is the same in every pattern. Run ``kept`` and ``out`` with ``--paths tcp,ucx`` (what
 ``HOPLITE_SHARED_MEMORY=0`` does) for the data plane between hosts.
 
 CPU per byte (``CPU s/GiB``): user + system CPU seconds of both processes over each timed get (the
@@ -34,7 +35,7 @@ ObjectID to the receiver's answer), summed over the timed rounds and divided by 
 the socket, both processes over each copy.
 
     python bench/p2p.py --sizes 16MiB,64MiB,256MiB --repeat 9
-    python bench/p2p.py --paths ucx --patterns kept,out --sizes 1MiB,16MiB,64MiB,256MiB --repeat 3
+    python bench/p2p.py --paths tcp,ucx --patterns kept,out --sizes 1MiB,16MiB,64MiB,256MiB --repeat 3
     python bench/p2p.py --paths sim-index,sim-lookup --sizes 1MiB,16MiB,64MiB --repeat 21
 """
 
@@ -55,7 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import cpu_per_gib, cpu_seconds, memcpy_gbps, parse_size, socket_copy, stop_workers
 
-PATHS = ("shm", "ucx", "sim-index", "sim-lookup")
+PATHS = ("shm", "tcp", "ucx", "sim-index", "sim-lookup")
+#: The paths through the data plane between hosts (no shared memory), by ``Config.data_plane``.
+WIRE = {"tcp": "tcp", "ucx": "ucx"}
 #: How the receiver treats each object: ``deleted`` as a training loop that frees it (after warm-up
 #: rounds), ``kept`` and ``out`` as users write a get (no warm-up, every object kept; ``out``: into a
 #: preallocated array).
@@ -68,7 +71,13 @@ def _receiver(address: str, token: str, path: str, pattern: str, conn: Any) -> N
     import hoplite_gpu as hg
     from hoplite_gpu.memory import to_host
 
-    node = hg.connect(address, token=token, shared_memory=path != "ucx", same_host_index=path != "sim-lookup")
+    node = hg.connect(
+        address,
+        token=token,
+        shared_memory=path not in WIRE,
+        same_host_index=path != "sim-lookup",
+        data_plane=WIRE.get(path, "auto"),
+    )
     kept: list[tuple[Any, Any]] = []  # (ObjectID, array) of every object got, until the size is done
     out: np.ndarray | None = None
     try:
@@ -114,7 +123,7 @@ def run(
 
     if pattern != "deleted":
         warmup = 0
-    node = hg.init(shared_memory=path != "ucx")
+    node = hg.init(shared_memory=path not in WIRE, data_plane=WIRE.get(path, "auto"))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(node.directory_address, node.token, path, pattern, child))
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warmup", type=int, default=3, help="untimed gets per size before timing (pattern deleted)"
     )
-    ap.add_argument("--paths", default="shm,ucx", help="comma-separated: " + ", ".join(PATHS))
+    ap.add_argument("--paths", default="shm,tcp,ucx", help="comma-separated: " + ", ".join(PATHS))
     ap.add_argument("--patterns", default="deleted", help="comma-separated: " + ", ".join(PATTERNS))
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--paths takes some of {', '.join(PATHS)}")
     if not patterns or set(patterns) - set(PATTERNS):
         ap.error(f"--patterns takes some of {', '.join(PATTERNS)}")
-    if set(patterns) - {"deleted"} and set(paths) - {"shm", "ucx"}:
+    if set(patterns) - {"deleted"} and set(paths) - {"shm", *WIRE}:
         ap.error("--patterns kept and out run on the host paths only (shm, ucx)")
     rows = [
         r

@@ -56,6 +56,10 @@ UCX_DEFAULTS: dict[str, str] = {
 }
 
 
+#: The values of ``Config.data_plane``.
+DATA_PLANES = ("auto", "tcp", "ucx")
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Tunables for a node (and the embedded directory).
@@ -144,6 +148,10 @@ class Config:
         tls_key_file: PEM private key of ``tls_cert_file`` ("" if the chain file holds it).
         tls_ca_file: PEM certificates a node trusts for its directory's certificate; set, the node
             connects over TLS and checks the directory's host name or address against it.
+        data_plane: How bytes cross between nodes: ``tcp`` (sockets; the kernel moves each chunk
+            into place), ``ucx`` (UCX, for RDMA and CUDA transports), ``auto``: ``ucx`` where UCX
+            lists RDMA transports or with ``HOPLITE_UCX_CUDA=1``, else ``tcp``
+            (bench/README.md#the-tcp-data-plane); every node of a cluster must choose the same.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -188,6 +196,7 @@ class Config:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
+    data_plane: str = "auto"
 
     def __post_init__(self) -> None:
         positive = (
@@ -219,6 +228,11 @@ class Config:
         if self.lease_timeout < 2 * self.heartbeat_interval:
             raise InvalidArgumentError(
                 "Config.lease_timeout must be at least twice heartbeat_interval", argument="lease_timeout"
+            )
+        if self.data_plane not in DATA_PLANES:
+            raise InvalidArgumentError(
+                f"Config.data_plane must be one of {', '.join(DATA_PLANES)}, not {self.data_plane!r}",
+                argument="data_plane",
             )
         if self.min_chunk_bytes > self.max_chunk_bytes:
             raise InvalidArgumentError(
@@ -394,6 +408,15 @@ def ucx_choice(environ: Mapping[str, str] | None = None) -> UcxChoice:
         )
     except Exception as exc:  # a node must start whatever the probe or the parser does
         return choose_ucx(None, env, UCX_DEFAULTS, problem=f"choosing failed: {type(exc).__name__}: {exc}")
+
+
+def data_plane_kind(config: Config) -> str:
+    """The data plane a node with ``config`` runs: ``tcp`` or ``ucx`` (see ``Config.data_plane``)."""
+    if config.data_plane != "auto":
+        return config.data_plane
+    if ucx_cuda() or "rdma" in ucx_choice().case:
+        return "ucx"
+    return "tcp"
 
 
 def default_ucx_tls() -> str:

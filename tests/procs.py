@@ -25,6 +25,8 @@ def make_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any,
     """Deterministic array of any dtype/shape (distinct per seed)."""
     n = int(np.prod(shape))
     raw = (np.arange(n, dtype=np.int64) * 2654435761 + seed) % 251
+    if dtype == "bfloat16":
+        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy; nothing else may have)
     return raw.astype(dtype).reshape(shape)
 
 

@@ -17,7 +17,7 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
 from hoplite_gpu.config import Config
-from hoplite_gpu.dataplane import DataPlane
+from hoplite_gpu.dataplane import make_data_plane
 from hoplite_gpu.memory.buffers import Buffer
 from hoplite_gpu.memory.store import LocalObject, LocalStore
 
@@ -151,7 +151,7 @@ def test_data_plane_refuses_wrong_token(owner: Any) -> None:
     before = owner.stats()["data_auth_failures"]
 
     async def attempt() -> None:
-        plane = DataPlane(LocalStore(1 << 20), "wrong-token", Config(connect_timeout=5))
+        plane = make_data_plane(LocalStore(1 << 20), "wrong-token", Config(connect_timeout=5))
         obj = LocalObject(hg.ObjectID.random(), 8, "<i8", (1,), b"", Buffer.wrap(np.empty(8, np.uint8)))
         try:
             await plane.pull(host, int(port), obj, transfer_id=1)

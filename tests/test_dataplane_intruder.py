@@ -4,7 +4,9 @@ neither read nor write the node's memory, nor leave memory or a broken node behi
 
 The node ("victim") is a process of its own, joined to the test's directory, holding a secret in a
 NumPy array whose address it tells the test (a cheat an attacker would not have, enough to show
-the primitive).
+the primitive). Every node here runs the UCX data plane (``Config.data_plane="ucx"``, what RDMA
+and CUDA hosts run); hosts with TCP only run the TCP one, which no UCX peer reaches at all
+(tests/test_tcp_plane.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+UCX_PLANE = {"HOPLITE_DATA_PLANE": "ucx"}
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[Any]:
+    """A node with an embedded directory in the test process, on the UCX data plane."""
+    import hoplite_gpu as hg
+
+    node = hg.init(data_plane="ucx")
+    yield node
+    node.close()
+
 
 SECRET = b"HOPLITE-SECRET-0123456789abcdef!"  # 32 bytes
 PUT_VALUE = b"PWNED-BY-AN-UNAUTHENTICATED-PEER"  # the same length
@@ -85,7 +100,7 @@ class Victim:
     """The node's process, driven line by line."""
 
     def __init__(self, directory: str, token: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_TCP_PUT")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_TCP_PUT")} | UCX_PLANE
         theirs, ours = os.pipe()[::-1]
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _VICTIM, directory, token, SECRET.decode(), str(theirs)],
@@ -324,7 +339,13 @@ def test_a_node_refuses_to_listen_on_a_ucx_context_that_serves_rma() -> None:
         "    print('STARTED', flush=True)\n"
         "import os; os._exit(0)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=os.environ | UCX_PLANE,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith(("REFUSED", "STARTED"))]
     assert lines, (done.stdout, done.stderr)
     assert lines[-1].startswith("REFUSED HopliteError") and "with RMA" in lines[-1], lines

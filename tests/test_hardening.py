@@ -433,12 +433,37 @@ asyncio.run(main())
 """
 
 
-def _flood(argv_prefix: list[str], host: str, port: int, count: int) -> str:
+# The same peer at the TCP data plane: it connects and sends 1 MiB blocks of junk where the
+# authentication answer belongs, one connection after another.
+_TCP_FLOOD = r"""
+import socket, sys
+
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+block = bytes(range(256)) * 4096
+try:
+    for i in range(count):
+        with socket.create_connection((host, port), timeout=20) as s:
+            s.settimeout(20)
+            try:
+                s.sendall(block)
+                while s.recv(1 << 16):  # until the node closes the connection
+                    pass
+            except (ConnectionResetError, BrokenPipeError):
+                pass  # closed with our junk unread: what a refusing node does
+except OSError as exc:
+    print("REFUSED", type(exc).__name__, exc, flush=True)
+    sys.exit(0)
+print("SENT", flush=True)
+"""
+
+
+def _flood(argv_prefix: list[str], host: str, port: int, count: int, plane: str = "ucx") -> str:
     import subprocess
     import sys
 
+    script = _FLOOD if plane == "ucx" else _TCP_FLOOD
     done = subprocess.run(
-        [*argv_prefix, sys.executable, "-c", _FLOOD, host, str(port), str(count)],
+        [*argv_prefix, sys.executable, "-c", script, host, str(port), str(count)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -467,6 +492,7 @@ def test_a_node_told_where_to_listen_limits_ucx_to_that_interface_only() -> None
 
     def devices(listen_host: str) -> str:
         env = {k: v for k, v in __import__("os").environ.items() if k != "HOPLITE_LISTEN_HOST"}
+        env["HOPLITE_DATA_PLANE"] = "ucx"
         done = subprocess.run(
             [sys.executable, "-c", script, listen_host], capture_output=True, text=True, timeout=60, env=env
         )
@@ -484,10 +510,37 @@ def test_a_node_told_where_to_listen_limits_ucx_to_that_interface_only() -> None
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_messages_sent_before_authenticating_are_dropped_and_their_memory_reused(owner: Any) -> None:
+def test_bytes_sent_before_authenticating_cost_the_tcp_plane_nothing(owner: Any) -> None:
+    """The TCP data plane reads 48 bytes of a peer that has not authenticated, then drops it:
+    three floods of 48 x 1 MiB leave the node's memory where it was."""
     from tests.procs import digest, start_workers
 
-    (worker,) = start_workers(owner.directory_address, owner.token, 1, stall_timeout=2.0)
+    (worker,) = start_workers(owner.directory_address, owner.token, 1, data_plane="tcp")
+    try:
+        first = worker.call("stats")
+        host, port = first["data_address"].rsplit(":", 1)
+        rss = [first["rss_bytes"]]
+        for _ in range(3):
+            assert _flood([], host, int(port), 48, plane="tcp") == "SENT"
+            rss.append(worker.call("stats")["rss_bytes"])
+        stats = worker.call("stats")
+        assert stats["data_auth_failures"] >= 3 * 48, stats
+        assert rss[-1] - rss[0] < 16 << 20, [f"{b / 2**20:.0f} MiB" for b in rss]
+        data = np.arange(1 << 16, dtype=np.int64)
+        assert worker.call("get", owner.put(data).hex(), 30) == digest(data)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_messages_sent_before_authenticating_are_dropped_and_their_memory_reused(owner: Any) -> None:
+    from tests.procs import digest, make_array, start_workers
+
+    # A second node on the UCX plane serves the last check (the owner's plane is this host's).
+    worker, other = start_workers(
+        owner.directory_address, owner.token, 2, stall_timeout=2.0, data_plane="ucx"
+    )
     try:
         first = worker.call("stats")
         host, port = first["data_address"].rsplit(":", 1)
@@ -510,19 +563,22 @@ def test_messages_sent_before_authenticating_are_dropped_and_their_memory_reused
         # Before the sweep each round added its 48 MiB for good (the finding: 66 -> 393-543 MiB
         # after 2-3 rounds of 100 MiB); now later rounds reuse the buffers of the first.
         assert rss[-1] - rss[0] < (per_round << 20) // 2, [f"{b / 2**20:.0f} MiB" for b in rss]
-        # The node still serves authenticated peers.
-        data = np.arange(1 << 16, dtype=np.int64)
-        assert worker.call("get", owner.put(data).hex(), 30) == digest(data)
+        # The node still pulls from authenticated peers.
+        oid = other.call("put", "int64", [1 << 16], 5, "")
+        assert worker.call("get", oid, 30) == digest(make_array("int64", (1 << 16,), 5))
     finally:
         worker.stop()
+        other.stop()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_a_node_on_loopback_refuses_a_peer_arriving_on_another_interface() -> None:
+@pytest.mark.parametrize("plane", ["tcp", "ucx"])
+def test_a_node_on_loopback_refuses_a_peer_arriving_on_another_interface(plane: str) -> None:
     """The finding: the UCX listener listens on every interface even with listen_host 127.0.0.1,
     so a peer on the network could send to it. Two network namespaces made by the test: a node on
-    host 0 advertising 127.0.0.1, a peer on host 1 dialling host 0's cluster address."""
+    host 0 advertising 127.0.0.1, a peer on host 1 dialling host 0's cluster address. The TCP
+    data plane binds its listener to the address itself."""
     import subprocess
     import sys
 
@@ -534,7 +590,7 @@ def test_a_node_on_loopback_refuses_a_peer_arriving_on_another_interface() -> No
         pytest.skip(str(exc))
     script = (
         "import sys, hoplite_gpu as hg\n"
-        "node = hg.init(listen_host='127.0.0.1', shared_memory=False)\n"
+        f"node = hg.init(listen_host='127.0.0.1', shared_memory=False, data_plane='{plane}')\n"
         "print('ADDRESS', node.data_address, flush=True)\n"
         "sys.stdin.readline()\n"
         "s = node.stats()\n"
@@ -550,11 +606,11 @@ def test_a_node_on_loopback_refuses_a_peer_arriving_on_another_interface() -> No
         assert line.startswith("ADDRESS 127.0.0.1:"), line
         port = int(line.split(":")[-1])
         # From host 1 to host 0's cluster address: refused by UCX before anything is buffered.
-        verdict = _flood(cluster.command(1, []), cluster.address(0), port, 16)
+        verdict = _flood(cluster.command(1, []), cluster.address(0), port, 16, plane)
         assert verdict.startswith("REFUSED"), verdict
         # From host 0's own loopback, the interface the node advertises, the peer is let in (and
         # then dropped by the authentication, which is what the other test is about).
-        assert _flood(cluster.command(0, []), "127.0.0.1", port, 1) == "SENT"
+        assert _flood(cluster.command(0, []), "127.0.0.1", port, 1, plane) == "SENT"
         out, _ = node.communicate("\n", timeout=60)
         assert node.returncode == 0 and "STATS" in out, out
 

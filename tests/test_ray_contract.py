@@ -88,9 +88,9 @@ class Holder:
             return type(exc).__name__, isinstance(exc, hg.InvalidArgumentError), "group" in str(exc)
         return "nothing", False, False
 
-    def preloaded(self) -> tuple[bool, bool]:
-        """Whether ucxx was imported without a node (polled with a deadline), and whether this
-        process has a node or a UCX context of hoplite_gpu's."""
+    def preloaded(self) -> tuple[bool, bool, bool]:
+        """Whether the node's code was imported without a node (polled with a deadline), whether
+        ucxx was, and whether this process has a node or a UCX context of hoplite_gpu's."""
         import sys
         import time
 
@@ -98,9 +98,10 @@ class Holder:
         from hoplite_gpu.ray import directory
 
         deadline = time.monotonic() + 60
-        while "ucxx" not in sys.modules and time.monotonic() < deadline:
+        while "hoplite_gpu.node" not in sys.modules and time.monotonic() < deadline:
             time.sleep(0.05)
-        return "ucxx" in sys.modules, bool(directory._nodes) or ucx._ucxx is not None
+        loaded = "hoplite_gpu.node" in sys.modules
+        return loaded, "ucxx" in sys.modules, bool(directory._nodes) or ucx._ucxx is not None
 
 
 def _holders(ray: Any, world: int = 2) -> list[Any]:
@@ -168,12 +169,15 @@ def test_arrays_unlike_the_other_members_raise_a_runtime_error(ray_session: Any)
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_loads_ucx_before_its_first_collective(ray_session: Any) -> None:
-    """Ray's setup hook (``register_collective_backend``) imports UCX in the background, starting
-    nothing: an actor's first collective does not wait half a second for it."""
+def test_a_worker_loads_the_node_before_its_first_collective(ray_session: Any) -> None:
+    """Ray's setup hook (``register_collective_backend``) imports the node's code in the
+    background, and UCX only where the data plane is UCX's (half a second), starting nothing."""
+    from hoplite_gpu.config import Config, data_plane_kind
+
+    ucx = data_plane_kind(Config.from_env()) == "ucx"
     (holder,) = _holders(ray_session, world=1)
     try:
-        assert ray_session.get(holder.preloaded.remote(), timeout=90) == (True, False)
+        assert ray_session.get(holder.preloaded.remote(), timeout=90) == (True, ucx, False)
     finally:
         ray_session.kill(holder)
 

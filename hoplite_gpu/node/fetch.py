@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import protocol as p
 from ..config import Config
-from ..dataplane.transport import DataPlane
+from ..dataplane import AnyDataPlane
 from ..dtypes import dtype_from_wire
 from ..errors import (
     HopliteError,
@@ -115,7 +115,7 @@ class Fetcher:
     def __init__(
         self,
         store: LocalStore,
-        data: DataPlane,
+        data: AnyDataPlane,
         config: Config,
         session: DirectorySession,
         shared_memory: bool,

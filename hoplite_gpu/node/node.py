@@ -25,7 +25,7 @@ from typing import Any
 from .. import faults
 from .. import protocol as p
 from ..config import WILDCARD_HOSTS, Config, host_of, is_loopback
-from ..dataplane.transport import DataPlane
+from ..dataplane import AnyDataPlane, make_data_plane
 from ..directory.service import DirectoryService
 from ..errors import (
     AuthenticationError,
@@ -104,7 +104,7 @@ class Node:
             seal=Memory.ticket_key(token),
         )
         self._store = LocalStore(self.config.store_capacity_bytes, self._memory)
-        self._data = DataPlane(self._store, token, self.config, on_served=self._on_served)
+        self._data: AnyDataPlane = make_data_plane(self._store, token, self.config, on_served=self._on_served)
         self._session = DirectorySession(
             directory_address,
             token,

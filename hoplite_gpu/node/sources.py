@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import protocol as p
 from ..config import Config
-from ..dataplane.transport import DataPlane
+from ..dataplane import AnyDataPlane
 from ..dtypes import dtype_from_wire
 from ..errors import (
     AuthenticationError,
@@ -132,7 +132,7 @@ class Context:
     """
 
     store: LocalStore
-    data: DataPlane
+    data: AnyDataPlane
     config: Config
     report: Callable[[p.Message], None]
     completed: Callable[[LocalObject, int, int], None]

@@ -112,9 +112,12 @@ def _start_preload() -> None:
 def _preload() -> None:
     try:
         from .. import node as _node  # noqa: F401
-        from ..dataplane.ucx import load_ucxx
+        from ..config import Config, data_plane_kind
 
-        load_ucxx()
+        if data_plane_kind(Config.from_env()) == "ucx":
+            from ..dataplane.ucx import load_ucxx
+
+            load_ucxx()
     except Exception:  # only a head start: the first node() reports whatever fails here
         pass
 

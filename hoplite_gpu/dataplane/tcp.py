@@ -1,0 +1,536 @@
+"""The TCP data plane: authenticated sockets whose bytes the kernel moves on a worker thread.
+
+Where UCX offers only TCP (every host here, and any cluster without RDMA), this plane replaces the
+UCX one of :mod:`hoplite_gpu.dataplane.transport` (``Config.data_plane``). Why: over TCP, UCX copies
+every received segment once more in user space and ucxx costs a Python future per chunk, while a
+socket ``recv_into`` with ``MSG_WAITALL`` lands a whole chunk in the object's memory in one system
+call with the GIL released: no Python per byte and one Python step per chunk (bench/README.md,
+"The TCP data plane"). It also listens only on the node's address and buffers nothing for a peer
+that has not authenticated, and no UCX worker listens at all (SECURITY.md: UCX's TCP transport
+serves a UCT put to any peer).
+
+The wire contract is the UCX plane's in a byte stream. The listener opens each connection with
+:data:`HELLO` and a nonce, and runs the HMAC challenge-response of :mod:`hoplite_gpu.auth`; a peer
+that fails it is dropped before any request is read. Then the receiver sends a fixed-size pull
+request (:data:`protocol.PULL_REQUEST`), answered by a status header and the object's bytes from the
+requested offset (as far as the holder has them: a partial copy is served as it grows), and the
+receiver acks the last byte. One transfer at a time per connection; a receiver keeps idle
+connections to a peer for its next pulls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .. import auth
+from .. import protocol as p
+from ..config import Config
+from ..errors import AuthenticationError, HopliteError, ObjectNotFoundError, PeerLostError, TransportError
+from ..faults import INJECTOR
+from ..memory import LocalObject, LocalStore
+from ..object_id import ObjectID
+from .sockets import (
+    WORKERS,
+    Closed,
+    blocking_with_timeouts,
+    flat,
+    recv_async,
+    recv_exact,
+    send_all,
+    shut,
+    stale,
+    tune,
+)
+
+log = logging.getLogger("hoplite_gpu.transport")
+
+#: The listener's first bytes on every connection: this plane and its version, so a peer speaking
+#: another data plane (``Config.data_plane`` set differently) is told so instead of failing auth.
+HELLO = b"HGTCP\x01"
+#: Connections that have not finished authenticating, beyond which new ones are closed at once.
+MAX_HANDSHAKES = 128
+#: Idle authenticated connections a receiver keeps per peer.
+MAX_IDLE_PER_PEER = 8
+
+#: Most bytes a receiver lands before it advances the object's progress: readers of a partial
+#: copy (relays, reduce vertices, 1 MiB a step) wait no longer than this for the next bytes, at one
+#: wake-up of the I/O loop per step (bench/README.md#the-tcp-data-plane).
+MAX_STEP = 2 * 1024 * 1024
+
+MIN_WIRE_CHUNK = 64 * 1024
+MAX_WIRE_CHUNK = 256 * 1024 * 1024
+RATE_SAMPLE_MIN_BYTES = 2 * 1024 * 1024
+
+ServeCallback = Callable[[int, int, int, bool], None]
+
+
+class TcpDataPlane:
+    """TCP listener plus idle-connection cache of one node; same interface as
+    :class:`~hoplite_gpu.dataplane.transport.DataPlane`.
+
+    Args:
+        store: The node's local store, read when serving.
+        token: Shared secret for peer authentication.
+        config: Chunk size, timeouts, rate limit.
+        on_served: Callback after each served transfer: (transfer_id, bytes_sent,
+            bytes_sent_while_incomplete, failed).
+    """
+
+    kind = "tcp"
+
+    def __init__(
+        self, store: LocalStore, token: str, config: Config, on_served: ServeCallback | None = None
+    ) -> None:
+        self.store = store
+        self.token = token
+        self.config = config
+        self.on_served = on_served
+        self.port = 0
+        self.auth_failures = 0
+        self.stale_messages = 0  # nothing is received unasked here: kept for the node's report
+        self.stale_bytes = 0
+        self.staged_sent = 0  # device bytes sent through host staging buffers
+        self.staged_received = 0
+        self._listener: socket.socket | None = None
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._open: set[socket.socket] = set()  # every connection, for close()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._serving: set[asyncio.Task[Any]] = set()
+        self._handshakes = 0
+        self._closed = False
+        self._rates: dict[str, float] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self, host: str = "") -> int:
+        """Listen on ``host`` ("" for every interface); returns the port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        lsock = socket.create_server((host, 0), family=family, backlog=1024)
+        lsock.setblocking(False)
+        self._listener = lsock
+        self.port = int(lsock.getsockname()[1])
+        self._spawn(self._accept(lsock))
+        return self.port
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Close the listener and every connection; transfers being served get up to ``grace``
+        seconds to finish first."""
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+            self._listener = None
+        if grace > 0 and self._serving:
+            await asyncio.wait(set(self._serving), timeout=grace)
+        self._closed = True
+        for sock in list(self._open):
+            shut(sock)
+        self._open.clear()
+        self._idle.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _forget(self, sock: socket.socket) -> None:
+        self._open.discard(sock)
+        shut(sock)
+
+    # ------------------------------------------------------------ serving side
+    async def _accept(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            try:
+                sock, _ = await loop.sock_accept(lsock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:
+                if self._listener is None:
+                    return
+                log.debug("data plane: accept failed: %s", exc)
+                await asyncio.sleep(0.01)  # out of descriptors: let some close
+                continue
+            if self._closed or self._handshakes >= MAX_HANDSHAKES:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            self._open.add(sock)
+            self._spawn(self._serve_connection(sock))
+
+    async def _serve_connection(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            tune(sock)
+            self._handshakes += 1
+            try:
+                ok = await asyncio.wait_for(
+                    self._authenticate_server(loop, sock), self.config.connect_timeout
+                )
+            except (asyncio.TimeoutError, OSError, Closed):
+                ok = False
+            finally:
+                self._handshakes -= 1
+            if not ok:
+                self.auth_failures += 1
+                log.warning("data plane: dropping a peer that failed authentication (wrong token?)")
+                return
+            request = bytearray(p.PULL_REQUEST.size)
+            while not self._closed:
+                await recv_async(loop, sock, request)  # no time-out: an idle connection is fine
+                magic, version, transfer_id, offset, chunk, oid_raw = p.PULL_REQUEST.unpack(request)
+                if magic != p.PULL_MAGIC or version != p.PROTOCOL_VERSION:
+                    log.warning("data plane: malformed pull request; closing the connection")
+                    return
+                task = self._spawn(self._serve_one(loop, sock, transfer_id, offset, chunk, ObjectID(oid_raw)))
+                self._serving.add(task)
+                task.add_done_callback(self._serving.discard)
+                if not await task:
+                    return
+        except (asyncio.CancelledError, Closed, OSError):
+            pass
+        finally:
+            self._forget(sock)
+
+    async def _authenticate_server(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
+        nonce = auth.new_nonce()
+        await loop.sock_sendall(sock, HELLO + nonce)
+        answer = bytearray(auth.NONCE_BYTES + auth.MAC_BYTES)
+        await recv_async(loop, sock, answer)
+        client_nonce = bytes(answer[: auth.NONCE_BYTES])
+        if not auth.verify(self.token, b"client", nonce, client_nonce, bytes(answer[auth.NONCE_BYTES :])):
+            return False
+        await loop.sock_sendall(sock, auth.mac(self.token, b"server", nonce, client_nonce))
+        return True
+
+    async def _serve_one(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        transfer_id: int,
+        offset: int,
+        chunk: int,
+        oid: ObjectID,
+    ) -> bool:
+        """Serve one pull; whether the connection can take the next request."""
+        cfg = self.config
+        obj = await self.store.wait_for(oid, cfg.stall_timeout)
+        status = p.PULL_OK
+        if obj is None or obj.error is not None:
+            status = p.PULL_NOT_FOUND
+        elif offset > obj.size or not MIN_WIRE_CHUNK <= chunk <= MAX_WIRE_CHUNK:
+            status = p.PULL_BAD_REQUEST
+        # The header's second field says whether the copy was complete: only such a pull measures
+        # the link (one from a partial copy waits on its holder), see _record_rate.
+        whole = int(obj is not None and obj.complete)
+        header = p.PULL_RESPONSE.pack(status, whole, obj.size if obj is not None else 0)
+        if status != p.PULL_OK or obj is None:
+            await asyncio.wait_for(loop.sock_sendall(sock, header), cfg.stall_timeout)
+            return True
+        try:
+            sent, while_incomplete = await WORKERS.run(
+                lambda: self._send(loop, sock, header, obj, offset, chunk)
+            )
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                log.debug("serving %s (transfer %d) stopped: %s", oid, transfer_id, exc)
+            shut(sock)  # the receiver sees the cut at once and resumes elsewhere
+            if self.on_served is not None:
+                self.on_served(transfer_id, 0, 0, True)
+            return False
+        if self.on_served is not None:
+            self.on_served(transfer_id, sent, while_incomplete, False)
+        return True
+
+    def _send(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        header: bytes,
+        obj: LocalObject,
+        pos: int,
+        chunk: int,
+    ) -> tuple[int, int]:
+        """On a worker thread: the header, the bytes from ``pos`` as they are present, the ack."""
+        cfg = self.config
+        blocking_with_timeouts(sock, cfg.stall_timeout)
+        sent = 0
+        while_incomplete = 0
+        started = time.monotonic()
+        faults = INJECTOR.armed
+        oid_hex = obj.object_id.hex()
+        send_all(sock, header)
+        while pos < obj.size:
+            end = min(pos + chunk, obj.size)
+            if faults:
+                INJECTOR.check("serve", oid_hex, pos, obj.size)
+                cut = INJECTOR.next_offset("serve", oid_hex, pos, obj.size)
+                end = end if cut is None else min(end, cut)
+            if obj.progress <= pos:
+                # A partial copy: wait on the loop for more of the bytes this node is receiving
+                # (or computing), then send what it has (a relay forwards as it receives).
+                need = min(pos + MIN_WIRE_CHUNK, end)
+                waiting = asyncio.run_coroutine_threadsafe(obj.wait_progress(need, cfg.stall_timeout), loop)
+                waiting.result(cfg.stall_timeout + 5)
+            if not obj.complete:
+                end = min(end, obj.progress)
+                while_incomplete += end - pos
+            if obj.error is not None:
+                raise obj.error
+            if cfg.send_rate_limit:
+                ahead = (sent + end - pos) / cfg.send_rate_limit - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)  # traffic shaping, not synchronisation
+            if obj.buffer.on_device:
+                data = obj.buffer.host_chunk(pos, end)
+                self.staged_sent += end - pos
+            else:
+                data = obj.buffer.view(pos, end)
+            send_all(sock, data)
+            sent += end - pos
+            pos = end
+        if faults:
+            INJECTOR.check("serve", oid_hex, pos, obj.size)
+        # The receiver's ack says it has the bytes, so closing this node afterwards cannot cut the
+        # transfer short.
+        ack = bytearray(p.ACK.size)
+        recv_exact(sock, memoryview(ack))
+        sock.setblocking(False)
+        return sent, while_incomplete
+
+    # ------------------------------------------------------------ receiving side
+    async def _connection(self, host: str, port: int, address: str) -> socket.socket:
+        """An idle authenticated connection to the peer, or a new one."""
+        idle = self._idle.get(address)
+        while idle:
+            sock = idle.pop()
+            if not stale(sock):
+                return sock
+            self._forget(sock)
+        if self._closed:
+            raise TransportError("the data plane is closed", peer=address)
+        loop = asyncio.get_running_loop()
+        timeout = self.config.connect_timeout
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        self._open.add(sock)
+        try:
+            try:
+                tune(sock)
+                await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
+            except (OSError, asyncio.TimeoutError) as exc:
+                raise TransportError(
+                    f"cannot connect to data-plane peer {address}: {type(exc).__name__}: {exc} (the "
+                    "address is the one that node advertised: if it is not reachable from here, set "
+                    "HOPLITE_ADVERTISE_HOST on that node to one that is)",
+                    peer=address,
+                    cause=f"{type(exc).__name__}: {exc}",
+                ) from exc
+            try:
+                await asyncio.wait_for(self._authenticate_client(loop, sock, address), timeout)
+            except asyncio.TimeoutError:
+                raise PeerLostError(
+                    f"auth with {address} made no progress for {timeout} s", peer=address, cause="stalled"
+                ) from None
+            except (OSError, Closed) as exc:
+                raise PeerLostError(
+                    f"auth with {address} failed: {type(exc).__name__}: {exc}",
+                    peer=address,
+                    cause=f"{type(exc).__name__}: {exc}",
+                ) from exc
+        except BaseException:
+            self._forget(sock)
+            raise
+        return sock
+
+    async def _authenticate_client(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, address: str
+    ) -> None:
+        hello = bytearray(len(HELLO) + auth.NONCE_BYTES)
+        await recv_async(loop, sock, hello)
+        if bytes(hello[: len(HELLO)]) != HELLO:
+            raise TransportError(
+                f"peer {address} does not speak hoplite_gpu's TCP data plane (is its "
+                "HOPLITE_DATA_PLANE set differently from this node's?)",
+                peer=address,
+                cause="hello",
+            )
+        nonce = bytes(hello[len(HELLO) :])
+        mine = auth.new_nonce()
+        await loop.sock_sendall(sock, mine + auth.mac(self.token, b"client", nonce, mine))
+        theirs = bytearray(auth.MAC_BYTES)
+        try:
+            await recv_async(loop, sock, theirs)
+        except (OSError, Closed) as exc:
+            raise AuthenticationError(
+                f"peer {address} closed the connection during authentication: it does not accept our "
+                "token (or it died)",
+                peer=address,
+                cause="closed",
+            ) from exc
+        if not auth.verify(self.token, b"server", nonce, mine, bytes(theirs)):
+            raise AuthenticationError(
+                f"peer {address} failed authentication: it does not know our token", peer=address
+            )
+
+    def chunk_size(self, address: str) -> int:
+        """Chunk size for the next pull from ``address`` (see ``Config.adaptive_chunks``)."""
+        cfg = self.config
+        rate = self._rates.get(address)
+        if not cfg.adaptive_chunks or rate is None:
+            return max(MIN_WIRE_CHUNK, min(cfg.chunk_bytes, MAX_WIRE_CHUNK))
+        want = int(rate * cfg.chunk_seconds)
+        want = max(cfg.min_chunk_bytes, min(want, cfg.max_chunk_bytes))
+        want -= want % MIN_WIRE_CHUNK
+        return max(MIN_WIRE_CHUNK, min(want, MAX_WIRE_CHUNK))
+
+    def _record_rate(self, address: str, nbytes: int, seconds: float) -> None:
+        if nbytes < RATE_SAMPLE_MIN_BYTES or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        old = self._rates.get(address)
+        self._rates[address] = sample if old is None else 0.5 * old + 0.5 * sample
+
+    async def pull(
+        self,
+        host: str,
+        port: int,
+        obj: LocalObject,
+        transfer_id: int,
+        abort: asyncio.Future[None] | None = None,
+    ) -> None:
+        """Stream ``obj`` from a peer into ``obj.buffer``, starting at ``obj.progress``.
+
+        Advances ``obj.progress`` as chunks land (in order), so this node can serve the bytes it has
+        to others while it is still receiving. Raises :class:`TransportError` subclasses on failure
+        (the bytes already received stay valid and a later pull resumes after them). Failing
+        ``abort`` stops it with that error.
+        """
+        cfg = self.config
+        address = f"{host}:{port}"
+        sock = await self._connection(host, port, address)
+        loop = asyncio.get_running_loop()
+        start = obj.progress
+        chunk = min(self.chunk_size(address), MAX_STEP)
+        request = p.PULL_REQUEST.pack(
+            p.PULL_MAGIC, p.PROTOCOL_VERSION, transfer_id, start, chunk, obj.object_id.binary()
+        )
+        failed = obj.failure()
+        stops = [failed] if abort is None else [failed, abort]
+        stopped: list[asyncio.Future[None]] = []
+
+        def stop(fut: asyncio.Future[None]) -> None:
+            stopped.append(fut)
+            shut(sock)  # the worker's receive returns at once
+
+        for fut in stops:
+            fut.add_done_callback(stop)
+        if INJECTOR.armed:
+            INJECTOR.check("receive", obj.object_id.hex(), start, obj.size)
+        started = time.monotonic()
+        reusable = False
+        work = WORKERS.run(lambda: self._receive(loop, sock, request, obj, start, chunk))
+        try:
+            try:
+                status, whole, size = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                shut(sock)
+                with contextlib.suppress(BaseException):
+                    await work
+                raise
+            except HopliteError:
+                raise
+            except Exception as exc:
+                for fut in stopped:
+                    if not fut.cancelled() and fut.exception() is not None:
+                        raise fut.exception() from None  # type: ignore[misc]
+                if isinstance(exc, TimeoutError):
+                    raise PeerLostError(
+                        f"receive with {address} made no progress for {cfg.stall_timeout} s",
+                        peer=address,
+                        cause="stalled",
+                    ) from None
+                raise PeerLostError(
+                    f"receive with {address} failed: {type(exc).__name__}: {exc}",
+                    peer=address,
+                    cause=f"{type(exc).__name__}: {exc}",
+                ) from exc
+            if status == p.PULL_NOT_FOUND:
+                reusable = True
+                raise ObjectNotFoundError(
+                    f"peer {address} does not hold object {obj.object_id}",
+                    peer=address,
+                    object_id=obj.object_id.hex(),
+                )
+            if status != p.PULL_OK or size != obj.size:
+                raise PeerLostError(
+                    f"peer {address} refused the pull of {obj.object_id} (status {status})",
+                    peer=address,
+                    cause=f"status {status}",
+                )
+            reusable = True
+            if whole:
+                self._record_rate(address, obj.size - start, time.monotonic() - started)
+        finally:
+            for fut in stops:
+                fut.remove_done_callback(stop)
+            obj.forget_failure(failed)
+            if reusable and not stopped and not self._closed:
+                idle = self._idle.setdefault(address, [])
+                if len(idle) < MAX_IDLE_PER_PEER:
+                    idle.append(sock)
+                else:
+                    self._forget(sock)
+            else:
+                self._forget(sock)
+
+    def _receive(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        request: bytes,
+        obj: LocalObject,
+        pos: int,
+        chunk: int,
+    ) -> tuple[int, int, int]:
+        """On a worker thread: the request, the header, the bytes into the object (progress
+        advanced on the loop as each chunk lands), the ack. Returns the header's three fields."""
+        blocking_with_timeouts(sock, self.config.stall_timeout)
+        send_all(sock, request)
+        header = bytearray(p.PULL_RESPONSE.size)
+        recv_exact(sock, memoryview(header))
+        status, whole, size = p.PULL_RESPONSE.unpack(header)
+        if status != p.PULL_OK or size != obj.size:
+            sock.setblocking(False)
+            return status, whole, size
+        buffer = obj.buffer
+        backend = buffer.backend if buffer.on_device else None
+        oid_hex = obj.object_id.hex()
+        while pos < obj.size:
+            end = min(pos + chunk, obj.size)
+            if backend is None:
+                recv_exact(sock, flat(buffer.view(pos, end)))
+            else:
+                staged = backend.staging(end - pos)
+                recv_exact(sock, flat(staged))
+                backend.from_host(buffer.view(pos, end), staged)
+                self.staged_received += end - pos
+            loop.call_soon_threadsafe(obj.advance, end)
+            if INJECTOR.armed:
+                INJECTOR.check("receive", oid_hex, end, obj.size)
+            pos = end
+        send_all(sock, p.ACK.pack(pos))
+        sock.setblocking(False)
+        return status, whole, size
+
+
+__all__ = ["HELLO", "TcpDataPlane"]
