@@ -13,10 +13,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-#: Socket buffer sizes asked for (the kernel caps them at net.core.[rw]mem_max): large buffers let
-#: one ``recv_into`` take a whole step on fast links.
-SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-
 
 class Closed(Exception):
     """The peer closed the connection, or it was shut down here (abort, close)."""
@@ -47,8 +43,9 @@ class Workers:
         def job() -> None:
             try:
                 result = (True, fn())
-            except BaseException as exc:  # handed to the awaiting coroutine
-                result = (False, exc)
+            except BaseException as exc:  # handed to the awaiting coroutine, without its frames:
+                # they hold the object's buffer, which the pool could then never hand out again
+                result = (False, exc.with_traceback(None))
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(settle, *result)
 
@@ -108,10 +105,9 @@ def send_all(sock: socket.socket, data: Any) -> None:
 
 
 def tune(sock: socket.socket) -> None:
+    """No Nagle delay for requests, headers and acks. Buffer sizes stay the kernel's: a size set by
+    hand turns off its autotuning, which grows them to the path's bandwidth-delay product."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
 
 
 def shut(sock: socket.socket) -> None:
