@@ -103,12 +103,12 @@ def test_chunk_size_follows_measured_throughput() -> None:
     cfg = Config(chunk_bytes=4 * MiB, chunk_seconds=0.004, min_chunk_bytes=MiB // 4, max_chunk_bytes=16 * MiB)
     plane = DataPlane(LocalStore(1), "token", cfg)
     assert plane.chunk_size("a:1") == 4 * MiB  # nothing measured yet
-    plane._record_rate("a:1", 512 * 1024, 1.0)  # too small a transfer to count
+    plane.rates.record("a:1", 512 * 1024, 1.0)  # too small a transfer to count
     assert plane.chunk_size("a:1") == 4 * MiB
-    plane._record_rate("a:1", 100 * MiB, 0.02)  # 5 GiB/s: capped at max
+    plane.rates.record("a:1", 100 * MiB, 0.02)  # 5 GiB/s: capped at max
     assert plane.chunk_size("a:1") == 16 * MiB
-    plane._record_rate("b:1", 100 * MiB, 1.0)  # 100 MiB/s: 409.6 KiB, rounded down to 64 KiB units
+    plane.rates.record("b:1", 100 * MiB, 1.0)  # 100 MiB/s: 409.6 KiB, rounded down to 64 KiB units
     assert plane.chunk_size("b:1") == 384 * 1024
-    plane._record_rate("c:1", 10 * MiB, 10.0)  # 1 MiB/s: floored at min
+    plane.rates.record("c:1", 10 * MiB, 10.0)  # 1 MiB/s: floored at min
     assert plane.chunk_size("c:1") == MiB // 4
     assert DataPlane(LocalStore(1), "t", cfg.replace(adaptive_chunks=False)).chunk_size("a:1") == 4 * MiB

@@ -44,6 +44,14 @@ def _source(size: int, seed: int = 3) -> np.ndarray[Any, Any]:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def _until(condition: Any, timeout: float = 10.0) -> None:
+    """Poll ``condition`` until it holds (a deadline, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.005)
+
+
 class Pair:
     """A serving plane and a pulling plane, started on the I/O thread's loop."""
 
@@ -83,6 +91,7 @@ def test_a_pull_lands_every_byte_and_reuses_its_connection(pair: Pair) -> None:
         pair.run(pair.client.pull("127.0.0.1", pair.port, into, transfer_id=7))
         assert into.complete and np.array_equal(into.buffer.view(0, src.size), src)
     assert len(pair.server._open) == 1  # the second pull took the idle connection
+    _until(lambda: len(pair.served) == 2)  # the holder reports once it has read the ack
     assert [s[1:] for s in pair.served] == [(src.size, 0, False)] * 2
 
 
@@ -103,6 +112,7 @@ def test_a_partial_copy_is_served_as_it_grows(pair: Pair) -> None:
     pair.run(grow())
     pulling.result(30)
     assert np.array_equal(into.buffer.view(0, src.size), src)
+    _until(lambda: len(pair.served) == 1)
     ((_, sent, while_incomplete, failed),) = pair.served
     assert (sent, failed) == (src.size, False) and while_incomplete >= 3 * MiB
 

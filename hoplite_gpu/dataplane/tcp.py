@@ -31,10 +31,11 @@ from typing import Any
 from .. import auth
 from .. import protocol as p
 from ..config import Config
-from ..errors import AuthenticationError, HopliteError, ObjectNotFoundError, PeerLostError, TransportError
+from ..errors import AuthenticationError, HopliteError, PeerLostError, TransportError
 from ..faults import INJECTOR
 from ..memory import LocalObject, LocalStore
 from ..object_id import ObjectID
+from .shared import MAX_WIRE_CHUNK, MIN_WIRE_CHUNK, LinkRates, refusal
 from .sockets import (
     WORKERS,
     Closed,
@@ -63,9 +64,6 @@ MAX_IDLE_PER_PEER = 8
 #: wake-up of the I/O loop per step (bench/README.md#the-tcp-data-plane).
 MAX_STEP = 2 * 1024 * 1024
 
-MIN_WIRE_CHUNK = 64 * 1024
-MAX_WIRE_CHUNK = 256 * 1024 * 1024
-RATE_SAMPLE_MIN_BYTES = 2 * 1024 * 1024
 
 ServeCallback = Callable[[int, int, int, bool], None]
 
@@ -104,7 +102,7 @@ class TcpDataPlane:
         self._serving: set[asyncio.Task[Any]] = set()
         self._handshakes = 0
         self._closed = False
-        self._rates: dict[str, float] = {}
+        self.rates = LinkRates(config)  # measured throughput by peer, and the chunk sizes it sets
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, host: str = "") -> int:
@@ -229,7 +227,7 @@ class TcpDataPlane:
         elif offset > obj.size or not MIN_WIRE_CHUNK <= chunk <= MAX_WIRE_CHUNK:
             status = p.PULL_BAD_REQUEST
         # The header's second field says whether the copy was complete: only such a pull measures
-        # the link (one from a partial copy waits on its holder), see _record_rate.
+        # the link (one from a partial copy waits on its holder), see LinkRates.record.
         whole = int(obj is not None and obj.complete)
         header = p.PULL_RESPONSE.pack(status, whole, obj.size if obj is not None else 0)
         if status != p.PULL_OK or obj is None:
@@ -384,21 +382,7 @@ class TcpDataPlane:
 
     def chunk_size(self, address: str) -> int:
         """Chunk size for the next pull from ``address`` (see ``Config.adaptive_chunks``)."""
-        cfg = self.config
-        rate = self._rates.get(address)
-        if not cfg.adaptive_chunks or rate is None:
-            return max(MIN_WIRE_CHUNK, min(cfg.chunk_bytes, MAX_WIRE_CHUNK))
-        want = int(rate * cfg.chunk_seconds)
-        want = max(cfg.min_chunk_bytes, min(want, cfg.max_chunk_bytes))
-        want -= want % MIN_WIRE_CHUNK
-        return max(MIN_WIRE_CHUNK, min(want, MAX_WIRE_CHUNK))
-
-    def _record_rate(self, address: str, nbytes: int, seconds: float) -> None:
-        if nbytes < RATE_SAMPLE_MIN_BYTES or seconds <= 0:
-            return
-        sample = nbytes / seconds
-        old = self._rates.get(address)
-        self._rates[address] = sample if old is None else 0.5 * old + 0.5 * sample
+        return self.rates.chunk_size(address)
 
     async def pull(
         self,
@@ -408,13 +392,9 @@ class TcpDataPlane:
         transfer_id: int,
         abort: asyncio.Future[None] | None = None,
     ) -> None:
-        """Stream ``obj`` from a peer into ``obj.buffer``, starting at ``obj.progress``.
-
-        Advances ``obj.progress`` as chunks land (in order), so this node can serve the bytes it has
-        to others while it is still receiving. Raises :class:`TransportError` subclasses on failure
-        (the bytes already received stay valid and a later pull resumes after them). Failing
-        ``abort`` stops it with that error.
-        """
+        """The contract of :meth:`hoplite_gpu.dataplane.transport.DataPlane.pull`, on a worker
+        thread: progress advances by steps of at most :data:`MAX_STEP`; ``abort`` failing (or the
+        object failing) shuts the socket, which ends the worker's receive at once."""
         cfg = self.config
         address = f"{host}:{port}"
         sock = await self._connection(host, port, address)
@@ -464,22 +444,13 @@ class TcpDataPlane:
                     peer=address,
                     cause=f"{type(exc).__name__}: {exc}",
                 ) from exc
-            if status == p.PULL_NOT_FOUND:
-                reusable = True
-                raise ObjectNotFoundError(
-                    f"peer {address} does not hold object {obj.object_id}",
-                    peer=address,
-                    object_id=obj.object_id.hex(),
-                )
-            if status != p.PULL_OK or size != obj.size:
-                raise PeerLostError(
-                    f"peer {address} refused the pull of {obj.object_id} (status {status})",
-                    peer=address,
-                    cause=f"status {status}",
-                )
+            refused = refusal(status, size, obj, address)
+            if refused is not None:
+                reusable = status == p.PULL_NOT_FOUND  # answered in full: the connection is sound
+                raise refused
             reusable = True
             if whole:
-                self._record_rate(address, obj.size - start, time.monotonic() - started)
+                self.rates.record(address, obj.size - start, time.monotonic() - started)
         finally:
             for fut in stops:
                 fut.remove_done_callback(stop)

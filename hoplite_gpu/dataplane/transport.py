@@ -30,13 +30,13 @@ from ..config import Config, ucx_cuda
 from ..errors import (
     AuthenticationError,
     HopliteError,
-    ObjectNotFoundError,
     PeerLostError,
     TransportError,
 )
 from ..faults import INJECTOR
 from ..memory import LocalObject, LocalStore
 from ..object_id import ObjectID
+from .shared import MAX_WIRE_CHUNK, MIN_WIRE_CHUNK, LinkRates, refusal
 from .ucx import as_transport_error, check_features, failure_of, forget, landed, timed, ucxx_module
 
 log = logging.getLogger("hoplite_gpu.transport")
@@ -44,12 +44,6 @@ log = logging.getLogger("hoplite_gpu.transport")
 #: Bytes sent once per new endpoint after authentication: the first large message on a fresh UCX
 #: TCP endpoint was measured to take 0.2-1.2 s, after a 4 MiB exchange it took milliseconds.
 WARMUP_BYTES = 4 * 1024 * 1024
-
-#: Bounds of the chunk size a receiver may ask for (checked by the sender).
-MIN_WIRE_CHUNK = 64 * 1024
-MAX_WIRE_CHUNK = 256 * 1024 * 1024
-#: Transfers smaller than this do not update a peer's measured throughput.
-RATE_SAMPLE_MIN_BYTES = 2 * 1024 * 1024
 
 
 class _Peer:
@@ -94,7 +88,7 @@ class DataPlane:
         self._serving: set[asyncio.Task[Any]] = set()
         self._server_eps: set[Any] = set()
         self._closed = False
-        self._rates: dict[str, float] = {}  # peer address -> measured pull throughput, bytes/s
+        self.rates = LinkRates(config)  # measured throughput by peer, and the chunk sizes it sets
         # Device chunks go to UCX as they are (its cuda_copy transport), else staged through host.
         self._device_wire = ucx_cuda()
         self.staged_sent = 0  # device bytes this node sent through host staging buffers
@@ -473,22 +467,7 @@ class DataPlane:
 
     def chunk_size(self, address: str) -> int:
         """Chunk size for the next pull from ``address`` (see ``Config.adaptive_chunks``)."""
-        cfg = self.config
-        rate = self._rates.get(address)
-        if not cfg.adaptive_chunks or rate is None:
-            return max(MIN_WIRE_CHUNK, min(cfg.chunk_bytes, MAX_WIRE_CHUNK))
-        want = int(rate * cfg.chunk_seconds)
-        want = max(cfg.min_chunk_bytes, min(want, cfg.max_chunk_bytes))
-        want -= want % MIN_WIRE_CHUNK
-        return max(MIN_WIRE_CHUNK, min(want, MAX_WIRE_CHUNK))
-
-    def _record_rate(self, address: str, nbytes: int, seconds: float) -> None:
-        # Small transfers measure latency, not bandwidth: only larger ones update the estimate.
-        if nbytes < RATE_SAMPLE_MIN_BYTES or seconds <= 0:
-            return
-        sample = nbytes / seconds
-        old = self._rates.get(address)
-        self._rates[address] = sample if old is None else 0.5 * old + 0.5 * sample
+        return self.rates.chunk_size(address)
 
     async def _send_ack(self, peer: _Peer, ack: np.ndarray[Any, Any], transfer_id: int) -> None:
         try:
@@ -576,18 +555,9 @@ class DataPlane:
             window.clear()
             await sending  # complete: the response to it arrived
             status, _, size = p.PULL_RESPONSE.unpack(header.tobytes())
-            if status == p.PULL_NOT_FOUND:
-                raise ObjectNotFoundError(
-                    f"peer {address} does not hold object {obj.object_id}",
-                    peer=address,
-                    object_id=obj.object_id.hex(),
-                )
-            if status != p.PULL_OK or size != obj.size:
-                raise PeerLostError(
-                    f"peer {address} refused the pull of {obj.object_id} (status {status})",
-                    peer=address,
-                    cause=f"status {status}",
-                )
+            refused = refusal(status, size, obj, address)
+            if refused is not None:
+                raise refused
             # Chunks are posted only after an OK: posting them with the request would save a round
             # trip, but a refusal would then leave receives posted that ucxx cannot cancel short
             # of closing the endpoint (and reconnecting costs far more than the round trip).
@@ -605,7 +575,7 @@ class DataPlane:
                 if INJECTOR.armed:
                     INJECTOR.check("receive", obj.object_id.hex(), obj.progress, obj.size)
                 post_chunks()
-            self._record_rate(address, obj.size - start, time.monotonic() - data_started)
+            self.rates.record(address, obj.size - start, time.monotonic() - data_started)
             # The get does not wait for the ack to be sent: a lost ack only makes the sender
             # report a failed serve after its stall timeout, never a wrong result here.
             ack = np.frombuffer(p.ACK.pack(obj.progress), np.uint8).copy()
