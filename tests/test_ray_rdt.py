@@ -48,9 +48,9 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 class Producer:
-    def __init__(self, shared_memory: bool = True) -> None:
+    def __init__(self, shared_memory: bool = True, send_rate_limit: float = 0.0) -> None:
         if not shared_memory:
-            hgray.node(config=NO_SHM)
+            hgray.node(config=NO_SHM.replace(send_rate_limit=send_rate_limit))
 
     @ray.method(tensor_transport="HOPLITE")
     def make(self, seed: int, n: int) -> dict[str, Any]:
@@ -118,7 +118,9 @@ def _remote(ray: Any, cls: type) -> Any:
 
 def test_actor_to_actor_and_one_to_many(rdt_ray: Any) -> None:
     ray = rdt_ray
-    producer = _remote(ray, Producer).remote(shared_memory=False)
+    # The producer serves at 40 MB/s (8 MiB: 0.2 s), so the four reads overlap whatever the speed of
+    # the data plane: a holder serves one reader at a time, and the others then read from readers.
+    producer = _remote(ray, Producer).remote(shared_memory=False, send_rate_limit=40e6)
     consumers = [_remote(ray, Consumer).remote(shared_memory=False) for _ in range(4)]
     n = 1 << 21  # 8 MiB of float32 beside the small ones
     ref = producer.make.remote(3, n)
