@@ -243,3 +243,33 @@ def test_a_node_on_the_tcp_plane_loads_no_ucx() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=dict(os.environ)
     )
     assert "UCXX False" in done.stdout, (done.stdout, done.stderr)
+
+
+def test_one_address_cannot_take_every_handshake_slot(pair: Pair) -> None:
+    """Idle connections that never authenticate, from one address: beyond the per-address cap they
+    are closed at once, and a peer elsewhere still pulls."""
+    from hoplite_gpu.dataplane.tcp import HELLO, MAX_HANDSHAKES_PER_ADDRESS
+
+    idle = []
+    try:
+        for _ in range(MAX_HANDSHAKES_PER_ADDRESS + 8):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.settimeout(10)
+            s.connect(("127.0.0.1", pair.port))
+            idle.append(s)
+        greeted = 0
+        for s in idle:
+            first = s.recv(len(HELLO))
+            greeted += first == HELLO
+            assert first in (HELLO, b"")  # greeted, or closed at once
+        assert greeted == MAX_HANDSHAKES_PER_ADDRESS
+        src = _source(2 * MiB)
+        held = pair.hold(_object(src.size, src.copy()))
+        into = _object(src.size, oid=held.object_id)
+        pair.run(pair.client.pull("127.0.0.1", pair.port, into, transfer_id=9), timeout=10)
+        assert np.array_equal(into.buffer.view(0, src.size), src)
+        assert pair.server.auth_failures >= 8
+    finally:
+        for s in idle:
+            s.close()

@@ -54,8 +54,11 @@ log = logging.getLogger("hoplite_gpu.transport")
 #: The listener's first bytes on every connection: this plane and its version, so a peer speaking
 #: another data plane (``Config.data_plane`` set differently) is told so instead of failing auth.
 HELLO = b"HGTCP\x01"
-#: Connections that have not finished authenticating, beyond which new ones are closed at once.
+#: Connections that have not finished authenticating, beyond which new ones are closed at once
+#: (each has ``Config.connect_timeout`` to finish), in all and from one address, so that one
+#: address cannot take every slot.
 MAX_HANDSHAKES = 128
+MAX_HANDSHAKES_PER_ADDRESS = 32
 #: Idle authenticated connections a receiver keeps per peer.
 MAX_IDLE_PER_PEER = 8
 
@@ -101,6 +104,9 @@ class TcpDataPlane:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._serving: set[asyncio.Task[Any]] = set()
         self._handshakes = 0
+        self._handshakes_by_address: dict[str, int] = {}
+        self._refused_at = 0.0  # when a refused peer was last logged
+        self._refused_since = 0  # refused peers not logged yet
         self._closed = False
         self.rates = LinkRates(config)  # measured throughput by peer, and the chunk sizes it sets
 
@@ -148,7 +154,7 @@ class TcpDataPlane:
         loop = asyncio.get_running_loop()
         while not self._closed:
             try:
-                sock, _ = await loop.sock_accept(lsock)
+                sock, peer = await loop.sock_accept(lsock)
             except asyncio.CancelledError:
                 raise
             except OSError as exc:
@@ -157,19 +163,36 @@ class TcpDataPlane:
                 log.debug("data plane: accept failed: %s", exc)
                 await asyncio.sleep(0.01)  # out of descriptors: let some close
                 continue
-            if self._closed or self._handshakes >= MAX_HANDSHAKES:
+            host = str(peer[0]) if isinstance(peer, tuple) else ""
+            by_address = self._handshakes_by_address.get(host, 0)
+            if self._closed or self._handshakes >= MAX_HANDSHAKES or by_address >= MAX_HANDSHAKES_PER_ADDRESS:
                 sock.close()
+                self._refused()
                 continue
+            self._handshakes += 1
+            self._handshakes_by_address[host] = by_address + 1
             sock.setblocking(False)
             self._open.add(sock)
-            self._spawn(self._serve_connection(sock))
+            self._spawn(self._serve_connection(sock, host))
 
-    async def _serve_connection(self, sock: socket.socket) -> None:
+    def _refused(self) -> None:
+        """Count a peer dropped before it authenticated; log them at most once a second."""
+        self.auth_failures += 1
+        self._refused_since += 1
+        now = time.monotonic()
+        if now - self._refused_at >= 1.0:
+            log.warning(
+                "data plane: dropped %d peer(s) that did not authenticate (wrong token, or too many "
+                "connections that have not)",
+                self._refused_since,
+            )
+            self._refused_at, self._refused_since = now, 0
+
+    async def _serve_connection(self, sock: socket.socket, host: str) -> None:
         loop = asyncio.get_running_loop()
         try:
-            tune(sock)
-            self._handshakes += 1
             try:
+                tune(sock)
                 ok = await asyncio.wait_for(
                     self._authenticate_server(loop, sock), self.config.connect_timeout
                 )
@@ -177,9 +200,13 @@ class TcpDataPlane:
                 ok = False
             finally:
                 self._handshakes -= 1
+                left = self._handshakes_by_address[host] - 1
+                if left:
+                    self._handshakes_by_address[host] = left
+                else:
+                    del self._handshakes_by_address[host]
             if not ok:
-                self.auth_failures += 1
-                log.warning("data plane: dropping a peer that failed authentication (wrong token?)")
+                self._refused()
                 return
             request = bytearray(p.PULL_REQUEST.size)
             while not self._closed:
