@@ -196,8 +196,12 @@ class TcpDataPlane:
                 ok = await asyncio.wait_for(
                     self._authenticate_server(loop, sock), self.config.connect_timeout
                 )
-            except (asyncio.TimeoutError, OSError, Closed):
-                ok = False
+            except asyncio.TimeoutError:
+                ok = False  # held a slot without answering
+            except (OSError, Closed) as exc:
+                # Gone before it answered: a peer killed while connecting, or a port scan.
+                log.debug("data plane: a peer left during authentication: %s", exc)
+                return
             finally:
                 self._handshakes -= 1
                 left = self._handshakes_by_address[host] - 1
