@@ -159,8 +159,9 @@ def node_report() -> dict[str, Any]:
     (installed, version), ``ucx_tls`` (the UCX transports hoplite_gpu runs UCX with: ``UCX_TLS``
     when set, else hoplite_gpu's choice for this host) with ``ucx_tls_source`` ("env" or
     "hoplite_gpu default"), and ``ucx_choice`` (:meth:`~hoplite_gpu.ucx_choice.UcxChoice.to_dict`
-    of :func:`~hoplite_gpu.config.ucx_choice`: the UCX settings chosen for this host, and why)."""
-    from .config import default_ucx_tls, ucx_choice
+    of :func:`~hoplite_gpu.config.ucx_choice`: the UCX settings chosen for this host, and why), and
+    ``data_plane`` (``kind``: ``tcp`` or ``ucx``, and ``why``: what a node started here runs)."""
+    from .config import Config, data_plane_choice, default_ucx_tls, ucx_choice
     from .memory import kernels
     from .memory.placement import inventory
 
@@ -168,6 +169,7 @@ def node_report() -> dict[str, Any]:
     tls = os.environ.get("UCX_TLS")
     choice = ucx_choice().to_dict()
     default_tls = default_ucx_tls()
+    plane, plane_why = data_plane_choice(Config.from_env())
     cupy: dict[str, Any] = {"installed": False, "version": None, "device_count": None}
     cupy.update(usable=False, error="")
     try:
@@ -191,6 +193,7 @@ def node_report() -> dict[str, Any]:
         "ucx_tls": tls or default_tls,
         "ucx_tls_source": "env" if tls else "hoplite_gpu default",
         "ucx_choice": choice,
+        "data_plane": {"kind": plane, "why": plane_why},
     }
 
 
@@ -213,6 +216,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"CuPy: {cupy['version']}, {count} device(s), GPU buffers {usable}")
     else:
         print("CuPy: not installed (GPU buffers unavailable; pip install hoplite_gpu[cuda])")
+    plane = report["data_plane"]
+    print(f"data plane: {plane['kind']} ({plane['why']})")
     print(f"ucxx: {ucx['version'] if ucx['installed'] else 'not importable: ' + ucx['error']}")
     print(f"UCX transports: {report['ucx_tls']} ({report['ucx_tls_source']}; set UCX_TLS to change)")
     choice = report["ucx_choice"]

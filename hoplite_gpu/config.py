@@ -410,13 +410,25 @@ def ucx_choice(environ: Mapping[str, str] | None = None) -> UcxChoice:
         return choose_ucx(None, env, UCX_DEFAULTS, problem=f"choosing failed: {type(exc).__name__}: {exc}")
 
 
-def data_plane_kind(config: Config) -> str:
-    """The data plane a node with ``config`` runs: ``tcp`` or ``ucx`` (see ``Config.data_plane``)."""
+def data_plane_choice(config: Config) -> tuple[str, str]:
+    """The data plane a node with ``config`` runs, ``tcp`` or ``ucx`` (see ``Config.data_plane``),
+    and why."""
     if config.data_plane != "auto":
-        return config.data_plane
-    if ucx_cuda() or "rdma" in ucx_choice().case:
-        return "ucx"
-    return "tcp"
+        return config.data_plane, f"Config.data_plane={config.data_plane} (HOPLITE_DATA_PLANE)"
+    if ucx_cuda():
+        return "ucx", f"auto: {UCX_CUDA_ENV}=1 hands device chunks to UCX"
+    case = ucx_choice().case
+    if "rdma" in case:
+        return "ucx", f"auto: UCX lists RDMA transports here ({case})"
+    return "tcp", (
+        f"auto: UCX lists no RDMA transport here ({case}), so it would use TCP: the TCP plane moves "
+        "the same bytes with the kernel's sockets (bench/README.md#the-tcp-data-plane)"
+    )
+
+
+def data_plane_kind(config: Config) -> str:
+    """The data plane a node with ``config`` runs: ``tcp`` or ``ucx`` (:func:`data_plane_choice`)."""
+    return data_plane_choice(config)[0]
 
 
 def default_ucx_tls() -> str:

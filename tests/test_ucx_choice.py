@@ -258,6 +258,9 @@ def test_info_prints_the_choice_and_its_reasons(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "UCX choice for this host (tcp): UCX_TLS=tcp, UCX_RNDV_THRESH=inf, " in out.stdout
     assert "  why: UCX_RNDV_THRESH=inf: the eager protocol" in out.stdout
+    assert "data plane: tcp (auto: UCX lists no RDMA transport here (tcp)" in out.stdout
+    out = _info(env | {"XDG_RUNTIME_DIR": str(tmp_path), "HOPLITE_DATA_PLANE": "ucx"})
+    assert "data plane: ucx (Config.data_plane=ucx (HOPLITE_DATA_PLANE))" in out.stdout, out.stdout
     # on an InfiniBand host (its composed listing, from a stand-in ucx_info), with the user's
     # UCX_TLS: the choice, the setting that wins and why, in both forms
     listing = DATA / "ucx_info_ib.txt"
@@ -267,7 +270,9 @@ def test_info_prints_the_choice_and_its_reasons(tmp_path: Path) -> None:
     assert f"UCX choice for this host (rdma): UCX_TLS={VERBS_TLS}, UCX_RNDV_THRESH=1m, " in out.stdout
     assert "  why: UCX_RNDV_THRESH=1m is set in the environment: it wins over auto" in out.stdout
     assert "  from: ucx_info -d (" in out.stdout
+    assert "data plane: ucx (auto: UCX lists RDMA transports here (rdma))" in out.stdout
     report = json.loads(_info(env, "--json").stdout)
+    assert report["data_plane"]["kind"] == "ucx"
     assert report["ucx_tls"] == VERBS_TLS and report["ucx_tls_source"] == "hoplite_gpu default"
     choice = report["ucx_choice"]
     assert choice["case"] == "rdma" and choice["kept"] == {"UCX_RNDV_THRESH": "1m"}
