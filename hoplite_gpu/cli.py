@@ -167,9 +167,10 @@ def node_report() -> dict[str, Any]:
 
     # Before ucxx is imported: importing it sets UCX_RNDV_THRESH (8192) where it is unset.
     tls = os.environ.get("UCX_TLS")
-    choice = ucx_choice().to_dict()
+    host_choice = ucx_choice()
+    choice = host_choice.to_dict()
     default_tls = default_ucx_tls()
-    plane, plane_why = data_plane_choice(Config.from_env())
+    plane, plane_why = data_plane_choice(Config.from_env(), host_choice)
     cupy: dict[str, Any] = {"installed": False, "version": None, "device_count": None}
     cupy.update(usable=False, error="")
     try:

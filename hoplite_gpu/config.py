@@ -410,14 +410,14 @@ def ucx_choice(environ: Mapping[str, str] | None = None) -> UcxChoice:
         return choose_ucx(None, env, UCX_DEFAULTS, problem=f"choosing failed: {type(exc).__name__}: {exc}")
 
 
-def data_plane_choice(config: Config) -> tuple[str, str]:
+def data_plane_choice(config: Config, choice: UcxChoice | None = None) -> tuple[str, str]:
     """The data plane a node with ``config`` runs, ``tcp`` or ``ucx`` (see ``Config.data_plane``),
-    and why."""
+    and why; ``choice``: this host's :func:`ucx_choice`, where the caller has it already."""
     if config.data_plane != "auto":
         return config.data_plane, f"Config.data_plane={config.data_plane} (HOPLITE_DATA_PLANE)"
     if ucx_cuda():
         return "ucx", f"auto: {UCX_CUDA_ENV}=1 hands device chunks to UCX"
-    case = ucx_choice().case
+    case = (choice or ucx_choice()).case
     if "rdma" in case:
         return "ucx", f"auto: UCX lists RDMA transports here ({case})"
     return "tcp", (

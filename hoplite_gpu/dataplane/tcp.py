@@ -83,8 +83,6 @@ class TcpDataPlane:
             bytes_sent_while_incomplete, failed).
     """
 
-    kind = "tcp"
-
     def __init__(
         self, store: LocalStore, token: str, config: Config, on_served: ServeCallback | None = None
     ) -> None:

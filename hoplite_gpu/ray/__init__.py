@@ -80,8 +80,9 @@ def register_collective_backend() -> None:
     """Register the ``"hoplite"`` backend with ``ray.util.collective`` in this process (again: no-op).
 
     Every process that creates a group needs it (the driver and each actor), like any backend
-    registered through Ray's registry (Ray >= 2.56). It also starts importing UCX in the
-    background, so that the process's first collective does not wait for it.
+    registered through Ray's registry (Ray >= 2.56). It also starts importing the node's modules
+    (and UCX, where the node will run the UCX data plane) in the background, so that the
+    process's first collective does not wait for them.
     """
     from ray.util.collective.backend_registry import _global_registry
     from ray.util.collective.backend_registry import register_collective_backend as register
@@ -98,10 +99,11 @@ _preloaded: threading.Thread | None = None
 
 
 def _start_preload() -> None:
-    """Import the node's modules and UCX (about 0.5 s, most of it UCX's libraries) on a background
-    thread, once per process. As Ray's setup hook this runs when a worker starts, so an actor's
-    first ``node()`` no longer waits for them: 0.43 s -> 0.02 s in a new actor on the 2-core
-    machine (2026-11-26). It starts nothing: no UCX context, no connection, no thread of UCX's."""
+    """Import the node's modules, and UCX where ``Config.data_plane`` chooses the UCX plane (about
+    0.5 s, most of it UCX's libraries), on a background thread, once per process. As Ray's setup
+    hook this runs when a worker starts, so an actor's first ``node()`` no longer waits for them:
+    with UCX, 0.43 s -> 0.02 s in a new actor on the 2-core machine (2026-11-26). It starts
+    nothing: no UCX context, no connection, no thread of UCX's."""
     global _preloaded
     with _preload_lock:
         if _preloaded is None:
