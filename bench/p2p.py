@@ -11,7 +11,9 @@ with median and best with best. memcpy is an in-process ``np.copyto`` into a pre
 Three paths are measured by default (``--paths``): ``shm``, where the receiver copies from the
 sender's shared-memory segment, and ``tcp`` and ``ucx``, with ``shared_memory=False``, where every
 byte goes through the data plane between hosts: the TCP one (``Config.data_plane="tcp"``, the
-default on hosts without RDMA) or the UCX one.
+default on hosts without RDMA) or the UCX one. ``tcp-shared`` is ``tcp`` with the receiver's
+shared memory on, a host's default: what it pulls lands in a new shared-memory segment, which
+same-host processes could map.
 
 Two more take device objects in simulated device memory (``HOPLITE_DEVICE_BACKEND=sim``:
 :class:`hoplite_gpu.memory.sim.SimBackend`, host memory behind the CUDA IPC code path): the receiver
@@ -56,9 +58,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import cpu_per_gib, cpu_seconds, memcpy_gbps, parse_size, socket_copy, stop_workers
 
-PATHS = ("shm", "tcp", "ucx", "sim-index", "sim-lookup")
+PATHS = ("shm", "tcp", "ucx", "tcp-shared", "sim-index", "sim-lookup")
 #: The paths through the data plane between hosts (no shared memory), by ``Config.data_plane``.
-WIRE = {"tcp": "tcp", "ucx": "ucx"}
+WIRE = {"tcp": "tcp", "ucx": "ucx", "tcp-shared": "tcp"}
+#: Wire paths whose receiver keeps shared memory on (a host's default), so what it pulls lands in
+#: a new shared-memory segment; the sender's memory is private, so the bytes take the data plane.
+RECEIVER_SHARES = {"tcp-shared"}
 #: How the receiver treats each object: ``deleted`` as a training loop that frees it (after warm-up
 #: rounds), ``kept`` and ``out`` as users write a get (no warm-up, every object kept; ``out``: into a
 #: preallocated array).
@@ -74,7 +79,7 @@ def _receiver(address: str, token: str, path: str, pattern: str, conn: Any) -> N
     node = hg.connect(
         address,
         token=token,
-        shared_memory=path not in WIRE,
+        shared_memory=path not in WIRE or path in RECEIVER_SHARES,
         same_host_index=path != "sim-lookup",
         data_plane=WIRE.get(path, "auto"),
     )

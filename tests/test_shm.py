@@ -17,7 +17,7 @@ from hoplite_gpu import protocol as p
 from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request, Send
 from hoplite_gpu.memory import shm
-from hoplite_gpu.memory.buffers import BufferPool
+from hoplite_gpu.memory.buffers import BufferPool, through_file, write_at
 from tests.procs import Worker, digest, make_array, start_workers, wait_for_events
 
 pytestmark = [
@@ -353,6 +353,48 @@ def test_copy_added_registers_a_complete_copy_or_drops_a_deleted_one() -> None:
     state.handle(Request("A", p.DeleteRequest(2, OID), 0.0))
     out = state.handle(Request("C", p.CopyAdded(OID, "hoplite-1-9-4-cd"), 0.0))
     assert out == [Send("C", p.DropObject(OID))]
+
+
+def test_a_segment_made_without_its_pages_is_filled_through_its_file() -> None:
+    pool = BufferPool(1 << 20, shared_min_bytes=4096)
+    buf = pool.allocate(3 << 20, populate=False)
+    seg = shm.segment_of(buf)
+    assert seg is not None and not seg.populated and through_file(buf)
+    want = (np.arange(3 << 20) % 251).astype(np.uint8)
+    for pos in range(0, 3 << 20, 1 << 20):
+        write_at(buf, pos, want[pos : pos + (1 << 20)])
+    assert np.array_equal(buf, want)  # the file's pages are the mapping's
+    write_at(buf[4096:], 10, np.full(5, 7, np.uint8))  # a view inside the payload: its own offset
+    assert np.array_equal(buf[4106:4111], np.full(5, 7, np.uint8)) and buf[4105] == want[4105]
+    want[4106:4111] = 7
+    with pytest.raises(ValueError, match="overrun"):
+        seg.write_file((3 << 20) - 2, np.zeros(3, np.uint8))
+    seg.publish(OID)
+    assert np.array_equal(shm.map_view(seg.name, OID, 3 << 20), want)
+    populated = pool.allocate(8192)
+    assert not through_file(populated) and not through_file(np.zeros(8192, np.uint8))
+    pool.release(buf)
+    pool.release(populated)
+    pool.clear()
+
+
+def test_a_write_after_the_file_went_goes_through_the_mapping_never_to_the_name() -> None:
+    buf = shm.create(8192, populate=False)
+    assert buf is not None
+    seg = shm.segment_of(buf)
+    assert seg is not None
+    path = os.path.join(shm.SHM_DIR, seg.name)
+    seg.unlink()
+    assert not seg.write_file(0, np.ones(16, np.uint8))
+    with open(path, "wb") as other:  # the name made again by someone else
+        other.write(b"\0" * 8192)
+    try:
+        write_at(buf, 0, np.full(16, 9, np.uint8))
+        assert np.array_equal(buf[:16], np.full(16, 9, np.uint8))
+        with open(path, "rb") as other:
+            assert other.read() == b"\0" * 8192  # not written
+    finally:
+        os.unlink(path)
 
 
 # ---------------------------------------------------------------- real processes

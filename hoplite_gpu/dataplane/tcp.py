@@ -28,12 +28,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from .. import auth
 from .. import protocol as p
 from ..config import Config
 from ..errors import AuthenticationError, HopliteError, PeerLostError, TransportError
 from ..faults import INJECTOR
-from ..memory import LocalObject, LocalStore
+from ..memory import LocalObject, LocalStore, through_file, write_at
 from ..object_id import ObjectID
 from .shared import MAX_WIRE_CHUNK, MIN_WIRE_CHUNK, LinkRates, refusal
 from .sockets import (
@@ -514,10 +516,16 @@ class TcpDataPlane:
             return status, whole, size
         buffer = obj.buffer
         backend = buffer.backend if buffer.on_device else None
+        # New shared memory is filled through its file: received into scratch memory, then written
+        # (cheaper than a page fault per page; see Segment.write_file_file).
+        bounce = np.empty(chunk, np.uint8) if backend is None and through_file(buffer.array) else None
         oid_hex = obj.object_id.hex()
         while pos < obj.size:
             end = min(pos + chunk, obj.size)
-            if backend is None:
+            if bounce is not None:
+                recv_exact(sock, flat(bounce[: end - pos]))
+                write_at(buffer.array, pos, bounce[: end - pos])
+            elif backend is None:
                 recv_exact(sock, flat(buffer.view(pos, end)))
             else:
                 staged = backend.staging(end - pos)

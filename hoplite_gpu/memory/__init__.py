@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .arrays import OUT_KINDS, ArrayKind, CallerArray, copy_into, flat_view, kind_of, to_host
 from .backend import DeviceEvent
-from .buffers import Buffer, BufferKind, digest_of
+from .buffers import Buffer, BufferKind, digest_of, through_file, write_at
 from .device import device_result
 from .face import (
     THREAD_COPY_BYTES,
@@ -60,5 +60,7 @@ __all__ = [
     "node_place",
     "shared_memory_available",
     "sweep_orphans",
+    "through_file",
     "to_host",
+    "write_at",
 ]

@@ -252,8 +252,10 @@ class BufferPool:
         room)."""
         return 0 < self.shared_min_bytes <= nbytes
 
-    def allocate(self, nbytes: int) -> np.ndarray[Any, Any]:
-        """A flat uint8 buffer of ``nbytes`` (recycled when an unreferenced one fits exactly)."""
+    def allocate(self, nbytes: int, populate: bool = True) -> np.ndarray[Any, Any]:
+        """A flat uint8 buffer of ``nbytes`` (recycled when an unreferenced one fits exactly).
+        ``populate=False``: a new segment's pages are not mapped yet, for a caller that fills it
+        whole with :func:`write_at`."""
         shared = self.shares(nbytes)
         with self._lock:
             for i, buf in enumerate(self._free):
@@ -268,7 +270,7 @@ class BufferPool:
                     self.held_bytes -= nbytes
                     self.reused += 1
                     return buf
-        created = shm.create(nbytes) if shared else None
+        created = shm.create(nbytes, populate) if shared else None
         return created if created is not None else np.empty(nbytes, np.uint8)
 
     def release(self, buf: np.ndarray[Any, Any]) -> None:
@@ -294,6 +296,30 @@ class BufferPool:
                 _drop(buf)
             self._free.clear()
             self.held_bytes = 0
+
+
+def through_file(dst: np.ndarray[Any, Any]) -> bool:
+    """Whether :func:`write_at` writes into ``dst`` through its segment's file (a segment created
+    without its pages mapped): a writer then fills a scratch buffer of its own and writes that,
+    rather than writing ``dst`` in place."""
+    seg = shm.segment_of(dst)
+    return seg is not None and not seg.populated
+
+
+def write_at(dst: np.ndarray[Any, Any], pos: int, src: np.ndarray[Any, Any]) -> None:
+    """Copy the contiguous bytes ``src`` into the flat uint8 ``dst`` at ``pos``: through the file
+    where ``dst`` is a segment created without its pages mapped (:meth:`Segment.write_file
+    <hoplite_gpu.memory.shm.Segment.write_file>`), else through memory."""
+    seg = shm.segment_of(dst)
+    if seg is not None and not seg.populated and seg.write_file(_payload_offset(seg, dst) + pos, src):
+        return  # through_file
+    np.copyto(dst[pos : pos + src.nbytes], src.reshape(-1).view(np.uint8))
+
+
+def _payload_offset(seg: shm.Segment, buf: np.ndarray[Any, Any]) -> int:
+    """Where ``buf`` starts in ``seg``'s payload."""
+    start = np.frombuffer(seg, np.uint8, count=1, offset=shm.HEADER_BYTES)
+    return int(buf.__array_interface__["data"][0] - start.__array_interface__["data"][0])
 
 
 def _drop(buf: np.ndarray[Any, Any]) -> None:

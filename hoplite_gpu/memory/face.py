@@ -107,17 +107,18 @@ class Memory:
         return self.pool.shared_min_bytes > 0
 
     # ------------------------------------------------------------ allocate
-    def host(self, nbytes: int) -> Buffer:
+    def host(self, nbytes: int, populate: bool = True) -> Buffer:
         """A pooled host buffer of ``nbytes`` (a shared-memory segment where the node shares and
-        ``/dev/shm`` has room)."""
-        return Buffer.wrap(self.pool.allocate(nbytes), pooled=True)
+        ``/dev/shm`` has room; ``populate=False``: for a caller that fills it whole with
+        :func:`~hoplite_gpu.memory.buffers.write_at`)."""
+        return Buffer.wrap(self.pool.allocate(nbytes, populate), pooled=True)
 
-    async def host_async(self, nbytes: int) -> Buffer:
+    async def host_async(self, nbytes: int, populate: bool = True) -> Buffer:
         """:meth:`host`, set up (page faults) on a worker thread when large, so the event loop
         keeps serving transfers meanwhile."""
         if nbytes < THREAD_COPY_BYTES:
-            return self.host(nbytes)
-        return await asyncio.get_running_loop().run_in_executor(None, self.host, nbytes)
+            return self.host(nbytes, populate)
+        return await asyncio.get_running_loop().run_in_executor(None, self.host, nbytes, populate)
 
     def device(self, nbytes: int, like: Buffer | None = None) -> Buffer:
         """Device memory of ``nbytes`` for a store copy, exported where the node shares: on

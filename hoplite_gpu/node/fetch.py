@@ -304,7 +304,7 @@ class Fetcher:
             # same-host processes open it through CUDA IPC once it is complete.
             buffer = memory.device(reply.size)
         else:
-            buffer = memory.host(reply.size)
+            buffer = memory.host(reply.size, populate=False)  # the data plane fills it whole
         local = attempt.local = self._store.add(sources.from_reply(oid, reply, meta, buffer, progress=0))
         if attempt.started is not None and not attempt.started.done():
             attempt.started.set_result(local)

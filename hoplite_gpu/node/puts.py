@@ -31,7 +31,16 @@ from ..errors import (
     as_hoplite_error,
     from_kind,
 )
-from ..memory import MEMORY_DEVICE, Buffer, BufferKind, CallerArray, LocalObject, LocalStore, digest_of
+from ..memory import (
+    MEMORY_DEVICE,
+    Buffer,
+    BufferKind,
+    CallerArray,
+    LocalObject,
+    LocalStore,
+    digest_of,
+    write_at,
+)
 from ..object_id import ObjectID
 from .session import DirectorySession
 
@@ -47,7 +56,7 @@ def _copy_advancing(
     pos = 0
     while pos < obj.size and not stop.is_set() and obj.error is None:
         end = min(pos + PUT_COPY_BYTES, obj.size)
-        np.copyto(obj.buffer.host[pos:end], src[pos:end])
+        write_at(obj.buffer.host, pos, src[pos:end])
         loop.call_soon_threadsafe(obj.advance, end)
         pos = end
 
@@ -131,11 +140,15 @@ class Putter:
         flat: Any = host.reshape(-1).view(np.uint8) if contiguous else None
         pending: np.ndarray[Any, Any] | None = None
         if copy or not contiguous or detached:
-            buffer = self._memory.page_locked(nbytes) if pinned else self._memory.host(nbytes)
+            later = contiguous and nbytes >= 2 * PUT_COPY_BYTES  # copied after publishing, whole
+            if pinned:
+                buffer = self._memory.page_locked(nbytes)
+            else:
+                buffer = self._memory.host(nbytes, populate=not later)
             if detached and buffer.kind is not BufferKind.SEGMENT:  # /dev/shm is full: keep the caller's
                 self._memory.release(buffer)
                 buffer, detached = Buffer.wrap(flat), False
-            elif contiguous and nbytes >= 2 * PUT_COPY_BYTES:
+            elif later:
                 pending = flat
             elif nbytes:
                 _copy_bytes(buffer.array, host)
