@@ -127,7 +127,7 @@ def main() -> int:
         print(f"| {r['way']} | {1e3 * r['seconds']:.1f} | {r['x_memcpy']:.1f} |")
     puts = fresh_puts(size, args.repeat)
     wall, cpu = 1e3 * puts["put_seconds"], 1e3 * puts["cpu_seconds"]
-    print(f"\nput of a fresh {args.size} array, kept, shared memory on: median {wall:.1f} ms, {cpu:.1f} ms CPU")
+    print(f"\nput of a fresh {args.size} array, kept, shared memory on: {wall:.1f} ms, {cpu:.1f} ms CPU")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(fill=ways, put=puts, command=" ".join(sys.argv)), fh, indent=1)
