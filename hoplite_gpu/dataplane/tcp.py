@@ -517,7 +517,7 @@ class TcpDataPlane:
         buffer = obj.buffer
         backend = buffer.backend if buffer.on_device else None
         # New shared memory is filled through its file: received into scratch memory, then written
-        # (cheaper than a page fault per page; see Segment.write_file_file).
+        # (cheaper than a page fault per page; see Segment.write_file).
         bounce = np.empty(chunk, np.uint8) if backend is None and through_file(buffer.array) else None
         oid_hex = obj.object_id.hex()
         while pos < obj.size:

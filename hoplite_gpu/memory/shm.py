@@ -232,7 +232,7 @@ class Segment(mmap.mmap):
     def write_file(self, offset: int, data: np.ndarray[Any, Any]) -> bool:
         """Write the contiguous ``data`` at payload ``offset`` through the file (``pwrite``), not
         the mapping: into pages this process has not mapped, that skips a write fault per page
-        (a new 64 MiB segment filled in 26 ms, against 51 ms mapped and populated first; see
+        (a new 64 MiB segment filled in 26 ms, against about 50 ms mapped and populated first; see
         bench/README.md "Putting into new shared memory"). False where the file is not this
         segment's any more (unlinked): the caller writes through the mapping."""
         try:

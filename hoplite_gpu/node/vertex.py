@@ -352,7 +352,7 @@ async def reduce_stream(
         return
     result = out.buffer.host
     # Into new shared memory, each chunk is reduced into scratch memory and written through the
-    # segment's file: cheaper than a page fault per page of the output (see Segment.write_file_file).
+    # segment's file: cheaper than a page fault per page of the output (see Segment.write_file).
     scratch = np.empty(min(step, task.size), np.uint8) if through_file(result) else None
     pos = 0
     while pos < task.size:
