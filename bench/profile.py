@@ -8,6 +8,9 @@ group's ObjectIDs (``allreduce-shard 2/3`` is rank 3's shard 2; ``v1(...)`` is v
 reduction) and nodes after the rank whose inputs they put.
 
     python bench/profile.py --hosts 4 --rate 100MB --op allreduce --size 64MiB
+
+``--before broadcast`` runs ``--before-rounds`` rounds of another op in the same processes first
+(at 1 GB/s a reduce after broadcasts has been slower than one without).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--op", default="allreduce", choices=OPS)
     ap.add_argument("--size", default="64MiB")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--before", choices=OPS, help="run --before-rounds rounds of this op first")
+    ap.add_argument("--before-rounds", type=int, default=2)
     args = ap.parse_args(argv)
     from hoplite_gpu.auth import new_token
     from hoplite_gpu.directory import DirectoryProcess
@@ -103,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 if [m.recv() for m in members] != ["ready"] * args.hosts:
                     raise RuntimeError("a member did not start")
+                if args.before:
+                    for m in members:
+                        m.send([args.before, size, args.before_rounds])
+                    for m in members:
+                        m.recv()
                 for m in members:
                     m.send([args.op, size, args.warmup + 1])
                 spans = [m.recv() for m in members]
@@ -117,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot build the emulated cluster: {exc}", file=sys.stderr)
         return 2
     # bench.collectives._member: a connecting allgather (collective 0), then a barrier before each
-    # round, so the timed round (the last) is collective 2 * (warmup + 1).
-    last_seq = 2 * (args.warmup + 1)
+    # round, so the timed round (the last) is collective 2 * (rounds before it + 1).
+    last_seq = 2 * ((args.before_rounds if args.before else 0) + args.warmup + 1)
     labels = _labels("bench-" + directory.address, args.hosts, last_seq)
     print("\n".join(timeline(events, start, labels)))
     ideal = ideal_seconds(args.op, size, args.hosts, rate)

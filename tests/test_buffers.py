@@ -172,3 +172,43 @@ def test_structured_dtypes_round_trip_with_their_padding() -> None:
     for dtype in (padded, nested, np.dtype("<f4"), np.dtype([("a", "<i8")])):
         back = dtypes.dtype_from_wire(dtypes.dtype_to_wire(dtype))
         assert back == dtype and back.itemsize == dtype.itemsize
+
+
+class _Cycle:
+    """An object in a reference cycle holding a view of a buffer (as a traceback's frames do)."""
+
+    def __init__(self, view: Any) -> None:
+        self.me = self
+        self.view = view
+
+
+def test_a_buffer_held_only_by_a_reference_cycle_is_collected_and_reused() -> None:
+    import gc
+
+    size = buffers.COLLECT_MIN_BYTES
+    pool = BufferPool(1 << 30)
+    gc.disable()  # the collector runs only when the pool asks
+    try:
+        buf = pool.allocate(size)
+        _Cycle(buf[10:])
+        pool.release(buf)
+        first = buf.__array_interface__["data"][0]
+        del buf
+        again = pool.allocate(size)
+        assert again.__array_interface__["data"][0] == first
+        assert pool.reused == 1 and pool.collections == 1
+        # A buffer something alive still uses (a reader's view) is never handed out.
+        kept = again[5:]
+        pool.release(again)
+        del again
+        other = pool.allocate(size)
+        assert not np.shares_memory(other, kept) and pool.reused == 1 and pool.collections == 2
+        # Below COLLECT_MIN_BYTES the collector is not run.
+        small = pool.allocate(size // 2)
+        _Cycle(small[1:])
+        pool.release(small)
+        del small
+        pool.allocate(size // 2)
+        assert pool.collections == 2 and pool.reused == 1
+    finally:
+        gc.enable()

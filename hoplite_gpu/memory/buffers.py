@@ -15,6 +15,7 @@ memory and segments.
 from __future__ import annotations
 
 import enum
+import gc
 import mmap
 import sys
 import threading
@@ -223,6 +224,11 @@ def _baseline_refcount() -> int:
 _UNSHARED_REFS = _baseline_refcount()
 
 
+#: Smallest allocation for which a pool holding a buffer of that size that something still refers
+#: to runs the garbage collector's young generations before it allocates new memory.
+COLLECT_MIN_BYTES = 8 << 20
+
+
 class BufferPool:
     """Recycles the byte buffers of removed objects for new objects of the same size.
 
@@ -231,7 +237,10 @@ class BufferPool:
     buffer is kept (oldest dropped first beyond ``max_bytes``) and handed out again only once
     nothing else refers to it: an array returned by ``get`` is a view that keeps its buffer
     referenced, as does a transfer still using it, and such a buffer is never reused under them.
-    Thread-safe (``put`` copies on the caller's thread).
+    Where a buffer of the size wanted (at least :data:`COLLECT_MIN_BYTES`) is still referred to,
+    the garbage collector's young generations are collected once before new memory is taken: a
+    reference cycle (an exception's traceback holding a cancelled transfer's frames) is often
+    the only other holder. Thread-safe (``put`` copies on the caller's thread).
 
     With ``shared_min_bytes`` > 0, buffers of at least that many bytes live in shared-memory
     segments (:mod:`hoplite_gpu.memory.shm`) that processes on the same host copy from directly; a
@@ -244,6 +253,7 @@ class BufferPool:
         self.shared_min_bytes = shared_min_bytes
         self.held_bytes = 0
         self.reused = 0
+        self.collections = 0
         self._free: deque[np.ndarray[Any, Any]] = deque()
         self._lock = threading.Lock()
 
@@ -257,21 +267,41 @@ class BufferPool:
         ``populate=False``: a new segment's pages are not mapped yet, for a caller that fills it
         whole with :func:`write_at`."""
         shared = self.shares(nbytes)
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                seg = shm.segment_of(buf)
-                if (
-                    buf.nbytes == nbytes
-                    and sys.getrefcount(buf) <= _UNSHARED_REFS
-                    and (seg is not None) == shared
-                    and (seg is None or not seg.mapped_elsewhere())
-                ):
-                    del self._free[i]
-                    self.held_bytes -= nbytes
-                    self.reused += 1
-                    return buf
+        buf, pinned = self._take(nbytes, shared)
+        if buf is None and pinned and nbytes >= COLLECT_MIN_BYTES:
+            # Often the only other holder is a reference cycle, such as an exception's traceback
+            # that still holds the frames of a cancelled transfer. The young generations are
+            # collected in about 1 ms, which is less than new memory costs (bench/README.md,
+            # "Reduces that missed the pool").
+            gc.collect(1)
+            self.collections += 1
+            buf, _ = self._take(nbytes, shared)
+        if buf is not None:
+            return buf
         created = shm.create(nbytes, populate) if shared else None
         return created if created is not None else np.empty(nbytes, np.uint8)
+
+    def _take(self, nbytes: int, shared: bool) -> tuple[np.ndarray[Any, Any] | None, bool]:
+        """A free buffer of ``nbytes`` nothing else refers to, removed from the pool (or None),
+        and whether one of that size is held but still referred to."""
+        pinned = False
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes != nbytes:
+                    continue
+                seg = shm.segment_of(buf)
+                if (seg is not None) != shared:
+                    continue
+                if sys.getrefcount(buf) > _UNSHARED_REFS:
+                    pinned = True
+                    continue
+                if seg is not None and seg.mapped_elsewhere():
+                    continue
+                del self._free[i]
+                self.held_bytes -= nbytes
+                self.reused += 1
+                return buf, pinned
+        return None, pinned
 
     def release(self, buf: np.ndarray[Any, Any]) -> None:
         """Offer a buffer the store no longer uses (it may still be referenced elsewhere)."""
