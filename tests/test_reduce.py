@@ -358,3 +358,16 @@ def test_weights_are_refused_for_integers_other_ops_and_the_wrong_count(owner: A
         owner.reduce(ids, weights=[1.0, float("nan")])
     for w, oid in zip(workers, ids, strict=False):
         w.call("delete", oid.hex())
+
+
+def test_a_groups_objects_carry_no_digest_and_a_plain_put_does(owner: Any) -> None:
+    arr = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: published before its copy ends
+    group = hg.collective.Group(owner, 0, 1, "no-digest")
+    hg.collective.broadcast(arr, 0, group)
+    oid = group.object_id(0, "broadcast")
+    assert owner._store.get(oid).digest == b""
+    assert np.array_equal(owner.get(oid, timeout=10), arr)
+    plain = owner.put(arr)
+    assert owner._store.get(plain).digest == hg.memory.digest_of(arr.view(np.uint8))
+    group.destroy()
+    owner.delete(plain)

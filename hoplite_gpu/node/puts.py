@@ -107,7 +107,9 @@ class Putter:
         self._delete = delete
         self._in_background = in_background
 
-    def prepare(self, array: Any, object_id: ObjectID | None, copy: bool, pinned: bool = False) -> Prepared:
+    def prepare(
+        self, array: Any, object_id: ObjectID | None, copy: bool, pinned: bool = False, digest: bool = True
+    ) -> Prepared:
         """The local object for a put, and the bytes still to copy into it.
 
         A large contiguous array is copied after the put is published (:meth:`put`), so receivers
@@ -117,6 +119,8 @@ class Putter:
         then map it instead of pulling it over the data plane (async SGD's gradients, read by a
         parameter server on the same machine). With ``pinned``, a host array's copy (always made)
         is in page-locked memory (:meth:`Memory.page_locked <hoplite_gpu.memory.Memory.page_locked>`).
+        Without ``digest`` the object carries none (as device objects do): for ids that are never
+        put twice, such as a group's, where hashing every byte on the I/O thread buys nothing.
         """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(
@@ -159,7 +163,7 @@ class Putter:
             size=nbytes,
             dtype=dtype,
             shape=tuple(int(s) for s in host.shape),
-            digest=digest_of(buffer.array if pending is None else pending),
+            digest=digest_of(buffer.array if pending is None else pending) if digest else b"",
             buffer=buffer,
             progress=nbytes if pending is None else 0,
             owner=True,
