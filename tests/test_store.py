@@ -112,3 +112,41 @@ def test_chunk_size_follows_measured_throughput() -> None:
     plane.rates.record("c:1", 10 * MiB, 10.0)  # 1 MiB/s: floored at min
     assert plane.chunk_size("c:1") == MiB // 4
     assert DataPlane(LocalStore(1), "t", cfg.replace(adaptive_chunks=False)).chunk_size("a:1") == 4 * MiB
+
+
+def test_a_thread_waits_for_progress_made_on_the_loop_and_hears_failures() -> None:
+    import asyncio
+    import threading
+
+    import hoplite_gpu as hg
+    from hoplite_gpu.errors import HopliteTimeoutError, PeerLostError
+    from hoplite_gpu.memory.store import LocalObject
+
+    def new() -> LocalObject:
+        data = Buffer.wrap(np.empty(1 << 20, np.uint8))
+        return LocalObject(hg.ObjectID.random(), 1 << 20, "|u1", (1 << 20,), b"", data)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        obj = new()
+        waiting = loop.run_in_executor(None, obj.wait_progress_from_thread, 4096, 10.0)
+        while not obj._thread_waits:  # the thread is in its wait (no sleep-based timing)
+            await asyncio.sleep(0.001)
+        obj.advance(1024)  # not enough: the thread looks again and goes on waiting
+        obj.advance(8192)
+        await asyncio.wait_for(waiting, 5)
+        failed = new()
+        waiting = loop.run_in_executor(None, failed.wait_progress_from_thread, 4096, 10.0)
+        while not failed._thread_waits:
+            await asyncio.sleep(0.001)
+        failed.fail(PeerLostError("gone", peer="x"))
+        with pytest.raises(PeerLostError):
+            await asyncio.wait_for(waiting, 5)
+        with pytest.raises(HopliteTimeoutError, match="no progress"):
+            await loop.run_in_executor(None, new().wait_progress_from_thread, 1, 0.05)
+        done = new()
+        done.advance(1 << 20)
+        done.wait_progress_from_thread(1 << 30, 0.0)  # more than the object: it is complete
+
+    assert threading.current_thread() is threading.main_thread()
+    asyncio.run(main())

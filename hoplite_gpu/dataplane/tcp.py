@@ -304,11 +304,10 @@ class TcpDataPlane:
                 cut = INJECTOR.next_offset("serve", oid_hex, pos, obj.size)
                 end = end if cut is None else min(end, cut)
             if obj.progress <= pos:
-                # A partial copy: wait on the loop for more of the bytes this node is receiving
-                # (or computing), then send what it has (a relay forwards as it receives).
+                # A partial copy: wait for more of the bytes this node is receiving (or
+                # computing), then send what it has (a relay forwards as it receives).
                 need = min(pos + MIN_WIRE_CHUNK, end)
-                waiting = asyncio.run_coroutine_threadsafe(obj.wait_progress(need, cfg.stall_timeout), loop)
-                waiting.result(cfg.stall_timeout + 5)
+                obj.wait_progress_from_thread(need, cfg.stall_timeout)
             if not obj.complete:
                 end = min(end, obj.progress)
                 while_incomplete += end - pos

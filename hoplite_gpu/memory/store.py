@@ -7,6 +7,7 @@ it is still receiving. The store is used only from the node's event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,9 @@ class LocalObject:
     # memory is copied to the reader's device when read).
     memory: str = MEMORY_HOST
     _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+    # Threads in wait_progress_from_thread, and what wakes them (advance and fail, on the loop).
+    _thread_waits: int = 0
+    _woken: threading.Condition = field(default_factory=threading.Condition)
 
     @property
     def complete(self) -> bool:
@@ -121,6 +125,14 @@ class LocalObject:
             elif not fut.done():
                 keep.append((need, fut))
         self._waiters = keep
+        self._wake_threads()
+
+    def _wake_threads(self) -> None:
+        """Wake the threads in :meth:`wait_progress_from_thread` to look again (progress is set
+        before their count is read, and they count themselves before they look)."""
+        if self._thread_waits:
+            with self._woken:
+                self._woken.notify_all()
 
     def fail(self, error: HopliteError) -> None:
         """Mark the object unusable and fail every waiter with ``error``."""
@@ -129,6 +141,7 @@ class LocalObject:
             if not fut.done():
                 fut.set_exception(error)
         self._waiters = []
+        self._wake_threads()
 
     def failure(self) -> asyncio.Future[None]:
         """A future that fails with the object's error once it is failed (it never succeeds);
@@ -146,6 +159,32 @@ class LocalObject:
         if not fut.cancel() and not fut.cancelled():
             fut.exception()  # failed meanwhile: mark the error retrieved
 
+    def wait_progress_from_thread(self, need: int, timeout: float) -> None:
+        """:meth:`wait_progress` for a thread other than the event loop's (a data-plane worker
+        serving a partial copy): it blocks, and no task or future is made on the loop for it."""
+        need = min(need, self.size)
+        with self._woken:
+            self._thread_waits += 1
+            try:
+                present = self._woken.wait_for(
+                    lambda: self.progress >= need or self.error is not None, timeout
+                )
+            finally:
+                self._thread_waits -= 1
+        if self.error is not None:
+            raise self.error
+        if not present:
+            raise self._stalled(timeout)
+
+    def _stalled(self, timeout: float | None) -> HopliteTimeoutError:
+        return HopliteTimeoutError(
+            f"object {self.object_id} made no progress for {timeout} s "
+            f"({self.progress}/{self.size} bytes present)",
+            operation="wait_progress",
+            timeout=timeout,
+            object_id=self.object_id.hex(),
+        )
+
     async def wait_progress(self, need: int, timeout: float | None) -> None:
         """Wait until ``need`` bytes are present (raises on failure or timeout)."""
         if self.error is not None:
@@ -157,13 +196,7 @@ class LocalObject:
         try:
             await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise HopliteTimeoutError(
-                f"object {self.object_id} made no progress for {timeout} s "
-                f"({self.progress}/{self.size} bytes present)",
-                operation="wait_progress",
-                timeout=timeout,
-                object_id=self.object_id.hex(),
-            ) from None
+            raise self._stalled(timeout) from None
         finally:
             self._waiters = [(n, f) for n, f in self._waiters if f is not fut]
 
