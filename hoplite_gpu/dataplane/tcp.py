@@ -266,7 +266,7 @@ class TcpDataPlane:
             return True
         try:
             sent, while_incomplete = await WORKERS.run(
-                lambda: self._send(loop, sock, header, obj, offset, chunk)
+                lambda: self._send(sock, header, obj, offset, chunk)
             )
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
@@ -281,7 +281,6 @@ class TcpDataPlane:
 
     def _send(
         self,
-        loop: asyncio.AbstractEventLoop,
         sock: socket.socket,
         header: bytes,
         obj: LocalObject,
