@@ -177,6 +177,7 @@ class LocalObject:
             raise self._stalled(timeout)
 
     def _stalled(self, timeout: float | None) -> HopliteTimeoutError:
+        """The error of a wait that saw no progress for ``timeout`` seconds."""
         return HopliteTimeoutError(
             f"object {self.object_id} made no progress for {timeout} s "
             f"({self.progress}/{self.size} bytes present)",
