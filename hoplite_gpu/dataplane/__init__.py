@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from ..config import Config, data_plane_kind
 from ..memory import LocalStore
+from .shared import ServeCallback
 from .tcp import TcpDataPlane
-from .transport import DataPlane, ServeCallback
+from .transport import DataPlane
 
 #: Either data plane.
 AnyDataPlane = DataPlane | TcpDataPlane

@@ -25,8 +25,6 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import numpy as np
 
@@ -37,7 +35,7 @@ from ..errors import AuthenticationError, HopliteError, PeerLostError, Transport
 from ..faults import INJECTOR
 from ..memory import LocalObject, LocalStore, through_file, write_at
 from ..object_id import ObjectID
-from .shared import MAX_WIRE_CHUNK, MIN_WIRE_CHUNK, LinkRates, refusal
+from .shared import MIN_WIRE_CHUNK, PlaneBase, ServeCallback, pull_status, refusal, unreachable
 from .sockets import (
     WORKERS,
     Closed,
@@ -70,10 +68,7 @@ MAX_IDLE_PER_PEER = 8
 MAX_STEP = 2 * 1024 * 1024
 
 
-ServeCallback = Callable[[int, int, int, bool], None]
-
-
-class TcpDataPlane:
+class TcpDataPlane(PlaneBase):
     """TCP listener plus idle-connection cache of one node; same interface as
     :class:`~hoplite_gpu.dataplane.transport.DataPlane`.
 
@@ -88,27 +83,14 @@ class TcpDataPlane:
     def __init__(
         self, store: LocalStore, token: str, config: Config, on_served: ServeCallback | None = None
     ) -> None:
-        self.store = store
-        self.token = token
-        self.config = config
-        self.on_served = on_served
-        self.port = 0
-        self.auth_failures = 0
-        self.stale_messages = 0  # nothing is received unasked here: kept for the node's report
-        self.stale_bytes = 0
-        self.staged_sent = 0  # device bytes sent through host staging buffers
-        self.staged_received = 0
+        super().__init__(store, token, config, on_served)
         self._listener: socket.socket | None = None
         self._idle: dict[str, list[socket.socket]] = {}
         self._open: set[socket.socket] = set()  # every connection, for close()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._serving: set[asyncio.Task[Any]] = set()
         self._handshakes = 0
         self._handshakes_by_address: dict[str, int] = {}
         self._refused_at = 0.0  # when a refused peer was last logged
         self._refused_since = 0  # refused peers not logged yet
-        self._closed = False
-        self.rates = LinkRates(config)  # measured throughput by peer, and the chunk sizes it sets
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, host: str = "") -> int:
@@ -138,12 +120,6 @@ class TcpDataPlane:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     def _forget(self, sock: socket.socket) -> None:
         self._open.discard(sock)
@@ -252,11 +228,7 @@ class TcpDataPlane:
         """Serve one pull; whether the connection can take the next request."""
         cfg = self.config
         obj = await self.store.wait_for(oid, cfg.stall_timeout)
-        status = p.PULL_OK
-        if obj is None or obj.error is not None:
-            status = p.PULL_NOT_FOUND
-        elif offset > obj.size or not MIN_WIRE_CHUNK <= chunk <= MAX_WIRE_CHUNK:
-            status = p.PULL_BAD_REQUEST
+        status = pull_status(obj, offset, chunk)
         # The header's second field says whether the copy was complete: only such a pull measures
         # the link (one from a partial copy waits on its holder), see LinkRates.record.
         whole = int(obj is not None and obj.complete)
@@ -355,13 +327,7 @@ class TcpDataPlane:
                 tune(sock)
                 await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
             except (OSError, asyncio.TimeoutError) as exc:
-                raise TransportError(
-                    f"cannot connect to data-plane peer {address}: {type(exc).__name__}: {exc} (the "
-                    "address is the one that node advertised: if it is not reachable from here, set "
-                    "HOPLITE_ADVERTISE_HOST on that node to one that is)",
-                    peer=address,
-                    cause=f"{type(exc).__name__}: {exc}",
-                ) from exc
+                raise unreachable(address, exc) from exc
             try:
                 await asyncio.wait_for(self._authenticate_client(loop, sock, address), timeout)
             except asyncio.TimeoutError:
@@ -408,10 +374,6 @@ class TcpDataPlane:
             raise AuthenticationError(
                 f"peer {address} failed authentication: it does not know our token", peer=address
             )
-
-    def chunk_size(self, address: str) -> int:
-        """Chunk size for the next pull from ``address`` (see ``Config.adaptive_chunks``)."""
-        return self.rates.chunk_size(address)
 
     async def pull(
         self,

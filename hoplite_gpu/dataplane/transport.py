@@ -19,7 +19,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -31,12 +31,11 @@ from ..errors import (
     AuthenticationError,
     HopliteError,
     PeerLostError,
-    TransportError,
 )
 from ..faults import INJECTOR
 from ..memory import LocalObject, LocalStore
 from ..object_id import ObjectID
-from .shared import MAX_WIRE_CHUNK, MIN_WIRE_CHUNK, LinkRates, refusal
+from .shared import PlaneBase, ServeCallback, pull_status, refusal, unreachable
 from .ucx import as_transport_error, check_features, failure_of, forget, landed, timed, ucxx_module
 
 log = logging.getLogger("hoplite_gpu.transport")
@@ -57,42 +56,19 @@ class _Peer:
 
 #: Called by the sender after serving a transfer: (transfer_id, bytes_sent,
 #: bytes_sent_while_incomplete, failed).
-ServeCallback = Callable[[int, int, int, bool], None]
-
-
-class DataPlane:
-    """UCX listener plus endpoint cache of one node.
-
-    Args:
-        store: The node's local store, read when serving.
-        token: Shared secret for peer authentication.
-        config: Chunk size, window, timeouts, rate limit.
-        on_served: Callback after each served transfer.
-    """
+class DataPlane(PlaneBase):
+    """UCX listener plus endpoint cache of one node (arguments: :class:`~.shared.PlaneBase`)."""
 
     def __init__(
         self, store: LocalStore, token: str, config: Config, on_served: ServeCallback | None = None
     ) -> None:
-        self.store = store
-        self.token = token
-        self.config = config
-        self.on_served = on_served
-        self.port = 0
-        self.auth_failures = 0
-        self.stale_messages = 0  # unexpected messages dropped by _sweep_unexpected
-        self.stale_bytes = 0
+        super().__init__(store, token, config, on_served)
         self._listener: Any = None
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Future[_Peer]] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._serving: set[asyncio.Task[Any]] = set()
         self._server_eps: set[Any] = set()
-        self._closed = False
-        self.rates = LinkRates(config)  # measured throughput by peer, and the chunk sizes it sets
         # Device chunks go to UCX as they are (its cuda_copy transport), else staged through host.
         self._device_wire = ucx_cuda()
-        self.staged_sent = 0  # device bytes this node sent through host staging buffers
-        self.staged_received = 0  # ... and received through them
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, host: str = "") -> int:
@@ -231,12 +207,6 @@ class DataPlane:
                 self._listener.close()
             self._listener = None
 
-    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     def _spawn_served(self, coro: Awaitable[Any]) -> None:
         """Spawn a task that ``close(grace)`` lets finish: a transfer being served, or an ack."""
         task = self._spawn(coro)
@@ -303,11 +273,7 @@ class DataPlane:
     async def _serve_one(self, ep: Any, transfer_id: int, offset: int, chunk: int, oid: ObjectID) -> None:
         cfg = self.config
         obj = await self.store.wait_for(oid, cfg.stall_timeout)
-        status = p.PULL_OK
-        if obj is None or obj.error is not None:
-            status = p.PULL_NOT_FOUND
-        elif offset > obj.size or not MIN_WIRE_CHUNK <= chunk <= MAX_WIRE_CHUNK:
-            status = p.PULL_BAD_REQUEST
+        status = pull_status(obj, offset, chunk)
         size = obj.size if obj is not None else 0
         header = np.frombuffer(p.PULL_RESPONSE.pack(status, 0, size), np.uint8).copy()
         try:
@@ -429,13 +395,7 @@ class DataPlane:
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
         except Exception as exc:
-            raise TransportError(
-                f"cannot connect to data-plane peer {address}: {type(exc).__name__}: {exc} (the "
-                "address is the one that node advertised: if it is not reachable from here, set "
-                "HOPLITE_ADVERTISE_HOST on that node to one that is)",
-                peer=address,
-                cause=f"{type(exc).__name__}: {exc}",
-            ) from exc
+            raise unreachable(address, exc) from exc
         try:
             nonce = np.empty(auth.NONCE_BYTES, np.uint8)
             await timed(ep.recv(nonce, tag=p.TAG_AUTH), timeout, address, "auth")
@@ -464,10 +424,6 @@ class DataPlane:
                 ep.abort()
             raise
         return _Peer(ep, address)
-
-    def chunk_size(self, address: str) -> int:
-        """Chunk size for the next pull from ``address`` (see ``Config.adaptive_chunks``)."""
-        return self.rates.chunk_size(address)
 
     async def _send_ack(self, peer: _Peer, ack: np.ndarray[Any, Any], transfer_id: int) -> None:
         try:
