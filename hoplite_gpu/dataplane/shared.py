@@ -88,6 +88,13 @@ class PlaneBase:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _spawn_served(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Spawn a task that ``close(grace)`` lets finish: a transfer being served, or an ack."""
+        task = self._spawn(coro)
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+        return task
+
     def chunk_size(self, address: str) -> int:
         """Chunk size for the next pull from ``address`` (see ``Config.adaptive_chunks``)."""
         return self.rates.chunk_size(address)

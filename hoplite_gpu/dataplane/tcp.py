@@ -195,10 +195,8 @@ class TcpDataPlane(PlaneBase):
                 if magic != p.PULL_MAGIC or version != p.PROTOCOL_VERSION:
                     log.warning("data plane: malformed pull request; closing the connection")
                     return
-                task = self._spawn(self._serve_one(loop, sock, transfer_id, offset, chunk, ObjectID(oid_raw)))
-                self._serving.add(task)
-                task.add_done_callback(self._serving.discard)
-                if not await task:
+                serve = self._serve_one(loop, sock, transfer_id, offset, chunk, ObjectID(oid_raw))
+                if not await self._spawn_served(serve):
                     return
         except (asyncio.CancelledError, Closed, OSError):
             pass

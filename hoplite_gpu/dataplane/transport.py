@@ -19,7 +19,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -206,12 +205,6 @@ class DataPlane(PlaneBase):
             with contextlib.suppress(Exception):
                 self._listener.close()
             self._listener = None
-
-    def _spawn_served(self, coro: Awaitable[Any]) -> None:
-        """Spawn a task that ``close(grace)`` lets finish: a transfer being served, or an ack."""
-        task = self._spawn(coro)
-        self._serving.add(task)
-        task.add_done_callback(self._serving.discard)
 
     # ------------------------------------------------------------ serving side
     async def _on_endpoint(self, ep: Any) -> None:
