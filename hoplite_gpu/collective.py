@@ -223,10 +223,7 @@ class Group:
         the I/O thread was an eighth of that thread's busy time in a 1 GB/s allreduce
         (bench/README.md, "Group puts without a digest")."""
         self._owned.append((seq, oid))
-        node = self.node
-        node._check_open()
-        prepared = node._putter.prepare(array, oid, True, digest=False)
-        await node._io.run_async(node._putter.put(prepared))
+        await self.node._put_async(array, oid, copy=True, digest=False)
 
     async def _delete_before(self, seq: int, wait: bool = False) -> None:
         """Delete this member's objects of collectives before ``seq`` (every member is past them),

@@ -261,8 +261,15 @@ class Node:
         self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True, pinned: bool = False
     ) -> ObjectID:
         """Async twin of :meth:`put`."""
+        return await self._put_async(array, object_id, copy, pinned)
+
+    async def _put_async(
+        self, array: Any, object_id: ObjectID | None, copy: bool, pinned: bool = False, digest: bool = True
+    ) -> ObjectID:
+        """:meth:`put_async`; without ``digest`` the object carries none (a group's objects, see
+        :meth:`Putter.prepare <hoplite_gpu.node.puts.Putter.prepare>`)."""
         self._check_open()
-        prepared = self._putter.prepare(array, object_id, copy, pinned)
+        prepared = self._putter.prepare(array, object_id, copy, pinned, digest)
         return await self._io.run_async(self._putter.put(prepared))
 
     # ------------------------------------------------------------ get
