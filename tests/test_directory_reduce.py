@@ -170,7 +170,8 @@ def test_a_late_mismatch_fails_the_reduction_and_cancels_its_tasks() -> None:
     put(state, "B", 1, 256 * MiB)  # vertex 2 runs on B
     sent(req(state, "H", LookupRequest(6, RID, 0.0)), LookupReply)  # waits for the result
     out = put(state, "C", 2, 256 * MiB, dtype="<i4")
-    assert ("B", DropObject(vertex_object_id(RID, 2))) in sent(out, DropObject)
+    drops = [(n, m) for n, m in sent(out, DropObject) if m.object_id == vertex_object_id(RID, 2)]
+    assert [(n, m.reason, m.error_kind) for n, m in drops] == [("B", "failed", "ReduceMismatchError")]
     ((node, failed),) = sent(out, LookupReply)
     assert node == "H" and failed.status == "error" and failed.error_kind == "ReduceMismatchError"
     assert failed.error_object_id == oid(2)

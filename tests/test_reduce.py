@@ -144,6 +144,16 @@ def test_a_reduction_that_never_gets_its_inputs_times_out(owner: Any) -> None:
         owner.reduced_objects(rid)
 
 
+def test_a_get_on_the_node_computing_a_reduction_that_times_out_hears_the_timeout(owner: Any) -> None:
+    """The root's vertex runs here (this node holds the one input that came): a get waiting on its
+    partial result raises the reduction's own error, not "deleted by its owner"."""
+    here = owner.put(np.ones(1 << 18, np.float32))  # 1 MiB: reduced by a vertex, not inline
+    rid = owner.reduce([here, hg.ObjectID.random()], timeout=1)
+    with pytest.raises(hg.HopliteTimeoutError):
+        owner.get(rid, timeout=30)
+    owner.delete(here)
+
+
 def test_concurrent_reductions_sharing_inputs_do_not_double_count(owner: Any, workers: Any) -> None:
     shape = (512, 1024)  # 4 MiB of int64
     ids = _put_inputs(workers, "int64", shape, seed=70)

@@ -195,9 +195,17 @@ class Catalog:
         )
 
     # ------------------------------------------------------------ forgetting
-    def remove(self, oid: bytes, now: float, skip: str = "", reason: str = "deleted") -> None:
+    def remove(
+        self,
+        oid: bytes,
+        now: float,
+        skip: str = "",
+        reason: str = "deleted",
+        error: tuple[str, str] = ("", ""),
+    ) -> None:
         """Forget an object everywhere: its transfers end and its holders (but ``skip``) drop it,
-        told ``reason`` (see :class:`~hoplite_gpu.protocol.DropObject`)."""
+        told ``reason`` and, for ``"failed"``, the ``error`` (kind, message; see
+        :class:`~hoplite_gpu.protocol.DropObject`)."""
         entry = self.objects.pop(oid, None)
         if entry is None:
             return
@@ -205,7 +213,8 @@ class Catalog:
         self.state.lookups.drop_transfers(oid)
         for holder in entry.locations:
             if holder != skip and holder in self.nodes:
-                self.state.send(holder, p.DropObject(object_id=oid, reason=reason))
+                drop = p.DropObject(object_id=oid, reason=reason, error_kind=error[0], error=error[1])
+                self.state.send(holder, drop)
 
     def remember_delete(self, oid: bytes) -> None:
         """Its owner deleted ``oid``: lookups waiting for it, and later ones (among the latest

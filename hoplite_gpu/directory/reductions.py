@@ -445,9 +445,12 @@ class Reductions:
         )
         for oid in plan.inputs:
             self.unawait(oid, plan.reduction_id)
+        # Copies of its outputs are dropped with its error (a get waiting on one raises that).
+        deleted = kind == "ObjectDeletedError"
+        reason, why = ("deleted", ("", "")) if deleted else ("failed", (kind, message))
         for pl in plan.placed:
             if pl.runs_task:
-                self.state.catalog.remove(pl.output_id, now)
+                self.state.catalog.remove(pl.output_id, now, reason=reason, error=why)
         self.state.lookups.fail(
             plan.reduction_id, lambda pl: failed_lookup(pl.request_id, plan.reduction_id, error)
         )

@@ -354,11 +354,11 @@ class Node:
         elif isinstance(msg, p.ReduceWeights):
             self._vertices.set_weights(msg)
         elif isinstance(msg, p.DropObject):
-            self._drop(ObjectID(msg.object_id), msg.reason)
+            self._drop(ObjectID(msg.object_id), msg.reason, msg.error_kind, msg.error)
         elif isinstance(msg, p.AbortTransfer):
             self._fetcher.abort(msg.transfer_id, PeerLostError(msg.reason, peer="", cause="sender died"))
 
-    def _drop(self, oid: ObjectID, reason: str) -> None:
+    def _drop(self, oid: ObjectID, reason: str, kind: str = "", message: str = "") -> None:
         """The directory dropped this node's copy of ``oid`` (see :class:`protocol.DropObject`)."""
         self._vertices.cancel(oid)  # the reduction failed, was deleted, or its tree is rebuilt
         local = self._store.get(oid)
@@ -367,6 +367,8 @@ class Node:
             if local is not None and local.complete:
                 return  # finished before the failure: exact for the inputs it reduced; keep it
             error = ObjectReset(f"partial copy of {oid} was reset", object_id=oid.hex())
+        elif reason == "failed":
+            error = from_kind(kind, message, reduction_id=oid.hex())
         elif reason == "lost":
             error = ObjectLostError(
                 f"object {oid} was lost: every complete copy died while it was being received; put it again",

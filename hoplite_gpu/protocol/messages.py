@@ -395,13 +395,17 @@ class DropObject(Message):
     """Directory -> node (push): drop the local copy.
 
     ``reason``: ``"deleted"`` (its owner deleted it), ``"lost"`` (every complete copy died: a
-    partial copy can never complete) or ``"reset"`` (a reduction result being computed is
-    recomputed after a failure: a partial copy's bytes are void and a get starts again).
+    partial copy can never complete), ``"reset"`` (a reduction result being computed is
+    recomputed after a failure: a partial copy's bytes are void and a get starts again) or
+    ``"failed"`` (the reduction computing it failed with ``error_kind`` and ``error``, as its
+    lookups are answered: a get waiting on the copy raises that, not a delete).
     """
 
     TYPE: ClassVar[str] = "drop_object"
     object_id: bytes
     reason: str = "deleted"
+    error_kind: str = ""
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
