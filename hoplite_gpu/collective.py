@@ -31,7 +31,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import memory
-from .errors import CollectiveArgumentError, HopliteError, HopliteTimeoutError, InvalidArgumentError
+from .errors import (
+    CollectiveArgumentError,
+    HopliteError,
+    HopliteTimeoutError,
+    InvalidArgumentError,
+    ObjectDeletedError,
+)
 from .node import Node
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
@@ -217,22 +223,42 @@ class Group:
             who = f"group {self.name!r}, rank {self.rank} of {self.world_size}"
             raise CollectiveArgumentError(f"{exc.message} [{who}]", **exc.fields) from None
 
-    async def _put(self, seq: int, array: Any, oid: ObjectID) -> None:
+    async def _put(self, seq: int, array: Any, oid: ObjectID, borrow: bool = False) -> None:
         """Put ``array`` as ``oid`` (this member's, deleted once every member is past ``seq``).
         A group's ids are never put twice, so its objects carry no digest: hashing every byte on
         the I/O thread was an eighth of that thread's busy time in a 1 GB/s allreduce
-        (bench/README.md, "Group puts without a digest")."""
+        (bench/README.md, "Group puts without a digest"). With ``borrow`` the store keeps
+        ``array`` itself where it would copy it only for same-host readers (``put(copy=False)``):
+        for a collective that returns once nothing reads it any more, and then deletes it
+        (:meth:`_delete_now`), or withdraws it if it fails (:meth:`_withdraw`)."""
         self._owned.append((seq, oid))
-        await self.node._put_async(array, oid, copy=True, digest=False)
+        await self.node._put_async(array, oid, copy=not borrow, digest=False, borrow=borrow)
+
+    def _withdraw(self, oids: list[ObjectID]) -> asyncio.Future[Any]:
+        """Stop serving these objects of this member's now, and delete them: a collective that
+        lent the caller's array failed, and the caller may write to it once it returns. Pulls of
+        them stop at their next chunk; the future is done once they did (or ``stall_timeout``)."""
+        store = self.node._store
+        held = [obj for obj in map(store.get, oids) if obj is not None]
+        for obj in held:
+            oid = obj.object_id
+            obj.fail(ObjectDeletedError(f"object {oid} was withdrawn", object_id=oid.hex()))
+            store.remove(oid)
+        stall = self.node.config.stall_timeout
+        return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), self._delete_now(oids))
 
     async def _delete_before(self, seq: int, wait: bool = False) -> None:
         """Delete this member's objects of collectives before ``seq`` (every member is past them),
         in the background unless ``wait``: the collective that frees them need not wait."""
-        old = [oid for s, oid in self._owned if s < seq]
-        self._owned = [(s, oid) for s, oid in self._owned if s >= seq]
-        if not old:
+        await self._delete_now([oid for s, oid in self._owned if s < seq], wait)
+
+    async def _delete_now(self, oids: list[ObjectID], wait: bool = False) -> None:
+        """Delete these objects of this member's (in the background unless ``wait``)."""
+        if not oids:
             return
-        deleting = asyncio.gather(*(self.node.delete_async(oid) for oid in old), return_exceptions=True)
+        gone = set(oids)
+        self._owned = [(s, oid) for s, oid in self._owned if oid not in gone]
+        deleting = asyncio.gather(*(self.node.delete_async(oid) for oid in oids), return_exceptions=True)
         if wait:
             await deleting
         else:
@@ -351,7 +377,8 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     way, the bandwidth-optimal amount, whatever the order in which members arrive; a single tree's
     inner vertices carry twice the array, and chains of readers load their first members' links
     more than their last's. The shards are ordinary reductions: a member that dies is repaired
-    around like in any other.
+    around like in any other. The large array is read in place by the other members while the
+    call runs (not copied first): write to it only once the call has returned or raised.
     """
     g = _check_group(group)
     reduce_op = as_op(op)
@@ -381,13 +408,25 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     # Its own shard first: the reduction it requests then has its root here (the directory places
     # the requester's input there) and is set up while the others are put. Then the others, each
     # member starting after its own, so that every reduction soon has inputs to stream.
-    mine = g._put(seq, shards[me], inputs[me][me])
-    await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
-    order = [(me + 1 + i) % n for i in range(n - 1)]
-    await _pipelined([g._put(seq, shards[j], inputs[j][me]) for j in order])
-    await _pipelined(
-        [g.node.get_async(results[j], timeout=g.timeout, out=shards[j], direct=True) for j in [*order, me]]
-    )
+    # The shards are lent to the store, not copied (unless same-host readers would map a copy):
+    # result j's bytes land in shard j only after its root read this member's shard j up to
+    # them; the call returns once every result is whole, when nothing reads the shards any more
+    # (a reduction rebuilt because its root died never completes: the root's own shard is gone),
+    # and deletes them; if it fails, it withdraws them first. bench/README.md, "Lent shards".
+    lent = [inputs[j][me] for j in range(n)]
+    try:
+        mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
+        await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
+        order = [(me + 1 + i) % n for i in range(n - 1)]
+        await _pipelined([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
+        gets = [*order, me]
+        await _pipelined(
+            [g.node.get_async(results[j], timeout=g.timeout, out=shards[j], direct=True) for j in gets]
+        )
+    except BaseException:
+        await asyncio.shield(g._withdraw(lent))  # before the caller may write to its array again
+        raise
+    await g._delete_now(lent)
     await g._delete_before(seq)
     return array
 

@@ -6,6 +6,7 @@ and results can be compared bit for bit whatever order the tree reduced them in.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Any
 
@@ -240,6 +241,50 @@ def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
     # is the final barrier's one-byte result.
     everyone("destroy")
     _eventually(lambda: [w.call("objects") for w in workers] == [n + 1 for n in before])
+
+
+def test_an_allreduce_lends_its_shards_and_deletes_them_when_it_returns(owner: Any, workers: Any) -> None:
+    """The sharded allreduce puts the caller's array without a copy: while it waits for the other
+    member, the store's copies of this member's shards are the caller's memory; once it returns
+    they are gone (deleted at once, not at the group's next collective)."""
+    name = hg.ObjectID.random().hex()
+    w = workers[0]
+    w.send("group", name, 1, 2)
+    assert w.result() == 1
+    group = coll.Group(owner, 0, 2, name, timeout=60)
+    shape = (512, 1024)  # 2 MiB of float32: one shard of 1 MiB per member
+    arr = make_array("float32", shape, 0)
+    lent = [group.object_id(0, "allreduce-shard", j, 0) for j in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(coll.allreduce, arr, group)
+        _eventually(lambda: all(owner._store.get(oid) is not None for oid in lent))
+        assert all(np.shares_memory(owner._store.get(oid).buffer.array, arr) for oid in lent)
+        w.send("allreduce", name, "float32", shape, 0, "sum")
+        got = running.result(timeout=60)
+    want = _expected("float32", shape, [0, 1])
+    assert np.array_equal(got, want) and np.array_equal(w.result(), want)
+    assert [owner._store.get(oid) for oid in lent] == [None, None]
+    w.send("destroy", name)
+    group.destroy()
+    w.result()
+
+
+def test_an_allreduce_that_fails_withdraws_the_shards_it_lent(owner: Any, workers: Any) -> None:
+    """An allreduce that times out (the other member never calls it) returns the caller's array
+    to it: no one can read the shards it lent any more."""
+    name = hg.ObjectID.random().hex()
+    w = workers[1]
+    w.send("group", name, 1, 2)
+    assert w.result() == 1
+    group = coll.Group(owner, 0, 2, name, timeout=1)
+    arr = make_array("float32", (512, 1024), 0)
+    with pytest.raises(hg.HopliteTimeoutError):
+        coll.allreduce(arr, group)
+    lent = [group.object_id(0, "allreduce-shard", j, 0) for j in range(2)]
+    assert [owner._store.get(oid) for oid in lent] == [None, None]
+    w.send("get", lent[1].hex(), 2)  # the shard the other member would have reduced
+    with pytest.raises(RuntimeError):
+        w.result()
 
 
 def test_a_member_destroys_its_group_without_the_others(workers: Any) -> None:

@@ -150,3 +150,31 @@ def test_a_thread_waits_for_progress_made_on_the_loop_and_hears_failures() -> No
 
     assert threading.current_thread() is threading.main_thread()
     asyncio.run(main())
+
+
+def test_the_pulls_served_from_an_object_are_counted_and_waited_for() -> None:
+    import asyncio
+
+    import hoplite_gpu as hg
+    from hoplite_gpu.memory.store import LocalObject
+
+    async def main() -> None:
+        obj = LocalObject(hg.ObjectID.random(), 8, "|u1", (8,), b"", Buffer.wrap(np.zeros(8, np.uint8)))
+        assert await obj.wait_unserved(0.01)  # nothing served: at once
+        ended = asyncio.Event()
+
+        async def serve() -> None:
+            with obj.being_served():
+                await ended.wait()
+
+        serving = [asyncio.ensure_future(serve()) for _ in range(2)]
+        await asyncio.sleep(0)  # both entered
+        assert obj.serving == 2
+        assert not await obj.wait_unserved(0.01)  # still served after the timeout
+        waiting = asyncio.ensure_future(obj.wait_unserved(5))
+        ended.set()
+        assert await waiting
+        await asyncio.gather(*serving)
+        assert obj.serving == 0
+
+    asyncio.run(main())

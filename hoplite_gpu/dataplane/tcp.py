@@ -235,9 +235,10 @@ class TcpDataPlane(PlaneBase):
             await asyncio.wait_for(loop.sock_sendall(sock, header), cfg.stall_timeout)
             return True
         try:
-            sent, while_incomplete = await WORKERS.run(
-                lambda: self._send(sock, header, obj, offset, chunk)
-            )
+            with obj.being_served():
+                sent, while_incomplete = await WORKERS.run(
+                    lambda: self._send(sock, header, obj, offset, chunk)
+                )
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 log.debug("serving %s (transfer %d) stopped: %s", oid, transfer_id, exc)

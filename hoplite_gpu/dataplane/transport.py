@@ -276,7 +276,8 @@ class DataPlane(PlaneBase):
                 return
             # The first chunks follow the header without waiting for its send to complete (one
             # event-loop wake-up less per pull: 128 KiB pulls took 3-5 ms before, see bench/p2p.py).
-            sent, while_incomplete = await self._stream(ep, obj, transfer_id, offset, chunk, sending)
+            with obj.being_served():
+                sent, while_incomplete = await self._stream(ep, obj, transfer_id, offset, chunk, sending)
         except asyncio.CancelledError:
             return
         except HopliteError as exc:
@@ -314,6 +315,8 @@ class DataPlane(PlaneBase):
                     await obj.wait_progress(end, cfg.stall_timeout)
                     while_incomplete += end - pos
                 elif not obj.complete:
+                    if obj.error is not None:
+                        raise obj.error  # withdrawn: not one more chunk of it
                     while_incomplete += end - pos
                 if cfg.send_rate_limit:
                     ahead = (sent + end - pos) / cfg.send_rate_limit - (time.monotonic() - started)

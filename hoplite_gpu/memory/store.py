@@ -7,8 +7,10 @@ it is still receiving. The store is used only from the node's event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +60,9 @@ class LocalObject:
     # Threads in wait_progress_from_thread, and what wakes them (advance and fail, on the loop).
     _thread_waits: int = 0
     _woken: threading.Condition = field(default_factory=threading.Condition)
+    # Pulls this node serves from the object right now, and who waits for them to end.
+    serving: int = 0
+    _unserved: list[asyncio.Future[None]] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -158,6 +163,33 @@ class LocalObject:
         self._waiters = [(need, f) for need, f in self._waiters if f is not fut]
         if not fut.cancel() and not fut.cancelled():
             fut.exception()  # failed meanwhile: mark the error retrieved
+
+    @contextlib.contextmanager
+    def being_served(self) -> Iterator[None]:
+        """Count a pull served from the object while the block runs (see :meth:`wait_unserved`)."""
+        self.serving += 1
+        try:
+            yield
+        finally:
+            self.serving -= 1
+            if not self.serving:
+                for fut in self._unserved:
+                    if not fut.done():
+                        fut.set_result(None)
+                self._unserved = []
+
+    async def wait_unserved(self, timeout: float) -> bool:
+        """Wait until no pull is served from the object; False if one still is after ``timeout``
+        (a failed object's pulls stop at their next chunk)."""
+        if not self.serving:
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._unserved.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def wait_progress_from_thread(self, need: int, timeout: float) -> None:
         """:meth:`wait_progress` for a thread other than the event loop's (a data-plane worker

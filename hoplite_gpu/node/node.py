@@ -264,12 +264,19 @@ class Node:
         return await self._put_async(array, object_id, copy, pinned)
 
     async def _put_async(
-        self, array: Any, object_id: ObjectID | None, copy: bool, pinned: bool = False, digest: bool = True
+        self,
+        array: Any,
+        object_id: ObjectID | None,
+        copy: bool,
+        pinned: bool = False,
+        digest: bool = True,
+        borrow: bool = False,
     ) -> ObjectID:
-        """:meth:`put_async`; without ``digest`` the object carries none (a group's objects, see
+        """:meth:`put_async`; without ``digest`` the object carries none, with ``borrow`` it is
+        never copied after the put returns (a group's objects, see
         :meth:`Putter.prepare <hoplite_gpu.node.puts.Putter.prepare>`)."""
         self._check_open()
-        prepared = self._putter.prepare(array, object_id, copy, pinned, digest)
+        prepared = self._putter.prepare(array, object_id, copy, pinned, digest, borrow)
         return await self._io.run_async(self._putter.put(prepared))
 
     # ------------------------------------------------------------ get

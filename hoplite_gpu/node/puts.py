@@ -108,7 +108,13 @@ class Putter:
         self._in_background = in_background
 
     def prepare(
-        self, array: Any, object_id: ObjectID | None, copy: bool, pinned: bool = False, digest: bool = True
+        self,
+        array: Any,
+        object_id: ObjectID | None,
+        copy: bool,
+        pinned: bool = False,
+        digest: bool = True,
+        borrow: bool = False,
     ) -> Prepared:
         """The local object for a put, and the bytes still to copy into it.
 
@@ -121,6 +127,9 @@ class Putter:
         is in page-locked memory (:meth:`Memory.page_locked <hoplite_gpu.memory.Memory.page_locked>`).
         Without ``digest`` the object carries none (as device objects do): for ids that are never
         put twice, such as a group's, where hashing every byte on the I/O thread buys nothing.
+        ``borrow`` (with ``copy`` False) keeps a contiguous array itself or copies it before the
+        put returns, never after: nothing reads the caller's array once the object is withdrawn
+        but the pulls being served (a collective's inputs, see ``collective._sharded_allreduce``).
         """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(
@@ -141,6 +150,8 @@ class Putter:
         contiguous = host.flags.c_contiguous
         shared = self._memory.pool.shared_min_bytes
         detached = not copy and contiguous and shared > 0 and nbytes >= max(shared, 2 * PUT_COPY_BYTES)
+        if detached and borrow:
+            copy, detached = True, False
         flat: Any = host.reshape(-1).view(np.uint8) if contiguous else None
         pending: np.ndarray[Any, Any] | None = None
         if copy or not contiguous or detached:
