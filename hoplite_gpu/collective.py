@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -38,6 +38,7 @@ from .errors import (
     InvalidArgumentError,
     ObjectDeletedError,
 )
+from .memory import LocalObject
 from .node import Node
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
@@ -234,16 +235,19 @@ class Group:
         self._owned.append((seq, oid))
         await self.node._put_async(array, oid, copy=not borrow, digest=False, borrow=borrow)
 
-    def _withdraw(self, oids: list[ObjectID]) -> asyncio.Future[Any]:
-        """Stop serving these objects of this member's now, and delete them: a collective that
-        lent the caller's array failed, and the caller may write to it once it returns. Pulls of
-        them stop at their next chunk; the future is done once they did (or ``stall_timeout``)."""
+    def _withdraw(self, oids: list[ObjectID], copies: Sequence[LocalObject] = ()) -> asyncio.Future[Any]:
+        """Stop serving the caller's memory now: these objects of this member's (then deleted)
+        and these ``copies`` of others' objects received into it (the directory learns they are
+        gone from the next reader they are offered to). For a collective that lent the caller's
+        array, before it returns. Pulls of them stop at their next chunk; the future is done once
+        they did (or after ``stall_timeout``)."""
         store = self.node._store
-        held = [obj for obj in map(store.get, oids) if obj is not None]
+        held = [obj for obj in map(store.get, oids) if obj is not None] + list(copies)
         for obj in held:
             oid = obj.object_id
             obj.fail(ObjectDeletedError(f"object {oid} was withdrawn", object_id=oid.hex()))
-            store.remove(oid)
+            if store.get(oid) is obj:
+                store.remove(oid)
         stall = self.node.config.stall_timeout
         return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), self._delete_now(oids))
 
@@ -414,18 +418,20 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     # (a reduction rebuilt because its root died never completes: the root's own shard is gone),
     # and deletes them; if it fails, it withdraws them first. bench/README.md, "Lent shards".
     lent = [inputs[j][me] for j in range(n)]
+    received: list[LocalObject] = []  # results pulled straight into the shards
     try:
         mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
         await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
         order = [(me + 1 + i) % n for i in range(n - 1)]
         await _pipelined([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
-        gets = [*order, me]
+        node = g.node
         await _pipelined(
-            [g.node.get_async(results[j], timeout=g.timeout, out=shards[j], direct=True) for j in gets]
+            [node._get_received_async(results[j], g.timeout, shards[j], True, received) for j in [*order, me]]
         )
     except BaseException:
-        await asyncio.shield(g._withdraw(lent))  # before the caller may write to its array again
+        await asyncio.shield(g._withdraw(lent, received))  # before the caller may write to its array
         raise
+    await asyncio.shield(g._withdraw([], received))
     await g._delete_now(lent)
     await g._delete_before(seq)
     return array

@@ -246,7 +246,8 @@ def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
 def test_an_allreduce_lends_its_shards_and_deletes_them_when_it_returns(owner: Any, workers: Any) -> None:
     """The sharded allreduce puts the caller's array without a copy: while it waits for the other
     member, the store's copies of this member's shards are the caller's memory; once it returns
-    they are gone (deleted at once, not at the group's next collective)."""
+    they are gone (deleted at once, not at the group's next collective), and so is the copy of
+    the other member's result it received into the array (its own result stays, for others)."""
     name = hg.ObjectID.random().hex()
     w = workers[0]
     w.send("group", name, 1, 2)
@@ -264,9 +265,27 @@ def test_an_allreduce_lends_its_shards_and_deletes_them_when_it_returns(owner: A
     want = _expected("float32", shape, [0, 1])
     assert np.array_equal(got, want) and np.array_equal(w.result(), want)
     assert [owner._store.get(oid) for oid in lent] == [None, None]
+    results = [group.object_id(0, "allreduce-shard-result", j) for j in range(2)]
+    assert owner._store.get(results[0]) is not None and owner._store.get(results[1]) is None
     w.send("destroy", name)
     group.destroy()
     w.result()
+
+
+def test_a_copy_received_into_the_callers_array_stays_in_the_store(owner: Any, workers: Any) -> None:
+    """``_get_received_async`` pulls the object straight into ``out``; the store's copy is that
+    memory (others may read it until the caller withdraws it), not a copy made beside it."""
+    shape = (2048, 1024)  # 8 MiB of float32
+    oid = hg.ObjectID.from_hex(workers[2].call("put", "float32", shape, 7, ""))
+    out = np.zeros(shape, np.float32)
+    received: list[Any] = []
+    got = owner._io.run(owner._get_received_async(oid, 30, out, False, received))
+    assert got is out and np.array_equal(out, make_array("float32", shape, 7))
+    (copy,) = received
+    assert owner._store.get(oid) is copy and copy.complete
+    assert np.shares_memory(copy.buffer.array, out)
+    owner._store.remove(oid)
+    workers[2].call("delete", oid.hex())
 
 
 def test_an_allreduce_that_fails_withdraws_the_shards_it_lent(owner: Any, workers: Any) -> None:

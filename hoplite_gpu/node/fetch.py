@@ -37,6 +37,7 @@ from ..memory import (
     MEMORY_DEVICE,
     OUT_KINDS,
     ArrayKind,
+    Buffer,
     CallerArray,
     LocalObject,
     LocalStore,
@@ -68,16 +69,21 @@ def check_out(out: Any) -> CallerArray | None:
     return entered
 
 
-def streamable(out: CallerArray | None) -> bool:
-    """Whether ``get`` can copy into ``out`` while the object arrives (a writable C-contiguous
-    NumPy array of at least a few chunks; others get one copy at the end)."""
+def receivable(out: CallerArray | None) -> bool:
+    """Whether the data plane can receive straight into ``out`` (a writable C-contiguous NumPy
+    array)."""
     return (
         out is not None
         and out.kind is ArrayKind.NUMPY
         and out.value.flags.c_contiguous
         and out.value.flags.writeable
-        and out.value.nbytes >= 2 * STREAM_COPY_BYTES
     )
+
+
+def streamable(out: CallerArray | None) -> bool:
+    """Whether ``get`` can copy into ``out`` while the object arrives (a writable C-contiguous
+    NumPy array of at least a few chunks; others get one copy at the end)."""
+    return receivable(out) and out is not None and out.value.nbytes >= 2 * STREAM_COPY_BYTES
 
 
 async def _follow(source: LocalObject, dst: np.ndarray[Any, Any]) -> LocalObject:
@@ -90,6 +96,18 @@ async def _follow(source: LocalObject, dst: np.ndarray[Any, Any]) -> LocalObject
         dst[copied:end] = source.buffer.host[copied:end]
         copied = end
     return source
+
+
+def _holds(obj: LocalObject, array: np.ndarray[Any, Any]) -> bool:
+    """Whether ``obj``'s bytes are ``array``'s memory (a copy received into it)."""
+    held = obj.buffer.array
+    same_bytes = isinstance(held, np.ndarray) and held.nbytes == array.nbytes
+    return same_bytes and held.ctypes.data == array.ctypes.data
+
+
+def _fits(array: np.ndarray[Any, Any], meta: tuple[str, tuple[int, ...]]) -> bool:
+    """Whether ``array`` has the dtype and shape ``meta`` (wire dtype, shape) describes."""
+    return tuple(array.shape) == meta[1] and np.dtype(array.dtype) == dtype_from_wire(meta[0])
 
 
 def _lookup_error(oid: ObjectID, reply: p.LookupReply) -> HopliteError:
@@ -166,29 +184,43 @@ class Fetcher:
         started: asyncio.Future[LocalObject] | None = None,
         direct: bool = False,
         lend: bool = False,
+        into: np.ndarray[Any, Any] | None = None,
     ) -> LocalObject:
         """Fetch ``oid`` into the local store; ``started`` (if given) is resolved with the local
         object as soon as it exists, while it is still filling.
 
         ``lend``: the caller reads the object once and lets go (a ``get`` copying it into the
         array it returns), so a device copy of another process on this host may be returned
-        open in place, outside the store: close its buffer's lease once read.
+        open in place, outside the store: close its buffer's lease once read. ``into``: a copy
+        pulled over the data plane is received straight into this array (see :meth:`get_into`).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            attempt = sources.Attempt(oid, timeout, deadline, started=started, lend=lend, direct=direct)
+            attempt = sources.Attempt(
+                oid, timeout, deadline, started=started, lend=lend, direct=direct, into=into
+            )
             try:
                 return await self._fetch(attempt)
             except ObjectReset:
                 log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)
 
     async def get_into(
-        self, oid: ObjectID, timeout: float | None, out: np.ndarray[Any, Any], direct: bool
+        self,
+        oid: ObjectID,
+        timeout: float | None,
+        out: np.ndarray[Any, Any],
+        direct: bool,
+        received: list[LocalObject] | None = None,
     ) -> Any:
         """:meth:`get` into a NumPy ``out``, copying the bytes into it as they arrive rather than
-        all at the end (for a large object the last copy would otherwise add to its latency)."""
+        all at the end (for a large object the last copy would otherwise add to its latency).
+
+        With ``received``, a copy pulled over the data plane is received straight into ``out``
+        (no copy of the store's) and appended to ``received``: it stays in the store, served to
+        other readers, until the caller withdraws it (it must, before ``out`` changes)."""
         started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
-        fetch = asyncio.ensure_future(self.get(oid, timeout, started=started, direct=direct))
+        into = None if received is None else out
+        fetch = asyncio.ensure_future(self.get(oid, timeout, started=started, direct=direct, into=into))
         follower: asyncio.Future[LocalObject] | None = None
         try:
             await asyncio.wait([fetch, started], return_when=asyncio.FIRST_COMPLETED)
@@ -196,9 +228,12 @@ class Fetcher:
                 source = started.result()
                 dtype = dtype_from_wire(source.dtype)
                 same = tuple(out.shape) == tuple(source.shape) and np.dtype(out.dtype) == dtype
-                if same and not source.buffer.on_device:
+                if same and not source.buffer.on_device and not _holds(source, out):
                     follower = asyncio.ensure_future(_follow(source, out.reshape(-1).view(np.uint8)))
             obj = await fetch
+            if received is not None and _holds(obj, out):
+                received.append(obj)
+                return out  # received in place
             if follower is not None and started.result() is obj:
                 # obj is complete: the follower copies what is left at once (or failed earlier, if
                 # the copy was reset; obj is then another object, copied whole below)
@@ -303,6 +338,8 @@ class Fetcher:
             # it lands (see DataPlane.pull): readers here then copy device to device, and
             # same-host processes open it through CUDA IPC once it is complete.
             buffer = memory.device(reply.size)
+        elif attempt.into is not None and _fits(attempt.into, meta):
+            buffer = Buffer.wrap(attempt.into.reshape(-1).view(np.uint8))  # the caller's array
         else:
             buffer = memory.host(reply.size, populate=False)  # the data plane fills it whole
         local = attempt.local = self._store.add(sources.from_reply(oid, reply, meta, buffer, progress=0))

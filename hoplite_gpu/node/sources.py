@@ -58,7 +58,9 @@ class Attempt:
     """One ``get``: its object, its deadline, the partial copy it fills (``local``, once it has
     one) and how many pulls in a row brought nothing. ``started`` is resolved with the partial copy
     as soon as it exists; ``lend``: a same-host device copy may be returned open in place, outside
-    the store (see :meth:`DeviceIpcSource.lend`); ``direct``: pull from the owner."""
+    the store (see :meth:`DeviceIpcSource.lend`); ``direct``: pull from the owner; ``into``: a
+    caller's NumPy array a new copy is received into (where its dtype and shape are the object's).
+    """
 
     object_id: ObjectID
     timeout: float | None
@@ -68,6 +70,7 @@ class Attempt:
     started: asyncio.Future[LocalObject] | None = None
     lend: bool = False
     direct: bool = False
+    into: np.ndarray[Any, Any] | None = None
 
     def remaining(self) -> float | None:
         """Seconds left (None: no deadline)."""
