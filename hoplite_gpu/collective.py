@@ -40,6 +40,7 @@ from .errors import (
 )
 from .memory import LocalObject
 from .node import Node
+from .node.fetch import check_out, receivable
 from .object_id import ObjectID
 from .reduce_ops import ReduceOp, as_op
 
@@ -251,6 +252,17 @@ class Group:
         stall = self.node.config.stall_timeout
         return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), self._delete_now(oids))
 
+    async def _get_received(self, oid: ObjectID, out: Any, received: list[LocalObject]) -> Any:
+        """``get_async(oid, out=out, direct=True)``, but a copy pulled over the data plane into a
+        C-contiguous NumPy ``out`` is received straight into it and appended to ``received``: it
+        stays in the store (served to others) until :meth:`_withdraw`, which must come before
+        ``out`` changes (a collective's results, see ``_sharded_allreduce``)."""
+        node = self.node
+        if not receivable(check_out(out)) or node._fetcher.indexed(oid) is not None:
+            return await node.get_async(oid, timeout=self.timeout, out=out, direct=True)
+        fetch = node._fetcher.get_into(oid, node._resolve_timeout(self.timeout), out, True, received)
+        return await node._io.run_async(fetch)
+
     async def _delete_before(self, seq: int, wait: bool = False) -> None:
         """Delete this member's objects of collectives before ``seq`` (every member is past them),
         in the background unless ``wait``: the collective that frees them need not wait."""
@@ -424,10 +436,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
         await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
         order = [(me + 1 + i) % n for i in range(n - 1)]
         await _pipelined([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
-        node = g.node
-        await _pipelined(
-            [node._get_received_async(results[j], g.timeout, shards[j], True, received) for j in [*order, me]]
-        )
+        await _pipelined([g._get_received(results[j], shards[j], received) for j in [*order, me]])
     except BaseException:
         await asyncio.shield(g._withdraw(lent, received))  # before the caller may write to its array
         raise

@@ -273,13 +273,13 @@ def test_an_allreduce_lends_its_shards_and_deletes_them_when_it_returns(owner: A
 
 
 def test_a_copy_received_into_the_callers_array_stays_in_the_store(owner: Any, workers: Any) -> None:
-    """``_get_received_async`` pulls the object straight into ``out``; the store's copy is that
-    memory (others may read it until the caller withdraws it), not a copy made beside it."""
+    """``get_into(..., received=)`` pulls the object straight into ``out``; the store's copy is
+    that memory (others may read it until the caller withdraws it), not a copy made beside it."""
     shape = (2048, 1024)  # 8 MiB of float32
     oid = hg.ObjectID.from_hex(workers[2].call("put", "float32", shape, 7, ""))
     out = np.zeros(shape, np.float32)
     received: list[Any] = []
-    got = owner._io.run(owner._get_received_async(oid, 30, out, False, received))
+    got = owner._io.run(owner._fetcher.get_into(oid, 30, out, False, received))
     assert got is out and np.array_equal(out, make_array("float32", shape, 7))
     (copy,) = received
     assert owner._store.get(oid) is copy and copy.complete

@@ -40,19 +40,11 @@ from ..errors import (
     from_kind,
 )
 from ..iothread import IOThread
-from ..memory import (
-    LocalObject,
-    LocalStore,
-    Memory,
-    host_key,
-    node_place,
-    shared_memory_available,
-    sweep_orphans,
-)
+from ..memory import LocalStore, Memory, host_key, node_place, shared_memory_available, sweep_orphans
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 from .arguments import reduce_request, resolve_timeout
-from .fetch import Fetcher, check_out, receivable, streamable
+from .fetch import Fetcher, check_out, streamable
 from .puts import Putter
 from .session import DirectorySession
 from .vertex import VertexRunner
@@ -343,19 +335,6 @@ class Node:
             return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct))
         fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True)
         return (await self._io.run_async(fetch)).deliver(into)
-
-    async def _get_received_async(
-        self, object_id: ObjectID, timeout: float | None, out: Any, direct: bool, received: list[LocalObject]
-    ) -> Any:
-        """:meth:`get_async` into ``out``; a copy pulled over the data plane into a C-contiguous
-        NumPy ``out`` is received straight into it and appended to ``received``: it stays in the
-        store (served to others) until the caller withdraws it, which it must before ``out``
-        changes (a collective's results, see ``collective._sharded_allreduce``)."""
-        into = check_out(out)
-        if not receivable(into) or self._fetcher.indexed(object_id) is not None:
-            return await self.get_async(object_id, timeout, out, direct=direct)
-        timeout = self._resolve_timeout(timeout)
-        return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct, received))
 
     @staticmethod
     def _check_oid(object_id: Any) -> None:
