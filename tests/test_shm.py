@@ -112,6 +112,43 @@ def test_a_mapped_segment_is_not_reused_and_outlives_its_file() -> None:
     pool.clear()
 
 
+def test_a_reader_keeps_its_mapping_for_the_next_object_in_the_same_segment() -> None:
+    """Once no view uses a mapping its lock goes but the mapping stays: the holder may reuse the
+    segment, and the next read of it (another object) maps nothing anew. A kept mapping whose
+    file is gone is unmapped at the next release."""
+    size = 1 << 20
+    buf = shm.create(size)
+    seg = shm.segment_of(buf)
+    assert buf is not None and seg is not None
+    buf[:] = 1
+    seg.publish(OID)
+    view = shm.map_view(seg.name, OID, size)
+    assert view is not None and seg.mapped_elsewhere()
+    mapping = view.base  # the mmap (holding it keeps no lock: only views do)
+    del view
+    assert not seg.mapped_elsewhere()  # the lock went with the view; the mapping stayed
+    seg.begin_write()
+    buf[:] = 2
+    seg.publish(b"n" * 20)  # the holder reused it for another object
+    again = shm.map_view(seg.name, b"n" * 20, size)
+    assert again is not None and again.base is mapping and (again == 2).all()
+    assert shm.map_view(seg.name, OID, size) is None and seg.mapped_elsewhere()  # still held
+    inode = os.stat(os.path.join(shm.SHM_DIR, seg.name)).st_ino
+    del again, mapping
+    seg.unlink()
+    assert inode in shm._MAPPED
+    other = shm.create(4096)
+    second = shm.segment_of(other)
+    assert second is not None
+    second.publish(OID)
+    probe = shm.map_view(second.name, OID, 4096)
+    del probe  # a release trims what is kept: the unlinked segment's mapping goes
+    assert inode not in shm._MAPPED
+    second.unlink()
+    shm.drop_kept_mappings()
+    assert not [m for m in shm._MAPPED.values() if not m.views]
+
+
 @pytest.mark.parametrize("name", ["../../etc/passwd", "hoplite-1-2-3-zz", "", "hoplite-1-2-3-ab/../x"])
 def test_names_from_the_network_are_checked(name: str) -> None:
     assert not shm.valid_name(name)

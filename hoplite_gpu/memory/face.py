@@ -267,8 +267,10 @@ class Memory:
             PROCESS.retire(buffer.ticket)
 
     def clear(self) -> None:
-        """Drop every buffer the pool holds (node shutdown)."""
+        """Drop every buffer the pool holds, and the mappings of others' segments kept for the
+        next read that no view uses (node shutdown)."""
         self.pool.clear()
+        shm.drop_kept_mappings()
 
     # ------------------------------------------------------------ the process's share
     @staticmethod

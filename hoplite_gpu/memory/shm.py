@@ -41,6 +41,7 @@ ticket says is trusted only with its cluster's seal (:mod:`hoplite_gpu.memory.ti
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import itertools
@@ -51,6 +52,7 @@ import re
 import secrets
 import stat
 import struct
+import threading
 import weakref
 from typing import Any
 
@@ -304,8 +306,9 @@ def _open_segment(name: str) -> int:
     return os.open(os.path.join(SHM_DIR, name), flags)
 
 
-def _open_regular(name: str) -> tuple[int, int] | None:
-    """A read-only descriptor of segment ``name`` (the caller closes it) and the file's size, or
+def _open_regular(name: str) -> tuple[int, int, int] | None:
+    """A read-only descriptor of segment ``name`` (the caller closes it), the file's size and its
+    inode, or
     None when the name is not one of ours, nothing is there, it is not a regular file (a FIFO or
     device under a segment's name is never read), or it is not this user's: under an index name
     anyone may have made it, and under a name from the directory another user may have made it
@@ -320,7 +323,7 @@ def _open_regular(name: str) -> tuple[int, int] | None:
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_uid == _whoami()[2]:
-            return fd, st.st_size
+            return fd, st.st_size, st.st_ino
     except OSError:
         pass
     os.close(fd)
@@ -364,40 +367,147 @@ def _creator_alive(name: str) -> bool:
     return len(raw) < _CREATOR.size or _alive(_CREATOR.unpack(raw)[0])
 
 
+class _Mapping:
+    """A segment this process maps for reading (:func:`map_view`), kept mapped between reads: its
+    own descriptor (which takes and drops the shared lock), inode, mapping and live views."""
+
+    __slots__ = ("fd", "inode", "mm", "pid", "views")
+
+    def __init__(self, fd: int, inode: int, mm: mmap.mmap) -> None:
+        self.fd, self.inode, self.mm, self.pid, self.views = fd, inode, mm, own_pid(), 0
+
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.fd)  # drops the lock, if held
+
+
+#: Segments kept mapped for reading, by inode, least recently read first. A holder recycles the
+#: segments of objects it deleted for new ones, and mapping one anew costs a page fault per page
+#: (about 4 ms for 48 MiB here, as much as MAP_POPULATE): a reader that keeps its mapping reads the
+#: next object in it for an open, a lock and a look at the header (bench/README.md, "Mappings
+#: kept between reads"). Unlocked while no view uses it, so the holder may reuse it.
+_MAPPED: collections.OrderedDict[int, _Mapping] = collections.OrderedDict()
+_MAPPED_LOCK = threading.RLock()  # a view's finalizer may run in a collection under it
+#: At most this many segments, and bytes, stay mapped with no view using them (a kept segment
+#: whose holder let it go is unmapped at the next read or release).
+MAPPED_KEPT = 16
+MAPPED_KEPT_BYTES = 512 << 20
+
+
 def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] | None:
     """A read-only view of the payload published as ``object_id`` in segment ``name`` (flat uint8,
     ``nbytes`` long), or None when the segment is gone, has another size, does not hold
     ``object_id``, or is being rewritten.
 
-    The view holds a shared lock on the segment for as long as any array uses it (the lock goes
+    The segment's shared lock is held for as long as any array uses a view of it (the lock goes
     with the mapping's file descriptor, so also when this process dies): the holder does not reuse
     a segment a reader still maps (:meth:`Segment.mapped_elsewhere`), and a view outlives the
-    holder's unlink or death (the memory stays until the last mapping goes).
+    holder's unlink or death (the memory stays until the last mapping goes). Once no view uses it,
+    the lock is dropped and the mapping kept for the next read of the same segment (``_MAPPED``).
     """
     opened = _open_regular(name)
     if opened is None:
         return None
-    fd, size = opened
-    try:
-        # Lock before reading the header: a holder that reuses the segment first takes the lock
-        # exclusively, and it marked the payload retired before that, so a reader that sees a
-        # published header under the lock keeps valid bytes until it lets go.
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        if size != HEADER_BYTES + nbytes:
+    fd, size, inode = opened
+    with _MAPPED_LOCK:
+        kept = _MAPPED.get(inode)
+        if kept is not None and not _unlinked(kept.fd):  # the same file (an inode may be reused)
+            os.close(fd)  # the kept mapping's own descriptor takes the lock
+            return _view(kept, object_id, nbytes)
+        if kept is not None:
+            _MAPPED.pop(inode)
+            if not kept.views:
+                kept.close()
+        try:
+            # Lock before reading the header: a holder that reuses the segment first takes the
+            # lock exclusively, and it marked the payload retired before that, so a reader that
+            # sees a published header under the lock keeps valid bytes until it lets go.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if size != HEADER_BYTES + nbytes:
+                raise OSError("another size")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        except OSError:
+            os.close(fd)
             return None
-        mm = mmap.mmap(
-            fd, HEADER_BYTES + nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
-        )
+        return _view(_Mapping(fd, inode, mm), object_id, nbytes, locked=True)
+
+
+def _view(
+    mapping: _Mapping, object_id: bytes, nbytes: int, locked: bool = False
+) -> np.ndarray[Any, Any] | None:
+    """A view of ``mapping``'s payload if it holds ``object_id`` under the shared lock (taken here
+    unless ``locked`` or a view holds it already), else None (and the lock dropped if no view
+    holds it). ``mapping`` is kept, as the most recently read. Under ``_MAPPED_LOCK``."""
+    try:
+        if not locked and not mapping.views:
+            fcntl.flock(mapping.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        held = len(mapping.mm) == HEADER_BYTES + nbytes and _holds(mapping.mm, object_id, nbytes)
     except OSError:
+        held = False
+    _MAPPED.pop(mapping.inode, None)
+    _MAPPED[mapping.inode] = mapping
+    if not held:
+        _unused(mapping)
         return None
-    finally:
-        os.close(fd)  # the mapping keeps a duplicate of it, and with it the lock
-    if not _holds(mm, object_id, nbytes):
-        mm.close()
-        return None
-    view = np.ndarray((nbytes,), np.uint8, buffer=mm, offset=HEADER_BYTES)
+    mapping.views += 1
+    view = np.ndarray((nbytes,), np.uint8, buffer=mapping.mm, offset=HEADER_BYTES)
     view.flags.writeable = False
+    weakref.finalize(view, _released, mapping)  # arrays made from the view keep it alive (their base)
     return view
+
+
+def _released(mapping: _Mapping) -> None:
+    """A view of ``mapping`` is gone (with every array made from it)."""
+    with _MAPPED_LOCK:
+        mapping.views -= 1
+        if not mapping.views:
+            _unused(mapping)
+
+
+def _unused(mapping: _Mapping) -> None:
+    """No view uses ``mapping``: drop its lock and keep it mapped, unless it is not kept (or not
+    this process's: a forked child's copy), or its file is gone; then trim what is kept. Under
+    ``_MAPPED_LOCK``."""
+    if mapping.views:
+        return
+    if mapping.pid != own_pid():
+        return  # inherited across a fork: the parent's lock and descriptor, not ours to touch
+    if _MAPPED.get(mapping.inode) is not mapping:
+        mapping.close()
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(mapping.fd, fcntl.LOCK_UN)
+    idle = [m for m in _MAPPED.values() if not m.views]  # least recently read first
+    count, total = len(idle), sum(len(m.mm) for m in idle)
+    for m in idle:
+        if _unlinked(m.fd) or count > MAPPED_KEPT or total > MAPPED_KEPT_BYTES:
+            _MAPPED.pop(m.inode, None)
+            count, total = count - 1, total - len(m.mm)
+            m.close()
+
+
+def drop_kept_mappings() -> None:
+    """Unmap the segments kept mapped for the next read that no view uses."""
+    with _MAPPED_LOCK:
+        for m in [m for m in _MAPPED.values() if not m.views]:
+            _MAPPED.pop(m.inode, None)
+            m.close()
+
+
+def _forget_mappings() -> None:
+    """In a forked child: the kept mappings are the parent's (its descriptors hold its locks)."""
+    _MAPPED.clear()
+
+
+os.register_at_fork(after_in_child=_forget_mappings)
+
+
+def _unlinked(fd: int) -> bool:
+    """Whether the file of ``fd`` has no name left (its holder let it go)."""
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
 
 
 class Locked:
@@ -430,7 +540,7 @@ def read_locked(name: str, object_id: bytes, nbytes: int) -> Locked | None:
     opened = _open_regular(name)
     if opened is None:
         return None
-    fd, size = opened
+    fd, size, _ = opened
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # before the header: see map_view
         raw = os.pread(fd, HEADER_BYTES + nbytes, 0) if size == HEADER_BYTES + nbytes else b""
@@ -463,7 +573,7 @@ def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | N
     opened = _open_regular(name) if offset >= 0 and nbytes >= 0 else None
     if opened is None:
         return None
-    fd, size = opened
+    fd, size, _ = opened
     try:
         if size < HEADER_BYTES + offset + nbytes:
             return None
