@@ -264,3 +264,32 @@ def test_fault_specs_are_validated() -> None:
     assert injector.next_offset("serve", "abff", 0, 1000) == 100
     assert injector.next_offset("serve", "cd", 0, 1000) is None
     assert injector.next_offset("serve", "abff", 100, 1000) is None
+
+
+def test_a_sharded_allreduce_with_a_member_killed_after_its_puts_fails_typed(owner: Any) -> None:
+    """Rank 1 puts its shards (lent: its own array) and is SIGKILLed; ranks 0 and 2 then raise a
+    typed error within the group's timeout, never a result, and rank 0 holds none of the shards it
+    lent once its call returned."""
+    name = hg.ObjectID.random().hex()
+    a, b = start_workers(owner.directory_address, owner.token, 2)
+    try:
+        for rank, w in ((1, a), (2, b)):
+            w.send("group", name, rank, 3, 5)
+        assert [a.result(), b.result()] == [1, 2]
+        group = hg.collective.Group(owner, 0, 3, name, timeout=5)
+        shape = (1024, 1024)  # 4 MiB of float32: sharded
+        shards = {group.object_id(0, "allreduce-shard", j, 1).hex() for j in range(3)}
+        a.send("allreduce", name, "float32", shape, 0, "sum")
+        wait_for_events(owner, lambda evs: shards <= {e.get("object_id") for e in evs if e["kind"] == "put"})
+        a.kill()
+        b.send("allreduce", name, "float32", shape, 0, "sum")
+        arr = make_array("float32", shape, 0)
+        with pytest.raises(hg.HopliteError):
+            hg.collective.allreduce(arr, group)
+        with pytest.raises(RuntimeError):
+            b.result(timeout=60)
+        lent = [group.object_id(0, "allreduce-shard", j, 0) for j in range(3)]
+        assert [owner._store.get(oid) for oid in lent] == [None] * 3
+    finally:
+        for w in (a, b):
+            w.kill()
