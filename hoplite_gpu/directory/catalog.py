@@ -130,7 +130,8 @@ class Catalog:
         state, oid = self.state, msg.object_id
         red = state.reductions.get(oid)
         if red is not None and red.requester == node_id:
-            state.reducer.fail(red, "ObjectDeletedError", f"reduction {oid.hex()} was deleted", now)
+            text = f"reduction {oid.hex()} was deleted"
+            state.reducer.fail(red, "ObjectDeletedError", text, now, drop="deleted")
             state.reducer.forget(oid)
             if oid not in self.objects:  # the result was never placed, or dropped above
                 self.remember_delete(oid)
@@ -206,6 +207,7 @@ class Catalog:
         """Forget an object everywhere: its transfers end and its holders (but ``skip``) drop it,
         told ``reason`` and, for ``"failed"``, the ``error`` (kind, message; see
         :class:`~hoplite_gpu.protocol.DropObject`)."""
+        kind, message = error if reason == "failed" else ("", "")
         entry = self.objects.pop(oid, None)
         if entry is None:
             return
@@ -213,7 +215,7 @@ class Catalog:
         self.state.lookups.drop_transfers(oid)
         for holder in entry.locations:
             if holder != skip and holder in self.nodes:
-                drop = p.DropObject(object_id=oid, reason=reason, error_kind=error[0], error=error[1])
+                drop = p.DropObject(object_id=oid, reason=reason, error_kind=kind, error=message)
                 self.state.send(holder, drop)
 
     def remember_delete(self, oid: bytes) -> None:

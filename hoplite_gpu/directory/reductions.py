@@ -432,8 +432,11 @@ class Reductions:
         self._answer_queries(red)
         self.state.record(now, "reduce_done", object_id=red.plan.reduction_id.hex(), repairs=red.repairs)
 
-    def fail(self, red: Reduction, kind: str, message: str, now: float, culprit: bytes = b"") -> None:
-        """Abandon a reduction: its tasks are dropped (which cancels them), waiters get the error."""
+    def fail(
+        self, red: Reduction, kind: str, message: str, now: float, culprit: bytes = b"", drop: str = "failed"
+    ) -> None:
+        """Abandon a reduction: its tasks are dropped (which cancels them) with ``drop`` as the
+        reason (see :class:`~hoplite_gpu.protocol.DropObject`), waiters get the error."""
         if not red.active:
             return
         plan = red.plan
@@ -445,12 +448,9 @@ class Reductions:
         )
         for oid in plan.inputs:
             self.unawait(oid, plan.reduction_id)
-        # Copies of its outputs are dropped with its error (a get waiting on one raises that).
-        deleted = kind == "ObjectDeletedError"
-        reason, why = ("deleted", ("", "")) if deleted else ("failed", (kind, message))
         for pl in plan.placed:
-            if pl.runs_task:
-                self.state.catalog.remove(pl.output_id, now, reason=reason, error=why)
+            if pl.runs_task:  # a get waiting on a copy of its output raises the error
+                self.state.catalog.remove(pl.output_id, now, reason=drop, error=(kind, message))
         self.state.lookups.fail(
             plan.reduction_id, lambda pl: failed_lookup(pl.request_id, plan.reduction_id, error)
         )
