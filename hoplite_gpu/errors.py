@@ -156,6 +156,21 @@ class NodeClosedError(HopliteError, RuntimeError):
     """The node was closed; create a new one with ``hoplite_gpu.init`` or ``hoplite_gpu.connect``."""
 
 
+class WeightSyncError(HopliteError):
+    """A weight version could not be received whole (:mod:`hoplite_gpu.weights`): a bucket's holder
+    died with no other copy, it arrived with other bytes than its manifest names, or a manifest is
+    malformed. Nothing of the version was written into the caller's tensors.
+
+    Fields: ``name`` (the weights' name), ``version``, ``rank`` (the publishing rank), ``bucket``
+    (index, -1 for a manifest), ``holder`` (the publisher's node id and data address), ``cause``.
+    """
+
+
+class VersionRetiredError(WeightSyncError, ObjectDeletedError):
+    """The weight version asked for was retired by its publisher (it keeps its newest versions
+    only, ``WeightPublisher(keep=...)``); receive a newer one (``version=None``: the newest)."""
+
+
 class ObjectReset(HopliteError):
     """A partial copy of a reduction's result was voided (the tree is being rebuilt after a
     failure); a get of it starts again from byte 0. Internal: never raised to callers."""
@@ -216,4 +231,6 @@ __all__ = [
     "ReductionFailedError",
     "StoreFullError",
     "TransportError",
+    "VersionRetiredError",
+    "WeightSyncError",
 ]

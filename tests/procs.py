@@ -67,6 +67,8 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
     def run(cmd: str, args: tuple[Any, ...]) -> Any:
         if cmd in COLLECTIVES:
             return _collective(hg, node, groups, cmd, args)
+        if cmd in WEIGHTS:
+            return _weights(node, held, cmd, args)
         if cmd == "reduce":
             ids, op, k, rid_hex, timeout = args
             rid = node.reduce(
@@ -204,6 +206,40 @@ COLLECTIVES = (
     "destroy_later",
     "destroyed",
 )
+
+
+WEIGHTS = ("publish", "receive_weights", "latest_weights", "close_weights")
+
+
+def weights_state(layout: list[tuple[str, str, tuple[int, ...]]], seed: int) -> dict[str, Any]:
+    """Named arrays of ``layout`` (name, dtype, shape), distinct per seed."""
+    return {name: make_array(dtype, shape, seed + i) for i, (name, dtype, shape) in enumerate(layout)}
+
+
+def _weights(node: Any, held: dict[str, Any], cmd: str, args: tuple[Any, ...]) -> Any:
+    """Weight sync (:mod:`hoplite_gpu.weights`): one publisher or subscriber per name, kept."""
+    from hoplite_gpu.weights import WeightPublisher, WeightSubscriber
+
+    name = args[0]
+    if cmd == "publish":  # name, version, layout, seed, publisher kwargs: the bucket count
+        version, layout, seed, kwargs = args[1:]
+        if ("pub", name) not in held:
+            held["pub", name] = WeightPublisher(node, name, **kwargs)
+        return len(held["pub", name].publish(weights_state(layout, seed), version).buckets)
+    if cmd == "close_weights":
+        for key in [("pub", name), ("sub", name)]:
+            if key in held:
+                held.pop(key).close()
+        return True
+    sub = held.setdefault(("sub", name), WeightSubscriber(node, name))
+    if cmd == "latest_weights":  # name, timeout, newer_than
+        return sub.latest(args[1], newer_than=args[2])
+    version, timeout, layout = args[1:]  # layout: fill arrays of it in place (None: new ones)
+    into = {k: np.full(v.shape, 7, v.dtype) for k, v in weights_state(layout, 0).items()} if layout else None
+    got, tensors = sub.receive(version, into=into, timeout=timeout)
+    if into is not None and any(tensors[k] is not into[k] for k in into):
+        raise AssertionError("receive did not fill the arrays given")
+    return got, {k: digest(v) for k, v in tensors.items()}
 
 
 _destroying: dict[str, Any] = {}  # group name -> the future of Group.destroy(wait=False)
