@@ -1,0 +1,307 @@
+"""Weight sync for RL on the emulated cluster (:mod:`bench.cluster`): a trainer on host 0 sends a
+transformer-like state dict to N rollout engines, one per host, as RL frameworks do after each
+training step, and the engines fill their own tensors with it.
+
+* ``hoplite_gpu``: :class:`hoplite_gpu.weights.WeightPublisher` / ``WeightSubscriber`` (engines
+  wait in ``receive(version=v, into=...)`` before the trainer publishes; the default bucket size);
+* ``gloo``: what vLLM's ``nccl`` weight-transfer backend does, on CPU: ``torch.distributed``
+  (gloo) broadcasts of the tensors packed into buckets of ``--gloo-bucket`` bytes (1 GiB in vLLM;
+  here the state's size, capped there), unpacked into the engines' tensors.
+
+Timed from the trainer's start (after a barrier; its packing included) until the last engine has
+its tensors filled, each round a new version; no warm-up round. Every round's tensors are checked
+(each tensor is filled with its own value per version). Ideal: ``S / B`` (the trainer's link carries
+the state once). Needs root and iproute2; gloo needs torch (``make bench-cluster``).
+
+    python bench/weight_sync.py --engines 2,4,8 --rate 100MB,1GB --state 512MiB --repeat 3 \\
+        --json bench/results/weight_sync.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.cluster import Cluster, link_throughput
+from bench.common import cluster_options, format_size, markdown_table, parse_rate, parse_size
+
+DIRECTORY_PORT = 7071
+GLOO_PORT = 29501
+HOST_ENV = {"UCX_TLS": "tcp", "HOPLITE_SHARED_MEMORY": "0", "GLOO_SOCKET_IFNAME": "eth0"}
+SYSTEMS = ("hoplite_gpu", "gloo")
+
+
+def layout(total: int, layers: int = 16) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and float32 shapes of a transformer of about ``total`` bytes: per layer q/k/v/o, an
+    MLP of 4x width, norms and biases (12 tensors), plus embedding and head: about 200 tensors."""
+    width = max(8, int((total / 4 / (12 * layers + 2 * 8)) ** 0.5))
+    vocab = 8 * width
+    shapes: list[tuple[str, tuple[int, ...]]] = [("embed", (vocab, width))]
+    for i in range(layers):
+        shapes += [(f"l{i}.{p}", (width, width)) for p in ("q", "k", "v", "o")]
+        shapes += [(f"l{i}.up", (4 * width, width)), (f"l{i}.down", (width, 4 * width))]
+        shapes += [(f"l{i}.{p}", (width,)) for p in ("ln1", "ln2", "bq", "bk", "bv")]
+        shapes += [(f"l{i}.bup", (4 * width,))]
+    return [*shapes, ("head", (vocab, width))]
+
+
+def _state(shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    import numpy as np
+
+    return {name: np.zeros(shape, np.float32) for name, shape in shapes}
+
+
+def _fill(state: dict[str, Any], version: int) -> None:
+    for i, arr in enumerate(state.values()):
+        arr.fill(version * 1000 + i)
+
+
+def _check(state: dict[str, Any], version: int) -> bool:
+    return all(
+        arr.size == 0 or (arr.flat[0] == arr.flat[-1] == version * 1000 + i)
+        for i, arr in enumerate(state.values())
+    )
+
+
+def _member(system: str, address: str, rank: int, world: int, total: int) -> None:
+    """One host's process: JSON commands on stdin, JSON answers on stdout."""
+
+    def send(obj: Any) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    state = _state(layout(total))
+    if system == "gloo":
+        _gloo_member(address, rank, world, state, send)
+        return
+    import hoplite_gpu as hg
+    from hoplite_gpu.weights import WeightPublisher, WeightSubscriber
+
+    node = hg.connect(address, token=os.environ["HOPLITE_TOKEN"])
+    pub = WeightPublisher(node, "policy", bucket_bytes=int(os.environ["BUCKET"])) if rank == 0 else None
+    sub = WeightSubscriber(node, "policy") if rank else None
+    send("ready")
+    try:
+        for line in sys.stdin:
+            version = json.loads(line)
+            if pub is not None:
+                _fill(state, version)
+                send("filled")
+                json.loads(sys.stdin.readline())  # go: every engine waits in receive
+                start = time.monotonic()
+                pub.publish(state, version)
+                send([start, time.monotonic() - start])
+            else:
+                assert sub is not None
+                send("waiting")
+                got, _ = sub.receive(version, into=state, timeout=600)
+                send([time.monotonic(), got == version and _check(state, version)])
+    finally:
+        if pub is not None:
+            pub.close()
+        node.close()
+
+
+def _gloo_member(address: str, rank: int, world: int, state: dict[str, Any], send: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{GLOO_PORT}", rank=rank, world_size=world)
+    bucket_bytes = int(os.environ["GLOO_BUCKET"])
+    tensors = [torch.from_numpy(a) for a in state.values()]
+    groups: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:  # pack in order, as vLLM's packed broadcast does
+        if groups[-1] and size + t.numel() * 4 > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.numel() * 4
+    send("ready")
+    try:
+        for line in sys.stdin:
+            version = json.loads(line)
+            if rank == 0:
+                _fill(state, version)
+            dist.barrier()
+            start = time.monotonic()
+            for group in groups:
+                flat = torch.cat([t.reshape(-1) for t in group]) if rank == 0 else None
+                if flat is None:
+                    flat = torch.empty(sum(t.numel() for t in group), dtype=torch.float32)
+                dist.broadcast(flat, 0)
+                if rank:
+                    offset = 0
+                    for t in group:
+                        t.reshape(-1).copy_(flat[offset : offset + t.numel()])
+                        offset += t.numel()
+            end = time.monotonic()
+            send([start, 0.0] if rank == 0 else [end, _check(state, version)])
+    finally:
+        dist.destroy_process_group()
+
+
+class _Host:
+    def __init__(
+        self, cluster: Cluster, system: str, rank: int, address: str, env: dict[str, str], total: int
+    ):
+        argv = [sys.executable, os.path.abspath(__file__), "--member", system, address, str(rank)]
+        argv += [str(cluster.hosts), str(total)]
+        self.proc = cluster.popen(
+            rank, argv, env={**HOST_ENV, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def send(self, obj: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self) -> Any:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"member {self.proc.pid} exited (code {self.proc.poll()})")
+            try:
+                return json.loads(line)
+            except ValueError:  # a library's log line on stdout
+                sys.stderr.write(f"member {self.proc.pid}: {line}")
+
+
+def _round(system: str, hosts: list[_Host], version: int) -> tuple[float, float]:
+    """One version to every engine: its time, and how long the trainer's own call took (the
+    packing and the puts; 0 for gloo, whose broadcasts are the whole round)."""
+    for h in hosts:
+        h.send(version)
+    if system == "hoplite_gpu":
+        assert [h.recv() for h in hosts] == ["filled"] + ["waiting"] * (len(hosts) - 1)
+        hosts[0].send("go")
+    start, publish = hosts[0].recv()
+    ends = [h.recv() for h in hosts[1:]]
+    if not all(ok for _, ok in ends):
+        raise AssertionError(f"{system}: an engine got wrong weights in version {version}")
+    return float(max(end for end, _ in ends) - start), publish
+
+
+def run(
+    system: str, engines: int, rate: float, total: int, repeat: int, prefix: str, buckets: tuple[int, int]
+) -> dict[str, Any]:
+    """``repeat`` rounds of one system with ``engines`` engines; the median, against ``S / B``."""
+    from hoplite_gpu.auth import new_token
+    from hoplite_gpu.directory import DirectoryProcess
+
+    with Cluster(engines + 1, rate, prefix=prefix) as cluster:
+        measured = link_throughput(cluster)
+        directory = None
+        env = {"BUCKET": str(buckets[0]), "GLOO_BUCKET": str(buckets[1])}
+        address = cluster.address(0)
+        if system == "hoplite_gpu":
+            token = new_token()
+            directory = DirectoryProcess(
+                token, host=address, port=DIRECTORY_PORT, env=HOST_ENV, wrap=cluster.command(0, [])
+            )
+            directory.start()
+            address, env["HOPLITE_TOKEN"] = directory.address, token
+        members: list[_Host] = []
+        try:
+            for r in range(engines + 1):
+                extra = {"HOPLITE_LISTEN_HOST": cluster.address(r)} if system == "hoplite_gpu" else {}
+                members.append(_Host(cluster, system, r, address, {**env, **extra}, total))
+            for m in members:
+                if m.recv() != "ready":
+                    raise RuntimeError("a member did not start")
+            rounds = [_round(system, members, v) for v in range(1, repeat + 1)]
+        finally:
+            for m in members:
+                if m.proc.stdin is not None:
+                    m.proc.stdin.close()
+            for m in members:
+                try:
+                    m.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    m.proc.kill()
+            if directory is not None:
+                directory.stop()
+    ideal = total / rate
+    times = [t for t, _ in rounds]
+    row = {
+        "system": system,
+        "engines": engines,
+        "rate_bytes": rate,
+        "link_measured_bytes": measured,
+        "state_bytes": total,
+        "tensors": len(layout(total)),
+        "seconds": statistics.median(times),
+        "rounds": times,
+        "publish_rounds": [p for _, p in rounds],
+        "ideal_seconds": ideal,
+        "x_ideal": statistics.median(times) / ideal,
+    }
+    print(
+        f"{system} N={engines} @ {rate / 1e6:.0f} MB/s: {row['seconds']:.3f} s, {row['x_ideal']:.2f}x S/B "
+        f"(rounds {', '.join(f'{t:.3f}' for t in times)}; the trainer's call "
+        f"{', '.join(f'{p:.3f}' for p in row['publish_rounds'])})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--member"]:
+        _member(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]))
+        return 0
+    ap = cluster_options(__doc__ or "", prefix="hgw", hosts=0)
+    ap.set_defaults(rate="100MB,1GB")
+    ap.add_argument("--engines", default="2,4,8", help="rollout engines, one host each (at most 15)")
+    ap.add_argument("--state", default="512MiB", help="size of the state dict")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--bucket", default="64MiB", help="hoplite_gpu's bucket size")
+    ap.add_argument("--gloo-bucket", default="1GiB", help="gloo's packed bucket size")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args(argv)
+    total = parse_size(args.state)
+    for key in ("HOPLITE_LISTEN_HOST", "HOPLITE_ADVERTISE_HOST"):
+        os.environ.pop(key, None)
+    buckets = (parse_size(args.bucket), parse_size(args.gloo_bucket))
+    rows = [
+        run(system, int(n), parse_rate(rate), total, args.repeat, args.prefix, buckets)
+        for rate in args.rate.split(",")
+        for n in args.engines.split(",")
+        for system in args.systems.split(",")
+    ]
+    by = {(r["rate_bytes"], r["engines"], r["system"]): r for r in rows}
+    table = []
+    for r in rows:
+        gloo = by.get((r["rate_bytes"], r["engines"], "gloo"))
+        ratio = f"{r['seconds'] / gloo['seconds']:.2f}x" if gloo else "-"
+        table.append(
+            [
+                r["system"],
+                str(r["engines"]),
+                f"{r['rate_bytes'] / 1e6:.0f} MB/s",
+                format_size(r["state_bytes"]),
+                f"{r['seconds']:.3f}",
+                f"{r['x_ideal']:.2f}x",
+                ratio,
+            ]
+        )
+    columns = [("system", "l"), ("N", "r"), ("link", "r"), ("state", "r"), ("seconds", "r")]
+    print(markdown_table([*columns, ("x S/B", "r"), ("x gloo", "r")], table))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
