@@ -29,8 +29,13 @@ $(PY):
 # in imports): that is what a checkout's tests want, so the note is left out of the output.
 EDITABLE := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e
 
+# vLLM goes in without its dependencies (it pins torch 2.14 and CUDA packages): the tests need only
+# its weight-transfer API, whose imports the vllm-test extra brings.
+VLLM := vllm==0.33.0
+
 $(STAMP): $(PY) pyproject.toml
-	$(EDITABLE) ".[cpu,test,lint,bench]"
+	$(EDITABLE) ".[cpu,test,lint,bench,vllm-test]"
+	$(PY) -m pip install --quiet --no-deps $(VLLM)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
