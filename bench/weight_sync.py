@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, link_throughput
 from bench.common import cluster_options, format_size, markdown_table, parse_rate, parse_size
+from bench.netbench import Member
 
 DIRECTORY_PORT = 7071
 GLOO_PORT = 29501
@@ -148,31 +149,17 @@ def _gloo_member(address: str, rank: int, world: int, state: dict[str, Any], sen
         dist.destroy_process_group()
 
 
-class _Host:
+class _Host(Member):
+    """A host's process, driven over its stdin/stdout like a netbench member."""
+
     def __init__(
         self, cluster: Cluster, system: str, rank: int, address: str, env: dict[str, str], total: int
-    ):
+    ) -> None:
         argv = [sys.executable, os.path.abspath(__file__), "--member", system, address, str(rank)]
         argv += [str(cluster.hosts), str(total)]
         self.proc = cluster.popen(
             rank, argv, env={**HOST_ENV, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-
-    def send(self, obj: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-
-    def recv(self) -> Any:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"member {self.proc.pid} exited (code {self.proc.poll()})")
-            try:
-                return json.loads(line)
-            except ValueError:  # a library's log line on stdout
-                sys.stderr.write(f"member {self.proc.pid}: {line}")
 
 
 def _round(system: str, hosts: list[_Host], version: int) -> tuple[float, float]:

@@ -38,6 +38,7 @@ from .errors import (
     InvalidArgumentError,
     ObjectDeletedError,
 )
+from .iothread import all_or_cancel
 from .memory import LocalObject
 from .node import Node
 from .node.fetch import check_out, receivable
@@ -302,21 +303,8 @@ class Group:
         )
         if out is not None:
             steps.append(self.node.get_async(result, timeout=self.timeout, out=out))
-        done = await _pipelined(steps)
+        done = await all_or_cancel(steps)
         return done[-1] if out is not None else None
-
-
-async def _pipelined(steps: list[Coroutine[Any, Any, Any]]) -> list[Any]:
-    """Run ``steps`` concurrently, started in order (each sends its request before the next
-    starts); if one fails, cancel the others and raise its error."""
-    tasks = [asyncio.ensure_future(step) for step in steps]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def _check_group(group: Any) -> Group:
@@ -435,8 +423,8 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
         mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
         await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
         order = [(me + 1 + i) % n for i in range(n - 1)]
-        await _pipelined([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
-        await _pipelined([g._get_received(results[j], shards[j], received) for j in [*order, me]])
+        await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
+        await all_or_cancel([g._get_received(results[j], shards[j], received) for j in [*order, me]])
     except BaseException:
         await asyncio.shield(g._withdraw(lent, received))  # before the caller may write to its array
         raise
@@ -461,7 +449,7 @@ def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
     async def run() -> list[Any]:
         others = [(g.rank + 1 + i) % g.world_size for i in range(g.world_size - 1)]
         gets = [g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others]
-        await _pipelined([g._put(seq, array, ids[g.rank]), *gets])
+        await all_or_cancel([g._put(seq, array, ids[g.rank]), *gets])
         _copy(list_out[g.rank], array)
         await g._delete_before(seq)
         return list_out
@@ -489,7 +477,7 @@ def gather(list_out: list[Any] | None, array: Any, dst_rank: int, group: Group) 
             return list_out
         others = [r for r in range(g.world_size) if r != g.rank]
         gets = [g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others]
-        await _pipelined([mine, *gets])
+        await all_or_cancel([mine, *gets])
         _copy(list_out[g.rank], array)
         return list_out
 
@@ -513,7 +501,7 @@ def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str
         puts = [g._put(seq, piece, oid) for piece, oid in zip(list_in, ids, strict=True)]
         inputs = [g.object_id(seq, "reducescatter", g.rank, src) for src in range(g.world_size)]
         result = g.object_id(seq, "reducescatter-result", g.rank)
-        await g._reduce_into(seq, inputs, result, reduce_op, out, _pipelined(puts))
+        await g._reduce_into(seq, inputs, result, reduce_op, out, all_or_cancel(puts))
         await g._delete_before(seq)
         return out
 

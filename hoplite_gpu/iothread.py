@@ -9,12 +9,25 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from .errors import HopliteError, HopliteTimeoutError
 
 T = TypeVar("T")
+
+
+async def all_or_cancel(steps: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Run ``steps`` concurrently, started in order (each sends its request before the next
+    starts); if one fails, cancel the others and raise its error."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class IOThread:

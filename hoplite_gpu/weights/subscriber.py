@@ -20,6 +20,7 @@ from ..errors import (
     VersionRetiredError,
     WeightSyncError,
 )
+from ..iothread import all_or_cancel
 from ..node import Node
 from ..object_id import ObjectID
 from .arrays import bucket_digest, check_entry, check_into, fill, new_tensor
@@ -35,18 +36,6 @@ def _left(deadline: float, what: str, timeout: float) -> float:
     if left <= 0:
         raise HopliteTimeoutError(f"{what}: not done within {timeout} s", operation=what, timeout=timeout)
     return left
-
-
-async def _all(steps: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
-    """Run ``steps`` at once; if one fails, cancel the others and raise its error."""
-    tasks = [asyncio.ensure_future(step) for step in steps]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 class WeightSubscriber:
@@ -226,7 +215,9 @@ class WeightSubscriber:
         self, version: int, into: Mapping[str, Any], wanted: set[str] | None, deadline: float, timeout: float
     ) -> dict[str, Any]:
         first = await self._manifest(version, 0, deadline, timeout)
-        rest = await _all(self._manifest(version, r, deadline, timeout) for r in range(1, first.world_size))
+        rest = await all_or_cancel(
+            self._manifest(version, r, deadline, timeout) for r in range(1, first.world_size)
+        )
         manifests = [first, *rest]
         chosen = [(m, t) for m in manifests for t in m.tensors if wanted is None or t.name in wanted]
         self._check(version, manifests, chosen, into, wanted)
@@ -239,7 +230,7 @@ class WeightSubscriber:
         }
         try:
             pulls = (self._bucket(manifests[r], i, digests.get(r), deadline, timeout) for r, i in places)
-            buckets = dict(zip(places, await _all(pulls), strict=True))
+            buckets = dict(zip(places, await all_or_cancel(pulls), strict=True))
         finally:
             for task in digests.values():
                 task.cancel()
