@@ -43,3 +43,12 @@ def test_rl_example_sums_exactly(ray_session: Any) -> None:
     done = rl.run(workers=2, n=1 << 18, iterations=3)  # the learner raises on a wrong sum
     assert len(done) == 3
     assert all(abs(step) <= 2 * rl.ADVANTAGE for _, step in done)
+
+
+@pytest.mark.timeout(180)
+def test_weight_sync_example_brings_every_rollout_to_each_version(ray_session: Any) -> None:
+    pytest.importorskip("torch")
+    from examples import weight_sync
+
+    done = weight_sync.run(rollouts=2, width=256, steps=3)  # raises if a rollout got other weights
+    assert [row["version"] for row in done] == [1, 2, 3]
