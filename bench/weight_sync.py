@@ -19,6 +19,7 @@ the state once). Needs root and iproute2; gloo needs torch (``make bench-cluster
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -92,6 +93,20 @@ def _member(system: str, address: str, rank: int, world: int, total: int) -> Non
     try:
         for line in sys.stdin:
             version = json.loads(line)
+            if isinstance(version, list) and version[0] == "arm":  # die part way through a receive
+                from hoplite_gpu import faults
+
+                faults.arm(version[1])
+                send("armed")
+                continue
+            if isinstance(version, list):  # ["late", delay, v]: join a round already under way
+                assert sub is not None
+                send("waiting")
+                time.sleep(version[1])  # where in the round the joiner comes (a scenario, not a wait)
+                joined = time.monotonic()  # then it wants the current version: v, once announced
+                got, _ = sub.receive(sub.latest(600, newer_than=version[2] - 1), into=state, timeout=600)
+                send([joined, time.monotonic(), _check(state, got), got])
+                continue
             if pub is not None:
                 _fill(state, version)
                 send("filled")
@@ -177,6 +192,100 @@ def _round(system: str, hosts: list[_Host], version: int) -> tuple[float, float]
     return float(max(end for end, _ in ends) - start), publish
 
 
+def _fault_round(
+    hosts: list[_Host], version: int, victim: int | None, joiner: _Host | None, delay: float
+) -> Any:
+    """A round in which engine ``victim`` (armed before) dies, or ``joiner`` joins ``delay``
+    seconds after the trainer's start: the survivors' time, and the joiner's from its join."""
+    for h in hosts:
+        h.send(version)
+    if joiner is not None:
+        joiner.send(["late", delay, version])
+    assert [h.recv() for h in hosts] == ["filled"] + ["waiting"] * (len(hosts) - 1)
+    if joiner is not None:
+        assert joiner.recv() == "waiting"
+    hosts[0].send("go")
+    start, _ = hosts[0].recv()
+    ends = [h.recv() for i, h in enumerate(hosts) if i and i != victim]
+    if not all(ok for _, ok in ends):
+        raise AssertionError(f"an engine got wrong weights in version {version}")
+    if victim is not None:
+        hosts[victim].proc.wait(60)
+    late = None
+    if joiner is not None:
+        joined, end, ok, got = joiner.recv()
+        if not ok or got != version:
+            raise AssertionError(f"the late joiner got version {got} (wrong: {not ok}), not {version}")
+        late = end - joined
+    return float(max(end for end, _ in ends) - start), late
+
+
+def run_faults(engines: int, rate: float, total: int, prefix: str, bucket: int) -> dict[str, Any]:
+    """hoplite_gpu only: three warm rounds; then one in which an engine is SIGKILLed half way
+    through its first bucket (the others' time); then one that a new engine joins half way
+    through and wants the version being sent (its time from joining until it has it, the others'
+    time)."""
+    from hoplite_gpu.auth import new_token
+    from hoplite_gpu.directory import DirectoryProcess
+    from hoplite_gpu.weights.manifest import object_id
+
+    ideal = total / rate
+    with Cluster(engines + 2, rate, prefix=prefix) as cluster:
+        token = new_token()
+        directory = DirectoryProcess(
+            token, host=cluster.address(0), port=DIRECTORY_PORT, env=HOST_ENV, wrap=cluster.command(0, [])
+        )
+        directory.start()
+        env = {"BUCKET": str(bucket), "GLOO_BUCKET": "0", "HOPLITE_TOKEN": token}
+        members: list[_Host] = []
+        try:
+            for r in range(engines + 2):
+                extra = {"HOPLITE_LISTEN_HOST": cluster.address(r)}
+                members.append(_Host(cluster, "hoplite_gpu", r, directory.address, {**env, **extra}, total))
+            for m in members:
+                if m.recv() != "ready":
+                    raise RuntimeError("a member did not start")
+            hosts, joiner = members[:-1], members[-1]
+            warm = [_round("hoplite_gpu", hosts, v)[0] for v in (1, 2, 3)]
+            hosts[1].send(["arm", f"receive:{object_id('policy', 'bucket', 4, 0, 0).hex()}:0.5:KILL"])
+            assert hosts[1].recv() == "armed"
+            killed, _ = _fault_round(hosts, 4, 1, None, 0.0)
+            survivors = [h for i, h in enumerate(hosts) if i != 1]
+            others, late = _fault_round(survivors, 5, None, joiner, 0.5 * ideal)
+        finally:
+            for m in members:
+                if m.proc.stdin is not None:
+                    with contextlib.suppress(OSError):  # the killed engine's pipe
+                        m.proc.stdin.close()
+            for m in members:
+                try:
+                    m.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    m.proc.kill()
+            directory.stop()
+    row = {
+        "engines": engines,
+        "rate_bytes": rate,
+        "state_bytes": total,
+        "ideal_seconds": ideal,
+        "warm_rounds": warm,
+        "killed_round_seconds": killed,
+        "killed_x_ideal": killed / ideal,
+        "late_joiner_seconds": late,
+        "late_joiner_x_ideal": late / ideal,
+        "late_round_others_seconds": others,
+    }
+    print(
+        f"faults N={engines} @ {rate / 1e6:.0f} MB/s: warm rounds {', '.join(f'{t:.3f}' for t in warm)}; "
+        f"an engine killed: the others {killed:.3f} s ({row['killed_x_ideal']:.2f}x S/B); "
+        f"a late joiner current {late:.3f} s after joining ({row['late_joiner_x_ideal']:.2f}x S/B), "
+        f"the others {others:.3f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
 def run(
     system: str, engines: int, rate: float, total: int, repeat: int, prefix: str, buckets: tuple[int, int]
 ) -> dict[str, Any]:
@@ -255,11 +364,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gloo-bucket", default="1GiB", help="gloo's packed bucket size")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument(
+        "--faults",
+        action="store_true",
+        help="instead: an engine killed mid-sync, a late joiner (hoplite_gpu)",
+    )
     args = ap.parse_args(argv)
     total = parse_size(args.state)
     for key in ("HOPLITE_LISTEN_HOST", "HOPLITE_ADVERTISE_HOST"):
         os.environ.pop(key, None)
     buckets = (parse_size(args.bucket), parse_size(args.gloo_bucket))
+    if args.faults:
+        rows = [
+            run_faults(int(n), parse_rate(rate), total, args.prefix, buckets[0])
+            for rate in args.rate.split(",")
+            for n in args.engines.split(",")
+        ]
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=2)
+        return 0
     rows = [
         run(system, int(n), parse_rate(rate), total, args.repeat, args.prefix, buckets)
         for rate in args.rate.split(",")

@@ -347,7 +347,8 @@ def test_a_sync_whose_only_holder_dies_fails_typed(owner: Any) -> None:
 @pytest.mark.multiprocess
 def test_the_weight_sync_benchmark_runs_bounded_beside_gloo() -> None:
     """``bench/weight_sync.py`` on an emulated cluster of 3 hosts, 8 MiB, 2 rounds: every round
-    checked by the members (a wrong tensor fails the run), both systems timed."""
+    checked by the members (a wrong tensor fails the run), both systems timed; then its faults
+    scenario (an engine killed mid-sync, a late joiner) on 4 hosts."""
     from bench import weight_sync
     from bench.cluster import ClusterUnavailable, check
 
@@ -363,3 +364,5 @@ def test_the_weight_sync_benchmark_runs_bounded_beside_gloo() -> None:
     ]
     assert all(t > 0 for r in rows for t in r["rounds"])
     assert len(weight_sync.layout(512 << 20)) == 194  # about 200 tensors, as the issue asks
+    faults = weight_sync.run_faults(2, 1e9, 8 << 20, "hgwt", 2 << 20)  # checks each survivor's tensors
+    assert faults["killed_round_seconds"] > 0 and faults["late_joiner_seconds"] > 0
