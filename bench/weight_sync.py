@@ -72,6 +72,12 @@ def _check(state: dict[str, Any], version: int) -> bool:
     )
 
 
+def _rss() -> int:
+    """This process's resident memory, bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _member(system: str, address: str, rank: int, world: int, total: int) -> None:
     """One host's process: JSON commands on stdin, JSON answers on stdout."""
 
@@ -93,6 +99,9 @@ def _member(system: str, address: str, rank: int, world: int, total: int) -> Non
     try:
         for line in sys.stdin:
             version = json.loads(line)
+            if version == "rss":
+                send(_rss())
+                continue
             if isinstance(version, list) and version[0] == "arm":  # die part way through a receive
                 from hoplite_gpu import faults
 
@@ -144,6 +153,9 @@ def _gloo_member(address: str, rank: int, world: int, state: dict[str, Any], sen
     try:
         for line in sys.stdin:
             version = json.loads(line)
+            if version == "rss":
+                send(_rss())
+                continue
             if rank == 0:
                 _fill(state, version)
             dist.barrier()
@@ -314,6 +326,9 @@ def run(
                 if m.recv() != "ready":
                     raise RuntimeError("a member did not start")
             rounds = [_round(system, members, v) for v in range(1, repeat + 1)]
+            for m in members:
+                m.send("rss")
+            rss = [m.recv() for m in members]
         finally:
             for m in members:
                 if m.proc.stdin is not None:
@@ -339,11 +354,15 @@ def run(
         "publish_rounds": [p for _, p in rounds],
         "ideal_seconds": ideal,
         "x_ideal": statistics.median(times) / ideal,
+        # resident memory after the rounds: the trainer's, and the largest engine's
+        "rss_trainer_bytes": rss[0],
+        "rss_engine_bytes": max(rss[1:]),
     }
     print(
         f"{system} N={engines} @ {rate / 1e6:.0f} MB/s: {row['seconds']:.3f} s, {row['x_ideal']:.2f}x S/B "
         f"(rounds {', '.join(f'{t:.3f}' for t in times)}; the trainer's call "
-        f"{', '.join(f'{p:.3f}' for p in row['publish_rounds'])})",
+        f"{', '.join(f'{p:.3f}' for p in row['publish_rounds'])}; resident MiB: trainer "
+        f"{rss[0] >> 20}, engine {max(rss[1:]) >> 20})",
         file=sys.stderr,
         flush=True,
     )
