@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,6 +79,16 @@ def _rss() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _commands(send: Any) -> Iterator[Any]:
+    """The commands on stdin, but ``"rss"``, which is answered here."""
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command == "rss":
+            send(_rss())
+        else:
+            yield command
+
+
 def _member(system: str, address: str, rank: int, world: int, total: int) -> None:
     """One host's process: JSON commands on stdin, JSON answers on stdout."""
 
@@ -97,11 +108,7 @@ def _member(system: str, address: str, rank: int, world: int, total: int) -> Non
     sub = WeightSubscriber(node, "policy") if rank else None
     send("ready")
     try:
-        for line in sys.stdin:
-            version = json.loads(line)
-            if version == "rss":
-                send(_rss())
-                continue
+        for version in _commands(send):
             if isinstance(version, list) and version[0] == "arm":  # die part way through a receive
                 from hoplite_gpu import faults
 
@@ -151,11 +158,7 @@ def _gloo_member(address: str, rank: int, world: int, state: dict[str, Any], sen
         size += t.numel() * 4
     send("ready")
     try:
-        for line in sys.stdin:
-            version = json.loads(line)
-            if version == "rss":
-                send(_rss())
-                continue
+        for version in _commands(send):
             if rank == 0:
                 _fill(state, version)
             dist.barrier()
