@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .arrays import OUT_KINDS, ArrayKind, CallerArray, copy_into, flat_view, kind_of, to_host
 from .backend import DeviceEvent
-from .buffers import Buffer, BufferKind, digest_of, through_file, write_at
+from .buffers import Buffer, BufferKind, BufferPool, digest_of, through_file, write_at
 from .device import device_result
 from .face import (
     THREAD_COPY_BYTES,
@@ -45,6 +45,7 @@ __all__ = [
     "ArrayKind",
     "Buffer",
     "BufferKind",
+    "BufferPool",
     "CallerArray",
     "DeviceEvent",
     "LocalObject",

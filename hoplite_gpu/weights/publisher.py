@@ -8,7 +8,6 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import HopliteError, HopliteTimeoutError, InvalidArgumentError
+from ..memory import BufferPool
 from ..node import Node
 from ..object_id import ObjectID
 from .arrays import bucket_digest, host_bytes
@@ -47,18 +47,6 @@ async def delete_all(node: Node, oids: Iterable[ObjectID], name: str) -> None:
     for oid, result in zip(oids, done, strict=True):
         if isinstance(result, BaseException):
             log.warning("could not delete %s of weights %r: %s", oid, name, result)
-
-
-def _free_refs() -> int:
-    """``sys.getrefcount`` of an array referenced only by a list, seen from the loop of
-    :meth:`WeightPublisher._bucket`."""
-    spare = [np.empty(1, np.uint8)]
-    for _, arr in enumerate(spare):
-        return sys.getrefcount(arr)
-    raise AssertionError("unreachable")
-
-
-_FREE_REFS = _free_refs()
 
 
 class WeightPublisher:
@@ -102,9 +90,11 @@ class WeightPublisher:
         self.node, self.name = node, _check_name(name)
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.bucket_bytes, self.timeout = bucket_bytes, timeout
-        self.versions: deque[tuple[int, list[ObjectID]]] = deque()  # published and kept, oldest first
-        self._arrays: dict[int, list[np.ndarray[Any, Any]]] = {}  # each kept version's buckets
-        self._spare: list[np.ndarray[Any, Any]] = []  # buckets of retired versions, to reuse
+        # Published and kept, oldest first: each version, its ids and its buckets.
+        self.versions: deque[tuple[int, list[ObjectID], list[np.ndarray[Any, Any]]]] = deque()
+        # Retired versions' buckets, handed out again once nothing reads them: fresh memory costs
+        # a page fault per page (0.5 s for 256 MiB on a 2-core VM, bench/README.md "Weight sync").
+        self._pool = BufferPool(max_bytes=0)
         self.closed = False
 
     def __repr__(self) -> str:
@@ -175,12 +165,14 @@ class WeightPublisher:
         deadline = time.monotonic() + self.timeout
         puts = [self._put(np.frombuffer(manifest.encode(), np.uint8), oids[0])]
         buckets, digests = [], []
+        contents: list[list[tuple[np.ndarray[Any, Any], TensorEntry]]] = [[] for _ in sizes]
+        for (_, raw, *_), entry in zip(views, entries, strict=True):
+            contents[entry.bucket].append((raw, entry))
         try:
             for i, size in enumerate(sizes):  # pack one, put it, pack the next meanwhile
-                bucket = self._bucket(size)
-                for (_, raw, *_), entry in zip(views, entries, strict=True):
-                    if entry.bucket == i:
-                        bucket[entry.offset : entry.offset + entry.nbytes] = raw
+                bucket = self._pool.allocate(size)
+                for raw, entry in contents[i]:
+                    bucket[entry.offset : entry.offset + entry.nbytes] = raw
                 buckets.append(bucket)
                 digests.append(bucket_digest(bucket))
                 puts.append(self._put(bucket, oids[1 + i], digest=False))
@@ -212,8 +204,7 @@ class WeightPublisher:
         """The version is all there: move the head to it (rank 0), and retire the oldest."""
         node = self.node
         previous = self.latest
-        self.versions.append((version, oids))
-        self._arrays[version] = buckets
+        self.versions.append((version, oids, buckets))
         if self.rank == 0:
             if previous is not None:
                 link = np.array([version], np.int64).view(np.uint8)
@@ -222,21 +213,13 @@ class WeightPublisher:
             await node.delete_async(head)  # a reader between the two retries (see WeightSubscriber)
             await node._put_async(head_bytes(version, self.world_size), head, copy=False)
         while len(self.versions) > self.keep:
-            old, old_oids = self.versions.popleft()
-            self._spare = [*self._arrays.pop(old), *self._spare][: 2 * len(buckets)]
+            old, old_oids, old_buckets = self.versions.popleft()
+            self._pool.max_bytes = 2 * sum(b.nbytes for b in buckets)  # about two versions
+            for bucket in old_buckets:
+                self._pool.release(bucket)
             if self.rank == 0:
                 old_oids = [*old_oids, object_id(self.name, "after", old)]
             await self._delete(old_oids)
-
-    def _bucket(self, size: int) -> np.ndarray[Any, Any]:
-        """A bucket of ``size`` bytes: one of a retired version's that nothing uses any more
-        (fresh memory costs a page fault per page: 0.5 s for 256 MiB on a 2-core VM,
-        bench/README.md "Weight sync"), else a new one."""
-        for i, arr in enumerate(self._spare):
-            if arr.nbytes == size and sys.getrefcount(arr) <= _FREE_REFS:  # no view, no pull
-                del self._spare[i]
-                return arr
-        return np.empty(size, np.uint8)
 
     async def _delete(self, oids: list[ObjectID]) -> None:
         await delete_all(self.node, oids, self.name)
@@ -246,13 +229,12 @@ class WeightPublisher:
         if self.closed:
             return
         self.closed = True
-        oids = [oid for _, kept in self.versions for oid in kept]
+        oids = [oid for _, kept, _ in self.versions for oid in kept]
         if self.rank == 0:
-            oids += [object_id(self.name, "after", v) for v, _ in self.versions]
+            oids += [object_id(self.name, "after", v) for v, _, _ in self.versions]
             oids.append(object_id(self.name, "head"))
         self.versions.clear()
-        self._arrays.clear()
-        self._spare.clear()
+        self._pool.clear()
         if not self.node.closed:
             try:
                 self._run(self._delete(oids))
