@@ -235,31 +235,55 @@ def _fault_round(
     return float(max(end for end, _ in ends) - start), late
 
 
+@contextlib.contextmanager
+def _members(cluster: Cluster, system: str, env: dict[str, str], total: int) -> Iterator[list[_Host]]:
+    """A member of ``system`` on every host of ``cluster`` (and hoplite_gpu's directory on host
+    0), all started; on leaving, their stdin closed (they exit) and, last, the directory stopped."""
+    from hoplite_gpu.auth import new_token
+    from hoplite_gpu.directory import DirectoryProcess
+
+    directory = None
+    address = cluster.address(0)
+    if system == "hoplite_gpu":
+        token = new_token()
+        directory = DirectoryProcess(
+            token, host=address, port=DIRECTORY_PORT, env=HOST_ENV, wrap=cluster.command(0, [])
+        )
+        directory.start()
+        address, env = directory.address, {**env, "HOPLITE_TOKEN": token}
+    members: list[_Host] = []
+    try:
+        for r in range(cluster.hosts):
+            extra = {"HOPLITE_LISTEN_HOST": cluster.address(r)} if directory is not None else {}
+            members.append(_Host(cluster, system, r, address, {**env, **extra}, total))
+        for m in members:
+            if m.recv() != "ready":
+                raise RuntimeError("a member did not start")
+        yield members
+    finally:
+        for m in members:
+            if m.proc.stdin is not None:
+                with contextlib.suppress(OSError):  # a killed engine's pipe
+                    m.proc.stdin.close()
+        for m in members:
+            try:
+                m.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                m.proc.kill()
+        if directory is not None:
+            directory.stop()
+
+
 def run_faults(engines: int, rate: float, total: int, prefix: str, bucket: int) -> dict[str, Any]:
     """hoplite_gpu only: three warm rounds; then one in which an engine is SIGKILLed half way
     through its first bucket (the others' time); then one that a new engine joins half way
     through and wants the version being sent (its time from joining until it has it, the others'
     time)."""
-    from hoplite_gpu.auth import new_token
-    from hoplite_gpu.directory import DirectoryProcess
     from hoplite_gpu.weights.manifest import object_id
 
     ideal = total / rate
     with Cluster(engines + 2, rate, prefix=prefix) as cluster:
-        token = new_token()
-        directory = DirectoryProcess(
-            token, host=cluster.address(0), port=DIRECTORY_PORT, env=HOST_ENV, wrap=cluster.command(0, [])
-        )
-        directory.start()
-        env = {"BUCKET": str(bucket), "GLOO_BUCKET": "0", "HOPLITE_TOKEN": token}
-        members: list[_Host] = []
-        try:
-            for r in range(engines + 2):
-                extra = {"HOPLITE_LISTEN_HOST": cluster.address(r)}
-                members.append(_Host(cluster, "hoplite_gpu", r, directory.address, {**env, **extra}, total))
-            for m in members:
-                if m.recv() != "ready":
-                    raise RuntimeError("a member did not start")
+        with _members(cluster, "hoplite_gpu", {"BUCKET": str(bucket), "GLOO_BUCKET": "0"}, total) as members:
             hosts, joiner = members[:-1], members[-1]
             warm = [_round("hoplite_gpu", hosts, v)[0] for v in (1, 2, 3)]
             hosts[1].send(["arm", f"receive:{object_id('policy', 'bucket', 4, 0, 0).hex()}:0.5:KILL"])
@@ -267,17 +291,6 @@ def run_faults(engines: int, rate: float, total: int, prefix: str, bucket: int) 
             killed, _ = _fault_round(hosts, 4, 1, None, 0.0)
             survivors = [h for i, h in enumerate(hosts) if i != 1]
             others, late = _fault_round(survivors, 5, None, joiner, 0.5 * ideal)
-        finally:
-            for m in members:
-                if m.proc.stdin is not None:
-                    with contextlib.suppress(OSError):  # the killed engine's pipe
-                        m.proc.stdin.close()
-            for m in members:
-                try:
-                    m.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    m.proc.kill()
-            directory.stop()
     row = {
         "engines": engines,
         "rate_bytes": rate,
@@ -305,44 +318,14 @@ def run(
     system: str, engines: int, rate: float, total: int, repeat: int, prefix: str, buckets: tuple[int, int]
 ) -> dict[str, Any]:
     """``repeat`` rounds of one system with ``engines`` engines; the median, against ``S / B``."""
-    from hoplite_gpu.auth import new_token
-    from hoplite_gpu.directory import DirectoryProcess
-
     with Cluster(engines + 1, rate, prefix=prefix) as cluster:
         measured = link_throughput(cluster)
-        directory = None
         env = {"BUCKET": str(buckets[0]), "GLOO_BUCKET": str(buckets[1])}
-        address = cluster.address(0)
-        if system == "hoplite_gpu":
-            token = new_token()
-            directory = DirectoryProcess(
-                token, host=address, port=DIRECTORY_PORT, env=HOST_ENV, wrap=cluster.command(0, [])
-            )
-            directory.start()
-            address, env["HOPLITE_TOKEN"] = directory.address, token
-        members: list[_Host] = []
-        try:
-            for r in range(engines + 1):
-                extra = {"HOPLITE_LISTEN_HOST": cluster.address(r)} if system == "hoplite_gpu" else {}
-                members.append(_Host(cluster, system, r, address, {**env, **extra}, total))
-            for m in members:
-                if m.recv() != "ready":
-                    raise RuntimeError("a member did not start")
+        with _members(cluster, system, env, total) as members:
             rounds = [_round(system, members, v) for v in range(1, repeat + 1)]
             for m in members:
                 m.send("rss")
             rss = [m.recv() for m in members]
-        finally:
-            for m in members:
-                if m.proc.stdin is not None:
-                    m.proc.stdin.close()
-            for m in members:
-                try:
-                    m.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    m.proc.kill()
-            if directory is not None:
-                directory.stop()
     ideal = total / rate
     times = [t for t, _ in rounds]
     row = {
