@@ -21,6 +21,7 @@ while the others finish, and ``FleetClient.add`` brings a new engine to the newe
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import inspect
 import logging
 import threading
@@ -54,19 +55,24 @@ TESTED_VLLM = ("0.32.0", "0.33.0")
 _BASE_TAKES_RANK = "rank" in inspect.signature(TrainerWeightTransferEngine.__init__).parameters
 
 
+def _has_iter_full(source: Any) -> bool:
+    """Whether ``source`` is vLLM 0.33's ``WeightSource`` (``iter_full()``,
+    ``implements_iter_full()``); vLLM 0.32's yields full tensors from ``__iter__``."""
+    return callable(getattr(source, "implements_iter_full", None))
+
+
 def _implements_iter_full(source: Any) -> bool:
-    """Whether ``source`` yields full tensors: 0.33's ``WeightSource.implements_iter_full()``;
-    in vLLM 0.32 every ``WeightSource`` is iterable (``__iter__``) and yields full tensors."""
-    implements = getattr(source, "implements_iter_full", None)
-    if callable(implements):
-        return bool(implements())
-    return callable(getattr(source, "__iter__", None))
+    """Whether ``source`` yields full tensors (in vLLM 0.32 every ``WeightSource`` does)."""
+    return (
+        bool(source.implements_iter_full())
+        if _has_iter_full(source)
+        else callable(getattr(source, "__iter__", None))
+    )
 
 
 def _iter_full(source: Any) -> Iterable[tuple[str, Any]]:
-    """``source``'s ``(name, full tensor)`` pairs: ``iter_full()`` (vLLM 0.33), else
-    ``iter(source)`` (0.32)."""
-    return source.iter_full() if callable(getattr(source, "implements_iter_full", None)) else iter(source)
+    """``source``'s ``(name, full tensor)`` pairs."""
+    return source.iter_full() if _has_iter_full(source) else iter(source)
 
 
 def _check(ok: bool, what: str) -> None:
@@ -243,7 +249,7 @@ class HopliteTrainerWeightTransferEngine(TrainerWeightTransferEngine[HopliteTrai
                 layerwise_reload=init_info.layerwise_reload,
                 verify=init_info.verify,
             )
-            client.init_weight_transfer_engine(engine_info.__dict__.copy())
+            client.init_weight_transfer_engine(dataclasses.asdict(engine_info))
         except BaseException:
             node.close()
             raise
