@@ -295,8 +295,8 @@ class WeightSubscriber:
 
     async def _get(self, m: Manifest, index: int, deadline: float, timeout: float) -> Any:
         """Get bucket ``index`` of ``m`` (-1: its digests), its errors named after it."""
-        part = f"bucket {index}" if index >= 0 else "the digests"
-        what = f"{part} of rank {m.rank} in version {m.version} of weights {self.name!r} (held by {m.holder})"
+        what = f"{_part(index)} of rank {m.rank} in version {m.version} of weights {self.name!r}"
+        what += f" (held by {m.holder})"
         if index >= 0:
             oid = object_id(self.name, "bucket", m.version, m.rank, index)
         else:
@@ -337,7 +337,7 @@ class WeightSubscriber:
 
     def _failed(self, m: Manifest, index: int, cause: str) -> WeightSyncError:
         return WeightSyncError(
-            f"bucket {index} of rank {m.rank} in version {m.version} of weights {self.name!r} "
+            f"{_part(index)} of rank {m.rank} in version {m.version} of weights {self.name!r} "
             f"(held by {m.holder}) could not be received: {cause}",
             name=self.name,
             version=m.version,
@@ -361,6 +361,11 @@ class WeightSubscriber:
         held, self._held = self._held, []
         if held and not self._own and not self.node.closed:
             self._run(delete_all(self.node, held, self.name))
+
+
+def _part(index: int) -> str:
+    """What piece of a rank's part of a version ``index`` names: a bucket, or (-1) its digests."""
+    return f"bucket {index}" if index >= 0 else "the digests"
 
 
 def _positive(timeout: Any) -> float:
