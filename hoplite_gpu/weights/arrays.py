@@ -10,16 +10,16 @@ import warnings
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ..dtypes import dtype_from_wire, dtype_to_wire
 from ..errors import InvalidArgumentError
+from ..memory import digest_of
 from .manifest import TensorEntry
 
 
 def bucket_digest(bucket: np.ndarray[Any, Any]) -> str:
-    """The xxh3-128 digest (hex) of a contiguous bucket's bytes, as its manifest records it."""
-    return xxhash.xxh3_128_hexdigest(bucket.data)
+    """The xxh3-128 digest of a contiguous bucket's bytes, as the store takes it, in hex."""
+    return digest_of(bucket).hex()
 
 
 def _torch() -> Any:
@@ -44,7 +44,7 @@ def host_bytes(name: str, value: Any) -> tuple[np.ndarray[Any, Any], str, str, t
         if t.device.type != "cpu":
             t = t.cpu()
         flat = t.contiguous().reshape(-1)
-        return flat.view(_torch().uint8).numpy(), "torch", str(t.dtype).split(".")[-1], tuple(t.shape)
+        return flat.view(_torch().uint8).numpy(), "torch", _torch_name(t.dtype), tuple(t.shape)
     if type(value).__module__.split(".")[0] == "cupy":
         value = value.get()
     if not isinstance(value, np.ndarray):
@@ -81,20 +81,24 @@ def check_entry(entry: TensorEntry) -> None:
         )
 
 
+def _torch_name(dtype: Any) -> str:
+    """A torch dtype's name: ``torch.bfloat16`` is ``bfloat16``."""
+    return str(dtype).split(".")[-1]
+
+
+def _numpy_name(dtype: np.dtype[Any]) -> str:
+    """A NumPy dtype's name as torch's would read (``float32``), its byte order where not native."""
+    return str(dtype.name if dtype.isnative else dtype.str)
+
+
 def dtype_name(value: Any) -> str:
     """A dtype's name that NumPy (with ml_dtypes) and torch share: ``float32``, ``bfloat16``."""
-    if _is_torch(value):
-        return str(value.dtype).split(".")[-1]
-    dtype = value.dtype
-    return str(dtype.name if dtype.isnative else dtype.str)
+    return _torch_name(value.dtype) if _is_torch(value) else _numpy_name(value.dtype)
 
 
 def entry_dtype_name(entry: TensorEntry) -> str:
     """:func:`dtype_name` of the tensor ``entry`` describes."""
-    if entry.kind == "torch":
-        return entry.dtype
-    dtype = dtype_from_wire(entry.dtype)
-    return str(dtype.name if dtype.isnative else dtype.str)
+    return entry.dtype if entry.kind == "torch" else _numpy_name(dtype_from_wire(entry.dtype))
 
 
 def check_into(entry: TensorEntry, dst: Any) -> None:
