@@ -151,6 +151,34 @@ def test_a_version_of_numpy_and_torch_tensors_arrives_bit_exact_new_or_in_place(
     pub.close()
 
 
+def _cuda() -> bool:
+    return torch is not None and torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs torch with a CUDA GPU")
+def test_cuda_tensors_arrive_bit_exact_into_cuda_tensors(nodes: Any) -> None:
+    trainer, engine = nodes
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {
+        "w": torch.randn(1024, 700, device="cuda", generator=g),
+        "bf": torch.randn(4099, device="cuda", generator=g).to(torch.bfloat16),
+        "strided": torch.arange(30000, device="cuda", dtype=torch.int32)[::3],
+        "host": torch.arange(7, dtype=torch.float64),
+    }
+    with WeightPublisher(trainer, "cuda", bucket_bytes=1 << 20) as pub:
+        pub.publish(state, version=1)
+        sub = WeightSubscriber(engine, "cuda")
+        into = {k: torch.empty_like(v) for k, v in state.items()}
+        into["strided"] = torch.zeros(20000, device="cuda", dtype=torch.int32)[::2]  # a strided view
+        version, filled = sub.receive(into=into, timeout=60)
+        assert version == 1 and all(filled[k] is into[k] for k in state)
+        assert into["w"].device.type == "cuda" and into["host"].device.type == "cpu"
+        assert all(torch.equal(state[k], into[k]) for k in state)
+        _, fresh = sub.receive(version=1, timeout=60)  # no into: CPU tensors of the same bytes
+        assert all(torch.equal(state[k].cpu(), fresh[k]) for k in state)
+
+
 def test_a_receive_refuses_a_wrong_into_or_unknown_names_and_touches_nothing(nodes: Any) -> None:
     trainer, engine = nodes
     with WeightPublisher(trainer, "refuse") as pub:
