@@ -1,6 +1,6 @@
 """GPU benchmark: CuPy objects kept on the device, each figure a ratio measured in the same run.
 
-Five parts, each in its own function; a part that fails is recorded in the JSON with its error and
+Six parts, each in its own function; a part that fails is recorded in the JSON with its error and
 the others still run:
 
 * ``p2p``: a device-to-device ``get`` between two processes on one GPU (the sender puts a CuPy
@@ -34,12 +34,19 @@ the others still run:
   ``cuda_copy`` transport), each against a host object's get over the same data plane in the same
   pair of processes. No target: it shows what moving device memory costs on the wire, and which of
   the two ways to default to (each row's path is read from the receiver's ``staged_bytes``).
+* ``weights``: weight sync (:mod:`hoplite_gpu.weights`) of a ``--size`` state dict in 64 tensors
+  (float32 and bfloat16, large and small) of CUDA torch tensors, from a publisher in this
+  process to ``--workers - 1`` subscriber processes, each receiving into CUDA tensors of its own,
+  against the same with CPU tensors. The time runs from ``publish`` to the last subscriber's
+  tensors holding the version; every received tensor is checked bit-exact. The first version
+  (no warm-up), then the median of ``--repeat``. No target: it shows what the host staging of
+  CUDA tensors costs (device buckets are not built).
 
 Exits 2 with one line where there is no CUDA GPU, 1 if a part failed to run, else 0 (a ratio
 below its target is a result, not an error). Run it on a GPU host (``make gpu-check`` on the
 device machine runs it after the GPU tests):
 
-    python bench/kernels.py --json bench/results/gpu-h100.json --md bench/results/gpu-h100.md
+    python bench/gpu.py --json bench/results/gpu-h100.json --md bench/results/gpu-h100.md
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from bench.collectives import round_times
 from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
 from hoplite_gpu.memory import placement
 
-PARTS = ("p2p", "kernel", "collectives", "failure", "wire")
+PARTS = ("p2p", "kernel", "collectives", "failure", "wire", "weights")
 OPS = ("broadcast", "reduce", "allreduce")
 P2P_TARGET = 0.7
 KERNEL_TARGET = 0.8
@@ -128,6 +135,8 @@ def _member(
 
 
 def _command(node: Any, state: dict[str, Any], what: str, *args: Any) -> Any:
+    if what == "weights":  # part weights: a subscriber (needs torch, not CuPy)
+        return _receive_weights(node, state, *args)
     import cupy as cp
 
     import hoplite_gpu as hg
@@ -191,6 +200,47 @@ def _command(node: Any, state: dict[str, Any], what: str, *args: Any) -> Any:
         on_device = isinstance(arr, cp.ndarray)
         return end, bool(cp.array_equal(cp.asarray(arr).reshape(-1), _pattern(cp, nbytes))), on_device
     raise ValueError(f"unknown command {what!r}")
+
+
+def _weights_state(version: int, nbytes: int, on_device: bool) -> dict[str, Any]:
+    """About ``nbytes`` in 64 torch tensors, as a transformer's: 32 float32 ones three times the
+    size of 32 bfloat16 ones; their values depend on ``version`` (the same bits wherever made)."""
+    import torch
+
+    unit = max(nbytes // 64, 8)
+    out = {}
+    for i in range(32):
+        for dtype, size in ((torch.float32, 3 * unit // 8), (torch.bfloat16, unit // 4)):
+            values = (torch.arange(size, dtype=torch.float32) + i + version) % 1009
+            out[f"layers.{i}.{dtype}".replace("torch.", "")] = values.to(dtype)
+    return {k: v.cuda() for k, v in out.items()} if on_device else out
+
+
+def _receive_weights(
+    node: Any, state: dict[str, Any], name: str, version: int, nbytes: int, on_device: bool, timeout: float
+) -> tuple[float, bool]:
+    """Receive ``version`` of ``name`` into this subscriber's tensors; when they held it, and
+    whether every one is bit-exact. Version 0 only makes the subscriber and its tensors (an
+    engine has its model's before any sync; so is torch imported and CUDA started untimed)."""
+    import torch
+
+    from hoplite_gpu.weights import WeightSubscriber
+
+    if state.get("weights") != name:
+        want = _weights_state(0, nbytes, on_device)
+        state.update(
+            weights=name,
+            sub=WeightSubscriber(node, name),
+            into={k: torch.empty_like(v) for k, v in want.items()},
+        )
+    if version == 0:
+        return time.monotonic(), True
+    got, into = state["sub"].receive(version=version, into=state["into"], timeout=timeout)
+    if on_device:
+        torch.cuda.synchronize()
+    end = time.monotonic()
+    want = _weights_state(version, nbytes, on_device)
+    return end, got == version and all(torch.equal(into[k], want[k]) for k in want)
 
 
 def _collective_rounds(group: Any, xp: Any, op: str, nbytes: int, rounds: int) -> list[tuple[float, float]]:
@@ -574,12 +624,63 @@ def part_failure(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]
             rows.append(_row("failure", name, args.size, None, "", None, None, False, error=repr(exc)))
 
 
+def part_weights(node: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Weight sync of CUDA torch tensors against the same of CPU tensors (see the module's doc)."""
+    import torch
+
+    from hoplite_gpu.weights import WeightPublisher
+
+    world, size = args.workers - 1, args.size
+    specs = [(node.directory_address, node.token, r, world, "", False, False, True) for r in range(world)]
+    pipes, procs = start_workers(_member, specs, daemon=False)
+    times: dict[str, list[float]] = {}
+    try:
+        for kind in ("device", "host"):
+            name = f"bench-weights-{kind}-{os.getpid()}-{time.time_ns()}"
+            with WeightPublisher(node, name, timeout=args.timeout) as pub:
+                times[kind] = []
+                for pipe in pipes:
+                    pipe.send(("weights", name, 0, size, kind == "device", args.timeout))
+                _answers(pipes, args.timeout)
+                for version in range(1, args.repeat + 2):
+                    tensors = _weights_state(version, size, kind == "device")
+                    if kind == "device":
+                        torch.cuda.synchronize()
+                    for pipe in pipes:
+                        pipe.send(("weights", name, version, size, kind == "device", args.timeout))
+                    start = time.monotonic()
+                    pub.publish(tensors, version=version)
+                    answers = _answers(pipes, args.timeout)
+                    if not all(ok for _, ok in answers):
+                        raise AssertionError(f"version {version} of {kind} tensors arrived wrong")
+                    times[kind].append(max(end for end, _ in answers) - start)
+    finally:
+        stop_workers(pipes, procs)
+    nbytes = sum(t.nbytes for t in _weights_state(0, size, False).values())
+    for which, pick in (("first version (no warm-up)", lambda ts: ts[0]), (f"median of {args.repeat}", None)):
+        seconds = {k: pick(ts) if pick else statistics.median(ts[1:]) for k, ts in times.items()}
+        rows.append(
+            _row(
+                "weights",
+                f"publish + receive into CUDA tensors, {world} subscribers, {which}",
+                nbytes,
+                nbytes / seconds["device"] / 1e9,
+                "same with CPU tensors",
+                nbytes / seconds["host"] / 1e9,
+                None,
+                seconds=seconds["device"],
+                host_seconds=seconds["host"],
+            )
+        )
+
+
 PART_FUNCTIONS = {
     "p2p": part_p2p,
     "wire": part_wire,
     "kernel": part_kernel,
     "collectives": part_collectives,
     "failure": part_failure,
+    "weights": part_weights,
 }
 
 
@@ -675,7 +776,7 @@ def format_markdown(record: dict[str, Any]) -> str:
         f"{record['date']}; driver {env.get('driver')}, CUDA runtime {env['cuda_runtime']},"
         f" CuPy {env['cupy']}, ucxx {env.get('ucxx')}, hoplite_gpu {env['hoplite_gpu']},"
         f" Python {env['python']}."
-        f" `python bench/kernels.py {' '.join(record['argv'])}`",
+        f" `python bench/gpu.py {' '.join(record['argv'])}`",
         "",
     ]
     columns = [("part", "l"), ("measurement", "l"), ("size", "r"), ("GB/s", "r"), ("baseline", "l")]
@@ -729,12 +830,12 @@ def main(argv: list[str] | None = None) -> int:
     from hoplite_gpu.memory import kernels
 
     if not kernels.available():
-        print("bench/kernels.py: no CUDA GPU here (CuPy is not installed or sees no device)", file=sys.stderr)
+        print("bench/gpu.py: no CUDA GPU here (CuPy is not installed or sees no device)", file=sys.stderr)
         return 2
     # A time limit's SIGTERM unwinds (the workers are stopped) instead of killing this process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     record: dict[str, Any] = {
-        "benchmark": "bench/kernels.py",
+        "benchmark": "bench/gpu.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv[1:] if argv is None else argv,
         "environment": environment(),
