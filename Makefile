@@ -152,8 +152,8 @@ gpu-wheels:
 # the GPU and versions, runs the GPU tests and the nvcc build of the kernels, then bench/gpu.py into
 # bench/results/gpu-<device>.{json,md}. Logs and results are copied to OUT when it is set (the files
 # the device tool brings back). Within the tool's 10 minutes: tests 4.3 min at most (Ray's start
-# included), the kernel build 1, bench 4. GPU_PARTS=tests or GPU_PARTS=bench runs one part (two
-# calls of the tool, where one would be too short).
+# included), the kernel build 1, bench 4.5 (3.5 on 2026-11-26). GPU_PARTS=tests or
+# GPU_PARTS=bench runs one part (two calls of the tool, where one would be too short).
 GPU_PYTHON ?= python3
 GPU_PARTS  ?= tests bench
 GPU_SITE   ?= /tmp/hoplite-site
@@ -184,7 +184,7 @@ gpu-check:
 		| tee $(GPU_LOGS)/gpu-tests.log || echo "GPU tests" >> $(GPU_FAILED))
 	$(if $(filter tests,$(GPU_PARTS)),timeout 60 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_kernels_compile.py \
 		2>&1 | tee -a $(GPU_LOGS)/gpu-tests.log || echo "kernel build (nvcc)" >> $(GPU_FAILED))
-	$(if $(filter bench,$(GPU_PARTS)),timeout 240 $(GPU_PYTHON) bench/gpu.py --timeout 45 --json $(GPU_RESULT).json \
+	$(if $(filter bench,$(GPU_PARTS)),timeout 270 $(GPU_PYTHON) bench/gpu.py --timeout 45 --json $(GPU_RESULT).json \
 		--md $(GPU_RESULT).md 2>&1 | tee $(GPU_LOGS)/gpu-bench.log || echo "bench/gpu.py" >> $(GPU_FAILED))
 	$(if $(filter bench,$(GPU_PARTS)),@cp $(GPU_RESULT).json $(GPU_RESULT).md $(GPU_LOGS)/ 2>/dev/null || true)
 	@! test -s $(GPU_FAILED) || { echo "gpu-check: failed: $$(paste -sd, $(GPU_FAILED))" >&2; exit 1; }
