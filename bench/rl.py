@@ -53,8 +53,12 @@ HOST_ENV = {"HOPLITE_SHARED_MEMORY": "0", "UCX_TLS": "tcp", "GLOO_SOCKET_IFNAME"
 PROCESS_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 #: ``hoplite-put``: hoplite with the weights ``put`` explicitly and their ObjectID passed to the
 #: workers instead of going through the HOPLITE transport (the same broadcast tree, without Ray
-#: Direct Transport's orchestration).
-VARIANTS = ("ray", "gloo", "hoplite", "hoplite-put", "hoplite-kill", "ray-kill")
+#: Direct Transport's orchestration). ``hoplite-sync``: the weights as versions of
+#: :mod:`hoplite_gpu.weights` (a publisher in the learner, a subscriber in each worker receiving
+#: into its own array), as an RL framework would send them.
+VARIANTS = ("ray", "gloo", "hoplite", "hoplite-put", "hoplite-sync", "hoplite-kill", "ray-kill")
+#: How each hoplite variant sends the weights (:func:`bench.workloads.rl.run`'s ``weights_via``).
+WEIGHTS_VIA = {"hoplite-put": "put", "hoplite-sync": "sync"}
 
 
 def _runs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -71,7 +75,7 @@ def _runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "name": name,
                 "mode": name.split("-")[0],
                 "kill": kill,
-                "transport": False if name == "hoplite-put" else None,
+                "weights_via": WEIGHTS_VIA.get(name, "transport"),
                 "workers": args.workers,
                 "weights_bytes": args.weights_bytes,
                 # A kill variant runs some iterations past the kill, and on until the restarted
@@ -101,7 +105,7 @@ def run_variant(spec: dict[str, Any], **placement: Any) -> dict[str, Any]:
         kill_worker=spec["kill_worker"] if spec["kill"] else None,
         kill_at=spec["kill_at"] if spec["kill"] else None,
         until_rejoined=spec["kill"],
-        hoplite_transport=spec.get("transport") is not False,
+        weights_via=spec.get("weights_via", "transport"),
         timeout=spec["timeout"],
         **placement,
     )
@@ -222,9 +226,10 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                 key = "median_full_s" if suffix else "median_s"  # kill: the iterations with all workers
                 if h.get(key) and b.get(key):
                     out[f"speedup_over_{base}{suffix.replace('-', '_')}"] = b[key] / h[key]
-        put, b = by.get("hoplite-put"), by.get(base)
-        if put and b:
-            out[f"put_speedup_over_{base}"] = b["median_s"] / put["median_s"]
+        for variant in ("put", "sync"):
+            h, b = by.get(f"hoplite-{variant}"), by.get(base)
+            if h and b:
+                out[f"{variant}_speedup_over_{base}"] = b["median_s"] / h["median_s"]
     return out
 
 
@@ -300,7 +305,8 @@ def markdown_one(result: dict[str, Any]) -> list[str]:
         for k in ("", "_kill")
     ]
     ratios += [
-        (f"put_speedup_over_{b}", f"hoplite-put over {'Ray' if b == 'ray' else 'Gloo'}")
+        (f"{v}_speedup_over_{b}", f"hoplite-{v} over {'Ray' if b == 'ray' else 'Gloo'}")
+        for v in ("put", "sync")
         for b in ("ray", "gloo")
     ]
     found = [f"{label}: **{s[key]:.2f}x**" for key, label in ratios if key in s]
@@ -344,7 +350,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
         'ray: object store (`ray.put`/`ray.get`); gloo: `@ray.method(tensor_transport="gloo")` '
         "point to point; hoplite: weights through the HOPLITE transport, gradients by hoplite's "
         "reduce; hoplite-put: the same with the weights `put` explicitly and their ObjectID passed "
-        "to the workers (no Ray Direct Transport).",
+        "to the workers (no Ray Direct Transport); hoplite-sync: the weights as versions of "
+        "`hoplite_gpu.weights`, received into each worker's own array.",
         "",
     ]
     for result in order:

@@ -61,8 +61,16 @@ def test_every_sum_is_exact(ray_session: Any, mode: str) -> None:
 @pytest.mark.timeout(600)  # bounds for a busy machine (issue 39)
 def test_hoplite_weights_through_put(ray_session: Any) -> None:
     """Without the HOPLITE transport: the learner puts the weights and passes their ObjectID."""
-    rec = run("hoplite", 2, WEIGHTS, 3, warmup=1, hoplite_transport=False, timeout=400)
+    rec = run("hoplite", 2, WEIGHTS, 3, warmup=1, weights_via="put", timeout=400)
     assert rec["weights_via"] == "put"
+    _check_exact(rec, 3, 2)
+
+
+@pytest.mark.timeout(600)  # bounds for a busy machine (issue 39)
+def test_hoplite_weights_through_weight_sync(ray_session: Any) -> None:
+    """Through hoplite_gpu.weights: a publisher in the learner, a subscriber in each worker."""
+    rec = run("hoplite", 2, WEIGHTS, 3, warmup=1, weights_via="sync", timeout=400)
+    assert rec["weights_via"] == "sync"
     _check_exact(rec, 3, 2)
 
 

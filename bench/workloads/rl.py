@@ -45,11 +45,11 @@ class _Loop:
         learner: Any,
         workers: list[Any],
         pids: list[int],
-        transport: bool,
+        weights_via: str,
         deadline: float,
     ) -> None:
         self.mode, self.learner, self.workers, self.pids = mode, learner, workers, pids
-        self.transport, self.deadline = transport, deadline
+        self.weights_via, self.deadline = weights_via, deadline
         self.alive = set(range(len(workers)))
         self.pings: dict[int, Any] = {}  # worker left out -> its pending pid() call
         self.tag = uuid.uuid4().hex[:12]
@@ -74,7 +74,11 @@ class _Loop:
             return self.learner.apply_gloo.remote(iteration, active, *grads), []
         from hoplite_gpu import ObjectID
 
-        publish = self.learner.publish_hoplite if self.transport else self.learner.publish_hoplite_put
+        publish = {
+            "transport": self.learner.publish_hoplite,
+            "put": self.learner.publish_hoplite_put,
+            "sync": self.learner.publish_hoplite_sync,
+        }[self.weights_via]
         weights = publish.remote(iteration)
         ids = [ObjectID.from_name(f"rl/{self.tag}/grad/{iteration}/{w}") for w in active]
         pairs = zip(active, ids, strict=True)
@@ -131,7 +135,7 @@ def run(
     kill_worker: int | None = None,
     kill_at: int | None = None,
     until_rejoined: bool = False,
-    hoplite_transport: bool = True,
+    weights_via: str = "transport",
     env: dict[str, str] | None = None,
     learner_options: dict[str, Any] | None = None,
     worker_options: list[dict[str, Any]] | None = None,
@@ -155,8 +159,10 @@ def run(
         kill_at: See ``kill_worker``.
         until_rejoined: After a kill, go on past ``iterations`` until the restarted worker has
             taken part in an iteration (within ``timeout``).
-        hoplite_transport: hoplite mode: publish the weights through the HOPLITE transport (True)
-            or with an explicit ``put`` whose ObjectID the workers receive (False).
+        weights_via: hoplite mode: how the weights reach the workers: ``"transport"`` (a tensor
+            through the HOPLITE transport), ``"put"`` (an explicit ``put`` whose ObjectID the
+            workers ``get``) or ``"sync"`` (versions of :mod:`hoplite_gpu.weights`, received
+            into each worker's own array).
         env: Environment variables set in the actors before anything else.
         learner_options: More Ray ``.options()`` of the learner (e.g. placement resources).
         worker_options: More Ray ``.options()`` of each worker.
@@ -170,8 +176,8 @@ def run(
         of the rollouts where they come back: pid, ``fetch_s``); ``median_s`` over the iterations
         after ``warmup``, ``median_full_s`` over those of them that had every worker; ``state``
         (the final weights checked exact); ``pids``; ``kill`` and ``rejoins`` (worker, new pid,
-        iteration) when a worker was killed; ``weights_via`` (hoplite: ``"transport"`` or
-        ``"put"``).
+        iteration) when a worker was killed; ``weights_via`` (hoplite: ``"transport"``,
+        ``"put"`` or ``"sync"``; else the mode).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -192,7 +198,8 @@ def run(
     if weights_bytes % 4 or weights_bytes // 4 < ENV_DIM * ENV_DIM:
         raise ValueError(f"weights_bytes must be a multiple of 4 and at least {4 * ENV_DIM * ENV_DIM}")
     deadline = time.monotonic() + timeout
-    transport = mode == "hoplite" and hoplite_transport
+    if weights_via not in ("transport", "put", "sync"):
+        raise ValueError(f"weights_via must be transport, put or sync, got {weights_via!r}")
     if mode == "hoplite":
         hgray.start_directory(actor_options=directory_options)
         hgray.register_tensor_transport()  # done at import; again: nothing
@@ -214,7 +221,7 @@ def run(
             from ray.experimental.collective import create_collective_group
 
             group = create_collective_group([learner, *handles], backend="torch_gloo")
-        loop = _Loop(mode, learner, handles, list(pids), transport, deadline)
+        loop = _Loop(mode, learner, handles, list(pids), weights_via, deadline)
         kill = None
         first = time.time()
         it = 0
@@ -255,7 +262,7 @@ def run(
         "pids": pids,
         "kill": kill,
         "rejoins": loop.rejoins,
-        "weights_via": ("transport" if transport else "put") if mode == "hoplite" else mode,
+        "weights_via": weights_via if mode == "hoplite" else mode,
     }
 
 

@@ -14,8 +14,9 @@ reports, and the handling of a worker killed mid-run. :func:`bench.workloads.rl.
 * ``hoplite``: the weights go through hoplite_gpu's Ray Direct Transport: ``publish_hoplite`` is
   ``@ray.method(tensor_transport="HOPLITE")`` (registered when this module is imported, see
   :data:`HOPLITE`), a one-sided transport: the workers pull the tensor from hoplite's store, all of
-  them in one pipelined broadcast tree (``hoplite_transport=False``: an explicit
-  ``hgray.node().put`` of the weights, whose ObjectID goes to the workers). The gradients go
+  them in one pipelined broadcast tree (``weights_via="put"``: an explicit
+  ``hgray.node().put`` of the weights, whose ObjectID goes to the workers; ``"sync"``: versions
+  of :mod:`hoplite_gpu.weights`, received into each worker's own array). The gradients go
   through hoplite's reduce: each worker ``put``s its gradient under an ObjectID the driver named
   in advance, and the learner requests ``reduce(ids, SUM)`` over them before they exist, so the
   tree sums the first gradients while later workers are still receiving the weights; it then
@@ -125,6 +126,8 @@ class RolloutWorker:
         self.seed = seed
         self.compute_s = compute_s
         self._last_grad: Any = None  # hoplite: the ObjectID of the gradient put last
+        self._subscriber: Any = None  # hoplite through hoplite_gpu.weights, and its array
+        self._synced: np.ndarray | None = None
 
     def pid(self) -> int:
         """This actor's process id (also how the driver learns that a restarted one is up)."""
@@ -168,15 +171,18 @@ class RolloutWorker:
         return torch.from_numpy(grad)
 
     def rollout_hoplite(self, weights: Any, iteration: int, grad_id: Any) -> dict[str, Any]:
-        """``hoplite`` mode: the weights are a tensor (the HOPLITE transport) or an ObjectID to
-        ``get``; puts the gradient as ``grad_id`` and returns the rollout's figures. The previous
-        gradient's reduction is over when the next rollout comes, so it is deleted first."""
+        """``hoplite`` mode: the weights are a tensor (the HOPLITE transport), an ObjectID to
+        ``get``, or a (name, version) of :mod:`hoplite_gpu.weights` to receive; puts the gradient
+        as ``grad_id`` and returns the rollout's figures. The previous gradient's reduction is
+        over when the next rollout comes, so it is deleted first."""
         node = hgray.node()
         start = time.time()
         if self._last_grad is not None:
             node.delete(self._last_grad)
             self._last_grad = None
-        if not hasattr(weights, "dtype"):  # an ObjectID
+        if isinstance(weights, tuple):  # (name, version) of hoplite_gpu.weights
+            weights = self._receive(node, *weights)
+        elif not hasattr(weights, "dtype"):  # an ObjectID
             weights = node.get(weights, timeout=FETCH_TIMEOUT)
         fetched = time.time()
         grad, advantage = self._gradient(weights, iteration)
@@ -184,6 +190,21 @@ class RolloutWorker:
         node.put(grad, grad_id, copy=False)  # never modified again
         self._last_grad = grad_id
         return self._info(iteration, advantage, start, fetched, time.time())
+
+
+    def _receive(self, node: Any, name: str, version: int) -> np.ndarray:
+        """Version ``version`` of the weights published as ``name``, received into this worker's
+        own array (allocated at the first version, as a model's parameters are)."""
+        from hoplite_gpu.weights import WeightSubscriber
+
+        if self._subscriber is None:
+            self._subscriber = WeightSubscriber(node, name)
+        into = {"weights": self._synced} if self._synced is not None else None
+        _, tensors = self._subscriber.receive(version=version, into=into, timeout=FETCH_TIMEOUT)
+        if self._synced is None:  # a read-only view of the received copy: this worker's own from now
+            self._synced = np.array(tensors["weights"])
+            return self._synced
+        return tensors["weights"]
 
 
 class Learner:
@@ -206,6 +227,7 @@ class Learner:
         self.drift = 0  # sum of every applied advantage: weights == initial + drift
         self.tag = uuid.uuid4().hex[:12]
         self._weights_id: Any = None  # hoplite without the transport: the ObjectID put last
+        self._publisher: Any = None  # hoplite through hoplite_gpu.weights
 
     def pid(self) -> int:
         """This actor's process id."""
@@ -243,6 +265,16 @@ class Learner:
         self._weights_id = ObjectID.from_name(f"rl/{self.tag}/weights/{iteration}")
         node.put(self.weights, self._weights_id, copy=False)  # an update makes a new array
         return self._weights_id
+
+    def publish_hoplite_sync(self, iteration: int) -> tuple[str, int]:
+        """``hoplite`` mode through :mod:`hoplite_gpu.weights`: publish the weights as version
+        ``iteration`` (the publisher keeps the last two) and return its name and the version."""
+        from hoplite_gpu.weights import WeightPublisher
+
+        if self._publisher is None:
+            self._publisher = WeightPublisher(hgray.node(), f"rl/{self.tag}")
+        self._publisher.publish({"weights": self.weights}, version=iteration)
+        return self._publisher.name, iteration
 
     # -------------------------------------------------------------------- applying the gradients
     def _apply(self, iteration: int, used: list[int], total: np.ndarray) -> dict[str, Any]:
