@@ -7,6 +7,9 @@ training step, and the engines fill their own tensors with it.
 * ``gloo``: what vLLM's ``nccl`` weight-transfer backend does, on CPU: ``torch.distributed``
   (gloo) broadcasts of the tensors packed into buckets of ``--gloo-bucket`` bytes (1 GiB in vLLM;
   here the state's size, capped there), unpacked into the engines' tensors.
+* ``ray`` and ``rdt``: a trainer actor and engine actors, one Ray node per host
+  (:class:`bench.peers.ray_peer.RayCluster`): the object store (``ray.put`` once, ``ray.get`` in
+  every engine) and Ray Direct Transport over Gloo (:mod:`bench.workloads.weight_sync_ray`).
 
 Timed from the trainer's start (after a barrier; its packing included) until the last engine has
 its tensors filled, each round a new version; no warm-up round. Every round's tensors are checked
@@ -39,6 +42,7 @@ DIRECTORY_PORT = 7071
 GLOO_PORT = 29501
 HOST_ENV = {"UCX_TLS": "tcp", "HOPLITE_SHARED_MEMORY": "0", "GLOO_SOCKET_IFNAME": "eth0"}
 SYSTEMS = ("hoplite_gpu", "gloo")
+RAY_SYSTEMS = ("ray", "rdt")  # through Ray actors (bench/workloads/weight_sync_ray.py)
 
 
 def layout(total: int, layers: int = 16) -> list[tuple[str, tuple[int, ...]]]:
@@ -314,10 +318,56 @@ def run_faults(engines: int, rate: float, total: int, prefix: str, bucket: int) 
     return row
 
 
+def _ray_driver(config: dict[str, Any]) -> None:
+    """In host 0's namespace: the trainer there, engine ``i`` on host ``i + 1``."""
+    from bench.peers.ray_peer import drive_variants, on_host
+    from bench.workloads import weight_sync_ray
+
+    drive_variants(
+        config,
+        lambda spec: weight_sync_ray.run(
+            spec["system"],
+            [(name, list(shape)) for name, shape in layout(spec["total"])],
+            spec["repeat"],
+            HOST_ENV,
+            on_host(0),
+            [on_host(i + 1) for i in range(spec["engines"])],
+        ),
+    )
+
+
+def _run_ray(system: str, engines: int, rate: float, total: int, repeat: int, prefix: str) -> dict[str, Any]:
+    """``run`` of a Ray system: a Ray node per host, the rounds driven from host 0's namespace."""
+    from bench.peers.ray_peer import variants_on_cluster
+
+    spec = {"name": system, "system": system, "engines": engines, "total": total, "repeat": repeat}
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    result = variants_on_cluster(
+        engines + 1, rate, prefix, [spec], __file__, max(1 << 30, 3 * total), 1800, lambda _: None, env
+    )
+    record = result["records"][0]
+    if "error" in record:
+        raise RuntimeError(f"{system}: {record['error']}")
+    return {**record, "link_measured_bytes": result["link_bytes_per_s"], "rss_trainer_bytes": None}
+
+
 def run(
     system: str, engines: int, rate: float, total: int, repeat: int, prefix: str, buckets: tuple[int, int]
 ) -> dict[str, Any]:
     """``repeat`` rounds of one system with ``engines`` engines; the median, against ``S / B``."""
+    if system in RAY_SYSTEMS:
+        ray_row = _run_ray(system, engines, rate, total, repeat, prefix)
+        ray_row.update(
+            rate_bytes=rate, state_bytes=total, tensors=len(layout(total)), ideal_seconds=total / rate
+        )
+        ray_row.update(x_ideal=ray_row["seconds"] / ray_row["ideal_seconds"], rss_engine_bytes=None)
+        print(
+            f"{system} N={engines} @ {rate / 1e6:.0f} MB/s: {ray_row['seconds']:.3f} s, "
+            f"{ray_row['x_ideal']:.2f}x S/B (rounds {', '.join(f'{t:.3f}' for t in ray_row['rounds'])})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return ray_row
     with Cluster(engines + 1, rate, prefix=prefix) as cluster:
         measured = link_throughput(cluster)
         env = {"BUCKET": str(buckets[0]), "GLOO_BUCKET": str(buckets[1])}
@@ -355,20 +405,58 @@ def run(
     return row
 
 
+STYLE = {"hoplite_gpu": "o-", "gloo": "^-", "ray": "D-", "rdt": "s-"}
+
+
+def plot(rows: list[dict[str, Any]], directory: str) -> list[str]:
+    """``weight_sync_<rate>.png`` for each link rate of ``rows``: seconds to bring every engine to
+    a version against N, one line per system, and ``S / B`` dashed; the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for rate in sorted({r["rate_bytes"] for r in rows}):
+        mine = [r for r in rows if r["rate_bytes"] == rate]
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        counts = sorted({r["engines"] for r in mine})
+        ax.plot(counts, [mine[0]["ideal_seconds"]] * len(counts), "k--", label="S/B")
+        for system in dict.fromkeys(r["system"] for r in mine):
+            points = sorted((r["engines"], r["seconds"]) for r in mine if r["system"] == system)
+            ax.plot(*zip(*points, strict=True), STYLE.get(system, "x-"), label=system)
+        ax.set_xlabel("rollout engines (one host each)")
+        ax.set_ylabel("seconds to a new version on every engine")
+        ax.set_title(f"weight sync, {format_size(mine[0]['state_bytes'])}, {rate / 1e6:.0f} MB/s links")
+        ax.set_xticks(counts)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        path = os.path.join(directory, f"weight_sync_{rate / 1e6:.0f}MBps.png")
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--member"]:
         _member(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]))
         return 0
+    if argv[:1] == ["--driver"]:  # a Ray system's driver, in host 0's namespace
+        _ray_driver(json.loads(argv[1]))
+        return 0
     ap = cluster_options(__doc__ or "", prefix="hgw", hosts=0)
     ap.set_defaults(rate="100MB,1GB")
     ap.add_argument("--engines", default="2,4,8", help="rollout engines, one host each (at most 15)")
     ap.add_argument("--state", default="512MiB", help="size of the state dict")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {','.join(SYSTEMS + RAY_SYSTEMS)}")
     ap.add_argument("--bucket", default="64MiB", help="hoplite_gpu's bucket size")
     ap.add_argument("--gloo-bucket", default="1GiB", help="gloo's packed bucket size")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--plot", metavar="DIR", help="also draw weight_sync_<rate>.png there")
     ap.add_argument(
         "--faults",
         action="store_true",
@@ -397,9 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     by = {(r["rate_bytes"], r["engines"], r["system"]): r for r in rows}
     table = []
+    peers = ("gloo", "ray", "rdt")
     for r in rows:
-        gloo = by.get((r["rate_bytes"], r["engines"], "gloo"))
-        ratio = f"{r['seconds'] / gloo['seconds']:.2f}x" if gloo else "-"
+        ratios = []
+        for peer in peers:
+            other = by.get((r["rate_bytes"], r["engines"], peer))
+            ratios.append(f"{r['seconds'] / other['seconds']:.2f}x" if other else "-")
         table.append(
             [
                 r["system"],
@@ -408,11 +499,13 @@ def main(argv: list[str] | None = None) -> int:
                 format_size(r["state_bytes"]),
                 f"{r['seconds']:.3f}",
                 f"{r['x_ideal']:.2f}x",
-                ratio,
+                *ratios,
             ]
         )
-    columns = [("system", "l"), ("N", "r"), ("link", "r"), ("state", "r"), ("seconds", "r")]
-    print(markdown_table([*columns, ("x S/B", "r"), ("x gloo", "r")], table))
+    columns = [("system", "l"), ("N", "r"), ("link", "r"), ("state", "r"), ("seconds", "r"), ("x S/B", "r")]
+    print(markdown_table([*columns, *((f"x {peer}", "r") for peer in peers)], table))
+    if args.plot:
+        print("\n".join(plot(rows, args.plot)), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
