@@ -264,6 +264,132 @@ def test_a_child_announced_after_a_rebuild_carries_the_new_epoch() -> None:
     assert all(m.epoch == 1 for _, m in sent(out, ReduceChild) + sent(out, ReduceTask))
 
 
+# ---------------------------------------------------------------- a result complete before a repair
+# A node may hold the whole result of a tree before the directory hears of it: a reader got every
+# byte from a root killed before its VertexDone, or a root finished from a child killed just after
+# streaming all of it. Node._drop keeps a complete copy through a reset (its get may have returned
+# it), so its late report adopts that tree (tests/test_soak.py found "wrong reduction (reduce at
+# 0.99, k=3)": the reader's result was the old tree's, reduced_objects named the new tree's inputs).
+
+
+def reduced(state, now):
+    ((_, which),) = sent(req(state, "A", ReducedObjectsRequest(3, RID), now), ReducedObjectsReply)
+    return which.object_ids
+
+
+def test_a_reader_holding_the_whole_result_when_its_root_died_unseen_adopts_the_old_tree() -> None:
+    state = make_state()
+    chain(state, n=4, k=3)  # inputs 0 (B), 1 (C), 2 (D) reduced, D computes the root; 3 (E) spare
+    red = state.reductions[RID]
+    assert red.plan.by_vertex[0].node_id == "D" and red.plan.reduced_objects() == [oid(0), oid(1), oid(2)]
+    pulling = lookup_result(state, "G")
+    assert pulling.status == "pull" and pulling.sender_node == "D"
+    # D streams the last byte to G and dies before its VertexDone; G's TransferDone (sent first,
+    # on another connection) reaches the directory after D's death.
+    out = state.handle(NodeLeft("D", 1.0))
+    assert ("G", DropObject(RID, reason="reset")) in sent(out, DropObject)  # G keeps its copy
+    new = red.plan
+    assert new.epoch == 1 and new.reduced_objects() == [oid(0), oid(1), oid(3)]  # 2 died with D
+    out = req(state, "G", TransferDone(pulling.transfer_id, True, BIG), 1.1)
+    assert red.done and red.plan.epoch == 0 and kinds(state, "reduce_adopted")[0]["replaced"] == 1
+    assert reduced(state, 1.1) == [oid(0), oid(1), oid(2)]  # the inputs of G's copy
+    # The new tree is cancelled: its intermediates are dropped, its root's node resets it.
+    drops = sent(out, DropObject)
+    for pl in new.placed:
+        if pl.runs_task:
+            reason = "reset" if pl.parent is None else "deleted"
+            assert (pl.node_id, DropObject(pl.output_id, reason=reason)) in drops
+    assert not any(node == "G" for node, _ in drops)
+    assert set(state.objects[RID].locations) == {"G"}
+    assert state.objects[RID].locations["G"].state is LocationState.COMPLETE
+    assert lookup_result(state, "H", now=1.2).sender_node == "G"  # the result is G's copy
+    # The new root, cancelled, reports late: its copy (if it finished) is dropped.
+    root = new.by_vertex[0].node_id
+    out = req(state, root, VertexDone(RID, 0, True, epoch=1), 1.3)
+    assert sent(out, DropObject) == [(root, DropObject(RID))] and red.plan.epoch == 0
+
+
+def test_a_root_that_finished_as_its_childs_node_died_unseen_adopts_the_old_tree() -> None:
+    state = make_state()
+    chain(state, n=4, k=3)  # C computes vertex 1 from B's input, D the root from C's output
+    red = state.reductions[RID]
+    assert red.plan.by_vertex[1].node_id == "C"
+    reading = lookup_result(state, "G")
+    out = state.handle(NodeLeft("C", 1.0))  # D read all of C's output and finished meanwhile
+    assert ("D", DropObject(RID, reason="reset")) in sent(out, DropObject)  # D keeps its copy
+    assert ("G", DropObject(RID, reason="reset")) in sent(out, DropObject)  # G's partial copy is void
+    new = red.plan
+    assert new.reduced_objects() == [oid(0), oid(2), oid(3)] and new.by_vertex[0].node_id != "D"
+    req(state, "G", TransferDone(reading.transfer_id, False, MiB), 1.05)  # G gives up its copy
+    out = req(state, "D", VertexDone(RID, 0, True, epoch=0), 1.1)  # sent before the reset came
+    assert red.done and red.plan.epoch == 0
+    assert reduced(state, 1.1) == [oid(0), oid(1), oid(2)]
+    assert state.objects[RID].locations["D"].state is LocationState.COMPLETE
+    assert (new.by_vertex[0].node_id, DropObject(RID, reason="reset")) in sent(out, DropObject)
+    again = lookup_result(state, "G", now=1.2)
+    assert again.status == "pull" and again.sender_node == "D"
+
+
+def test_without_a_late_report_the_rebuilt_tree_finishes_as_usual() -> None:
+    state = make_state()
+    chain(state, n=4, k=3)
+    red = state.reductions[RID]
+    lookup_result(state, "G")
+    state.handle(NodeLeft("D", 1.0))  # G had not got every byte: no report adopts the old tree
+    root = red.plan.by_vertex[0].node_id
+    req(state, root, VertexDone(RID, 0, True, epoch=1), 2.0)
+    assert red.done and red.plan.epoch == 1 and reduced(state, 2.0) == [oid(0), oid(1), oid(3)]
+    assert not red.past and not kinds(state, "reduce_adopted")
+
+
+def test_a_complete_copy_reported_after_the_rebuilt_tree_finished_is_dropped() -> None:
+    state = make_state()
+    chain(state, n=4, k=3)
+    red = state.reductions[RID]
+    pulling = lookup_result(state, "G")
+    state.handle(NodeLeft("D", 1.0))
+    root = red.plan.by_vertex[0].node_id
+    req(state, root, VertexDone(RID, 0, True, epoch=1), 2.0)  # the new tree won the race
+    out = req(state, "G", TransferDone(pulling.transfer_id, True, BIG), 2.1)
+    assert sent(out, DropObject) == [("G", DropObject(RID))]  # a copy of a tree nobody uses
+    assert red.plan.epoch == 1 and reduced(state, 2.1) == [oid(0), oid(1), oid(3)]
+    assert kinds(state, "reduce_stale_copy")
+
+
+def test_a_complete_copy_of_the_rebuilt_trees_result_wins_over_a_later_report_of_the_old() -> None:
+    state = make_state()
+    chain(state, n=4, k=3)
+    red = state.reductions[RID]
+    pulling = lookup_result(state, "G")
+    state.handle(NodeLeft("D", 1.0))
+    root = red.plan.by_vertex[0].node_id
+    reading = lookup_result(state, "H", now=1.5, request_id=6)
+    assert reading.sender_node == root
+    req(state, "H", TransferDone(reading.transfer_id, True, BIG), 2.0)  # before the root reports
+    out = req(state, "G", TransferDone(pulling.transfer_id, True, BIG), 2.1)
+    assert sent(out, DropObject) == [("G", DropObject(RID))] and red.active and red.plan.epoch == 1
+    req(state, root, VertexDone(RID, 0, True, epoch=1), 2.2)
+    assert red.done and reduced(state, 2.2) == [oid(0), oid(1), oid(3)]
+
+
+def test_a_reader_that_got_the_whole_result_from_a_dying_relay_holds_a_complete_copy() -> None:
+    state = make_state()
+    chain(state, n=2)
+    red = state.reductions[RID]
+    assert lookup_result(state, "G").sender_node == red.plan.by_vertex[0].node_id
+    relayed = lookup_result(state, "H", request_id=6)
+    assert relayed.sender_node == "G"
+    state.handle(NodeLeft("G", 1.0))  # a reader, not a vertex: the tree stands
+    assert red.active and red.plan.epoch == 0
+    req(state, "H", TransferDone(relayed.transfer_id, True, BIG), 1.1)
+    assert state.objects[RID].locations["H"].state is LocationState.COMPLETE
+
+
+def lookup_result(state, node, now=0.0, request_id=5):
+    ((_, reply),) = sent(req(state, node, LookupRequest(request_id, RID, 0.0), now), LookupReply)
+    return reply
+
+
 # ---------------------------------------------------------------- directory restart
 def restarted(lease: float = 5.0, now: float = 100.0) -> DirectoryState:
     """A fresh directory (the old one died) that nodes A..H rejoin at ``now``."""

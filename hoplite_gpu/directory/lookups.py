@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as p
-from .records import Location, LocationState, ObjectEntry, PendingLookup, Transfer
+from .records import EndedTransfer, Location, LocationState, ObjectEntry, PendingLookup, Transfer
 from .reduce import ReducePlan
 from .scheduling import choose_sender, computed_on_host, same_host_copy
 
 if TYPE_CHECKING:
     from .state import DirectoryState
+
+#: Transfers of reduction results the directory ended before their receiver reported that it
+#: remembers, the latest (a receiver reports within a round trip; see :class:`EndedTransfer`).
+ENDED_KEPT = 4096
 
 
 class Lookups:
@@ -45,6 +49,7 @@ class Lookups:
         self.per_node: dict[str, int] = {}
         self.transfers: dict[int, Transfer] = {}
         self._transfer_ids = itertools.count(1)
+        self.ended: OrderedDict[int, EndedTransfer] = OrderedDict()  # by transfer id, oldest first
 
     # ------------------------------------------------------------ requests
     def request(self, node_id: str, msg: p.LookupRequest, now: float) -> None:
@@ -238,7 +243,13 @@ class Lookups:
         """A receiver reports a transfer ended (complete, or failed with ``progress`` bytes)."""
         state = self.state
         transfer = self.transfers.get(msg.transfer_id)
-        if transfer is None or transfer.receiver != node_id:
+        if transfer is None:
+            ended = self.ended.pop(msg.transfer_id, None)
+            if ended is not None and ended.receiver == node_id and msg.ok:
+                # A reduction's result, received whole just before its tree was repaired.
+                state.repair.stale_copy(ended.object_id, ended.epoch, node_id, msg.segment, now)
+            return
+        if transfer.receiver != node_id:
             return  # unknown, finished, or not this node's transfer: nothing to change
         del self.transfers[msg.transfer_id]
         entry = self.objects.get(transfer.object_id)
@@ -298,7 +309,19 @@ class Lookups:
     def drop_transfers(self, oid: bytes) -> None:
         """``oid`` was forgotten: so are its transfers."""
         for tid in [t for t, tr in self.transfers.items() if tr.object_id == oid]:
-            del self.transfers[tid]
+            self._end(self.transfers.pop(tid))
+
+    def _end(self, tr: Transfer) -> None:
+        """The directory ends transfer ``tr`` before its receiver reported. One of an active
+        reduction's result is remembered (:attr:`ended`): its receiver may have every byte already,
+        and keeps them (a reset keeps a complete copy), so its report still counts."""
+        red = self.state.reductions.get(tr.object_id)
+        if red is None or not red.active or tr.receiver not in self.nodes:
+            return
+        ended = self.ended
+        ended[tr.transfer_id] = EndedTransfer(tr.object_id, red.plan.epoch, tr.receiver)
+        while len(ended) > ENDED_KEPT:
+            ended.popitem(last=False)
 
     def forget_node(self, node_id: str, reason: str) -> set[bytes]:
         """``node_id`` left: drop its lookups and end the transfers it took part in (a receiver
@@ -309,6 +332,7 @@ class Lookups:
         for tid, tr in list(self.transfers.items()):
             if node_id in (tr.sender, tr.receiver):
                 del self.transfers[tid]
+                self._end(tr)
                 entry = self.objects.get(tr.object_id)
                 if tr.sender == node_id and tr.receiver in self.nodes:
                     self.state.send(tr.receiver, p.AbortTransfer(tid, f"sender {node_id[:8]} {reason}"))

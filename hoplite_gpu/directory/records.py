@@ -77,6 +77,26 @@ class Transfer:
     started: float
 
 
+@dataclass(frozen=True, slots=True)
+class EndedTransfer:
+    """A transfer of a reduction's result that the directory ended (its sender left, or a repair
+    reset the result) before its receiver reported: the receiver may still report it complete."""
+
+    object_id: bytes
+    epoch: int  # the tree whose root's output it carried
+    receiver: str
+
+
+@dataclass(frozen=True, slots=True)
+class PastTree:
+    """A full tree a repair replaced while a copy of its root's output may have been complete
+    already (a reader's transfer of it ended, or its root's node lives on): adopted if one turns
+    out to be (see :meth:`~.repair.Repair.stale_copy`)."""
+
+    plan: ReducePlan
+    weights: dict[bytes, float]
+
+
 @dataclass(slots=True)
 class PendingQuery:
     """A ``reduced_objects`` request waiting for its reduction to choose all inputs."""
@@ -113,6 +133,7 @@ class Reduction:
     backlog: deque[bytes] = field(default_factory=deque)  # present inputs not offered yet (Resume)
     memory: str | None = None  # the memory of the first input placed: its result's and vertices'
     charged: int = 0  # inputs counted against the requester's quota (Membership.reduce_inputs)
+    past: dict[int, PastTree] = field(default_factory=dict)  # epoch -> a tree replaced (see PastTree)
 
     @property
     def active(self) -> bool:

@@ -386,6 +386,11 @@ class Reductions:
     def vertex_done(self, node_id: str, msg: p.VertexDone, now: float) -> None:
         """A vertex finished its output, failed, or lost a source (its tree is rebuilt)."""
         red = self.reductions.get(msg.reduction_id)
+        if red is not None and msg.ok and msg.vertex == 0 and (msg.epoch != red.plan.epoch or not red.active):
+            # A root that finished just before a repair replaced its tree, or the reduction was
+            # done without it (see Repair.stale_copy).
+            self.state.repair.stale_copy(msg.reduction_id, msg.epoch, node_id, msg.segment, now)
+            return
         pl = red.plan.by_vertex.get(msg.vertex) if red is not None else None
         if (
             red is None
@@ -422,6 +427,7 @@ class Reductions:
     def finish(self, red: Reduction, now: float) -> None:
         """The root's output is complete: the reduction is done."""
         red.done = True
+        red.past.clear()
         for oid in red.plan.inputs:  # finished early (restored, or just before a repair)
             self.unawait(oid, red.plan.reduction_id)
         for inner in red.plan.intermediates():  # their parents hold everything they need
@@ -441,6 +447,7 @@ class Reductions:
             return
         plan = red.plan
         red.error = error = (kind, message, culprit)
+        red.past.clear()
         red.inline = []
         red.inline_ids = []
         self.state.record(

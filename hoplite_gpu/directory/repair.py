@@ -6,15 +6,25 @@ order, plus the next ready inputs (first-k), or it waits for the lost input to b
 Every vertex of the old tree is cancelled and partial copies of the result are reset, so nothing
 is counted twice; ``reduced_objects`` is answered only when the result is complete, so it is
 exact. A reduction that decodes as inputs arrive and lost an input it counted counts again.
+
+A node may hold a complete copy of the old tree's result before the directory hears of it: a
+reader received every byte from a root that died before reporting (or whose child did), or the
+root finished just as a child's node died. It keeps that copy through the reset (its ``get`` may
+have returned it already), and its report (a ``TransferDone`` of a transfer the directory ended,
+or the old root's ``VertexDone``) then arrives after the repair. The old tree is then *adopted*:
+the reduction is done with the inputs that copy was computed from, and the new tree is cancelled
+(:meth:`Repair.stale_copy`). Otherwise ``reduced_objects`` would name the new tree's inputs while
+that node's ``get`` returned the old tree's result (a first-k reduction may choose others).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .. import protocol as p
 from . import combine
 from .config import MAX_REPAIRS
-from .records import LocationState, Reduction
+from .records import LocationState, ObjectEntry, PastTree, Reduction
 from .reduce import ReducePlan
 from .scheduling import input_holder
 
@@ -70,6 +80,9 @@ class Repair:
             reducer.fail(red, "ReductionFailedError", text, now)
             return
         state.record(now, "reduce_repair", object_id=rid.hex(), epoch=old.epoch + 1, reason=why)
+        if old.full and result is not None and result.locations:
+            # A live node computed or read its result: that copy may be complete (see stale_copy).
+            red.past[old.epoch] = PastTree(old, dict(red.weights))
         for pl in old.placed:
             if pl.runs_task and pl.parent is not None:
                 catalog.remove(pl.output_id, now)  # cancels the vertex computing it
@@ -101,3 +114,66 @@ class Repair:
         for oid in red.candidates:
             if red.active and red.gather is not None and oid in self.objects:
                 self.state.reducer.offer(red, oid, now)
+
+    def stale_copy(self, rid: bytes, epoch: int, node_id: str, segment: str, now: float) -> None:
+        """``node_id`` holds a complete copy of reduction ``rid``'s result computed by its tree of
+        ``epoch`` and says so late: a transfer of it the directory had ended, or that tree's root
+        (``segment``: where the copy is, as in ``TransferDone``). Recorded if that tree is the
+        reduction's; adopted if a repair replaced it since and the reduction goes on (unless the
+        node computes the new tree's root, whose task replaced the copy there, or a copy of the
+        new tree's result is complete already); else the node drops the copy, of a tree nobody
+        uses."""
+        state, catalog = self.state, self.state.catalog
+        red = state.reductions.get(rid)
+        entry = self.objects.get(rid)
+        if red is not None and red.error is None and epoch == red.plan.epoch:
+            if entry is not None and entry.inline is None:
+                catalog.add_complete(entry, node_id, segment)  # e.g. its sender, a relay, died
+                catalog.ready(rid, now)
+            return
+        root = red.plan.by_vertex.get(0) if red is not None else None
+        computes = red is not None and red.active and root is not None and root.node_id == node_id
+        tree = red.past.get(epoch) if red is not None and red.active else None
+        # A copy of the new tree's result already complete (its get may have returned it) wins.
+        won = entry is not None and any(
+            loc.state is LocationState.COMPLETE for loc in entry.locations.values()
+        )
+        if red is not None and tree is not None and not computes and not won:
+            self._adopt(red, tree, node_id, segment, now)
+            return
+        state.record(now, "reduce_stale_copy", object_id=rid.hex(), node=node_id, epoch=epoch)
+        if not computes and (entry is None or node_id not in entry.locations):
+            state.send(node_id, p.DropObject(object_id=rid, reason="deleted"))
+
+    def _adopt(self, red: Reduction, past: PastTree, node_id: str, segment: str, now: float) -> None:
+        """Finish ``red`` with the tree ``past`` whose result ``node_id`` holds complete: cancel
+        the tree that replaced it, and record that copy as the result."""
+        state, catalog, reducer = self.state, self.state.catalog, self.state.reducer
+        current = red.plan
+        rid = current.reduction_id
+        state.record(
+            now,
+            "reduce_adopted",
+            object_id=rid.hex(),
+            epoch=past.plan.epoch,
+            replaced=current.epoch,
+            node=node_id,
+        )
+        for pl in current.placed:
+            if pl.runs_task and pl.parent is not None:
+                catalog.remove(pl.output_id, now)  # cancels the vertex computing it
+        # The new root's node (its vertex is cancelled) and partial readers (they look up again).
+        catalog.remove(rid, now, skip=node_id, reason="reset")
+        for oid in current.inputs:
+            reducer.unawait(oid, rid)
+        red.plan, red.weights, red.gather = past.plan, dict(past.weights), None
+        red.inline, red.inline_ids = [], []
+        plan = red.plan
+        entry = ObjectEntry(
+            rid, plan.size, plan.dtype, list(plan.shape), b"", red.requester, None, memory=red.memory or ""
+        )
+        entry.reduction = rid
+        self.objects[rid] = entry
+        catalog.add_complete(entry, node_id, segment)
+        reducer.finish(red, now)
+        catalog.ready(rid, now)

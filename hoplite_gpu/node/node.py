@@ -372,7 +372,10 @@ class Node:
         error: HopliteError
         if reason == "reset":
             if local is not None and local.complete:
-                return  # finished before the failure: exact for the inputs it reduced; keep it
+                # Finished before the failure (a get may have returned it): exact for the inputs
+                # it reduced. Kept; its report, sent before this reset came, has the directory
+                # adopt the tree that computed it (directory/repair.py), or tell it to drop it.
+                return
             error = ObjectReset(f"partial copy of {oid} was reset", object_id=oid.hex())
         elif reason == "failed":
             error = from_kind(kind, message, reduction_id=oid.hex())
