@@ -330,6 +330,25 @@ def test_a_root_that_finished_as_its_childs_node_died_unseen_adopts_the_old_tree
     assert again.status == "pull" and again.sender_node == "D"
 
 
+def test_a_rebuilt_tree_gives_its_root_to_a_node_other_than_one_that_may_hold_the_old_result() -> None:
+    state = make_state()
+    reduce(state, ids=(0, 1, 2), k=2)
+    for i, node in enumerate("ABC"):
+        put(state, node, i, BIG)
+    red = state.reductions[RID]
+    # The requester A computes the root from B's input; C's input is a spare.
+    assert [(pl.vertex, pl.node_id) for pl in red.plan.placed] == [(0, "A"), (1, "B")]
+    # B dies after streaming its whole input: A's root finished and A's get returned it.
+    out = state.handle(NodeLeft("B", 1.0))
+    assert ("A", DropObject(RID, reason="reset")) in sent(out, DropObject)
+    # A's own input does not compute the new root: that task would replace A's copy before its
+    # VertexDone, sent before the reset came, could adopt the old tree.
+    assert [(pl.vertex, pl.node_id) for pl in red.plan.placed] == [(1, "A"), (0, "C")]
+    out = req(state, "A", VertexDone(RID, 0, True, epoch=0), 1.1)
+    assert red.done and reduced(state, 1.1) == [oid(0), oid(1)]
+    assert ("C", DropObject(RID, reason="reset")) in sent(out, DropObject)
+
+
 def test_without_a_late_report_the_rebuilt_tree_finishes_as_usual() -> None:
     state = make_state()
     chain(state, n=4, k=3)

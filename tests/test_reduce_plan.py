@@ -143,6 +143,18 @@ def test_chain_places_first_arrival_at_the_tail_and_last_at_the_root() -> None:
     assert [pl.vertex for pl in placed] == [3, 2, 1, 0]
 
 
+def test_an_input_kept_off_the_root_takes_the_next_free_vertex_unless_none_is_left() -> None:
+    plan = ReducePlan(RID, tuple(oid(i) for i in range(3)), 3, fan_in=2)  # in-order: 1, 0, 2
+
+    def place(i: int, root_ok: bool) -> int:
+        return plan.place(oid(i), "n", 1 << 20, "<f4", (1 << 18,), LAN, root_ok=root_ok).vertex
+
+    assert place(0, root_ok=False) == 1
+    assert place(1, root_ok=False) == 2  # the root was next in order
+    assert place(2, root_ok=False) == 0  # no other vertex is left
+    assert plan.full and plan.reduced_objects() == [oid(0), oid(1), oid(2)]
+
+
 def test_first_k_takes_the_first_arrivals_and_ignores_stragglers() -> None:
     plan = ReducePlan(RID, tuple(oid(i) for i in range(8)), 6)
     arrivals = [7, 3, 0, 5, 1, 6]

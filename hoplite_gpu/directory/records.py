@@ -134,6 +134,9 @@ class Reduction:
     memory: str | None = None  # the memory of the first input placed: its result's and vertices'
     charged: int = 0  # inputs counted against the requester's quota (Membership.reduce_inputs)
     past: dict[int, PastTree] = field(default_factory=dict)  # epoch -> a tree replaced (see PastTree)
+    # The nodes that may hold a complete result of a tree in ``past``: not given the root of the
+    # tree that replaced it while another vertex is free (that task would replace their copy).
+    shun: frozenset[str] = frozenset()
 
     @property
     def active(self) -> bool:

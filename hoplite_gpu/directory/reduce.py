@@ -327,6 +327,7 @@ class ReducePlan:
         chunk: int = DEFAULT_CHUNK_BYTES,
         at_root: bool = False,
         one_host: bool = False,
+        root_ok: bool = True,
     ) -> Placement:
         """Place the next arriving input at the next free vertex in in-order, or at the root (vertex
         0) if ``at_root`` and it is free: the node that reads the result then computes it, and its
@@ -336,6 +337,9 @@ class ReducePlan:
         the tree a star (unless the requester asked for a degree): the root maps every input from
         its holder's segment and reduces them in one pass, where a chain would move each partial
         result between processes.
+
+        ``root_ok`` False: not at the root while another vertex is free (the input's node may
+        hold a complete result of the tree a repair replaced; see :mod:`.repair`).
 
         Raises:
             MismatchError: dtype or shape differs from the inputs placed before.
@@ -362,6 +366,12 @@ class ReducePlan:
             while tree.inorder_at(self._cursor) in self.by_vertex:
                 self._cursor += 1
             vertex = tree.inorder_at(self._cursor)
+            if vertex == 0 and not root_ok:  # the next free vertex after the root, if any
+                later = self._cursor + 1
+                while later < tree.n and tree.inorder_at(later) in self.by_vertex:
+                    later += 1
+                if later < tree.n:
+                    vertex = tree.inorder_at(later)
         parent = tree.parent(vertex)
         children = tuple(tree.children(vertex))
         leaf = not children and parent is not None

@@ -210,8 +210,10 @@ class Reductions:
             self._gather(red, entry, now)
             return
         try:
-            # The requester reads the result: its own input, if it has one, computes the root.
-            at_root = holder == red.requester
+            # The requester reads the result: its own input, if it has one, computes the root
+            # (unless it may hold the result of a tree a repair replaced: see Repair.rebuild).
+            root_ok = holder not in red.shun
+            at_root = holder == red.requester and root_ok
             pl = plan.place(
                 oid,
                 holder,
@@ -222,6 +224,7 @@ class Reductions:
                 at_root=at_root,
                 # Only the first placement fixes the shape: the scan of every node is done once.
                 one_host=plan.tree is None and in_segment(entry, holder) and one_host(self.nodes),
+                root_ok=root_ok,
             )
         except MismatchError as exc:  # pragma: no cover - input_problem checked the same
             self.fail(red, "ReduceMismatchError", str(exc), now, culprit=oid)
@@ -428,6 +431,7 @@ class Reductions:
         """The root's output is complete: the reduction is done."""
         red.done = True
         red.past.clear()
+        red.shun = frozenset()
         for oid in red.plan.inputs:  # finished early (restored, or just before a repair)
             self.unawait(oid, red.plan.reduction_id)
         for inner in red.plan.intermediates():  # their parents hold everything they need
@@ -448,6 +452,7 @@ class Reductions:
         plan = red.plan
         red.error = error = (kind, message, culprit)
         red.past.clear()
+        red.shun = frozenset()
         red.inline = []
         red.inline_ids = []
         self.state.record(

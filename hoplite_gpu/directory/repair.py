@@ -83,6 +83,7 @@ class Repair:
         if old.full and result is not None and result.locations:
             # A live node computed or read its result: that copy may be complete (see stale_copy).
             red.past[old.epoch] = PastTree(old, dict(red.weights))
+            red.shun |= set(result.locations)
         for pl in old.placed:
             if pl.runs_task and pl.parent is not None:
                 catalog.remove(pl.output_id, now)  # cancels the vertex computing it
