@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ pytest.importorskip("vllm.distributed.weight_transfer")
 import torch
 
 import hoplite_gpu as hg
-from hoplite_gpu.errors import HopliteError
+from hoplite_gpu.errors import HopliteError, InvalidArgumentError
 from hoplite_gpu.weights.manifest import object_id
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -203,7 +204,8 @@ def test_bad_infos_are_refused_as_vllm_expects() -> None:
         HopliteWeightTransferUpdateInfo(packed=True)  # type: ignore[call-arg]
 
 
-def test_engines_get_each_version_and_a_late_joiner_the_newest(owner: Any) -> None:
+@pytest.mark.parametrize("cap", [None, 1], ids=["all-at-once", "one-at-a-time"])
+def test_engines_get_each_version_and_a_late_joiner_the_newest(owner: Any, cap: int | None) -> None:
     from hoplite_gpu.weights.vllm import FleetClient
 
     engines = _engines(3)
@@ -211,8 +213,8 @@ def test_engines_get_each_version_and_a_late_joiner_the_newest(owner: Any) -> No
     trainer = None
     try:
         model = TinyModel(seed=1)
-        fleet = FleetClient(engines)
-        trainer = _trainer(owner, fleet, model, "fleet")
+        fleet = FleetClient(engines, max_updating=cap)
+        trainer = _trainer(owner, fleet, model, f"fleet-{cap}")
         trainer.send_weights()
         for e in engines:
             assert e.state() == (_state(model), "1", 1)
@@ -264,3 +266,48 @@ def test_an_engine_killed_mid_update_leaves_the_fleet_and_the_others_finish(owne
             trainer.shutdown()
         for e in engines:
             e.kill()
+
+
+class _Paced:
+    """A fake engine client: records its calls; its update waits at ``barrier`` for the engines
+    updating beside it, so that a fleet that lets fewer than the barrier's parties update at once
+    breaks it (an error), and one that lets more is seen in ``counter``."""
+
+    def __init__(self, counter: dict[str, int], lock: threading.Lock, barrier: threading.Barrier) -> None:
+        self.calls: list[str] = []
+        self._counter, self._lock, self._barrier = counter, lock, barrier
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, info: Any) -> None:
+        self.calls.append(f"update {info['version']}")
+        with self._lock:
+            self._counter["now"] += 1
+            self._counter["most"] = max(self._counter["most"], self._counter["now"])
+        try:
+            self._barrier.wait(timeout=30)
+        finally:
+            with self._lock:
+                self._counter["now"] -= 1
+
+    def finish_weight_update(self, version: str | None) -> None:
+        self.calls.append(f"finish {version}")
+
+
+def test_a_capped_fleet_updates_at_most_that_many_engines_at_once() -> None:
+    from hoplite_gpu.weights.vllm import FleetClient
+
+    counter, lock = {"now": 0, "most": 0}, threading.Lock()
+    barrier = threading.Barrier(2)
+    engines = [_Paced(counter, lock, barrier) for _ in range(6)]
+    fleet = FleetClient(engines, max_updating=2)
+    fleet.start_weight_update()
+    fleet.update_weights({"version": 3})
+    assert all(e.calls == [] for e in engines)  # recorded: each engine's turn comes at finish
+    fleet.finish_weight_update("3")
+    assert counter["most"] == 2 and fleet.failed == []
+    assert all(e.calls == ["start", "update 3", "finish 3"] for e in engines)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="max_updating"):
+            FleetClient(engines, max_updating=bad)  # type: ignore[arg-type]

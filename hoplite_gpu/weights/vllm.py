@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 
 import hoplite_gpu as hg
 
-from ..errors import HopliteError
+from ..errors import HopliteError, InvalidArgumentError
 from .publisher import BUCKET_BYTES, WeightPublisher
 from .subscriber import WeightSubscriber
 
@@ -288,42 +288,81 @@ class FleetClient:
     Every call goes to every engine at once. An engine whose call fails is dropped (kept in
     :attr:`failed` with its error) and the round goes on; a call raises only if every engine
     failed. :meth:`add` brings an engine that joins later to the newest version.
+
+    ``max_updating``: at most this many engines update at once, so that the others keep serving.
+    Then ``start_weight_update`` and ``update_weights`` only record their call, and
+    ``finish_weight_update`` runs each engine's whole update (start, update, finish) with at most
+    ``max_updating`` under way; an engine pulls the version once its turn comes, from the trainer
+    or from engines that have it already.
+
+    Raises:
+        InvalidArgumentError: ``max_updating`` is not a positive int (or None).
     """
 
-    def __init__(self, clients: Iterable[Any] = ()) -> None:
+    def __init__(self, clients: Iterable[Any] = (), max_updating: int | None = None) -> None:
+        if max_updating is not None and (
+            not isinstance(max_updating, int) or isinstance(max_updating, bool) or max_updating < 1
+        ):
+            raise InvalidArgumentError(
+                f"max_updating must be a positive int or None, got {max_updating!r}", argument="max_updating"
+            )
         self.engines: list[Any] = list(clients)
         self.failed: list[tuple[Any, BaseException]] = []
+        self.max_updating = max_updating
         self._init_info: dict[str, Any] | None = None
         self._weight_version: str | None = None  # finished last
+        self._update_info: Any = None  # with max_updating: the update recorded, sent at finish
         self._lock = threading.Lock()  # one call at a time (add waits for a round's step)
 
-    def _each(self, method: str, *args: Any) -> None:
+    def _each(self, *steps: tuple[str, tuple[Any, ...]]) -> None:
+        """Each engine's ``steps`` (method, arguments) in turn, the engines at once (at most
+        ``max_updating`` of them, where set)."""
+        name = steps[-1][0]
         with self._lock:
             if not self.engines:
-                raise HopliteError(f"{method}: no engine left in the fleet (failed: {len(self.failed)})")
-            with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
-                calls = [(e, pool.submit(getattr(e, method), *args)) for e in self.engines]
+                raise HopliteError(f"{name}: no engine left in the fleet (failed: {len(self.failed)})")
+
+            def run(engine: Any) -> None:
+                for method, args in steps:
+                    getattr(engine, method)(*args)
+
+            workers = min(self.max_updating or len(self.engines), len(self.engines))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                calls = [(e, pool.submit(run, e)) for e in self.engines]
             errors = [(e, f.exception()) for e, f in calls if f.exception() is not None]
             for engine, exc in errors:
-                log.warning("engine %r failed %s and left the fleet: %s", engine, method, exc)
+                log.warning("engine %r failed %s and left the fleet: %s", engine, name, exc)
                 self.engines.remove(engine)
                 self.failed.append((engine, exc))  # type: ignore[arg-type]
             if not self.engines:
-                raise HopliteError(f"{method} failed on every engine: {errors[0][1]}") from errors[0][1]
+                raise HopliteError(f"{name} failed on every engine: {errors[0][1]}") from errors[0][1]
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Each engine joins (kept for :meth:`add`)."""
         self._init_info = dict(init_info)
-        self._each("init_weight_transfer_engine", init_info)
+        self._each(("init_weight_transfer_engine", (init_info,)))
 
     def start_weight_update(self) -> None:
-        self._each("start_weight_update")
+        """Each engine starts an update (with ``max_updating``: at :meth:`finish_weight_update`)."""
+        if self.max_updating is None:
+            self._each(("start_weight_update", ()))
 
     def update_weights(self, update_info: Any) -> None:
-        self._each("update_weights", update_info)
+        """Each engine receives the version ``update_info`` names (with ``max_updating``: at
+        :meth:`finish_weight_update`)."""
+        if self.max_updating is None:
+            self._each(("update_weights", (update_info,)))
+        else:
+            self._update_info = update_info
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._each("finish_weight_update", weight_version)
+        """Each engine finishes its update (with ``max_updating``: runs each engine's update)."""
+        if self.max_updating is None:
+            self._each(("finish_weight_update", (weight_version,)))
+        else:
+            info, self._update_info = self._update_info, None
+            update = [("update_weights", (info,))] if info is not None else []
+            self._each(("start_weight_update", ()), *update, ("finish_weight_update", (weight_version,)))
         self._weight_version = weight_version
 
     def add(self, client: Any) -> None:
