@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -187,13 +188,33 @@ class _Host(Member):
     """A host's process, driven over its stdin/stdout like a netbench member."""
 
     def __init__(
-        self, cluster: Cluster, system: str, rank: int, address: str, env: dict[str, str], total: int
+        self,
+        cluster: Cluster,
+        system: str,
+        rank: int,
+        address: str,
+        env: dict[str, str],
+        total: int,
+        world: int,
+        host: int,
+        own_shm: bool = False,
     ) -> None:
         argv = [sys.executable, os.path.abspath(__file__), "--member", system, address, str(rank)]
-        argv += [str(cluster.hosts), str(total)]
+        argv += [str(world), str(total)]
+        if own_shm:  # this host's /dev/shm: a directory of the machine's, bound over it
+            shm = _shm_dir(cluster, host)
+            os.makedirs(shm, exist_ok=True)
+            argv = ["sh", "-c", f'mount --bind {shm} /dev/shm && exec "$@"', "sh", *argv]
         self.proc = cluster.popen(
-            rank, argv, env={**HOST_ENV, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            host, argv, env={**HOST_ENV, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
+
+
+def _shm_dir(cluster: Cluster, host: int) -> str:
+    """Host ``host``'s shared memory with ``--per-host`` above 1. ``ip netns exec`` gives each
+    process a mount namespace of its own, where it binds this over ``/dev/shm``: the processes of
+    one host then share memory (the same ``host_key``), those of two hosts do not."""
+    return f"/dev/shm/{cluster.prefix}-shm{host}"
 
 
 def _round(system: str, hosts: list[_Host], version: int) -> tuple[float, float]:
@@ -240,9 +261,13 @@ def _fault_round(
 
 
 @contextlib.contextmanager
-def _members(cluster: Cluster, system: str, env: dict[str, str], total: int) -> Iterator[list[_Host]]:
-    """A member of ``system`` on every host of ``cluster`` (and hoplite_gpu's directory on host
-    0), all started; on leaving, their stdin closed (they exit) and, last, the directory stopped."""
+def _members(
+    cluster: Cluster, system: str, env: dict[str, str], total: int, per_host: int = 1
+) -> Iterator[list[_Host]]:
+    """The trainer of ``system`` on host 0 and ``per_host`` engines on every other host of
+    ``cluster`` (and hoplite_gpu's directory on host 0), all started; on leaving, their stdin
+    closed (they exit) and, last, the directory stopped. With ``per_host`` above 1, hoplite_gpu's
+    members share memory with those of their host, as on a real machine."""
     from hoplite_gpu.auth import new_token
     from hoplite_gpu.directory import DirectoryProcess
 
@@ -256,10 +281,15 @@ def _members(cluster: Cluster, system: str, env: dict[str, str], total: int) -> 
         directory.start()
         address, env = directory.address, {**env, "HOPLITE_TOKEN": token}
     members: list[_Host] = []
+    world = 1 + (cluster.hosts - 1) * per_host
+    own_shm = per_host > 1 and directory is not None
+    if own_shm:
+        env = {**env, "HOPLITE_SHARED_MEMORY": "1"}
     try:
-        for r in range(cluster.hosts):
-            extra = {"HOPLITE_LISTEN_HOST": cluster.address(r)} if directory is not None else {}
-            members.append(_Host(cluster, system, r, address, {**env, **extra}, total))
+        for r in range(world):
+            host = 0 if r == 0 else 1 + (r - 1) // per_host
+            extra = {"HOPLITE_LISTEN_HOST": cluster.address(host)} if directory is not None else {}
+            members.append(_Host(cluster, system, r, address, {**env, **extra}, total, world, host, own_shm))
         for m in members:
             if m.recv() != "ready":
                 raise RuntimeError("a member did not start")
@@ -276,6 +306,8 @@ def _members(cluster: Cluster, system: str, env: dict[str, str], total: int) -> 
                 m.proc.kill()
         if directory is not None:
             directory.stop()
+        for host in range(cluster.hosts) if own_shm else ():
+            shutil.rmtree(_shm_dir(cluster, host), ignore_errors=True)
 
 
 def run_faults(engines: int, rate: float, total: int, prefix: str, bucket: int) -> dict[str, Any]:
@@ -352,10 +384,22 @@ def _run_ray(system: str, engines: int, rate: float, total: int, repeat: int, pr
 
 
 def run(
-    system: str, engines: int, rate: float, total: int, repeat: int, prefix: str, buckets: tuple[int, int]
+    system: str,
+    engines: int,
+    rate: float,
+    total: int,
+    repeat: int,
+    prefix: str,
+    buckets: tuple[int, int],
+    per_host: int = 1,
 ) -> dict[str, Any]:
-    """``repeat`` rounds of one system with ``engines`` engines; the median, against ``S / B``."""
+    """``repeat`` rounds of one system with ``engines`` engines (``per_host`` on each host but the
+    trainer's); the median, against ``S / B``."""
+    if engines % per_host:
+        raise ValueError(f"{engines} engines do not fill hosts of {per_host}")
     if system in RAY_SYSTEMS:
+        if per_host != 1:
+            raise ValueError("the Ray systems place one engine per host")
         ray_row = _run_ray(system, engines, rate, total, repeat, prefix)
         ray_row.update(
             rate_bytes=rate, state_bytes=total, tensors=len(layout(total)), ideal_seconds=total / rate
@@ -368,10 +412,10 @@ def run(
             flush=True,
         )
         return ray_row
-    with Cluster(engines + 1, rate, prefix=prefix) as cluster:
+    with Cluster(engines // per_host + 1, rate, prefix=prefix) as cluster:
         measured = link_throughput(cluster)
         env = {"BUCKET": str(buckets[0]), "GLOO_BUCKET": str(buckets[1])}
-        with _members(cluster, system, env, total) as members:
+        with _members(cluster, system, env, total, per_host) as members:
             rounds = [_round(system, members, v) for v in range(1, repeat + 1)]
             for m in members:
                 m.send("rss")
@@ -381,6 +425,7 @@ def run(
     row = {
         "system": system,
         "engines": engines,
+        "engines_per_host": per_host,
         "rate_bytes": rate,
         "link_measured_bytes": measured,
         "state_bytes": total,
@@ -426,7 +471,7 @@ def plot(rows: list[dict[str, Any]], directory: str) -> list[str]:
         for system in dict.fromkeys(r["system"] for r in mine):
             points = sorted((r["engines"], r["seconds"]) for r in mine if r["system"] == system)
             ax.plot(*zip(*points, strict=True), STYLE.get(system, "x-"), label=system)
-        ax.set_xlabel("rollout engines (one host each)")
+        ax.set_xlabel("rollout engines")
         ax.set_ylabel("seconds to a new version on every engine")
         ax.set_title(f"weight sync, {format_size(mine[0]['state_bytes'])}, {rate / 1e6:.0f} MB/s links")
         ax.set_xticks(counts)
@@ -449,7 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = cluster_options(__doc__ or "", prefix="hgw", hosts=0)
     ap.set_defaults(rate="100MB,1GB")
-    ap.add_argument("--engines", default="2,4,8", help="rollout engines, one host each (at most 15)")
+    ap.add_argument("--engines", default="2,4,8", help="rollout engines (at most 15 hosts of them)")
+    ap.add_argument(
+        "--per-host", type=int, default=1, help="engines per host (above 1: they share the host's memory)"
+    )
     ap.add_argument("--state", default="512MiB", help="size of the state dict")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {','.join(SYSTEMS + RAY_SYSTEMS)}")
     ap.add_argument("--bucket", default="64MiB", help="hoplite_gpu's bucket size")
@@ -478,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(rows, fh, indent=2)
         return 0
     rows = [
-        run(system, int(n), parse_rate(rate), total, args.repeat, args.prefix, buckets)
+        run(system, int(n), parse_rate(rate), total, args.repeat, args.prefix, buckets, args.per_host)
         for rate in args.rate.split(",")
         for n in args.engines.split(",")
         for system in args.systems.split(",")

@@ -3,6 +3,7 @@ subscribers, in one process and across real processes with real SIGKILLs."""
 
 from __future__ import annotations
 
+import glob
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -394,3 +395,7 @@ def test_the_weight_sync_benchmark_runs_bounded_beside_gloo() -> None:
     assert len(weight_sync.layout(512 << 20)) == 194  # about 200 tensors, as the issue asks
     faults = weight_sync.run_faults(2, 1e9, 8 << 20, "hgwt", 2 << 20)  # checks each survivor's tensors
     assert faults["killed_round_seconds"] > 0 and faults["late_joiner_seconds"] > 0
+    # Two engines on one host, sharing its memory (its own /dev/shm): checked as every round is.
+    shared = weight_sync.run("hoplite_gpu", 2, 1e9, 8 << 20, 2, "hgwt", buckets, per_host=2)
+    assert shared["engines_per_host"] == 2 and len(shared["rounds"]) == 2
+    assert not glob.glob("/dev/shm/hgwt-shm*")  # the hosts' shared memory is removed
