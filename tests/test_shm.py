@@ -339,6 +339,33 @@ def test_a_same_host_reader_waits_for_a_segment_still_being_copied_and_others_pu
     assert _lookup(state, "B").status == "pull"
 
 
+def test_a_same_host_reader_waits_for_a_copy_received_on_its_host_and_maps_it() -> None:
+    """B is receiving the object from another host; C, on B's host, maps B's copy once complete
+    instead of pulling it over the host's link again; D, elsewhere, pulls."""
+    state = _state(A="h1", B="h2", C="h2", D="h3")
+    _put(state, "A", "hoplite-1-2-3-ab")
+    first = _lookup(state, "B")
+    assert (first.status, first.sender_node) == ("pull", "A")
+    assert state.handle(Request("C", p.LookupRequest(8, OID, 0.0, 0, True), 0.0)) == []  # waits
+    assert _lookup(state, "D").status == "pull"
+    done = p.TransferDone(transfer_id=first.transfer_id, ok=True, progress=1 << 20, segment="hoplite-9-9-9-b")
+    sends = state.handle(Request("B", done, 0.1))
+    (reply,) = [s.message for s in sends if s.node_id == "C"]
+    assert isinstance(reply, p.LookupReply)
+    assert (reply.status, reply.segment, reply.sender_node) == ("shm", "hoplite-9-9-9-b", "B")
+    # Not waiting: a reader that cannot map segments; a partial copy nothing feeds any more.
+    state = _state(A="h1", B="h2", C="h2")
+    _put(state, "A", "hoplite-1-2-3-ab")
+    _lookup(state, "B")
+    assert _lookup(state, "C", shared=False).status == "pull"
+    state = _state(A="h1", B="h2", C="h2")
+    _put(state, "A", "hoplite-1-2-3-ab")
+    first = _lookup(state, "B")
+    failed = p.TransferDone(transfer_id=first.transfer_id, ok=False, progress=4096)
+    state.handle(Request("B", failed, 0.1))
+    assert _lookup(state, "C").status == "pull"
+
+
 @pytest.mark.parametrize(
     ("hosts", "segment", "degree"),
     [

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as p
 from .records import EndedTransfer, Location, LocationState, ObjectEntry, PendingLookup, Transfer
 from .reduce import ReducePlan
-from .scheduling import choose_sender, computed_on_host, same_host_copy
+from .scheduling import choose_sender, computed_on_host, received_on_host, same_host_copy
 
 if TYPE_CHECKING:
     from .state import DirectoryState
@@ -156,6 +156,8 @@ class Lookups:
             return False  # its segment is being filled: mapping it then beats pulling it now
         if shared is None and pl.shared_memory and computed_on_host(nodes, entry, pl.node_id, pl.device_ipc):
             return False  # likewise for a result being computed on this host
+        if shared is None and pl.shared_memory and received_on_host(nodes, entry, pl.node_id, pl.device_ipc):
+            return False  # and for a copy another node of this host is receiving
         if shared is not None:
             state.send(
                 pl.node_id,
