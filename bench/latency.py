@@ -1,0 +1,284 @@
+"""Small operations on one host: the latency of each, against Gloo's, and what the directory does
+for it (issue 42's baseline).
+
+``--workers`` processes (default 4) on this machine run each small operation ``--rounds`` times on
+``--size`` bytes of float32 (default 1 KiB), each round after an untimed barrier; a round runs
+from the last member entering the operation to the last member leaving it (``time.monotonic`` is
+one clock for every process of the host, :func:`bench.collectives.round_times`). The operations:
+
+* ``put+get``: member 0 puts a fresh object, member 1 ``get``\\ s it (Gloo: a ``send`` and a
+  ``recv`` of the same bytes);
+* ``broadcast``, ``reduce`` (SUM to member 0), ``allreduce``, ``allgather``: the
+  :mod:`hoplite_gpu.collective` group API (Gloo: ``torch.distributed``'s);
+* ``barrier``: the barrier itself.
+
+hoplite_gpu: an embedded directory in this process, one node per worker, the library's defaults
+(same-host copies through shared memory). Gloo: ``torch.distributed`` over loopback. Every result
+is checked (the barrier's has none). Besides the median and the 99th percentile of each, the
+table gives the directory's events per operation: its event log over the rounds (requests,
+replies it sent and what it decided; by kind in the JSON), divided by the rounds, less the
+untimed barriers' share (one barrier's events are half the barrier row's: two a round). Each is
+work on the directory's one event loop, and a request in it a round trip for some member.
+
+    python bench/latency.py --json bench/results/latency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.collectives import round_times
+from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
+
+OPS = ("put+get", "broadcast", "reduce", "allreduce", "allgather", "barrier")
+SYSTEMS = ("hoplite_gpu", "gloo")
+GLOO_PORT = 29533
+
+
+def _expected(op: str, rank: int, world: int, arr: np.ndarray, round_: int) -> Any:
+    """What member ``rank`` holds after ``op`` of round ``round_`` (every member starts from
+    ``round_ + rank``), or None where nothing is checked."""
+    base = np.full_like(arr, round_)
+    if op in ("broadcast", "put+get"):
+        return base if (op == "broadcast" or rank == 1) else None
+    total = base * world + world * (world - 1) // 2
+    if op == "reduce":
+        return total if rank == 0 else None
+    return total if op == "allreduce" else None
+
+
+def _member(system: str, address: str, token: str, rank: int, world: int, conn: Any) -> None:
+    """A worker: runs ``(op, size, rounds)`` commands and answers each with its (start, end) spans."""
+    if system == "gloo":
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{GLOO_PORT}", rank=rank, world_size=world
+        )
+        torch.set_num_threads(1)
+        node = group = None
+    else:
+        import hoplite_gpu as hg
+        from hoplite_gpu import collective as coll
+
+        node = hg.connect(address, token=token)
+        group = coll.Group(node, rank, world, f"latency-{address}", timeout=60)
+        coll.barrier(group)  # every member has joined
+    conn.send("ready")
+    try:
+        while (msg := conn.recv()) is not None:
+            op, size, rounds = msg
+            conn.send(_rounds(system, node, group, op, size, rounds, rank, world))
+    finally:
+        if system == "gloo":
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        elif node is not None:
+            node.close()
+
+
+def _rounds(
+    system: str, node: Any, group: Any, op: str, size: int, rounds: int, rank: int, world: int
+) -> list[tuple[float, float]]:
+    arr = np.zeros(max(size // 4, 1), np.float32)
+    spans = []
+    if system == "gloo":
+        import torch
+        import torch.distributed as dist
+
+        t = torch.from_numpy(arr)
+        pieces = [torch.empty_like(t) for _ in range(world)]
+        for i in range(rounds):
+            t.fill_(i + rank if op != "broadcast" else (i if rank == 0 else -1))
+            dist.barrier()
+            start = time.monotonic()
+            if op == "put+get":
+                if rank == 0:
+                    dist.send(t, 1)
+                elif rank == 1:
+                    dist.recv(t, 0)
+            elif op == "broadcast":
+                dist.broadcast(t, 0)
+            elif op == "reduce":
+                dist.reduce(t, 0)
+            elif op == "allreduce":
+                dist.all_reduce(t)
+            elif op == "allgather":
+                dist.all_gather(pieces, t)
+            else:
+                dist.barrier()
+            spans.append((start, time.monotonic()))
+            _check(op, rank, world, t.numpy(), i, [p.numpy() for p in pieces])
+        return spans
+    import hoplite_gpu as hg
+    from hoplite_gpu import collective as coll
+
+    outs = [np.empty_like(arr) for _ in range(world)]
+    for i in range(rounds):
+        arr.fill(i + rank if op != "broadcast" else (i if rank == 0 else -1))
+        oid = hg.ObjectID.from_name(f"latency/{node.directory_address}/{op}/{i}")
+        coll.barrier(group)
+        start = time.monotonic()
+        got = arr
+        if op == "put+get":
+            if rank == 0:
+                node.put(arr, oid)
+            elif rank == 1:
+                got = np.asarray(node.get(oid, timeout=60))
+        elif op == "broadcast":
+            coll.broadcast(arr, 0, group)
+        elif op == "reduce":
+            coll.reduce(arr, 0, group)
+        elif op == "allreduce":
+            coll.allreduce(arr, group)
+        elif op == "allgather":
+            coll.allgather(outs, arr, group)
+        else:
+            coll.barrier(group)
+        spans.append((start, time.monotonic()))
+        _check(op, rank, world, got, i, outs)
+        if op == "put+get" and rank == 0:
+            coll.barrier(group)  # member 1 has it: a fresh id each round, the last one deleted
+            node.delete(oid)
+        elif op == "put+get":
+            coll.barrier(group)
+    return spans
+
+
+def _check(op: str, rank: int, world: int, got: np.ndarray, round_: int, pieces: list[np.ndarray]) -> None:
+    """Raise unless member ``rank`` holds what ``op`` of round ``round_`` gives it."""
+    if op == "allgather" and not all(np.all(p == round_ + r) for r, p in enumerate(pieces)):
+        raise AssertionError(f"allgather round {round_}: member {rank} gathered other pieces")
+    want = _expected(op, rank, world, got, round_)
+    if want is not None and not np.array_equal(got, want):
+        raise AssertionError(f"{op} round {round_}: member {rank} holds {got[:4]}, not {want[:4]}")
+
+
+def run(
+    system: str, workers: int, size: int, rounds: int, warmup: int, ops: list[str]
+) -> list[dict[str, Any]]:
+    """Every op of ``ops`` with ``system``: a row each (median and p99 microseconds, and for
+    hoplite_gpu the directory's events per op, by kind)."""
+    import hoplite_gpu as hg
+
+    owner = hg.init() if system == "hoplite_gpu" else None
+    address, token = (owner.directory_address, owner.token) if owner is not None else ("", "")
+    args = [(system, address, token, r, workers) for r in range(workers)]
+    pipes, procs = start_workers(_member, args)
+    rows = []
+    try:
+        for op in ops:
+            since = owner.event_log()[-1]["seq"] + 1 if owner is not None else 0
+            for pipe in pipes:
+                pipe.send((op, size, warmup + rounds))
+            spans = [pipe.recv() for pipe in pipes]
+            if op == "put+get":  # the two members of the operation
+                spans = spans[:2]
+            times = sorted(round_times(spans, warmup, rounds))
+            kinds: collections.Counter[str] = collections.Counter()
+            if owner is not None:
+                kinds.update(e["kind"] for e in owner.event_log(since))
+            rows.append(
+                {
+                    "system": system,
+                    "op": op,
+                    "workers": workers,
+                    "size": size,
+                    "rounds": rounds,
+                    "median_us": statistics.median(times) * 1e6,
+                    "p99_us": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e6,
+                    # The untimed barriers count too: the ones before every round (and, for
+                    # put+get, after it); the barrier row is two barriers a round.
+                    "directory_events_per_round": sum(kinds.values()) / (warmup + rounds) if owner else None,
+                    "directory_events": dict(kinds),
+                }
+            )
+            print(_line(rows[-1]), file=sys.stderr, flush=True)
+    finally:
+        stop_workers(pipes, procs)
+        if owner is not None:
+            owner.close()
+    return rows
+
+
+def _line(r: dict[str, Any]) -> str:
+    events = r["directory_events_per_round"]
+    more = f", {events:.1f} directory events a round" if events is not None else ""
+    return f"{r['system']} {r['op']}: median {r['median_us']:.0f} us, p99 {r['p99_us']:.0f} us{more}"
+
+
+#: Untimed barriers in a round of each op besides the op itself (the barrier row: its own two).
+UNTIMED_BARRIERS = {"put+get": 2, "barrier": 2}
+
+
+def op_events(rows: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
+    """The directory's events of one ``row``'s operation: its events a round less the untimed
+    barriers' (one barrier's: half the barrier row's), where the barrier was measured."""
+    barrier = next((r for r in rows if r["system"] == row["system"] and r["op"] == "barrier"), None)
+    events = row["directory_events_per_round"]
+    if events is None or barrier is None:
+        return None
+    one = barrier["directory_events_per_round"] / 2
+    return float(events - UNTIMED_BARRIERS.get(row["op"], 1) * one + (one if row["op"] == "barrier" else 0))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    by = {(r["system"], r["op"]): r for r in rows}
+    cells = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        ours, gloo = by.get(("hoplite_gpu", op)), by.get(("gloo", op))
+        events = op_events(rows, ours) if ours else None
+        cells.append(
+            [
+                op,
+                f"{ours['median_us']:.0f} / {ours['p99_us']:.0f}" if ours else "-",
+                f"{gloo['median_us']:.0f} / {gloo['p99_us']:.0f}" if gloo else "-",
+                f"{ours['median_us'] / gloo['median_us']:.2f}x" if ours and gloo else "-",
+                f"{events:.1f}" if events is not None else "-",
+            ]
+        )
+    columns = [("op", "l"), ("hoplite_gpu median / p99 (us)", "r"), ("Gloo median / p99 (us)", "r")]
+    return markdown_table([*columns, ("x Gloo", "r"), ("directory events per op", "r")], cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--size", default="1KiB")
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args(argv)
+    ops = args.ops.split(",")
+    if set(ops) - set(OPS) or args.workers < 2:
+        ap.error(f"--ops takes {', '.join(OPS)}; --workers at least 2")
+    size = parse_size(args.size)
+    rows = [
+        r for s in args.systems.split(",") for r in run(s, args.workers, size, args.rounds, args.warmup, ops)
+    ]
+    what = f"{args.workers} processes on one host, {format_size(size)} float32"
+    print(f"{what}, median / p99 of {args.rounds} rounds")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
