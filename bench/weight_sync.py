@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,18 +60,21 @@ def layout(total: int, layers: int = 16) -> list[tuple[str, tuple[int, ...]]]:
     return [*shapes, ("head", (vocab, width))]
 
 
-def _state(shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+def new_state(shapes: Sequence[tuple[str, Sequence[int]]]) -> dict[str, Any]:
+    """Zeroed float32 arrays of ``shapes`` (from :func:`layout`), by name."""
     import numpy as np
 
     return {name: np.zeros(shape, np.float32) for name, shape in shapes}
 
 
-def _fill(state: dict[str, Any], version: int) -> None:
+def fill_version(state: dict[str, Any], version: int) -> None:
+    """Fill each array with its own value for ``version`` (what :func:`holds_version` checks)."""
     for i, arr in enumerate(state.values()):
         arr.fill(version * 1000 + i)
 
 
-def _check(state: dict[str, Any], version: int) -> bool:
+def holds_version(state: dict[str, Any], version: int) -> bool:
+    """Whether every array holds its value of ``version`` (see :func:`fill_version`)."""
     return all(
         arr.size == 0 or (arr.flat[0] == arr.flat[-1] == version * 1000 + i)
         for i, arr in enumerate(state.values())
@@ -101,7 +104,7 @@ def _member(system: str, address: str, rank: int, world: int, total: int) -> Non
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    state = _state(layout(total))
+    state = new_state(layout(total))
     if system == "gloo":
         _gloo_member(address, rank, world, state, send)
         return
@@ -126,10 +129,10 @@ def _member(system: str, address: str, rank: int, world: int, total: int) -> Non
                 time.sleep(version[1])  # where in the round the joiner comes (a scenario, not a wait)
                 joined = time.monotonic()  # then it wants the current version: v, once announced
                 got, _ = sub.receive(sub.latest(600, newer_than=version[2] - 1), into=state, timeout=600)
-                send([joined, time.monotonic(), _check(state, got), got])
+                send([joined, time.monotonic(), holds_version(state, got), got])
                 continue
             if pub is not None:
-                _fill(state, version)
+                fill_version(state, version)
                 send("filled")
                 json.loads(sys.stdin.readline())  # go: every engine waits in receive
                 start = time.monotonic()
@@ -139,7 +142,7 @@ def _member(system: str, address: str, rank: int, world: int, total: int) -> Non
                 assert sub is not None
                 send("waiting")
                 got, _ = sub.receive(version, into=state, timeout=600)
-                send([time.monotonic(), got == version and _check(state, version)])
+                send([time.monotonic(), got == version and holds_version(state, version)])
     finally:
         if pub is not None:
             pub.close()
@@ -165,7 +168,7 @@ def _gloo_member(address: str, rank: int, world: int, state: dict[str, Any], sen
     try:
         for version in _commands(send):
             if rank == 0:
-                _fill(state, version)
+                fill_version(state, version)
             dist.barrier()
             start = time.monotonic()
             for group in groups:
@@ -179,7 +182,7 @@ def _gloo_member(address: str, rank: int, world: int, state: dict[str, Any], sen
                         t.reshape(-1).copy_(flat[offset : offset + t.numel()])
                         offset += t.numel()
             end = time.monotonic()
-            send([start, 0.0] if rank == 0 else [end, _check(state, version)])
+            send([start, 0.0] if rank == 0 else [end, holds_version(state, version)])
     finally:
         dist.destroy_process_group()
 

@@ -23,19 +23,9 @@ from typing import Any
 import numpy as np
 import ray
 
+from bench.weight_sync import fill_version, holds_version, new_state
+
 SYSTEMS = ("ray", "rdt")
-
-
-def _fill(state: dict[str, np.ndarray], version: int) -> None:
-    for i, arr in enumerate(state.values()):
-        arr.fill(version * 1000 + i)
-
-
-def _check(state: dict[str, np.ndarray], version: int) -> bool:
-    return all(
-        arr.size == 0 or (arr.flat[0] == arr.flat[-1] == version * 1000 + i)
-        for i, arr in enumerate(state.values())
-    )
 
 
 class Trainer:
@@ -43,13 +33,13 @@ class Trainer:
 
     def __init__(self, layout: list[tuple[str, list[int]]], env: dict[str, str]) -> None:
         os.environ.update(env)
-        self.state = {name: np.zeros(shape, np.float32) for name, shape in layout}
+        self.state = new_state(layout)
         self.started = 0.0
 
     def publish_ray(self, version: int) -> list[Any]:
         """A new version put in the object store once; its reference boxed in a list, so that Ray
         passes it on to the engines without resolving it."""
-        _fill(self.state, version)
+        fill_version(self.state, version)
         self.started = time.monotonic()
         return [ray.put(self.state)]
 
@@ -58,7 +48,7 @@ class Trainer:
         """A new version as torch tensors that stay here until each engine's call receives them."""
         import torch
 
-        _fill(self.state, version)
+        fill_version(self.state, version)
         self.started = time.monotonic()
         return [torch.from_numpy(a) for a in self.state.values()]
 
@@ -72,7 +62,7 @@ class Engine:
 
     def __init__(self, layout: list[tuple[str, list[int]]], env: dict[str, str]) -> None:
         os.environ.update(env)
-        self.state = {name: np.zeros(shape, np.float32) for name, shape in layout}
+        self.state = new_state(layout)
 
     def ready(self) -> int:
         return os.getpid()
@@ -82,12 +72,12 @@ class Engine:
         for name, arr in self.state.items():
             np.copyto(arr, got[name])
         del got
-        return time.monotonic(), _check(self.state, version)
+        return time.monotonic(), holds_version(self.state, version)
 
     def receive_rdt(self, tensors: list[Any], version: int) -> tuple[float, bool]:
         for arr, t in zip(self.state.values(), tensors, strict=True):
             np.copyto(arr, t.numpy().reshape(arr.shape))
-        return time.monotonic(), _check(self.state, version)
+        return time.monotonic(), holds_version(self.state, version)
 
 
 def run(
