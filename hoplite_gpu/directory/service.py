@@ -222,6 +222,7 @@ class DirectoryService:
         self._ticker: asyncio.Task[None] | None = None
         self._stopping = False
         self._wake = asyncio.Event()
+        self._armed = math.inf  # the deadline the timer waits for (inf: none)
         self._handlers: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -533,7 +534,11 @@ class DirectoryService:
                 log.warning("declaring node %s dead: %s", instr.node_id[:8], instr.reason)
                 del self._conns[instr.node_id]
                 conn.writer.close()
-        self._wake.set()
+        deadline = self.state.next_deadline()
+        if deadline is not None and deadline < self._armed:
+            # Only an earlier deadline re-arms the timer (a wake and a new timeout per event cost
+            # more than the event itself); a later one is found when the armed one fires.
+            self._wake.set()
 
     def _continue(self, reduction_id: bytes) -> None:
         self._apply(ContinueReduce(reduction_id, time.monotonic()))
@@ -561,6 +566,7 @@ class DirectoryService:
     async def _tick_once(self) -> None:
         deadline = self.state.next_deadline()
         self._wake.clear()
+        self._armed = math.inf if deadline is None else deadline
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         woken = False
         with contextlib.suppress(asyncio.TimeoutError):

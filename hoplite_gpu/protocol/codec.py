@@ -21,47 +21,70 @@ from ..errors import ProtocolError
 from .fields import FIELD_LIMITS, MAX_TEXT_CHARS
 from .messages import _REGISTRY, FROM_NODES, Message
 
-PROTOCOL_VERSION = 11  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+PROTOCOL_VERSION = 12  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
 # 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
 # 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag);
-# 9: weighted reductions; 10: decoded as inputs arrive (num_objects 0 with coding); 11: Goodbye
+# 9: weighted reductions; 10: decoded as inputs arrive (num_objects 0 with coding); 11: Goodbye;
+# 12: barriers
 FRAME_HEADER = struct.Struct(">I")
 
-_HINT_CACHE: dict[type, dict[str, Any]] = {}
+Check = typing.Callable[[Any], bool]
+
+
+def _checker(hint: Any) -> Check:
+    """A function telling whether a decoded value has the type ``hint`` (a field's annotation),
+    built once per field: decoding runs on the directory's one event loop for every message."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return lambda value: True
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        options = tuple(_checker(h) for h in typing.get_args(hint))
+        return lambda value: any(check(value) for check in options)
+    if hint is type(None):
+        return lambda value: value is None
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        item = _checker(inner)
+        return lambda value: isinstance(value, list) and all(item(v) for v in value)
+    if origin is dict:
+        return lambda value: isinstance(value, dict)
+    if hint is float:
+        return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return lambda value: isinstance(value, int) and not isinstance(value, bool)
+    return lambda value: isinstance(value, hint)
+
+
+#: Per message class: its field names in order, and each field's type check and text limit (None
+#: where the field is not bounded: messages not from nodes).
+_Layout = tuple[tuple[str, ...], dict[str, tuple[Check, int | None]]]
+_LAYOUTS: dict[type, _Layout] = {}
+
+
+def _layout(cls: type) -> _Layout:
+    layout = _LAYOUTS.get(cls)
+    if layout is None:
+        hints = _hints(cls)
+        names = tuple(hints)
+        bounded = cls in FROM_NODES
+        checks = {
+            name: (_checker(hints[name]), FIELD_LIMITS.get(name, MAX_TEXT_CHARS) if bounded else None)
+            for name in names
+        }
+        layout = _LAYOUTS[cls] = (names, checks)
+    return layout
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINT_CACHE.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        hints = {f.name: hints[f.name] for f in fields(cls)}
-        _HINT_CACHE[cls] = hints
-    return hints
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        (inner,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, inner) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+    """A message class's field annotations, by field name."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
 
 
 def encode(msg: Message) -> bytes:
     """Serialize a message into one frame (length prefix included)."""
-    body = {f.name: getattr(msg, f.name) for f in fields(msg)}  # type: ignore[arg-type]
+    names = _layout(type(msg))[0]
+    body = {name: getattr(msg, name) for name in names}
     payload = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True)
     return FRAME_HEADER.pack(len(payload)) + payload
 
@@ -84,18 +107,15 @@ def decode(payload: bytes) -> Message:
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None or not isinstance(body, dict):
         raise ProtocolError(f"unknown control message type {kind!r}")
-    hints = _hints(cls)
+    checks = _layout(cls)[1]
     for name, value in body.items():
-        hint = hints.get(name)
-        if hint is None:
+        check = checks.get(name)
+        if check is None:
             raise ProtocolError(f"{kind}: unexpected field {name!r}")
-        if not _matches(value, hint):
+        matches, limit = check
+        if not matches(value):
             raise ProtocolError(f"{kind}: field {name!r} has type {type(value).__name__}")
-        if (
-            cls in FROM_NODES
-            and isinstance(value, (str, bytes))
-            and len(value) > FIELD_LIMITS.get(name, MAX_TEXT_CHARS)
-        ):
+        if limit is not None and isinstance(value, (str, bytes)) and len(value) > limit:
             raise ProtocolError(f"{kind}: field {name!r} is {len(value)} long, over its limit")
     try:
         msg = cls(**body)
