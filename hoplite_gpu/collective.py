@@ -15,7 +15,7 @@ reduced (allreduce is a reduce pipelined into a broadcast).
 Clean-up: a member deletes the objects it created for earlier collectives as soon as a collective
 to which every member contributed (allreduce, allgather, reducescatter, barrier) completes on it,
 because every member then has finished all earlier ones. :meth:`Group.destroy` deletes the rest
-but the one-byte result of its final barrier, which a slower member may still be reading. Group
+after a final barrier (a barrier is no object: one message per member to the directory). Group
 names must therefore be unique for the lifetime of a directory (a second group of the same name
 would find the first one's results).
 """
@@ -143,8 +143,8 @@ class Group:
 
     def _named(self, exc: HopliteTimeoutError) -> HopliteTimeoutError:
         """``exc`` with the group, this member and the ranks whose objects it waited for."""
-        waiting = []
-        ranks: list[int] = []
+        ranks: list[int] = list(exc.fields.get("waiting_for_ranks", []))  # a barrier's
+        waiting = [f"rank {r}'s arrival" for r in ranks]
         for hex_id in dict.fromkeys([*_HEX_ID.findall(exc.message), str(exc.fields.get("object_id") or "")]):
             if hex_id not in self._described:
                 continue
@@ -169,9 +169,8 @@ class Group:
         collectives on this member's group raise :class:`InvalidArgumentError` (again: no-op).
 
         Args:
-            wait: True: a barrier first (every member calls ``destroy``), then the deletes, but
-                of the final barrier's one-byte result, which a slower member may still be
-                reading. False: return at once, leaving the barrier and the deletes to run in the
+            wait: True: a barrier first (every member calls ``destroy``), then the deletes.
+                False: return at once, leaving the barrier and the deletes to run in the
                 background (``destroy_collective_group`` in Ray is local: a member destroys its
                 group without the others). They wait for the others at most the group's timeout
                 (:data:`DESTROY_WAIT` when it has none), then delete anyway: a member that never
@@ -195,16 +194,14 @@ class Group:
 
     async def _destroy_later(self, seconds: float) -> None:
         try:
-            await asyncio.wait_for(_small_allreduce(self, self._next(), np.zeros(1, np.uint8)), seconds)
+            await asyncio.wait_for(_barrier(self, self._next()), seconds)
         except (HopliteError, TimeoutError):
             pass  # a member gone or never destroying its group: clean up without it
         await self._clean_up()
 
     async def _clean_up(self) -> None:
-        """Delete this member's objects, but the last collective's result (see :meth:`destroy`)."""
+        """Delete this member's objects (after the final barrier, see :meth:`destroy`)."""
         last = self.seq - 1
-        result = self.object_id(last, "allreduce-result")
-        self._owned = [(s, oid) for s, oid in self._owned if oid != result]
         self._owned += [(last, ack) for ack in self._acks.values()]  # every sender has read them
         self._acks.clear()
         await self._delete_before(self.seq, wait=True)
@@ -561,8 +558,28 @@ def _check_peer(group: Group, rank: Any, argument: str) -> int:
 
 
 def barrier(group: Group) -> None:
-    """Return once every member has called ``barrier`` (an allreduce of one byte)."""
-    allreduce(np.zeros(1, np.uint8), group)
+    """Return once every member has called ``barrier``: one message to the directory per member,
+    answered once all have come (``HopliteTimeoutError`` naming the ranks missing when the
+    group's timeout passes first)."""
+    g = _check_group(group)
+    g._run(_barrier(g, g._next()))
+
+
+async def _barrier(g: Group, seq: int) -> None:
+    """Collective ``seq``: a barrier of the directory's (:mod:`hoplite_gpu.directory.barriers`)."""
+    timeout = g.node._resolve_timeout(g.timeout)
+    bid = ObjectID.from_name(f"hoplite-group/{g.name}/{seq}/barrier")
+    reply = await g.node._session.barrier(bid.binary(), g.rank, g.world_size, timeout)
+    if reply.status != "ok":
+        named = f" (the first {len(reply.missing)} named)" if reply.waiting > len(reply.missing) else ""
+        raise HopliteTimeoutError(
+            f"barrier #{seq}: {reply.waiting} of {g.world_size} members did not come "
+            f"within {timeout} s{named}",
+            operation="barrier",
+            timeout=timeout,
+            waiting_for_ranks=list(reply.missing),
+        )
+    await g._delete_before(seq)
 
 
 def _copy(dst: Any, src: Any) -> None:

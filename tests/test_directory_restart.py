@@ -106,6 +106,31 @@ def test_a_reduction_completes_across_a_directory_restart(
             w.kill()
 
 
+def test_a_barrier_completes_across_a_directory_restart(directory: DirectoryProcess, owner: Any) -> None:
+    """Two members wait at a barrier; the directory dies and comes back; the third comes to the
+    new directory, to which the two sent theirs again."""
+    workers = start_workers(directory.address, directory.token, 2)
+    name = f"restart-{hg.ObjectID.random().hex()[:8]}"
+    try:
+        for rank, w in enumerate(workers, 1):
+            w.call("group", name, rank, 3, 120.0)
+        group = hg.collective.Group(owner, 0, 3, name, timeout=120.0)
+        for w in workers:
+            w.send("barrier", name)
+        wait_for_events(owner, lambda evs: len(kinds(evs, "barrier")) >= 2)
+        directory.kill()
+        directory.start()
+        hg.collective.barrier(group)
+        for w in workers:
+            assert w.result(120) is None
+        after = owner.event_log()  # the new directory's: every member came to it
+        assert sorted(e["rank"] for e in kinds(after, "barrier")) == [0, 1, 2]
+        assert kinds(after, "barrier_ok")
+    finally:
+        for w in workers:
+            w.kill()
+
+
 def test_requests_fail_with_a_typed_error_when_the_directory_never_comes_back(
     directory: DirectoryProcess,
 ) -> None:

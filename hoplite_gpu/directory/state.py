@@ -20,6 +20,7 @@ handlers' work is done by its rooms:
 * :mod:`.reductions`, :mod:`.combine` and :mod:`.repair`: reduce trees (the pure plan is
   :mod:`.reduce`), their weights and decoding, the inline reduce, and repair after failures.
 * :mod:`.recovery`: restoring copies after this directory restarted.
+* :mod:`.barriers`: barriers, one message per member.
 * :mod:`.eventlog` and :mod:`.invariants`: the event log and the invariant checker.
 """
 
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import protocol as p
+from .barriers import Barriers
 from .catalog import Catalog
 from .config import MAX_REPAIRS, PLACE_SLICE, DirectoryConfig
 from .eventlog import EventLog
@@ -126,6 +128,7 @@ class DirectoryState:
         self.reducer = Reductions(self)
         self.repair = Repair(self)
         self.recovery = Recovery(self)
+        self.barriers = Barriers(self)
         self._stimuli = itertools.count(1)
         self._event: Event | None = None  # the event being handled (or handled last)
         self._stimulus = 0  # its number
@@ -191,17 +194,14 @@ class DirectoryState:
     def next_deadline(self) -> float | None:
         """Earliest deadline or lease expiry, so the host knows when to send a :class:`Tick`."""
         deadlines = self.reducer.deadlines()
-        lookup, lease, recovery = (
+        for deadline in (
             self.lookups.deadline(),
             self.members.lease_deadline(),
             self.recovery.deadline(),
-        )
-        if lookup is not None:
-            deadlines.append(lookup)
-        if lease is not None:
-            deadlines.append(lease)
-        if recovery is not None:
-            deadlines.append(recovery)
+            self.barriers.deadline(),
+        ):
+            if deadline is not None:
+                deadlines.append(deadline)
         return min(deadlines) if deadlines else None
 
     # ------------------------------------------------------------ what the rooms produce
@@ -283,6 +283,7 @@ class DirectoryState:
         self.lookups.expire(now)
         self.recovery.expire(now)
         self.reducer.expire(now)
+        self.barriers.expire(now)
 
     @on_event(AuthFailed)
     def _on_auth_failed(self, ev: AuthFailed) -> None:
@@ -299,6 +300,7 @@ class DirectoryState:
         if not self.members.leave(node_id):
             return
         self.record(now, "node_left", node=node_id, reason=reason)
+        self.barriers.forget_node(node_id)
         touched = set(self.lookups.forget_node(node_id, reason))
         touched.update(self.catalog.forget_node(node_id))
         self.repair.node_left(node_id, now, reason)
@@ -325,6 +327,11 @@ class DirectoryState:
     @on_request(p.CancelLookup)
     def _on_cancel_lookup(self, node_id: str, msg: p.CancelLookup, now: float) -> None:
         self.lookups.cancel(node_id, msg.request_id)
+        self.barriers.cancel(node_id, msg.request_id)
+
+    @on_request(p.BarrierRequest)
+    def _on_barrier(self, node_id: str, msg: p.BarrierRequest, now: float) -> None:
+        self.barriers.request(node_id, msg, now)
 
     @on_request(p.TransferDone)
     def _on_transfer_done(self, node_id: str, msg: p.TransferDone, now: float) -> None:

@@ -22,14 +22,14 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .. import protocol as p
 from ..config import Config
 from ..errors import DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
 from ..object_id import ObjectID
 from ..topology import GpuPlace
-from .control import ControlClient
+from .control import ControlClient, within
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -368,26 +368,56 @@ class DirectorySession:
         resume: bool,
     ) -> p.LookupReply:
         rid = control.next_id()
+        request = p.LookupRequest(
+            request_id=rid,
+            object_id=oid.binary(),
+            timeout=timeout or 0.0,
+            have_bytes=have,
+            shared_memory=shared_memory,
+            direct=direct,
+            device_ipc=device_ipc,
+            resume=resume,
+        )
+        reply = await self._wait_for_reply(
+            control, request, timeout, f"a lookup of {oid}", object_id=oid.hex()
+        )
+        if not isinstance(reply, p.LookupReply):
+            raise ProtocolError(f"unexpected reply to lookup: {reply.TYPE}")
+        return reply
+
+    async def barrier(
+        self, barrier_id: bytes, rank: int, count: int, timeout: float | None
+    ) -> p.BarrierReply:
+        """Member ``rank`` of ``count`` reached barrier ``barrier_id``: the directory's reply
+        once all have, or at ``timeout`` (see :class:`~hoplite_gpu.protocol.BarrierRequest`)."""
+
+        async def once(control: ControlClient, left: float | None) -> p.BarrierReply:
+            rid = control.next_id()
+            request = p.BarrierRequest(
+                request_id=rid, barrier_id=barrier_id, rank=rank, count=count, timeout=left or 0.0
+            )
+            reply = await self._wait_for_reply(control, request, left, "a barrier")
+            if not isinstance(reply, p.BarrierReply):
+                raise ProtocolError(f"unexpected reply to barrier: {reply.TYPE}")
+            return reply
+
+        return await self.with_directory(once, timeout)
+
+    async def _wait_for_reply(
+        self, control: ControlClient, request: Any, timeout: float | None, what: str, **fields: Any
+    ) -> p.Message:
+        """Send ``request`` (one the directory holds until it can answer, or until its own
+        ``timeout``) and return the reply; withdrawn (``CancelLookup``) if the caller gives up."""
+        rid = request.request_id
         fut = control.expect(rid)
         try:
-            control.send(
-                p.LookupRequest(
-                    request_id=rid,
-                    object_id=oid.binary(),
-                    timeout=timeout or 0.0,
-                    have_bytes=have,
-                    shared_memory=shared_memory,
-                    direct=direct,
-                    device_ipc=device_ipc,
-                    resume=resume,
-                )
-            )
+            control.send(request)
             # The directory enforces the deadline; the margin covers a directory that went silent.
             guard = None if timeout is None else timeout + self.config.request_timeout
-            reply = await asyncio.wait_for(fut, guard)
+            reply = await within(fut, guard)
         except asyncio.TimeoutError:
             raise DirectoryUnavailableError(
-                f"the directory did not answer a lookup of {oid}", peer=self.address, cause="timeout"
+                f"the directory did not answer {what}", peer=self.address, cause="timeout"
             ) from None
         except BaseException:
             with contextlib.suppress(HopliteError):
@@ -396,9 +426,7 @@ class DirectorySession:
         finally:
             control.forget(rid)
         if isinstance(reply, p.ErrorReply):
-            raise from_kind(reply.kind, reply.message, object_id=oid.hex())
-        if not isinstance(reply, p.LookupReply):
-            raise ProtocolError(f"unexpected reply to lookup: {reply.TYPE}")
+            raise from_kind(reply.kind, reply.message, **fields)
         return reply
 
     # ------------------------------------------------------------ reductions to re-send

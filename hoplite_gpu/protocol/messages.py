@@ -506,6 +506,46 @@ class ReduceChild(Message):
     weight: float = 1.0  # its weight in a weighted reduction (see ReduceTask.weights)
 
 
+#: Most members a barrier may have (:class:`BarrierRequest`), and most missing ranks a reply names.
+MAX_BARRIER_MEMBERS = 1 << 16
+MAX_MISSING_NAMED = 64
+
+
+@dataclass(frozen=True, slots=True)
+class BarrierRequest(Message):
+    """Member ``rank`` of ``count`` reached barrier ``barrier_id``: answered (:class:`BarrierReply`)
+    once all ``count`` members have, or at ``timeout`` (0: waits until cancelled, with
+    ``CancelLookup`` of the same request id). One message per member: a group's barrier
+    (:func:`hoplite_gpu.collective.barrier`)."""
+
+    TYPE: ClassVar[str] = "barrier"
+    request_id: int
+    barrier_id: bytes
+    rank: int
+    count: int
+    timeout: float
+
+    def check(self) -> None:
+        check_id(self.TYPE, "barrier_id", self.barrier_id)
+        check_timeout(self.TYPE, self.timeout)
+        if not 1 <= self.count <= MAX_BARRIER_MEMBERS:
+            raise ProtocolError(f"{self.TYPE}: count {self.count} is not in 1..{MAX_BARRIER_MEMBERS}")
+        if not 0 <= self.rank < self.count:
+            raise ProtocolError(f"{self.TYPE}: rank {self.rank} is not in 0..{self.count - 1}")
+
+
+@dataclass(frozen=True, slots=True)
+class BarrierReply(Message):
+    """Directory -> node: every member reached the barrier (``ok``), or its ``timeout`` passed
+    first (``timeout``: ``waiting`` members had not come, the first of them in ``missing``)."""
+
+    TYPE: ClassVar[str] = "barrier_reply"
+    request_id: int
+    status: str
+    waiting: int = 0
+    missing: list[int] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class EventLogReply(Message):
     """Directory -> node: events (dicts with ``seq``, ``t``, ``kind`` and details)."""
@@ -542,5 +582,6 @@ FROM_NODES: frozenset[type[Message]] = frozenset(
         ReducedObjectsRequest,
         VertexDone,
         EventLogRequest,
+        BarrierRequest,
     }
 )

@@ -1,0 +1,154 @@
+"""Barriers: one message per member, one reply to each once all have come.
+
+A group's barrier (:func:`hoplite_gpu.collective.barrier`) was an allreduce of one byte: a put,
+a reduce, the placement of its tree and a lookup per member, and the deletes after, 25 events of
+the directory's for 4 members (bench/README.md, "Small operations"). Here each member sends one
+:class:`~hoplite_gpu.protocol.BarrierRequest` and gets one reply.
+
+A member's arrival stays counted if its node leaves or its own timeout passes afterwards (it did
+reach the barrier), as long as another member still waits: a barrier nobody waits for any more
+is forgotten (a member coming later starts it again). At its timeout a member is answered
+``timeout``, naming the ranks missing. Arrivals count against the node's quota of
+waiting lookups.
+A restarted directory knows no barrier: members still waiting send theirs again (the session
+repeats a request the lost directory did not answer).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .. import protocol as p
+
+if TYPE_CHECKING:
+    from .state import DirectoryState
+
+
+@dataclass(slots=True)
+class Barrier:
+    """An open barrier: its size, the ranks that came, and those still to answer (rank -> node
+    and request id)."""
+
+    count: int
+    arrived: set[int] = field(default_factory=set)
+    waiting: dict[int, tuple[str, int]] = field(default_factory=dict)
+
+
+class Barriers:
+    """The directory's open barriers (a room of :class:`~.state.DirectoryState`)."""
+
+    def __init__(self, state: DirectoryState) -> None:
+        self.state = state
+        self.open: dict[bytes, Barrier] = {}
+        self.by_request: dict[tuple[str, int], tuple[bytes, int]] = {}  # -> (barrier, rank) waiting
+        self.per_node: dict[str, int] = {}  # members waiting, per node
+        self.deadlines: list[tuple[float, int, str, int]] = []  # (deadline, seq, node, request id)
+        self._seq = itertools.count()
+
+    def request(self, node_id: str, msg: p.BarrierRequest, now: float) -> None:
+        """Member ``msg.rank`` of node ``node_id`` reached barrier ``msg.barrier_id``."""
+        state = self.state
+        bid, rank = msg.barrier_id, msg.rank
+        barrier = self.open.get(bid)
+        if barrier is not None and barrier.count != msg.count:
+            self._refuse(node_id, msg, f"it has {barrier.count} members, this member said {msg.count}")
+            return
+        came = barrier.waiting.get(rank) if barrier is not None else None
+        if came is not None and came[0] != node_id:
+            self._refuse(node_id, msg, f"rank {rank} already reached it from another node")
+            return
+        quota = state.config.max_pending_lookups
+        if came is None and self.per_node.get(node_id, 0) + state.lookups.per_node.get(node_id, 0) >= quota:
+            text = f"node has {quota} lookups and barriers waiting, the directory's quota"
+            reply = p.ErrorReply(request_id=msg.request_id, kind="QuotaExceededError", message=text)
+            state.send(node_id, reply)
+            return
+        if barrier is None:
+            barrier = self.open[bid] = Barrier(msg.count)
+        if came is not None:  # the same member again (its node reconnected): answer the new request
+            del self.by_request[(node_id, came[1])]
+        else:
+            self.per_node[node_id] = self.per_node.get(node_id, 0) + 1
+        barrier.arrived.add(rank)
+        barrier.waiting[rank] = (node_id, msg.request_id)
+        self.by_request[(node_id, msg.request_id)] = (bid, rank)
+        if msg.timeout > 0:
+            heapq.heappush(self.deadlines, (now + msg.timeout, next(self._seq), node_id, msg.request_id))
+        state.record(
+            now, "barrier", node=node_id, barrier_id=bid.hex(), rank=rank, arrived=len(barrier.arrived)
+        )
+        if len(barrier.arrived) == barrier.count:
+            del self.open[bid]
+            for r in list(barrier.waiting):
+                self._answer(bid, barrier, r, "ok")
+            state.record(now, "barrier_ok", barrier_id=bid.hex(), members=barrier.count)
+
+    def _refuse(self, node_id: str, msg: p.BarrierRequest, why: str) -> None:
+        text = f"barrier {msg.barrier_id.hex()[:12]}: {why}"
+        reply = p.ErrorReply(request_id=msg.request_id, kind="InvalidArgumentError", message=text)
+        self.state.send(node_id, reply)
+
+    def _answer(self, bid: bytes, barrier: Barrier, rank: int, status: str) -> None:
+        """Answer the member of ``rank`` (``ok``, or ``timeout`` naming the ranks missing)."""
+        node_id, request_id = self._withdraw(barrier, rank)
+        missing = [r for r in range(barrier.count) if r not in barrier.arrived]
+        named = missing[: p.MAX_MISSING_NAMED]
+        reply = p.BarrierReply(request_id=request_id, status=status, waiting=len(missing), missing=named)
+        self.state.send(node_id, reply)
+
+    def _withdraw(self, barrier: Barrier, rank: int) -> tuple[str, int]:
+        node_id, request_id = barrier.waiting.pop(rank)
+        del self.by_request[(node_id, request_id)]
+        self.per_node[node_id] -= 1
+        if not self.per_node[node_id]:
+            del self.per_node[node_id]
+        return node_id, request_id
+
+    def _close_if_idle(self, bid: bytes, barrier: Barrier) -> None:
+        """Forget a barrier that nobody waits for any more (its members timed out, left or gave
+        up): a member coming later starts it again."""
+        if not barrier.waiting and self.open.get(bid) is barrier:
+            del self.open[bid]
+
+    def cancel(self, node_id: str, request_id: int) -> None:
+        """Withdraw a member (``CancelLookup`` of its request: its caller gave up), uncounted."""
+        found = self.by_request.get((node_id, request_id))
+        if found is None:
+            return
+        bid, rank = found
+        barrier = self.open[bid]
+        self._withdraw(barrier, rank)
+        barrier.arrived.discard(rank)
+        self._close_if_idle(bid, barrier)
+
+    def forget_node(self, node_id: str) -> None:
+        """``node_id`` left: its members still count as come, but get no reply."""
+        for key in [key for key in self.by_request if key[0] == node_id]:
+            bid, rank = self.by_request[key]
+            barrier = self.open[bid]
+            self._withdraw(barrier, rank)
+            self._close_if_idle(bid, barrier)
+
+    def deadline(self) -> float | None:
+        """The earliest deadline of a member waiting."""
+        heap = self.deadlines
+        while heap and heap[0][2:] not in self.by_request:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def expire(self, now: float) -> None:
+        """Answer ``timeout`` to every member whose deadline passed; it stays counted as come."""
+        heap = self.deadlines
+        while heap and heap[0][0] <= now:
+            _, _, node_id, request_id = heapq.heappop(heap)
+            found = self.by_request.get((node_id, request_id))
+            if found is None:
+                continue
+            bid, rank = found
+            barrier = self.open[bid]
+            self._answer(bid, barrier, rank, "timeout")
+            self.state.record(now, "barrier_timeout", node=node_id, barrier_id=bid.hex(), rank=rank)
+            self._close_if_idle(bid, barrier)

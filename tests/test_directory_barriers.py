@@ -1,0 +1,169 @@
+"""Barriers in the pure directory state machine: one request per member, one reply to each."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hoplite_gpu import protocol as p
+from hoplite_gpu.directory.config import DirectoryConfig
+from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request, Tick
+from hoplite_gpu.errors import ProtocolError
+
+pytestmark = pytest.mark.timeout(30)
+
+BID = b"b" * 20
+
+
+def make_state(*nodes: str, quota: int = 100_000) -> DirectoryState:
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf, validate=True, max_pending_lookups=quota))
+    for i, node in enumerate(nodes):
+        assert state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0)) == []
+    return state
+
+
+def arrive(state, node, rank, count=3, rid=None, timeout=0.0, now=0.0, bid=BID):
+    rid = 10 + rank if rid is None else rid
+    msg = p.BarrierRequest(request_id=rid, barrier_id=bid, rank=rank, count=count, timeout=timeout)
+    return [(s.node_id, s.message) for s in state.handle(Request(node, msg, now))]
+
+
+def test_every_member_is_answered_once_all_have_come():
+    state = make_state("A", "B", "C")
+    assert arrive(state, "A", 0) == []
+    assert arrive(state, "B", 1) == []
+    out = arrive(state, "C", 2)
+    assert sorted(out, key=lambda o: o[0]) == [
+        ("A", p.BarrierReply(request_id=10, status="ok")),
+        ("B", p.BarrierReply(request_id=11, status="ok")),
+        ("C", p.BarrierReply(request_id=12, status="ok")),
+    ]
+    assert state.barriers.open == {} and state.barriers.per_node == {} and state.barriers.by_request == {}
+    # The next barrier of the same id is a new one.
+    assert arrive(state, "A", 0) == []
+
+
+def test_members_on_one_node_are_answered_each():
+    state = make_state("A")
+    assert arrive(state, "A", 0, count=2, rid=1) == []
+    out = arrive(state, "A", 1, count=2, rid=2)
+    assert sorted(m.request_id for _, m in out) == [1, 2]
+
+
+def test_a_member_with_another_count_is_refused_and_the_others_still_wait():
+    state = make_state("A", "B", "C")
+    assert arrive(state, "A", 0) == []
+    [(node, reply)] = arrive(state, "B", 1, count=4)
+    assert node == "B" and isinstance(reply, p.ErrorReply) and reply.kind == "InvalidArgumentError"
+    assert "3 members" in reply.message
+    assert arrive(state, "B", 1) == []
+    assert len(arrive(state, "C", 2)) == 3
+
+
+def test_a_rank_already_come_from_another_node_is_refused():
+    state = make_state("A", "B")
+    assert arrive(state, "A", 0) == []
+    [(node, reply)] = arrive(state, "B", 0, rid=99)
+    assert node == "B" and isinstance(reply, p.ErrorReply) and "rank 0" in reply.message
+
+
+def test_each_member_is_answered_at_its_own_timeout_naming_the_missing():
+    state = make_state("A", "B", "C")
+    assert arrive(state, "A", 0, count=5, timeout=2.0, now=1.0) == []
+    assert arrive(state, "B", 3, count=5, timeout=2.0, now=1.5) == []
+    assert state.next_deadline() == 3.0
+    assert state.handle(Tick(2.9)) == []
+    out = [(s.node_id, s.message) for s in state.handle(Tick(3.0))]
+    assert out == [("A", p.BarrierReply(request_id=10, status="timeout", waiting=3, missing=[1, 2, 4]))]
+    assert state.next_deadline() == 3.5
+    out = [(s.node_id, s.message) for s in state.handle(Tick(3.5))]
+    assert out == [("B", p.BarrierReply(request_id=13, status="timeout", waiting=3, missing=[1, 2, 4]))]
+    assert state.barriers.open == {} and state.barriers.per_node == {} and state.next_deadline() is None
+    kinds = [e["kind"] for e in state.events]
+    assert kinds.count("barrier") == 2 and kinds.count("barrier_timeout") == 2
+
+
+def test_a_member_that_timed_out_still_counts_for_those_waiting():
+    state = make_state("A", "B", "C")
+    assert arrive(state, "A", 0, timeout=1.0) == []  # a group with a timeout
+    assert arrive(state, "B", 1, timeout=0.0) == []  # and one waiting forever
+    assert [s.node_id for s in state.handle(Tick(1.0))] == ["A"]
+    out = arrive(state, "C", 2, now=2.0)
+    assert sorted(node for node, _ in out) == ["B", "C"]
+    assert all(m.status == "ok" for _, m in out)
+
+
+def test_a_member_whose_node_left_after_coming_still_counts():
+    state = make_state("A", "B", "C")
+    assert arrive(state, "A", 0) == []
+    assert arrive(state, "B", 1) == []
+    state.handle(NodeLeft("A", 1.0))
+    out = arrive(state, "C", 2, now=1.0)
+    assert sorted(node for node, _ in out) == ["B", "C"]  # nobody to answer on A
+    assert state.barriers.per_node == {}
+
+
+def test_a_barrier_nobody_waits_for_is_forgotten():
+    state = make_state("A", "B")
+    assert arrive(state, "A", 0, count=2) == []
+    state.handle(NodeLeft("A", 1.0))
+    assert state.barriers.open == {}
+    assert arrive(state, "B", 1, count=2, now=1.0) == []  # starts it again
+
+
+def test_a_cancelled_arrival_is_withdrawn():
+    state = make_state("A", "B")
+    assert arrive(state, "A", 0, count=2) == []
+    assert state.handle(Request("A", p.CancelLookup(request_id=10), 0.0)) == []
+    assert state.barriers.open == {}
+    assert arrive(state, "B", 1, count=2) == []  # A's arrival is gone: B waits
+    assert len(arrive(state, "A", 0, count=2, rid=20)) == 2
+
+
+def test_a_member_sending_again_is_answered_on_its_new_request():
+    state = make_state("A", "B")
+    assert arrive(state, "A", 0, count=2, rid=1) == []
+    assert arrive(state, "A", 0, count=2, rid=2) == []  # e.g. after its node reconnected
+    out = arrive(state, "B", 1, count=2, rid=3)
+    assert sorted((node, m.request_id) for node, m in out) == [("A", 2), ("B", 3)]
+    assert state.barriers.per_node == {}
+
+
+def test_a_node_sending_again_after_it_was_declared_gone_is_counted_once():
+    state = make_state("A", "B")
+    assert arrive(state, "A", 0, count=2, rid=1) == []
+    state.handle(NodeLeft("A", 1.0))
+    state.handle(NodeJoined("A", "127.0.0.1", 7100, 2.0))
+    assert arrive(state, "A", 0, count=2, rid=5, now=2.0) == []
+    out = arrive(state, "B", 1, count=2, rid=3, now=2.0)
+    assert sorted((node, m.request_id) for node, m in out) == [("A", 5), ("B", 3)]
+    assert state.barriers.per_node == {}
+
+
+def test_arrivals_count_against_the_nodes_quota_of_waiting_lookups():
+    state = make_state("A", "B", quota=2)
+    assert arrive(state, "A", 0, count=2, bid=b"x" * 20) == []
+    assert arrive(state, "A", 0, count=2, bid=b"y" * 20) == []
+    [(_, reply)] = arrive(state, "A", 0, count=2, bid=b"z" * 20)
+    assert isinstance(reply, p.ErrorReply) and reply.kind == "QuotaExceededError"
+    assert arrive(state, "B", 1, count=2, bid=b"x" * 20) != []  # others are unaffected
+    assert arrive(state, "A", 0, count=2, bid=b"z" * 20) == []  # the quota is free again
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"rank": 3, "count": 3},
+        {"rank": -1, "count": 3},
+        {"rank": 0, "count": 0},
+        {"rank": 0, "count": p.MAX_BARRIER_MEMBERS + 1},
+        {"rank": 0, "count": 2, "barrier_id": b"short"},
+        {"rank": 0, "count": 2, "timeout": -1.0},
+    ],
+)
+def test_a_barrier_request_out_of_range_does_not_decode(fields):
+    body = {"request_id": 1, "barrier_id": BID, "timeout": 0.0, **fields}
+    frame = p.encode(p.BarrierRequest(**body))
+    with pytest.raises(ProtocolError):
+        p.decode(frame[p.FRAME_HEADER.size :])
