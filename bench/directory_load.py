@@ -19,6 +19,7 @@ slice per event and, for comparison in the same run, all at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -30,6 +31,7 @@ import multiprocessing
 import socket
 import subprocess
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from hoplite_gpu import auth
@@ -116,36 +118,48 @@ def per_event_ms(pending: int) -> dict[str, float]:
     }
 
 
+def _exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise ConnectionError("closed")
+        data += part
+    return bytes(data)
+
+
+def read_frame(sock: socket.socket) -> p.Message:
+    """The next message on a blocking socket to the directory."""
+    (length,) = p.FRAME_HEADER.unpack(_exact(sock, p.FRAME_HEADER.size))
+    return p.decode(_exact(sock, length))
+
+
+def joined(address: str, token: str, node_id: str, port: int) -> socket.socket:
+    """A blocking socket to the directory at ``address``, authenticated and joined as node
+    ``node_id`` (data port ``port``, never dialled by these benchmarks' requests)."""
+    host, port_text = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port_text)), timeout=30)
+    challenge = read_frame(sock)
+    assert isinstance(challenge, p.Challenge)
+    mine = auth.new_nonce()
+    proof = auth.mac(token, b"client", challenge.nonce, mine)
+    sock.sendall(p.encode(p.Hello(node_id=node_id, nonce=mine, proof=proof, data_host=host, data_port=port)))
+    assert isinstance(read_frame(sock), p.Welcome)
+    return sock
+
+
 class _Peer:
     """A raw authenticated connection to a directory, with a thread that reads every frame and
     completes the request whose id it answers (pushes are read and dropped)."""
 
     def __init__(self, address: str, token: str, node_id: str, port: int) -> None:
-        host, port_text = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port_text)), timeout=30)
-        challenge = self._frame()
-        assert isinstance(challenge, p.Challenge)
-        mine = auth.new_nonce()
-        proof = auth.mac(token, b"client", challenge.nonce, mine)
-        hello = p.Hello(node_id=node_id, nonce=mine, proof=proof, data_host=host, data_port=port)
-        self.sock.sendall(p.encode(hello))
-        assert isinstance(self._frame(), p.Welcome)
+        self.sock = joined(address, token, node_id, port)
         self.replies: dict[int, float] = {}  # request id -> when its reply arrived
         self.cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
-    def _exact(self, n: int) -> bytes:
-        data = bytearray()
-        while len(data) < n:
-            part = self.sock.recv(n - len(data))
-            if not part:
-                raise ConnectionError("closed")
-            data += part
-        return bytes(data)
-
     def _frame(self) -> p.Message:
-        (length,) = p.FRAME_HEADER.unpack(self._exact(p.FRAME_HEADER.size))
-        return p.decode(self._exact(length))
+        return read_frame(self.sock)
 
     def _read(self) -> None:
         try:
@@ -169,17 +183,12 @@ class _Peer:
             return self.replies[request_id]
 
 
-def service_round_trips(inputs: int, pending: int, place_slice: int) -> dict[str, float]:
-    """Round trips (ms) of a third node's lookups while a standalone directory (its own process,
-    ``hoplite-gpu directory``) holds ``pending`` waiting lookups and places a reduce over
-    ``inputs`` present objects, ``place_slice`` of them per event."""
+@contextlib.contextmanager
+def standalone_directory(env: dict[str, str]) -> Iterator[tuple[str, str, int]]:
+    """A directory in its own process (``hoplite-gpu directory``, invariant checks off), with
+    these extra environment variables: its address, token and process id."""
     token = auth.new_token()
-    env = {
-        **os.environ,
-        "HOPLITE_TOKEN": token,
-        "HOPLITE_DIRECTORY_PLACE_SLICE": str(place_slice),
-        "HOPLITE_VALIDATE_DIRECTORY": "0",
-    }
+    env = {**os.environ, "HOPLITE_TOKEN": token, "HOPLITE_VALIDATE_DIRECTORY": "0", **env}
     cli = [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", "0"]
     proc = subprocess.Popen(cli, env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -187,7 +196,17 @@ def service_round_trips(inputs: int, pending: int, place_slice: int) -> dict[str
         line = proc.stdout.readline()
         if "listening on" not in line:
             raise RuntimeError(f"the directory did not start: {line!r}")
-        address = line.split()[-1]
+        yield line.split()[-1], token, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def service_round_trips(inputs: int, pending: int, place_slice: int) -> dict[str, float]:
+    """Round trips (ms) of a third node's lookups while a standalone directory (its own process,
+    ``hoplite-gpu directory``) holds ``pending`` waiting lookups and places a reduce over
+    ``inputs`` present objects, ``place_slice`` of them per event."""
+    with standalone_directory({"HOPLITE_DIRECTORY_PLACE_SLICE": str(place_slice)}) as (address, token, _):
         waiter = _Peer(address, token, "waiter", 9001)
         maker = _Peer(address, token, "maker", 9002)
         ctx = multiprocessing.get_context("spawn")
@@ -218,9 +237,6 @@ def service_round_trips(inputs: int, pending: int, place_slice: int) -> dict[str
             "during p99": busy[int(len(busy) * 0.99) - 1],
             "during max": busy[-1],
         }
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def _probe(address: str, token: str, conn: Any) -> None:
