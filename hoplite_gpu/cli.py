@@ -16,6 +16,7 @@ from typing import Any
 from .auth import new_token, read_token_file, token_from_env
 from .config import Config, check_port
 from .errors import HopliteError
+from .iothread import new_event_loop
 
 
 def _port(text: str) -> int:
@@ -60,7 +61,8 @@ def _directory(args: argparse.Namespace) -> int:
         return 0
 
     try:
-        return asyncio.run(serve())
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop where installed
+            return runner.run(serve())
     except HopliteError as exc:  # e.g. a certificate or key that does not load
         return refuse(exc)
 
