@@ -28,18 +28,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import process_cpu
 from bench.directory_load import joined, read_frame, standalone_directory
 from hoplite_gpu import protocol as p
 
 #: The requests of one operation.
 REQUESTS_PER_OP = 3
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _client(address: str, token: str, index: int, window: int, size: int, cpus: set[int], conn: Any) -> None:
@@ -98,7 +92,7 @@ def run(clients: int, window: int, size: int, seconds: float) -> dict[str, Any]:
                 if not pipe.poll(60):
                     raise TimeoutError("a client did not start")
                 pipe.recv()
-            cpu0, t0 = _cpu_seconds(pid), time.monotonic()
+            cpu0, t0 = process_cpu([pid])[pid], time.monotonic()
             for pipe in pipes:
                 pipe.send("go")
             time.sleep(seconds)  # the measured window: the clients run meanwhile
@@ -109,7 +103,7 @@ def run(clients: int, window: int, size: int, seconds: float) -> dict[str, Any]:
                 if not pipe.poll(60):
                     raise TimeoutError("a client did not finish")
                 latencies += pipe.recv()
-            cpu, wall = _cpu_seconds(pid) - cpu0, time.monotonic() - t0
+            cpu, wall = process_cpu([pid])[pid] - cpu0, time.monotonic() - t0
         finally:
             for proc in procs:
                 proc.join(10)

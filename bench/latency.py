@@ -14,18 +14,24 @@ one clock for every process of the host, :func:`bench.collectives.round_times`).
 
 hoplite_gpu: an embedded directory in this process, one node per worker, the library's defaults
 (same-host copies through shared memory). Gloo: ``torch.distributed`` over loopback. Every result
-is checked (the barrier's has none). Besides the median and the 99th percentile of each, the
-table gives the directory's events per operation: its event log over the rounds (requests,
-replies it sent and what it decided; by kind in the JSON), divided by the rounds, less the
-untimed barriers' share (one barrier's events are half the barrier row's: two a round). Each is
-work on the directory's one event loop, and a request in it a round trip for some member.
+is checked (the barrier's has none). With ``--breakdown``, every control message is stamped as it
+is encoded and decoded (:func:`stamp_messages`), and put+get's round is cut into its steps: the
+putter's call to its request leaving, the wire and wake to the directory, the directory's event,
+the reply's way to the getter, and the getter's way out to its caller (:func:`put_get_steps`).
 
-    python bench/latency.py --json bench/results/latency.json
+Besides the median and the 99th percentile of each, the table gives the directory's events per
+operation: its event log over the rounds (requests, replies it sent and what it decided; by kind in
+the JSON), divided by the rounds, less the untimed barriers' share (one barrier's events are half
+the barrier row's: two a round). Each is work on the directory's one event loop, and a request in it
+a round trip for some member.
+
+    python bench/latency.py --breakdown --json bench/results/latency.json
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -58,8 +64,35 @@ def _expected(op: str, rank: int, world: int, arr: np.ndarray, round_: int) -> A
     return total if op == "allreduce" else None
 
 
-def _member(system: str, address: str, token: str, rank: int, world: int, conn: Any) -> None:
-    """A worker: runs ``(op, size, rounds)`` commands and answers each with its (start, end) spans."""
+def stamp_messages(log: list[tuple[float, str, str]]) -> None:
+    """Append ``(time.monotonic(), "send" or "recv", message type)`` to ``log`` for every control
+    message this process encodes or decodes from now on: the breakdown's probes, on the codec,
+    which every message of a node or a directory passes (a few microseconds each)."""
+    import hoplite_gpu.protocol as wire
+    import hoplite_gpu.protocol.codec as codec
+
+    encode, decode = codec.encode, codec.decode
+
+    def stamped_encode(msg: Any) -> bytes:
+        log.append((time.monotonic(), "send", msg.TYPE))
+        return encode(msg)
+
+    def stamped_decode(payload: bytes) -> Any:
+        msg = decode(payload)
+        log.append((time.monotonic(), "recv", msg.TYPE))
+        return msg
+
+    codec.encode = wire.encode = stamped_encode  # type: ignore[assignment]
+    codec.decode = wire.decode = stamped_decode  # type: ignore[assignment]
+
+
+def _member(system: str, address: str, token: str, rank: int, world: int, stamps: bool, conn: Any) -> None:
+    """A worker: runs ``(op, size, rounds)`` commands and answers each with its (start, end) spans
+    and, with ``stamps``, the control messages it sent and received meanwhile (see
+    :func:`stamp_messages`)."""
+    log: list[tuple[float, str, str]] = []
+    if stamps:
+        stamp_messages(log)
     if system == "gloo":
         import torch
         import torch.distributed as dist
@@ -80,7 +113,8 @@ def _member(system: str, address: str, token: str, rank: int, world: int, conn: 
     try:
         while (msg := conn.recv()) is not None:
             op, size, rounds = msg
-            conn.send(_rounds(system, node, group, op, size, rounds, rank, world))
+            del log[:]
+            conn.send((_rounds(system, node, group, op, size, rounds, rank, world), list(log)))
     finally:
         if system == "gloo":
             import torch.distributed as dist
@@ -168,23 +202,30 @@ def _check(op: str, rank: int, world: int, got: np.ndarray, round_: int, pieces:
 
 
 def run(
-    system: str, workers: int, size: int, rounds: int, warmup: int, ops: list[str]
+    system: str, workers: int, size: int, rounds: int, warmup: int, ops: list[str], breakdown: bool = False
 ) -> list[dict[str, Any]]:
     """Every op of ``ops`` with ``system``: a row each (median and p99 microseconds, and for
-    hoplite_gpu the directory's events per op, by kind)."""
+    hoplite_gpu the directory's events per op, by kind; with ``breakdown``, put+get's round cut
+    into the steps of :func:`put_get_steps`)."""
     import hoplite_gpu as hg
 
+    stamps = breakdown and system == "hoplite_gpu"
+    directory_log: list[tuple[float, str, str]] = []
+    if stamps:
+        stamp_messages(directory_log)  # the embedded directory below lives in this process
     owner = hg.init() if system == "hoplite_gpu" else None
     address, token = (owner.directory_address, owner.token) if owner is not None else ("", "")
-    args = [(system, address, token, r, workers) for r in range(workers)]
+    args = [(system, address, token, r, workers, stamps) for r in range(workers)]
     pipes, procs = start_workers(_member, args)
     rows = []
     try:
         for op in ops:
             since = owner.event_log()[-1]["seq"] + 1 if owner is not None else 0
+            del directory_log[:]
             for pipe in pipes:
                 pipe.send((op, size, warmup + rounds))
-            spans = [pipe.recv() for pipe in pipes]
+            spans, logs = zip(*[pipe.recv() for pipe in pipes], strict=True)
+            spans = list(spans)
             if op == "put+get":  # the two members of the operation
                 spans = spans[:2]
             times = sorted(round_times(spans, warmup, rounds))
@@ -206,12 +247,64 @@ def run(
                     "directory_events": dict(kinds),
                 }
             )
+            if stamps and op == "put+get":
+                rows[-1]["steps_us"] = put_get_steps(spans, logs[0], logs[1], directory_log, warmup)
             print(_line(rows[-1]), file=sys.stderr, flush=True)
     finally:
         stop_workers(pipes, procs)
         if owner is not None:
             owner.close()
     return rows
+
+
+#: The steps of a put+get round (:func:`put_get_steps`), in order.
+STEPS = (
+    "put: call to request sent",
+    "request to the directory",
+    "directory: put in to the get's reply out",
+    "reply to the getter",
+    "getter: reply in to get returned",
+)
+
+
+def put_get_steps(
+    spans: list[list[Any]], putter: list[Any], getter: list[Any], directory: list[Any], warmup: int
+) -> dict[str, Any]:
+    """Median microseconds of each step of the put+get rounds (:data:`STEPS`), from the members'
+    spans and the control messages stamped in the putter, the getter and the directory (one
+    clock: ``time.monotonic`` on one host). Rounds whose get asked after the put arrived (its
+    reply then follows its own lookup) are left out, and counted."""
+
+    def times(log: list[Any], way: str, kind: str) -> list[float]:
+        return [t for t, w, k in log if w == way and k == kind]
+
+    puts_sent, puts_in = times(putter, "send", "put"), times(directory, "recv", "put")
+    replies_out, replies_in = times(directory, "send", "lookup_reply"), times(getter, "recv", "lookup_reply")
+    lookups_in = times(directory, "recv", "lookup")
+
+    def first(after: float, stamps: list[float]) -> float | None:
+        i = bisect.bisect_left(stamps, after)
+        return stamps[i] if i < len(stamps) else None
+
+    steps: list[list[float]] = [[] for _ in STEPS]
+    late = 0
+    for (put_start, _), (get_start, get_end) in zip(spans[0][warmup:], spans[1][warmup:], strict=True):
+        sent = first(put_start, puts_sent)
+        arrived = first(sent, puts_in) if sent is not None else None
+        asked = first(get_start, lookups_in)
+        out = first(arrived, replies_out) if arrived is not None else None
+        got = first(out, replies_in) if out is not None else None
+        if None in (sent, arrived, asked, out, got):
+            continue
+        assert sent is not None and arrived is not None and asked is not None
+        assert out is not None and got is not None
+        if asked > arrived:
+            late += 1
+            continue
+        for i, step in enumerate((sent - put_start, arrived - sent, out - arrived, got - out, get_end - got)):
+            steps[i].append(step)
+    medians = {name: statistics.median(s) * 1e6 if s else None for name, s in zip(STEPS, steps, strict=True)}
+    return {**medians, "rounds": len(steps[0]), "late_gets": late}
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -263,17 +356,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="also cut put+get into its steps (stamping every message)"
+    )
     args = ap.parse_args(argv)
     ops = args.ops.split(",")
     if set(ops) - set(OPS) or args.workers < 2:
         ap.error(f"--ops takes {', '.join(OPS)}; --workers at least 2")
     size = parse_size(args.size)
     rows = [
-        r for s in args.systems.split(",") for r in run(s, args.workers, size, args.rounds, args.warmup, ops)
+        r
+        for s in args.systems.split(",")
+        for r in run(s, args.workers, size, args.rounds, args.warmup, ops, args.breakdown)
     ]
     what = f"{args.workers} processes on one host, {format_size(size)} float32"
     print(f"{what}, median / p99 of {args.rounds} rounds")
     print(table(rows))
+    for r in rows:
+        if "steps_us" in r:
+            steps = r["steps_us"]
+            print(
+                f"\nput+get step by step: median us of {steps['rounds']} rounds "
+                f"({steps['late_gets']} left out)"
+            )
+            cells = [[n, f"{steps[n]:.0f}"] for n in STEPS if steps[n] is not None]
+            print(markdown_table([("step", "l"), ("us", "r")], cells))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)

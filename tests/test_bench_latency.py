@@ -19,3 +19,12 @@ def test_small_operations_run_checked_beside_gloo() -> None:
     assert all(latency.op_events(rows, r) > 0 for r in ours)
     assert latency.op_events(rows, ours[-1]) >= 3
     assert "| put+get |" in latency.table(rows)
+
+
+def test_put_get_is_cut_into_its_steps() -> None:
+    [row] = latency.run("hoplite_gpu", 2, 1024, 20, 2, ["put+get"], breakdown=True)
+    steps = row["steps_us"]
+    assert steps["rounds"] + steps["late_gets"] == 20 and steps["rounds"] > 0
+    # Each step is a span between two stamps in order, and together they are one round.
+    assert all(steps[name] >= 0 for name in latency.STEPS)
+    assert sum(steps[name] for name in latency.STEPS) <= 2 * row["p99_us"]
