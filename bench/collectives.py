@@ -106,6 +106,8 @@ def _member(
                     coll.gather(outs, piece, 0, group)
                 elif op == "allgather":
                     coll.allgather(outs, piece, group)
+                elif op == "barrier":
+                    coll.barrier(group)
                 elif op == "p2p":  # member 0 puts, member 1 gets; the others idle
                     oid = hg.ObjectID.from_name(f"{group.name}/p2p/{group.seq}")
                     if rank == 0:

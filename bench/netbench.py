@@ -23,6 +23,9 @@ every round's result is checked. For link bandwidth ``B`` and ``S`` bytes, the i
 * gather and allgather, where ``S`` is the gathered total (``S/N`` per member):
   ``(N-1)/N * S / B`` (what the root's, or every member's, download must carry).
 
+A barrier is timed too, at the smallest size only: it moves no payload, so its rows have no ideal
+and no CPU per byte (Ray's peer has no barrier and skips it).
+
 The link bandwidth is also measured in each run (one TCP stream between two hosts) and shown.
 
 CPU per byte (``cpu_seconds``, ``cpu_s_per_gib``): user + system CPU seconds of a timed round,
@@ -68,7 +71,8 @@ from bench.common import (
     parse_size,
 )
 
-OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather")
+#: ``barrier`` runs at the smallest size only (its size is not used), where the peer has one.
+OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather", "barrier")
 DIRECTORY_PORT = 7070
 GLOO_PORT = 29500
 SYSTEMS = ("hoplite_gpu", "mpi", "gloo", "ray")
@@ -133,6 +137,8 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
                     dist.gather(piece, outs if rank == 0 else None, dst=0)
                 elif op == "allgather":
                     dist.all_gather(outs, piece)
+                elif op == "barrier":
+                    dist.barrier()
                 else:
                     raise ValueError(op)
                 end = time.monotonic()
@@ -213,9 +219,10 @@ def ideal_seconds(op: str, size: int, hosts: int, rate: float) -> float:
     """The physical limit of ``op`` on ``size`` bytes over links of ``rate`` bytes/s (see the module
     docstring): every byte crosses the busiest link's direction once (broadcast, reduce), or
     ``(N-1)/N`` of the data does (gather, allgather: ``size`` is the gathered total), or twice that
-    (allreduce)."""
+    (allreduce); 0 for a barrier, which moves no payload (its rows have no ratio)."""
     share = (hosts - 1) / hosts
     factor = {"broadcast": 1.0, "reduce": 1.0, "allreduce": 2 * share, "gather": share, "allgather": share}
+    factor["barrier"] = 0.0
     return factor[op] * size / rate
 
 
@@ -243,18 +250,26 @@ def run(
             found = []
             small = [s for s in sizes if s < SMALL_BYTES]
             large = [s for s in sizes if s >= SMALL_BYTES]
+            first = min(sizes)
             for group, (reps, warm) in ((small, small_rounds), (large, (repeat, warmup))):
                 if not group:
                     continue
-                if system in PEER_MODULES:
-                    peer = importlib.import_module(PEER_MODULES[system])
-                    found += peer.run(cluster, group, list(ops), reps, warm)
-                else:
-                    found += _run_system(cluster, system, group, reps, warm, ops)
+                for these in ([s for s in group if s == first], [s for s in group if s != first]):
+                    chosen = [o for o in ops if o != "barrier" or first in these]
+                    if not these or not chosen:
+                        continue
+                    if system in PEER_MODULES:
+                        peer = importlib.import_module(PEER_MODULES[system])
+                        mine = [o for o in chosen if o in peer.OPS]  # Ray's peer has no barrier
+                        found += peer.run(cluster, these, mine, reps, warm) if mine else []
+                    else:
+                        found += _run_system(cluster, system, these, reps, warm, chosen)
             for row in found:
                 ideal = ideal_seconds(row["op"], row["size"], hosts, rate)
-                row.update(hosts=hosts, ideal_seconds=ideal, x_ideal=row["seconds"] / ideal)
-                if "cpu_seconds" in row:
+                row.update(
+                    hosts=hosts, ideal_seconds=ideal, x_ideal=row["seconds"] / ideal if ideal else None
+                )
+                if "cpu_seconds" in row and row["op"] != "barrier":
                     row["cpu_s_per_gib"] = cpu_per_gib(row["cpu_seconds"], row["size"])
             rows += found
             print(f"N={hosts} {system}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
@@ -316,10 +331,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     columns += [(f"{s} CPU s/GiB", "r") for s in systems]
     cells = []
     for (hosts, op, size), ideal in sorted(ideals.items()):
-        line = [str(hosts), OPS[op], format_size(size), f"{ideal:.3g}"]
+        line = [str(hosts), OPS[op], format_size(size), f"{ideal:.3g}" if ideal else "-"]
         for system in systems:
             r = by_key.get((hosts, op, size, system))
-            line.append("-" if r is None else f"{r['seconds']:.3g} ({r['x_ideal']:.3g})")
+            ratio = f" ({r['x_ideal']:.3g})" if r is not None and r["x_ideal"] is not None else ""
+            line.append("-" if r is None else f"{r['seconds']:.3g}{ratio}")
         for system in systems:
             r = by_key.get((hosts, op, size, system))
             line.append("-" if r is None or "cpu_s_per_gib" not in r else f"{r['cpu_s_per_gib']:.3g}")

@@ -32,7 +32,9 @@ def plot(result: dict[str, Any], directory: str) -> list[str]:
     rate = result["rate_bytes"]
     paths = []
     for hosts in sorted({r["hosts"] for r in rows}):
-        for op in [o for o in OPS if any(r["op"] == o and r["hosts"] == hosts for r in rows)]:
+        for op in [
+            o for o in OPS if o != "barrier" and any(r["op"] == o and r["hosts"] == hosts for r in rows)
+        ]:
             mine = [r for r in rows if r["hosts"] == hosts and r["op"] == op]
             sizes = sorted({r["size"] for r in mine})
             fig, ax = plt.subplots(figsize=(6.4, 4.4))

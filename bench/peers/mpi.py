@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from bench.cluster import Cluster
 
 NAME = "mpi"
-OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather")
+OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather", "barrier")
 #: The repository root: ranks run this module as ``python -m bench.peers.mpi`` from there.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Rank 0 marks its report lines with this, so that anything else Open MPI prints is ignored.
@@ -290,6 +290,8 @@ def _rank_main(ops: list[str], sizes: list[int], rounds: int) -> None:
                     comm.Gather(piece, out, root=0)
                 elif op == "allgather":
                     comm.Allgather(piece, out)
+                elif op == "barrier":
+                    comm.Barrier()
                 end = time.monotonic()
                 comm.Barrier()  # CPU until every rank has left the collective, as the other systems
                 spans.append((start, end, cpu_seconds() - cpu))
@@ -311,7 +313,7 @@ def _rank_main(ops: list[str], sizes: list[int], rounds: int) -> None:
 
 def _check(op: str, out: Any, rank: int, world: int) -> str:
     """What is wrong with a rank's result of ``op`` (empty if right)."""
-    if op in ("reduce", "gather") and rank != 0:
+    if op == "barrier" or (op in ("reduce", "gather") and rank != 0):
         return ""
     want = float(world) if op in ("reduce", "allreduce") else 1.0
     if out.size and not (out == want).all():
