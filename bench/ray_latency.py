@@ -1,0 +1,179 @@
+"""Small collectives through ``ray.util.collective`` (backend ``"hoplite"``) against the same
+collectives through the group API underneath, in the same Ray actors (issue 42, item 4).
+
+``--workers`` actors on a local Ray instance join one ``ray.util.collective`` group with the
+``hoplite`` backend. Each operation runs ``--rounds`` times on ``--size`` bytes of float32 NumPy
+arrays, each round after an untimed barrier, first as users call Ray (``col.allreduce(a,
+"group")``), then on the :class:`hoplite_gpu.collective.Group` that the Ray group wraps
+(``collective.allreduce(a, group)``). A round runs from the last member entering to the last
+leaving (:func:`bench.collectives.round_times`); every result is checked. The ratio is Ray's
+dispatch (the group looked up by name, the arguments checked and converted) on top of ours.
+
+    python bench/ray_latency.py --json bench/results/ray_latency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.collectives import round_times
+from bench.common import markdown_table, parse_size
+
+OPS = ("broadcast", "reduce", "allreduce", "barrier")
+WAYS = ("ray", "group")
+
+
+class Member:
+    """One actor of the group: runs every op both ways and returns its (start, end) spans."""
+
+    def __init__(self, rank: int, world: int, name: str) -> None:
+        import ray.util.collective as col
+
+        self.rank, self.world, self.name = rank, world, name
+        col.init_collective_group(world, rank, backend="hoplite", group_name=name)
+
+    def spans(self, op: str, way: str, size: int, rounds: int) -> list[tuple[float, float]]:
+        import ray.util.collective as col
+        from ray.util.collective.collective import get_group_handle
+
+        from hoplite_gpu import collective
+
+        group = get_group_handle(self.name).group
+        arr = np.zeros(max(size // 4, 1), np.float32)
+        total = self.world * (self.world - 1) // 2
+        out = []
+        for i in range(rounds):
+            arr.fill(self.rank if op != "broadcast" else (i if self.rank == 0 else -1))
+            col.barrier(self.name)
+            start = time.monotonic()
+            if way == "ray":
+                if op == "broadcast":
+                    col.broadcast(arr, 0, self.name)
+                elif op == "reduce":
+                    col.reduce(arr, 0, self.name)
+                elif op == "allreduce":
+                    col.allreduce(arr, self.name)
+                else:
+                    col.barrier(self.name)
+            elif op == "broadcast":
+                collective.broadcast(arr, 0, group)
+            elif op == "reduce":
+                collective.reduce(arr, 0, group)
+            elif op == "allreduce":
+                collective.allreduce(arr, group)
+            else:
+                collective.barrier(group)
+            out.append((start, time.monotonic()))
+            want = {"broadcast": i, "allreduce": total, "reduce": total if self.rank == 0 else None}.get(op)
+            if want is not None and not np.all(arr == want):
+                raise AssertionError(
+                    f"{op} ({way}) round {i}: member {self.rank} holds {arr[:4]}, not {want}"
+                )
+        return out
+
+    def close(self) -> None:
+        import ray.util.collective as col
+
+        col.destroy_collective_group(self.name)
+
+
+def run(workers: int, size: int, rounds: int, warmup: int, ops: list[str]) -> list[dict[str, Any]]:
+    """Every op both ways on a local Ray instance: a row per (op, way) with the median and p99
+    microseconds."""
+    import ray
+
+    import hoplite_gpu.ray as hgray
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=workers + 1,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        runtime_env={
+            "worker_process_setup_hook": "hoplite_gpu.ray.register_collective_backend",
+            "env_vars": {"PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+        },
+    )
+    rows = []
+    try:
+        hgray.register_collective_backend()
+        hgray.start_directory()
+        actor = ray.remote(num_cpus=1)(Member)
+        members = [actor.remote(r, workers, "latency") for r in range(workers)]
+        for op in ops:
+            for way in WAYS:
+                spans = ray.get(
+                    [m.spans.remote(op, way, size, warmup + rounds) for m in members], timeout=600
+                )
+                times = sorted(round_times(spans, warmup, rounds))
+                rows.append(
+                    {
+                        "op": op,
+                        "way": way,
+                        "workers": workers,
+                        "size": size,
+                        "rounds": rounds,
+                        "median_us": statistics.median(times) * 1e6,
+                        "p99_us": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e6,
+                    }
+                )
+                print(f"{op} ({way}): median {rows[-1]['median_us']:.0f} us", file=sys.stderr, flush=True)
+        ray.get([m.close.remote() for m in members], timeout=120)
+    finally:
+        ray.shutdown()
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    by = {(r["op"], r["way"]): r for r in rows}
+    cells = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        ray_row, ours = by[(op, "ray")], by[(op, "group")]
+        cells.append(
+            [
+                op,
+                f"{ray_row['median_us']:.0f} / {ray_row['p99_us']:.0f}",
+                f"{ours['median_us']:.0f} / {ours['p99_us']:.0f}",
+                f"{ray_row['median_us'] / ours['median_us']:.2f}x",
+            ]
+        )
+    columns = [("op", "l"), ("ray.util.collective median / p99 (us)", "r"), ("group API (us)", "r")]
+    return markdown_table([*columns, ("x group API", "r")], cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--size", default="1KiB")
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args(argv)
+    ops = args.ops.split(",")
+    if set(ops) - set(OPS) or args.workers < 2:
+        ap.error(f"--ops takes {', '.join(OPS)}; --workers at least 2")
+    rows = run(args.workers, parse_size(args.size), args.rounds, args.warmup, ops)
+    print(f"{args.workers} Ray actors on one host, {args.size} float32, median / p99 of {args.rounds} rounds")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
