@@ -22,8 +22,6 @@ import time
 import uuid
 from typing import Any
 
-import msgpack
-
 from .. import auth
 from .. import protocol as p
 from ..config import Config
@@ -42,6 +40,7 @@ from .events import (
     Send,
     Tick,
 )
+from .frames import FrameReader, Refusal
 from .state import DirectoryState
 
 log = logging.getLogger("hoplite_gpu.directory")
@@ -64,50 +63,9 @@ async def _closed(writer: asyncio.StreamWriter) -> None:
         await writer.wait_closed()
 
 
-#: Messages the directory answers: one it refuses is answered with an ``ErrorReply`` naming its
-#: ``request_id`` (what it waits for), not by closing the connection.
-ANSWERED = frozenset(
-    cls.TYPE
-    for cls in (
-        p.PutRequest,
-        p.LookupRequest,
-        p.DeleteRequest,
-        p.ReduceRequest,
-        p.ReducedObjectsRequest,
-        p.EventLogRequest,
-    )
-)
-#: Bytes of an oversized frame read to find which request it is (its type and ``request_id``
-#: come first).
-_REQUEST_HEAD_BYTES = 256
-#: An oversized request up to this many times the limit is skipped and refused; a larger frame
-#: closes the connection.
-_SKIPPED_FRAME_LIMITS = 16
-
-
-def _answered_request(body: bytes) -> tuple[str, int] | None:
-    """``(type, request_id)`` of the request a frame body (or its start) holds, if it is one the
-    directory answers (:data:`ANSWERED`) and names its ``request_id`` within ``body``; None
-    otherwise. Reads only the frame's shape: nothing else in it need be valid."""
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1))
-    unpacker.feed(body)
-    try:
-        if unpacker.read_array_header() != 3 or unpacker.unpack() != p.PROTOCOL_VERSION:
-            return None
-        kind = unpacker.unpack()
-        if kind not in ANSWERED:
-            return None
-        for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() != "request_id":
-                unpacker.skip()
-                continue
-            request_id = unpacker.unpack()
-            if isinstance(request_id, int) and not isinstance(request_id, bool) and request_id >= 0:
-                return str(kind), request_id
-            return None
-    except Exception:  # truncated, or not msgpack: msgpack raises several unrelated types
-        return None
-    return None
+#: Bytes a connection's handler reads at a time: every request they hold is handled before the
+#: replies go out (:meth:`DirectoryService._serve`).
+READ_BYTES = 1 << 16
 
 
 def _handshake_caps(config: DirectoryConfig) -> tuple[int, int]:
@@ -166,12 +124,13 @@ def _listen(infos: list[Any], port: int) -> list[socket.socket]:
 
 
 class _Conn:
-    __slots__ = ("node_id", "peer", "writer")
+    __slots__ = ("node_id", "out", "peer", "writer")
 
     def __init__(self, node_id: str, writer: asyncio.StreamWriter, peer: str) -> None:
         self.node_id = node_id
         self.writer = writer
         self.peer = peer
+        self.out: list[bytes] = []  # frames held while a batch of requests is handled
 
 
 class DirectoryService:
@@ -223,6 +182,8 @@ class DirectoryService:
         self._stopping = False
         self._wake = asyncio.Event()
         self._armed = math.inf  # the deadline the timer waits for (inf: none)
+        self._batching = False  # a batch of a node's requests is being handled (see _serve)
+        self._held: list[_Conn] = []  # connections with frames held until the batch ends
         self._handlers: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -366,10 +327,7 @@ class DirectoryService:
                 self._handshake_done(host)
             if node_id is None:
                 return
-            while True:
-                msg = await self._read_request(reader, writer, node_id)
-                if msg is not None:
-                    self._apply(Request(node_id, msg, time.monotonic()))
+            await self._serve(reader, node_id)
         except ProtocolError as exc:
             log.warning("closing connection from %s (node %s): %s", peer, node_id, exc)
         except ssl.SSLError as exc:  # before OSError: it is one
@@ -389,52 +347,68 @@ class DirectoryService:
             else:
                 sock.close()
 
-    async def _read_request(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, node_id: str
-    ) -> p.Message | None:
-        """The next message of an authenticated node, or None for a request refused with an
-        ``ErrorReply`` (too large, or failing its checks): the node's caller gets the error, where
-        closing the connection made the node reconnect and send it again, forever. Raises
-        :class:`ProtocolError` for what cannot be answered (the connection is then closed)."""
-        limit = self.config.max_message_bytes
-        (length,) = p.FRAME_HEADER.unpack(await reader.readexactly(p.FRAME_HEADER.size))
-        if length > limit:
-            head = await reader.readexactly(min(length, _REQUEST_HEAD_BYTES))
-            request = _answered_request(head)
-            if request is None or length > _SKIPPED_FRAME_LIMITS * limit:
-                raise ProtocolError(f"control message of {length} bytes exceeds the limit of {limit}")
-            left = length - len(head)
-            while left:  # skipped a piece at a time: never held whole
-                left -= len(await reader.readexactly(min(left, 1 << 16)))
-            why = (
-                f"{length} bytes, over the directory's control message limit of {limit} "
-                "(Config.control_message_limit)"
-            )
-            self._refuse(writer, node_id, *request, why)
-            return None
-        payload = await reader.readexactly(length)
-        try:
-            return p.decode(payload)
-        except ProtocolError as exc:
-            request = _answered_request(payload)
-            if request is None:
-                raise
-            self._refuse(writer, node_id, *request, str(exc))
-            return None
+    async def _serve(self, reader: asyncio.StreamReader, node_id: str) -> None:
+        """Handle an authenticated node's requests until its connection ends: what arrived is
+        read at once and handled in order (:class:`~.frames.FrameReader`), and the replies of the
+        batch go out after it, one write per connection. Raises :class:`ProtocolError` for what
+        cannot be answered (the connection is then closed)."""
+        frames = FrameReader(self.config.max_message_bytes)
+        while True:
+            data = await reader.read(READ_BYTES)
+            if not data:
+                raise asyncio.IncompleteReadError(b"", None)
+            items, error = frames.feed(data)
+            self._batching = True
+            try:
+                for item in items:
+                    if isinstance(item, Refusal):
+                        self._refuse(node_id, item)
+                    else:
+                        self._apply(Request(node_id, item, time.monotonic()))
+            finally:
+                self._batching = False
+                self._flush()
+            if error is not None:
+                raise error
 
-    def _refuse(
-        self, writer: asyncio.StreamWriter, node_id: str, kind: str, request_id: int, why: str
-    ) -> None:
+    def _write(self, conn: _Conn, frame: bytes) -> None:
+        """Send ``frame`` to ``conn``'s node: at once, or after the batch being handled."""
+        if self._batching:
+            if not conn.out:
+                self._held.append(conn)
+            conn.out.append(frame)
+            return
+        self._written(conn, frame)
+
+    def _flush(self) -> None:
+        """Send what a batch held, one write per connection."""
+        held, self._held = self._held, []
+        for conn in held:
+            frames, conn.out = conn.out, []
+            if not conn.writer.is_closing():
+                self._written(conn, b"".join(frames))
+
+    def _written(self, conn: _Conn, data: bytes) -> None:
+        conn.writer.write(data)
+        unread = conn.writer.transport.get_write_buffer_size()
+        if unread > self.config.max_unread_bytes:
+            # Not reading its replies: drop it (its handler then reports it as left) rather than
+            # hold its backlog in memory.
+            log.warning("dropping node %s: %d bytes of replies unread", conn.node_id[:8], unread)
+            self.dropped_unread += 1
+            conn.writer.transport.abort()
+
+    def _refuse(self, node_id: str, refusal: Refusal) -> None:
         """Answer a request the directory will not handle with an ``InvalidArgumentError``."""
+        kind, why = refusal.kind, refusal.why
         self.refused_requests += 1
         self._warn("refused", "refused a %s request from node %s: %s", kind, node_id[:8], why)
         self.state.record(time.monotonic(), "request_refused", node=node_id, request=kind, reason=why[:500])
         text = f"the directory refused this {kind} request: {why}"
-        writer.write(p.encode(p.ErrorReply(request_id=request_id, kind="InvalidArgumentError", message=text)))
-        if writer.transport.get_write_buffer_size() > self.config.max_unread_bytes:
-            log.warning("dropping node %s: its refusals are not read", node_id[:8])
-            self.dropped_unread += 1
-            writer.transport.abort()
+        reply = p.ErrorReply(request_id=refusal.request_id, kind="InvalidArgumentError", message=text)
+        conn = self._conns.get(node_id)
+        if conn is not None:
+            self._write(conn, p.encode(reply))
 
     def _warn(self, kind: str, text: str, *args: Any) -> None:
         """Log a warning of this kind at most once a second (a flood of bad connections must not
@@ -522,17 +496,13 @@ class DirectoryService:
             if conn is None or conn.writer.is_closing():
                 continue
             if isinstance(instr, Send):
-                conn.writer.write(p.encode(instr.message))
-                unread = conn.writer.transport.get_write_buffer_size()
-                if unread > self.config.max_unread_bytes:
-                    # Not reading its replies: drop it (its handler then reports it as left)
-                    # rather than hold its backlog in memory.
-                    log.warning("dropping node %s: %d bytes of replies unread", instr.node_id[:8], unread)
-                    self.dropped_unread += 1
-                    conn.writer.transport.abort()
+                self._write(conn, p.encode(instr.message))
             elif isinstance(instr, Disconnect):
                 log.warning("declaring node %s dead: %s", instr.node_id[:8], instr.reason)
                 del self._conns[instr.node_id]
+                if conn.out:  # what the batch held for it goes first, as it would have
+                    frames, conn.out = conn.out, []
+                    conn.writer.write(b"".join(frames))
                 conn.writer.close()
         deadline = self.state.next_deadline()
         if deadline is not None and deadline < self._armed:
