@@ -22,7 +22,6 @@ reachable target once N > 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import cpu_seconds, format_size, markdown_table, parse_size, start_workers, stop_workers
+from bench.common import (
+    cpu_seconds,
+    format_size,
+    markdown_table,
+    parse_size,
+    start_workers,
+    stop_workers,
+    write_json,
+)
 
 OPS = ("broadcast", "reduce", "allreduce")
 
@@ -229,9 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--paths takes shm and/or ucx")
     rows = [r for path in paths for r in run(args.workers, sizes, args.repeat, args.warmup, path)]
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    write_json(args.json, rows)
     return 0
 
 

@@ -10,6 +10,7 @@ the run's processes and divides by the GiB of payload (:func:`cpu_per_gib`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Iterable
@@ -52,6 +53,7 @@ __all__ = [
     "socket_copy_times",
     "start_workers",
     "stop_workers",
+    "write_json",
 ]
 
 
@@ -116,3 +118,11 @@ def cluster_arguments(description: str, sizes: str, prefix: str) -> argparse.Arg
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     return ap
+
+
+def write_json(path: str | None, data: object) -> None:
+    """Write a benchmark's record to ``path`` as JSON (nothing when ``path`` is empty: no
+    ``--json`` was given)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=2)

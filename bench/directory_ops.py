@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import multiprocessing
 import os
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import process_cpu
+from bench.common import process_cpu, write_json
 from bench.directory_load import joined, read_frame, standalone_directory
 from hoplite_gpu import protocol as p
 
@@ -145,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['clients']} | {r['clients'] * r['window'] * REQUESTS_PER_OP} | {r['requests_per_s']} "
             f"| {r['directory_busy']:.0%} | {r['per_cpu_second']} | {r['median_us']} / {r['p99_us']} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return 0
 
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import json
 import os
 import platform
 import signal
@@ -70,7 +69,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.collectives import round_times
-from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
+from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers, write_json
 from hoplite_gpu.memory import placement
 
 PARTS = ("p2p", "kernel", "collectives", "failure", "wire", "weights")
@@ -753,9 +752,7 @@ def save(record: dict[str, Any], args: argparse.Namespace) -> str:
         "parts_not_run": [p for p in args.parts if p not in record["parts"]],
     }
     table = format_markdown(record)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(record, fh, indent=2)
+    write_json(args.json, record)
     if args.md:
         with open(args.md, "w") as fh:
             fh.write(table)

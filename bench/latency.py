@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import json
 import os
 import statistics
 import sys
@@ -45,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.collectives import round_times
-from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers
+from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers, write_json
 
 OPS = ("put+get", "broadcast", "reduce", "allreduce", "allgather", "barrier")
 SYSTEMS = ("hoplite_gpu", "gloo")
@@ -381,9 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             cells = [[n, f"{steps[n]:.0f}"] for n in STEPS if steps[n] is not None]
             print(markdown_table([("step", "l"), ("us", "r")], cells))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    write_json(args.json, rows)
     return 0
 
 

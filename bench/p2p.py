@@ -44,7 +44,6 @@ the socket, both processes over each copy.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -56,7 +55,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import cpu_per_gib, cpu_seconds, memcpy_gbps, parse_size, socket_copy, stop_workers
+from bench.common import (
+    cpu_per_gib,
+    cpu_seconds,
+    memcpy_gbps,
+    parse_size,
+    socket_copy,
+    stop_workers,
+    write_json,
+)
 
 PATHS = ("shm", "tcp", "ucx", "tcp-shared", "sim-index", "sim-lookup")
 #: The paths through the data plane between hosts (no shared memory), by ``Config.data_plane``.
@@ -241,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {r['hoplite_seconds_median'] * 1e3:>7.3f}"
             f" {r['hoplite_cpu_s_per_gib']:>6.2f} / {r['socket_cpu_s_per_gib']:<5.2f}"
         )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    write_json(args.json, rows)
     return 0
 
 

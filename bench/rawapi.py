@@ -47,6 +47,7 @@ from bench.common import (
     markdown_table,
     parse_rate,
     parse_size,
+    write_json,
 )
 from bench.netbench import Member
 
@@ -286,9 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     columns = [("pattern", "l"), ("N", "r"), ("link", "r"), ("size", "r"), ("seconds", "r")]
     print(markdown_table([*columns, ("ideal", "r"), ("x ideal", "r"), ("CPU s/GiB", "r")], table))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    write_json(args.json, rows)
     return 0
 
 

@@ -15,7 +15,6 @@ dispatch (the group looked up by name, the arguments checked and converted) on t
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -28,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.collectives import round_times
-from bench.common import markdown_table, parse_size
+from bench.common import markdown_table, parse_size, write_json
 
 OPS = ("broadcast", "reduce", "allreduce", "barrier")
 WAYS = ("ray", "group")
@@ -169,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.workers, parse_size(args.size), args.rounds, args.warmup, ops)
     print(f"{args.workers} Ray actors on one host, {args.size} float32, median / p99 of {args.rounds} rounds")
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    write_json(args.json, rows)
     return 0
 
 

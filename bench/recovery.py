@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import format_size, markdown_table, parse_size
+from bench.common import format_size, markdown_table, parse_size, write_json
 
 RECEIVERS = 4
 #: Worker settings: transfers over UCX (not same-host shared memory, which a kill mid-copy does not
@@ -368,9 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         owner.close()
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"size": size, "repeat": args.repeat, "rows": rows}, fh, indent=2)
+    write_json(args.json, {"size": size, "repeat": args.repeat, "rows": rows})
     return 0
 
 

@@ -22,7 +22,6 @@ with shared memory on, median wall time and CPU per put::
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
@@ -35,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import cpu_seconds, parse_size
+from bench.common import cpu_seconds, parse_size, write_json
 
 
 def _populate_copy(fd: int, src: np.ndarray[Any, Any]) -> None:
@@ -128,9 +127,7 @@ def main() -> int:
     puts = fresh_puts(size, args.repeat)
     wall, cpu = 1e3 * puts["put_seconds"], 1e3 * puts["cpu_seconds"]
     print(f"\nput of a fresh {args.size} array, kept, shared memory on: {wall:.1f} ms, {cpu:.1f} ms CPU")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(fill=ways, put=puts, command=" ".join(sys.argv)), fh, indent=1)
+    write_json(args.json, dict(fill=ways, put=puts, command=" ".join(sys.argv)))
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import select
@@ -45,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import parse_size
+from bench.common import parse_size, write_json
 
 PATHS = ("sim-index", "sim-lookup", "shm")
 MARK = "/hoplite-syscalls-mark"
@@ -270,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['path']:>10} {what:>7} {s.get('caller_median', 0):>7g} "
                 f"{s.get('others_median', 0):>7g} {s.get('futex_median', 0):>6g}  {names}"
             )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"date": started, "count": args.count, "rows": rows}, fh, indent=2)
+    write_json(args.json, {"date": started, "count": args.count, "rows": rows})
     return 0
 
 

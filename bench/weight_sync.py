@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, link_throughput
-from bench.common import cluster_options, format_size, markdown_table, parse_rate, parse_size
+from bench.common import cluster_options, format_size, markdown_table, parse_rate, parse_size, write_json
 from bench.netbench import Member
 
 DIRECTORY_PORT = 7071
@@ -524,9 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             for rate in args.rate.split(",")
             for n in args.engines.split(",")
         ]
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(rows, fh, indent=2)
+        write_json(args.json, rows)
         return 0
     rows = [
         run(system, int(n), parse_rate(rate), total, args.repeat, args.prefix, buckets, args.per_host)
@@ -557,9 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table([*columns, *((f"x {peer}", "r") for peer in peers)], table))
     if args.plot:
         print("\n".join(plot(rows, args.plot)), file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    write_json(args.json, rows)
     return 0
 
 
