@@ -66,6 +66,8 @@ async def _closed(writer: asyncio.StreamWriter) -> None:
 #: Bytes a connection's handler reads at a time: every request they hold is handled before the
 #: replies go out (:meth:`DirectoryService._serve`).
 READ_BYTES = 1 << 16
+#: Bytes of replies a batch holds for one connection before it writes them all the same.
+HELD_BYTES = 1 << 20
 
 
 def _handshake_caps(config: DirectoryConfig) -> tuple[int, int]:
@@ -124,13 +126,14 @@ def _listen(infos: list[Any], port: int) -> list[socket.socket]:
 
 
 class _Conn:
-    __slots__ = ("node_id", "out", "peer", "writer")
+    __slots__ = ("held", "node_id", "out", "peer", "writer")
 
     def __init__(self, node_id: str, writer: asyncio.StreamWriter, peer: str) -> None:
         self.node_id = node_id
         self.writer = writer
         self.peer = peer
         self.out: list[bytes] = []  # frames held while a batch of requests is handled
+        self.held = 0  # their bytes
 
 
 class DirectoryService:
@@ -372,11 +375,17 @@ class DirectoryService:
                 raise error
 
     def _write(self, conn: _Conn, frame: bytes) -> None:
-        """Send ``frame`` to ``conn``'s node: at once, or after the batch being handled."""
+        """Send ``frame`` to ``conn``'s node: at once, or after the batch being handled (at once
+        too once the batch holds :data:`HELD_BYTES` for it: a node whose small requests ask for
+        large replies must meet the bound on unread replies as it did)."""
         if self._batching:
             if not conn.out:
                 self._held.append(conn)
             conn.out.append(frame)
+            conn.held += len(frame)
+            if conn.held >= HELD_BYTES:
+                frames, conn.out, conn.held = conn.out, [], 0
+                self._written(conn, b"".join(frames))
             return
         self._written(conn, frame)
 
@@ -384,8 +393,8 @@ class DirectoryService:
         """Send what a batch held, one write per connection."""
         held, self._held = self._held, []
         for conn in held:
-            frames, conn.out = conn.out, []
-            if not conn.writer.is_closing():
+            frames, conn.out, conn.held = conn.out, [], 0
+            if frames and not conn.writer.is_closing():
                 self._written(conn, b"".join(frames))
 
     def _written(self, conn: _Conn, data: bytes) -> None:
@@ -501,7 +510,7 @@ class DirectoryService:
                 log.warning("declaring node %s dead: %s", instr.node_id[:8], instr.reason)
                 del self._conns[instr.node_id]
                 if conn.out:  # what the batch held for it goes first, as it would have
-                    frames, conn.out = conn.out, []
+                    frames, conn.out, conn.held = conn.out, [], 0
                     conn.writer.write(b"".join(frames))
                 conn.writer.close()
         deadline = self.state.next_deadline()
