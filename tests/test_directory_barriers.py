@@ -167,3 +167,16 @@ def test_a_barrier_request_out_of_range_does_not_decode(fields):
     frame = p.encode(p.BarrierRequest(**body))
     with pytest.raises(ProtocolError):
         p.decode(frame[p.FRAME_HEADER.size :])
+
+
+def test_the_largest_barrier_is_answered_in_linear_time():
+    """65,536 members: each answer must not walk every rank (that was minutes of one event)."""
+    count = p.MAX_BARRIER_MEMBERS
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf))  # no invariant pass per event
+    state.handle(NodeJoined("A", "127.0.0.1", 7000, 0.0))
+    for rank in range(count - 1):
+        arrive(state, "A", rank, count=count, rid=rank + 1, timeout=1.0)
+    out = state.handle(Tick(1.0))  # every member times out, the last one never came
+    assert len(out) == count - 1
+    assert all(s.message.missing == [count - 1] and s.message.waiting == 1 for s in out)
+    assert state.barriers.open == {}

@@ -35,6 +35,7 @@ class Barrier:
     count: int
     arrived: set[int] = field(default_factory=set)
     waiting: dict[int, tuple[str, int]] = field(default_factory=dict)
+    named: list[int] | None = None  # the first ranks missing, once asked (None: to find again)
 
 
 class Barriers:
@@ -73,6 +74,7 @@ class Barriers:
         else:
             self.per_node[node_id] = self.per_node.get(node_id, 0) + 1
         barrier.arrived.add(rank)
+        barrier.named = None
         barrier.waiting[rank] = (node_id, msg.request_id)
         self.by_request[(node_id, msg.request_id)] = (bid, rank)
         if msg.timeout > 0:
@@ -94,9 +96,17 @@ class Barriers:
     def _answer(self, bid: bytes, barrier: Barrier, rank: int, status: str) -> None:
         """Answer the member of ``rank`` (``ok``, or ``timeout`` naming the ranks missing)."""
         node_id, request_id = self._withdraw(barrier, rank)
-        missing = [r for r in range(barrier.count) if r not in barrier.arrived]
-        named = missing[: p.MAX_MISSING_NAMED]
-        reply = p.BarrierReply(request_id=request_id, status=status, waiting=len(missing), missing=named)
+        waiting = barrier.count - len(barrier.arrived)
+        if waiting and barrier.named is None:
+            # Found once per change, stopping at the first MAX_MISSING_NAMED: a barrier of 65,536
+            # members is answered member by member.
+            barrier.named = list(
+                itertools.islice(
+                    (r for r in range(barrier.count) if r not in barrier.arrived), p.MAX_MISSING_NAMED
+                )
+            )
+        named = barrier.named if waiting and barrier.named is not None else []
+        reply = p.BarrierReply(request_id=request_id, status=status, waiting=waiting, missing=named)
         self.state.send(node_id, reply)
 
     def _withdraw(self, barrier: Barrier, rank: int) -> tuple[str, int]:
@@ -122,6 +132,7 @@ class Barriers:
         barrier = self.open[bid]
         self._withdraw(barrier, rank)
         barrier.arrived.discard(rank)
+        barrier.named = None
         self._close_if_idle(bid, barrier)
 
     def forget_node(self, node_id: str) -> None:
