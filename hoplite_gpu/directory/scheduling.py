@@ -9,13 +9,25 @@ copy is, else at another complete copy, else where it is being produced.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from .. import protocol as p
 from ..topology import LinkKind, link_between
 from .records import Location, LocationState, NodeInfo, ObjectEntry
 
 Nodes = Mapping[str, NodeInfo]
+
+
+def _on_host(nodes: Nodes, entry: ObjectEntry, receiver: str) -> Iterator[tuple[Location, NodeInfo]]:
+    """Every location of ``entry`` on another node of ``receiver``'s host, with that node's record
+    (none where the receiver's host is unknown): what the same-host choices below pick from."""
+    key = nodes[receiver].host_key
+    if not key:
+        return
+    for loc in entry.locations.values():
+        info = nodes.get(loc.node_id)
+        if loc.node_id != receiver and info is not None and info.host_key == key:
+            yield loc, info
 
 
 def same_host_copy(
@@ -28,21 +40,14 @@ def same_host_copy(
     they joined). Then the owner's copy, and one still being copied into its segment (see
     :attr:`~.records.Location.copying`) only if no other."""
     reader = nodes[receiver]
-    if not reader.host_key:
-        return None
-    found: list[Location] = []
-    for loc in entry.locations.values():
-        info = nodes.get(loc.node_id)
-        if (
-            loc.state is LocationState.COMPLETE
-            and loc.segment
-            and (device_ipc or not loc.segment.startswith(p.IPC_SEGMENT_PREFIX))
-            and loc.node_id != receiver
-            and info is not None
-            and info.host_key == reader.host_key
-            and info.suspect_since is None
-        ):
-            found.append(loc)
+    found = [
+        loc
+        for loc, info in _on_host(nodes, entry, receiver)
+        if loc.state is LocationState.COMPLETE
+        and loc.segment
+        and (device_ipc or not loc.segment.startswith(p.IPC_SEGMENT_PREFIX))
+        and info.suspect_since is None
+    ]
 
     def rank(loc: Location) -> tuple[int, bool, bool]:
         holder = nodes[loc.node_id]
@@ -67,13 +72,11 @@ def computed_on_host(nodes: Nodes, entry: ObjectEntry, receiver: str, device_ipc
       host (``device_ipc``): a pull stages it through host memory and the loopback at a few
       GB/s (``bench/gpu.py`` wire part: 2-3 GB/s on an H100), where the vertex computes it at
       the device's memory bandwidth and the reader then copies it device to device."""
-    key = nodes[receiver].host_key
     device = device_ipc and entry.memory == "device"
-    if not key or (entry.object_id != entry.reduction and not device):
+    if entry.object_id != entry.reduction and not device:
         return False
-    for loc in entry.locations.values():
-        info = nodes.get(loc.node_id)
-        if loc.producing and loc.node_id != receiver and info is not None and info.host_key == key:
+    for loc, info in _on_host(nodes, entry, receiver):
+        if loc.producing:
             return info.suspect_since is None
     return False
 
@@ -84,22 +87,15 @@ def received_on_host(nodes: Nodes, entry: ObjectEntry, receiver: str, device_ipc
     object across the host's link a second time: any number of readers on a host cost its link
     one copy. Two engines per host, 256 MiB at 100 MB/s: 3.28x S/B when each pulled its own
     (bench/README.md, "Weight sync"). Not for a device object that ``receiver`` cannot open."""
-    key = nodes[receiver].host_key
-    if not key or (entry.memory == "device" and not device_ipc):
+    if entry.memory == "device" and not device_ipc:
         return False
-    for loc in entry.locations.values():
-        info = nodes.get(loc.node_id)
-        if (
-            loc.state is LocationState.PARTIAL
-            and loc.upstream is not None
-            and not loc.producing
-            and loc.node_id != receiver
-            and info is not None
-            and info.host_key == key
-            and info.suspect_since is None
-        ):
-            return True
-    return False
+    return any(
+        loc.state is LocationState.PARTIAL
+        and loc.upstream is not None
+        and not loc.producing
+        and info.suspect_since is None
+        for loc, info in _on_host(nodes, entry, receiver)
+    )
 
 
 def choose_sender(nodes: Nodes, entry: ObjectEntry, receiver: str, direct: bool = False) -> Location | None:
