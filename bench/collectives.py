@@ -63,6 +63,30 @@ def check_result(op: str, rank: int, world: int, arr: Any, outs: list[Any]) -> N
             raise AssertionError(f"{op}: member {rank} got values in [{got.min()}, {got.max()}], not {value}")
 
 
+def group_op(op: str, arr: Any, group: Any, outs: Any = None, piece: Any = None) -> bool:
+    """Run collective ``op`` of :mod:`hoplite_gpu.collective` on this member of ``group``:
+    broadcast, reduce and gather rooted at rank 0; gather and allgather contribute ``piece``
+    (``arr`` if None) into ``outs``. False for an op it does not know (nothing runs)."""
+    from hoplite_gpu import collective as coll
+
+    piece = arr if piece is None else piece
+    if op == "broadcast":
+        coll.broadcast(arr, 0, group)
+    elif op == "reduce":
+        coll.reduce(arr, 0, group)
+    elif op == "allreduce":
+        coll.allreduce(arr, group)
+    elif op == "gather":
+        coll.gather(outs, piece, 0, group)
+    elif op == "allgather":
+        coll.allgather(outs, piece, group)
+    elif op == "barrier":
+        coll.barrier(group)
+    else:
+        return False
+    return True
+
+
 def _member(
     address: str, token: str, rank: int, world: int, shared: bool, conn: Any, cpu_pids: Sequence[int] = ()
 ) -> None:
@@ -103,24 +127,14 @@ def _member(
                 sent.clear()
                 cpu = cpu_seconds(cpu_pids)
                 start = time.monotonic()
-                if op == "broadcast":
-                    coll.broadcast(arr, 0, group)
-                elif op == "reduce":
-                    coll.reduce(arr, 0, group)
-                elif op == "allreduce":
-                    coll.allreduce(arr, group)
-                elif op == "gather":
-                    coll.gather(outs, piece, 0, group)
-                elif op == "allgather":
-                    coll.allgather(outs, piece, group)
-                elif op == "barrier":
-                    coll.barrier(group)
-                elif op == "p2p":  # member 0 puts, member 1 gets; the others idle
+                if op == "p2p":  # member 0 puts, member 1 gets; the others idle
                     oid = hg.ObjectID.from_name(f"{group.name}/p2p/{group.seq}")
                     if rank == 0:
                         sent.append(node.put(arr, oid))
                     elif rank == 1:
                         node.get(oid, timeout=300)
+                else:
+                    group_op(op, arr, group, outs, piece)
                 end = time.monotonic()
                 coll.barrier(group)  # every member has left the op: what it served after returning counts
                 spans.append((start, end, cpu_seconds(cpu_pids) - cpu))

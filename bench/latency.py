@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.collectives import round_times
+from bench.collectives import group_op, round_times
 from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers, write_json
 
 OPS = ("put+get", "broadcast", "reduce", "allreduce", "allgather", "barrier")
@@ -171,16 +171,8 @@ def _rounds(
                 node.put(arr, oid)
             elif rank == 1:
                 got = np.asarray(node.get(oid, timeout=60))
-        elif op == "broadcast":
-            coll.broadcast(arr, 0, group)
-        elif op == "reduce":
-            coll.reduce(arr, 0, group)
-        elif op == "allreduce":
-            coll.allreduce(arr, group)
-        elif op == "allgather":
-            coll.allgather(outs, arr, group)
         else:
-            coll.barrier(group)
+            group_op(op, arr, group, outs)
         spans.append((start, time.monotonic()))
         _check(op, rank, world, got, i, outs)
         if op == "put+get" and rank == 0:
@@ -227,7 +219,7 @@ def run(
             spans = list(spans)
             if op == "put+get":  # the two members of the operation
                 spans = spans[:2]
-            times = sorted(round_times(spans, warmup, rounds))
+            times = round_times(spans, warmup, rounds)
             kinds: collections.Counter[str] = collections.Counter()
             if owner is not None:
                 kinds.update(e["kind"] for e in owner.event_log(since))
@@ -238,8 +230,7 @@ def run(
                     "workers": workers,
                     "size": size,
                     "rounds": rounds,
-                    "median_us": statistics.median(times) * 1e6,
-                    "p99_us": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e6,
+                    **median_p99_us(times),
                     # The untimed barriers count too: the ones before every round (and, for
                     # put+get, after it); the barrier row is two barriers a round.
                     "directory_events_per_round": sum(kinds.values()) / (warmup + rounds) if owner else None,
@@ -346,22 +337,42 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table([*columns, ("x Gloo", "r"), ("directory events per op", "r")], cells)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def median_p99_us(times: list[float]) -> dict[str, float]:
+    """The median and the 99th percentile of ``times`` (seconds), in microseconds."""
+    ordered = sorted(times)
+    return {
+        "median_us": statistics.median(ordered) * 1e6,
+        "p99_us": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6,
+    }
+
+
+def round_arguments(ap: argparse.ArgumentParser, ops: tuple[str, ...]) -> None:
+    """The arguments of a benchmark of small operations in rounds (this one, bench/ray_latency.py)."""
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--size", default="1KiB")
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--ops", default=",".join(ops))
     ap.add_argument("--json", help="also write the rows here")
+
+
+def chosen_ops(ap: argparse.ArgumentParser, args: argparse.Namespace, ops: tuple[str, ...]) -> list[str]:
+    """The ops ``--ops`` names (an argument error for one not in ``ops``, or under 2 workers)."""
+    chosen = args.ops.split(",")
+    if set(chosen) - set(ops) or args.workers < 2:
+        ap.error(f"--ops takes {', '.join(ops)}; --workers at least 2")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    round_arguments(ap, OPS)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument(
         "--breakdown", action="store_true", help="also cut put+get into its steps (stamping every message)"
     )
     args = ap.parse_args(argv)
-    ops = args.ops.split(",")
-    if set(ops) - set(OPS) or args.workers < 2:
-        ap.error(f"--ops takes {', '.join(OPS)}; --workers at least 2")
+    ops = chosen_ops(ap, args, OPS)
     size = parse_size(args.size)
     rows = [
         r

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -26,8 +25,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.collectives import round_times
+from bench.collectives import group_op, round_times
 from bench.common import markdown_table, parse_size, write_json
+from bench.latency import chosen_ops, median_p99_us, round_arguments
 
 OPS = ("broadcast", "reduce", "allreduce", "barrier")
 WAYS = ("ray", "group")
@@ -46,8 +46,6 @@ class Member:
         import ray.util.collective as col
         from ray.util.collective.collective import get_group_handle
 
-        from hoplite_gpu import collective
-
         group = get_group_handle(self.name).group
         arr = np.zeros(max(size // 4, 1), np.float32)
         total = self.world * (self.world - 1) // 2
@@ -65,14 +63,8 @@ class Member:
                     col.allreduce(arr, self.name)
                 else:
                     col.barrier(self.name)
-            elif op == "broadcast":
-                collective.broadcast(arr, 0, group)
-            elif op == "reduce":
-                collective.reduce(arr, 0, group)
-            elif op == "allreduce":
-                collective.allreduce(arr, group)
             else:
-                collective.barrier(group)
+                group_op(op, arr, group)
             out.append((start, time.monotonic()))
             want = {"broadcast": i, "allreduce": total, "reduce": total if self.rank == 0 else None}.get(op)
             if want is not None and not np.all(arr == want):
@@ -117,7 +109,7 @@ def run(workers: int, size: int, rounds: int, warmup: int, ops: list[str]) -> li
                 spans = ray.get(
                     [m.spans.remote(op, way, size, warmup + rounds) for m in members], timeout=600
                 )
-                times = sorted(round_times(spans, warmup, rounds))
+                times = round_times(spans, warmup, rounds)
                 rows.append(
                     {
                         "op": op,
@@ -125,8 +117,7 @@ def run(workers: int, size: int, rounds: int, warmup: int, ops: list[str]) -> li
                         "workers": workers,
                         "size": size,
                         "rounds": rounds,
-                        "median_us": statistics.median(times) * 1e6,
-                        "p99_us": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e6,
+                        **median_p99_us(times),
                     }
                 )
                 print(f"{op} ({way}): median {rows[-1]['median_us']:.0f} us", file=sys.stderr, flush=True)
@@ -155,16 +146,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--size", default="1KiB")
-    ap.add_argument("--rounds", type=int, default=200)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--json", help="also write the rows here")
+    round_arguments(ap, OPS)
     args = ap.parse_args(argv)
-    ops = args.ops.split(",")
-    if set(ops) - set(OPS) or args.workers < 2:
-        ap.error(f"--ops takes {', '.join(OPS)}; --workers at least 2")
+    ops = chosen_ops(ap, args, OPS)
     rows = run(args.workers, parse_size(args.size), args.rounds, args.warmup, ops)
     print(f"{args.workers} Ray actors on one host, {args.size} float32, median / p99 of {args.rounds} rounds")
     print(table(rows))
