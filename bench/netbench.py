@@ -221,8 +221,14 @@ def ideal_seconds(op: str, size: int, hosts: int, rate: float) -> float:
     ``(N-1)/N`` of the data does (gather, allgather: ``size`` is the gathered total), or twice that
     (allreduce); 0 for a barrier, which moves no payload (its rows have no ratio)."""
     share = (hosts - 1) / hosts
-    factor = {"broadcast": 1.0, "reduce": 1.0, "allreduce": 2 * share, "gather": share, "allgather": share}
-    factor["barrier"] = 0.0
+    factor = {
+        "broadcast": 1.0,
+        "reduce": 1.0,
+        "allreduce": 2 * share,
+        "gather": share,
+        "allgather": share,
+        "barrier": 0.0,
+    }
     return factor[op] * size / rate
 
 
