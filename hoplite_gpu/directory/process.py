@@ -43,7 +43,7 @@ class DirectoryProcess:
         self.port = port
         self.env = dict(env or {})
         self.wrap = list(wrap or [])
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def address(self) -> str:
@@ -67,22 +67,25 @@ class DirectoryProcess:
             env={**os.environ, **self.env, "HOPLITE_TOKEN": self.token},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
+            bufsize=0,  # unbuffered: a line read never takes the next one out of the pipe's sight
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
+        said: list[str] = []
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             while time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
-                line = self.proc.stdout.readline()
+                line = self.proc.stdout.readline().decode(errors="replace")
                 if "listening on" in line:
                     return
                 if not line:
                     break
+                said.append(line.strip())
         code = self.proc.poll()
         self.kill()
         raise DirectoryUnavailableError(
-            f"the directory on {self.address} did not start (exit code {code})",
+            f"the directory on {self.address} did not start (exit code {code}); it said: "
+            f"{' | '.join(said[-5:]) or 'nothing'}",
             peer=self.address,
             cause="start",
         )
