@@ -4,6 +4,7 @@ check dtypes without loading the node side."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from .errors import InvalidArgumentError
 _SPECIAL_DTYPES = ("bfloat16",)
 
 
+@functools.lru_cache(maxsize=256)  # once per dtype: a tenth of a small put's own work before
 def dtype_to_wire(dtype: np.dtype[Any]) -> str:
     """Text form of a dtype that :func:`dtype_from_wire` turns back into it."""
     if dtype.hasobject:
