@@ -68,6 +68,9 @@ async def _closed(writer: asyncio.StreamWriter) -> None:
 READ_BYTES = 1 << 16
 #: Bytes of replies a batch holds for one connection before it writes them all the same.
 HELD_BYTES = 1 << 20
+#: Caller channels a node may hold open (:mod:`hoplite_gpu.node.channel`); one more is refused
+#: and its thread goes through the node's own connection.
+MAX_CHANNELS_PER_NODE = 64
 
 
 def _handshake_caps(config: DirectoryConfig) -> tuple[int, int]:
@@ -126,14 +129,18 @@ def _listen(infos: list[Any], port: int) -> list[socket.socket]:
 
 
 class _Conn:
-    __slots__ = ("held", "node_id", "out", "peer", "writer")
+    __slots__ = ("channel", "held", "node_id", "out", "peer", "waiting", "writer")
 
-    def __init__(self, node_id: str, writer: asyncio.StreamWriter, peer: str) -> None:
+    def __init__(self, node_id: str, writer: asyncio.StreamWriter, peer: str, channel: bool = False) -> None:
         self.node_id = node_id
         self.writer = writer
         self.peer = peer
         self.out: list[bytes] = []  # frames held while a batch of requests is handled
         self.held = 0  # their bytes
+        # A caller channel of the node (Hello.channel): the request it waits on (0: none), whose
+        # reply goes back on it.
+        self.channel = channel
+        self.waiting = 0
 
 
 class DirectoryService:
@@ -177,6 +184,8 @@ class DirectoryService:
         self.directory_id = uuid.uuid4().hex
         self.auth_failures = 0
         self._conns: dict[str, _Conn] = {}
+        self._channels: dict[str, list[_Conn]] = {}  # node id -> its caller channels
+        self._routes: dict[tuple[str, int], _Conn] = {}  # (node, request id) -> channel it came on
         self.accept_errors = 0
         self._max_handshakes, self._max_handshakes_per_address = _handshake_caps(config)
         self._listeners: list[socket.socket] = []
@@ -234,6 +243,9 @@ class DirectoryService:
         if self._ticker is not None:
             self._ticker.cancel()
         closing = []
+        for conn in [c for chans in self._channels.values() for c in chans]:
+            conn.writer.close()
+            closing.append(asyncio.ensure_future(_closed(conn.writer)))
         for conn in list(self._conns.values()):
             if not conn.writer.is_closing():
                 conn.writer.write(p.encode(p.Goodbye()))
@@ -322,15 +334,17 @@ class DirectoryService:
         host = str(address[0])
         node_id: str | None = None
         writer: asyncio.StreamWriter | None = None
+        conn: _Conn | None = None
         try:
             try:
                 reader, writer = await self._open(sock)
-                node_id = await self._handshake(reader, writer, peer, deadline)
+                conn = await self._handshake(reader, writer, peer, deadline)
             finally:
                 self._handshake_done(host)
-            if node_id is None:
+            if conn is None:
                 return
-            await self._serve(reader, node_id)
+            node_id = conn.node_id
+            await self._serve(reader, conn)
         except ProtocolError as exc:
             log.warning("closing connection from %s (node %s): %s", peer, node_id, exc)
         except ssl.SSLError as exc:  # before OSError: it is one
@@ -341,21 +355,25 @@ class DirectoryService:
             pass
         finally:
             self._handlers.discard(task)
-            if node_id is not None and self._conns.get(node_id) is not None:
-                if self._conns[node_id].writer is writer:
-                    del self._conns[node_id]
-                    self._apply(NodeLeft(node_id, time.monotonic()))
+            if conn is not None and conn.channel:
+                self._channel_closed(conn)
+            elif node_id is not None and self._conns.get(node_id) is conn:
+                del self._conns[node_id]
+                self._close_channels(node_id)
+                self._apply(NodeLeft(node_id, time.monotonic()))
             if writer is not None:
                 writer.close()
             else:
                 sock.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, node_id: str) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
         """Handle an authenticated node's requests until its connection ends: what arrived is
         read at once and handled in order (:class:`~.frames.FrameReader`), and the replies of the
         batch go out after it, one write per connection. Raises :class:`ProtocolError` for what
-        cannot be answered (the connection is then closed)."""
+        cannot be answered (the connection is then closed). A reply to a request that came on a
+        caller channel goes back on it (:meth:`_route`)."""
         frames = FrameReader(self.config.max_message_bytes)
+        node_id = conn.node_id
         while True:
             data = await reader.read(READ_BYTES)
             if not data:
@@ -365,14 +383,42 @@ class DirectoryService:
             try:
                 for item in items:
                     if isinstance(item, Refusal):
-                        self._refuse(node_id, item)
-                    else:
-                        self._apply(Request(node_id, item, time.monotonic()))
+                        self._refuse(conn, item)
+                        continue
+                    if conn.channel:
+                        self._route(conn, getattr(item, "request_id", 0))
+                    self._apply(Request(node_id, item, time.monotonic()))
             finally:
                 self._batching = False
                 self._flush()
             if error is not None:
                 raise error
+
+    def _route(self, conn: _Conn, request_id: int) -> None:
+        """The reply to ``request_id`` goes back on the caller channel ``conn`` (one request at a
+        time: its caller waits; a reply it gave up on goes to the node's connection, which drops
+        it)."""
+        if conn.waiting:
+            self._routes.pop((conn.node_id, conn.waiting), None)
+        conn.waiting = request_id
+        if request_id:
+            self._routes[(conn.node_id, request_id)] = conn
+
+    def _channel_closed(self, conn: _Conn) -> None:
+        """A caller channel closed: forget it, and withdraw the lookup it waited on."""
+        chans = self._channels.get(conn.node_id, [])
+        if conn in chans:
+            chans.remove(conn)
+            if not chans:
+                del self._channels[conn.node_id]
+        rid, conn.waiting = conn.waiting, 0
+        if rid and self._routes.pop((conn.node_id, rid), None) is conn and conn.node_id in self._conns:
+            self._apply(Request(conn.node_id, p.CancelLookup(request_id=rid), time.monotonic()))
+
+    def _close_channels(self, node_id: str) -> None:
+        """The node left: close its caller channels."""
+        for conn in self._channels.get(node_id, []):
+            conn.writer.close()
 
     def _write(self, conn: _Conn, frame: bytes) -> None:
         """Send ``frame`` to ``conn``'s node: at once, or after the batch being handled (at once
@@ -407,16 +453,15 @@ class DirectoryService:
             self.dropped_unread += 1
             conn.writer.transport.abort()
 
-    def _refuse(self, node_id: str, refusal: Refusal) -> None:
+    def _refuse(self, conn: _Conn, refusal: Refusal) -> None:
         """Answer a request the directory will not handle with an ``InvalidArgumentError``."""
-        kind, why = refusal.kind, refusal.why
+        kind, why, node_id = refusal.kind, refusal.why, conn.node_id
         self.refused_requests += 1
         self._warn("refused", "refused a %s request from node %s: %s", kind, node_id[:8], why)
         self.state.record(time.monotonic(), "request_refused", node=node_id, request=kind, reason=why[:500])
         text = f"the directory refused this {kind} request: {why}"
         reply = p.ErrorReply(request_id=refusal.request_id, kind="InvalidArgumentError", message=text)
-        conn = self._conns.get(node_id)
-        if conn is not None:
+        if not conn.writer.is_closing():
             self._write(conn, p.encode(reply))
 
     def _warn(self, kind: str, text: str, *args: Any) -> None:
@@ -434,7 +479,10 @@ class DirectoryService:
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, deadline: float
-    ) -> str | None:
+    ) -> _Conn | None:
+        """Authenticate a connection: the node's (it joins), or one of its caller channels
+        (``Hello.channel``: only while the node itself is connected, up to
+        :data:`MAX_CHANNELS_PER_NODE`); None if refused."""
         nonce = auth.new_nonce()
         writer.write(p.encode(p.Challenge(nonce=nonce)))
         await writer.drain()
@@ -461,7 +509,12 @@ class DirectoryService:
             self._warn("auth", "dropping %s: authentication failed (wrong token?)", peer)
             self._apply(AuthFailed(peer, time.monotonic()))
             return None
-        if hello.node_id in self._conns:
+        if hello.channel:
+            chans = self._channels.get(hello.node_id, [])
+            if hello.node_id not in self._conns or len(chans) >= MAX_CHANNELS_PER_NODE:
+                log.debug("refusing a channel of node %s from %s", hello.node_id[:8], peer)
+                return None
+        elif hello.node_id in self._conns:
             log.warning("dropping %s: node id %s already connected", peer, hello.node_id)
             return None
         writer.write(
@@ -474,7 +527,14 @@ class DirectoryService:
             )
         )
         await writer.drain()
-        self._conns[hello.node_id] = _Conn(hello.node_id, writer, peer)
+        if hello.channel:
+            if hello.node_id not in self._conns:  # left while we said welcome
+                return None
+            conn = _Conn(hello.node_id, writer, peer, channel=True)
+            self._channels.setdefault(hello.node_id, []).append(conn)
+            return conn
+        conn = _Conn(hello.node_id, writer, peer)
+        self._conns[hello.node_id] = conn
         self._apply(
             NodeJoined(
                 hello.node_id,
@@ -488,7 +548,7 @@ class DirectoryService:
                 gpus=Inventory.from_dict(hello.gpus) if hello.gpu else None,  # checked by Hello
             )
         )
-        return hello.node_id
+        return conn
 
     # ------------------------------------------------------------ state machine glue
     def _apply(self, event: Event) -> None:
@@ -505,10 +565,17 @@ class DirectoryService:
             if conn is None or conn.writer.is_closing():
                 continue
             if isinstance(instr, Send):
+                if self._routes:  # a reply to a request a caller channel waits on goes there
+                    key = (instr.node_id, getattr(instr.message, "request_id", 0))
+                    routed = self._routes.pop(key, None)
+                    if routed is not None:
+                        routed.waiting = 0
+                        conn = routed if not routed.writer.is_closing() else conn
                 self._write(conn, p.encode(instr.message))
             elif isinstance(instr, Disconnect):
                 log.warning("declaring node %s dead: %s", instr.node_id[:8], instr.reason)
                 del self._conns[instr.node_id]
+                self._close_channels(instr.node_id)
                 if conn.out:  # what the batch held for it goes first, as it would have
                     frames, conn.out, conn.held = conn.out, [], 0
                     conn.writer.write(b"".join(frames))

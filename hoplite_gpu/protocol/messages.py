@@ -74,6 +74,9 @@ class Hello(Message):
     # host's GPU inventory; the directory prefers same-GPU and NVLink holders for CUDA IPC.
     gpu: str = ""
     gpus: dict[str, Any] = field(default_factory=dict)
+    # A caller thread's own connection of a node already joined (:mod:`hoplite_gpu.node.channel`):
+    # the directory answers the requests sent on it there, and nothing else goes there.
+    channel: bool = False
 
     def check(self) -> None:
         check_name(self.TYPE, "node_id", self.node_id)
