@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -213,8 +213,12 @@ class Group:
         return seq
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._call(lambda: self.node._io.run(coro))
+
+    def _call(self, work: Callable[[], T]) -> T:
+        """``work()``, a blocking call of the node's, its errors told as this member's."""
         try:
-            return self.node._io.run(coro)
+            return work()
         except HopliteTimeoutError as exc:
             raise self._named(exc) from None
         except CollectiveArgumentError:
@@ -272,6 +276,18 @@ class Group:
             return
         gone = set(oids)
         self._owned = [(s, oid) for s, oid in self._owned if oid not in gone]
+        await self._delete(oids, wait)
+
+    def _release_before(self, seq: int) -> None:
+        """:meth:`_delete_before` from the caller's thread, without waiting: the I/O thread only
+        deletes (``_owned`` changes on the caller's thread, as collectives put from there)."""
+        oids = [oid for s, oid in self._owned if s < seq]
+        if oids:
+            self._owned = [(s, oid) for s, oid in self._owned if s >= seq]
+            self.node._io.submit(self._delete(oids))
+
+    async def _delete(self, oids: list[ObjectID], wait: bool = False) -> None:
+        """Delete these objects (in the background unless ``wait``)."""
         deleting = asyncio.gather(*(self.node.delete_async(oid) for oid in oids), return_exceptions=True)
         if wait:
             await deleting
@@ -330,13 +346,12 @@ def broadcast(array: Any, src_rank: int, group: Group) -> Any:
     oid = g.object_id(seq, "broadcast")
     g._describe(oid, f"broadcast #{seq} (the root's)", src_rank)
 
-    async def run() -> Any:
-        if g.rank == src_rank:
-            await g._put(seq, array, oid)
-            return array
-        return await g.node.get_async(oid, timeout=g.timeout, out=array)
-
-    return g._run(run())
+    # From the caller's thread: a small array goes on its channel (hoplite_gpu.node.channel).
+    if g.rank == src_rank:
+        g._owned.append((seq, oid))  # a group's ids are never put twice: no digest (see _put)
+        g._call(lambda: g.node._put(array, oid, copy=True, digest=False))
+        return array
+    return g._call(lambda: g.node.get(oid, timeout=g.timeout, out=array))
 
 
 def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
@@ -562,14 +577,28 @@ def barrier(group: Group) -> None:
     answered once all have come (``HopliteTimeoutError`` naming the ranks missing when the
     group's timeout passes first)."""
     g = _check_group(group)
-    g._run(_barrier(g, g._next()))
+    seq = g._next()
+    timeout = g.node._resolve_timeout(g.timeout)
+    bid = _barrier_id(g, seq)
+    # From the caller's thread, on its channel where it has one (hoplite_gpu.node.channel).
+    g._call(lambda: _passed(g, seq, g.node._barrier(bid, g.rank, g.world_size, timeout), timeout))
+    g._release_before(seq)
 
 
 async def _barrier(g: Group, seq: int) -> None:
     """Collective ``seq``: a barrier of the directory's (:mod:`hoplite_gpu.directory.barriers`)."""
     timeout = g.node._resolve_timeout(g.timeout)
-    bid = ObjectID.from_name(f"hoplite-group/{g.name}/{seq}/barrier")
-    reply = await g.node._session.barrier(bid.binary(), g.rank, g.world_size, timeout)
+    reply = await g.node._session.barrier(_barrier_id(g, seq), g.rank, g.world_size, timeout)
+    _passed(g, seq, reply, timeout)
+    await g._delete_before(seq)
+
+
+def _barrier_id(g: Group, seq: int) -> bytes:
+    return ObjectID.from_name(f"hoplite-group/{g.name}/{seq}/barrier").binary()
+
+
+def _passed(g: Group, seq: int, reply: Any, timeout: float | None) -> None:
+    """Raise unless the directory's ``reply`` to barrier ``seq`` says every member came."""
     if reply.status != "ok":
         named = f" (the first {len(reply.missing)} named)" if reply.waiting > len(reply.missing) else ""
         raise HopliteTimeoutError(
@@ -579,7 +608,6 @@ async def _barrier(g: Group, seq: int) -> None:
             timeout=timeout,
             waiting_for_ranks=list(reply.missing),
         )
-    await g._delete_before(seq)
 
 
 def _copy(dst: Any, src: Any) -> None:

@@ -93,6 +93,10 @@ class Config:
         same_host_index: With ``shared_memory``, link each device object under a name derived from
             its ObjectID, so a same-host ``get`` skips the directory
             (bench/README.md#same-host-device-gets-without-a-lookup); off: every ``get`` asks it.
+        caller_channels: A blocking ``put`` or ``get`` of an object stored inline in the directory
+            is sent by the caller's thread on a connection of its own (one per thread), not through
+            the node's I/O thread: two thread hops fewer (bench/README.md#caller-channels); off:
+            every request goes through the node's connection.
         max_control_message_bytes: Largest control message accepted (a larger one closes the
             connection); 0: ``inline_threshold_bytes`` + 1 MiB.
         connect_timeout: Seconds to connect and authenticate to the directory or a peer.
@@ -167,6 +171,7 @@ class Config:
     device_pool_bytes: int = 1 * GiB
     shared_memory: bool = True
     same_host_index: bool = True
+    caller_channels: bool = True
     max_control_message_bytes: int = 0  # 0: derived from inline_threshold_bytes
     connect_timeout: float = 10.0
     request_timeout: float = 30.0

@@ -249,6 +249,8 @@ class LocalStore:
         self._objects: dict[ObjectID, LocalObject] = {}
         self._arrivals: dict[ObjectID, list[asyncio.Future[LocalObject]]] = {}
         self._removed: OrderedDict[ObjectID, None] = OrderedDict()  # recent removals, oldest first
+        # Objects enter from a caller's thread too (add_from_caller): the byte count changes under it.
+        self._lock = threading.Lock()
 
     def __contains__(self, oid: ObjectID) -> bool:
         return oid in self._objects
@@ -278,24 +280,43 @@ class LocalStore:
 
     def add(self, obj: LocalObject) -> LocalObject:
         """Insert an object (its bytes count against the capacity)."""
-        self.reserve(obj.size)
-        self._objects[obj.object_id] = obj
-        self._removed.pop(obj.object_id, None)
-        self.used_bytes += obj.size
+        with self._lock:
+            self.reserve(obj.size)
+            self._objects[obj.object_id] = obj
+            self._removed.pop(obj.object_id, None)
+            self.used_bytes += obj.size
         for fut in self._arrivals.pop(obj.object_id, []):
             if not fut.done():
                 fut.set_result(obj)
         return obj
 
+    def add_from_caller(self, obj: LocalObject) -> bool:
+        """:meth:`add` from a thread other than the event loop's, of an object nothing waits for
+        yet; False (nothing added) if the id is here, awaited (:meth:`wait_for`), or does not fit:
+        then add it on the loop."""
+        oid = obj.object_id
+        with self._lock:
+            if (
+                oid in self._objects
+                or oid in self._arrivals
+                or self.used_bytes + obj.size > self.capacity_bytes
+            ):
+                return False
+            self._objects[oid] = obj
+            self._removed.pop(oid, None)
+            self.used_bytes += obj.size
+        return True
+
     def remove(self, oid: ObjectID, error: HopliteError | None = None) -> LocalObject | None:
         """Remove an object, failing its waiters with ``error`` (default: ObjectDeletedError)."""
-        obj = self._objects.pop(oid, None)
-        if obj is None:
-            return None
-        self._removed[oid] = None
-        while len(self._removed) > REMEMBERED_REMOVALS:
-            self._removed.popitem(last=False)
-        self.used_bytes -= obj.size
+        with self._lock:
+            obj = self._objects.pop(oid, None)
+            if obj is None:
+                return None
+            self._removed[oid] = None
+            while len(self._removed) > REMEMBERED_REMOVALS:
+                self._removed.popitem(last=False)
+            self.used_bytes -= obj.size
         if not obj.complete or obj._waiters:
             obj.fail(error or ObjectDeletedError(f"object {oid} was deleted", object_id=oid.hex()))
         self.memory.release(obj.buffer)
@@ -314,6 +335,9 @@ class LocalStore:
         fut: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
         self._arrivals.setdefault(oid, []).append(fut)
         try:
+            obj = self._objects.get(oid)  # added from a caller's thread just before it was awaited
+            if obj is not None:
+                return obj
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             return None

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,7 @@ from ..errors import (
     InvalidArgumentError,
     ObjectReset,
     ObjectTooLargeError,
+    ProtocolError,
     from_kind,
 )
 from ..memory import (
@@ -45,6 +48,7 @@ from ..memory import (
 )
 from ..object_id import ObjectID
 from . import sources
+from .channel import ChannelLost, Channels
 from .session import DirectorySession
 
 log = logging.getLogger("hoplite_gpu")
@@ -118,6 +122,18 @@ def _lookup_error(oid: ObjectID, reply: p.LookupReply) -> HopliteError:
     )
 
 
+@dataclass(slots=True)
+class First:
+    """The answer to a get's first lookup, made from the caller's thread
+    (:meth:`Fetcher.ask_on_channel`): the reply, the directory's generation then, the get's
+    deadline, and the object itself for an inline answer."""
+
+    reply: p.LookupReply
+    generation: int
+    deadline: float | None
+    inline: LocalObject | None = None
+
+
 class Fetcher:
     """The get side of a node.
 
@@ -177,6 +193,48 @@ class Fetcher:
             oid, record.nbytes, dtype, shape, b"", buffer, progress=record.nbytes, memory=MEMORY_DEVICE
         )
 
+    def ask_on_channel(
+        self, oid: ObjectID, timeout: float | None, direct: bool, channels: Channels
+    ) -> First | None:
+        """The first lookup of a ``get``, made from the caller's thread on its channel
+        (:mod:`.channel`); None where it cannot be (no channel, or a copy is here): then
+        :meth:`get` makes it. Raises what a timeout or an error answer means, as :meth:`get` does.
+        An inline answer's object is built here, outside the store (nothing but this caller reads
+        it); any other answer is for :meth:`get` to carry out (``first``)."""
+        if not channels.usable() or self._store.get(oid) is not None:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        guard = None if not timeout else timeout + self._config.request_timeout
+        same_host = self._shm
+        request = functools.partial(
+            p.LookupRequest,
+            object_id=oid.binary(),
+            timeout=timeout or 0.0,
+            shared_memory=same_host,
+            direct=direct,
+            device_ipc=same_host and device_in_use(),
+        )
+        try:
+            reply = channels.ask(lambda rid: request(request_id=rid), guard)
+        except ChannelLost:
+            return None
+        generation = self._session.generation
+        if not isinstance(reply, p.LookupReply):
+            raise ProtocolError(f"unexpected reply to lookup: {reply.TYPE}")
+        if reply.status == "timeout":
+            raise sources.Attempt(oid, timeout, None).timed_out(reply.error)
+        if reply.status == "error":
+            raise _lookup_error(oid, reply)
+        first = First(reply, generation, deadline)
+        if reply.status == "inline":
+            first.inline = sources.inline_object(oid, reply)
+        return first
+
+    def _discard(self, first: First) -> None:
+        """A first answer not used (a copy appeared here meanwhile): end the transfer it began."""
+        if first.reply.transfer_id:
+            self._session.send(p.TransferDone(transfer_id=first.reply.transfer_id, ok=False, progress=0))
+
     async def get(
         self,
         oid: ObjectID,
@@ -185,9 +243,11 @@ class Fetcher:
         direct: bool = False,
         lend: bool = False,
         into: np.ndarray[Any, Any] | None = None,
+        first: First | None = None,
     ) -> LocalObject:
         """Fetch ``oid`` into the local store; ``started`` (if given) is resolved with the local
-        object as soon as it exists, while it is still filling.
+        object as soon as it exists, while it is still filling; ``first``: the answer to the first
+        lookup, made already (:meth:`ask_on_channel`).
 
         ``lend``: the caller reads the object once and lets go (a ``get`` copying it into the
         array it returns), so a device copy of another process on this host may be returned
@@ -195,13 +255,16 @@ class Fetcher:
         pulled over the data plane is received straight into this array (see :meth:`get_into`).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        if first is not None:
+            deadline = first.deadline
         while True:
             attempt = sources.Attempt(
                 oid, timeout, deadline, started=started, lend=lend, direct=direct, into=into
             )
             try:
-                return await self._fetch(attempt)
+                return await self._fetch(attempt, first)
             except ObjectReset:
+                first = None
                 log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)
 
     async def get_into(
@@ -211,6 +274,7 @@ class Fetcher:
         out: np.ndarray[Any, Any],
         direct: bool,
         received: list[LocalObject] | None = None,
+        first: First | None = None,
     ) -> Any:
         """:meth:`get` into a NumPy ``out``, copying the bytes into it as they arrive rather than
         all at the end (for a large object the last copy would otherwise add to its latency).
@@ -220,7 +284,9 @@ class Fetcher:
         other readers, until the caller withdraws it (it must, before ``out`` changes)."""
         started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
         into = None if received is None else out
-        fetch = asyncio.ensure_future(self.get(oid, timeout, started=started, direct=direct, into=into))
+        fetch = asyncio.ensure_future(
+            self.get(oid, timeout, started=started, direct=direct, into=into, first=first)
+        )
         follower: asyncio.Future[LocalObject] | None = None
         try:
             await asyncio.wait([fetch, started], return_when=asyncio.FIRST_COMPLETED)
@@ -246,17 +312,24 @@ class Fetcher:
                 follower.cancel()
         return obj.deliver(CallerArray.of(out))
 
-    async def _fetch(self, attempt: sources.Attempt) -> LocalObject:
+    async def _fetch(self, attempt: sources.Attempt, first: First | None = None) -> LocalObject:
         """One attempt of :meth:`get` (raises :class:`ObjectReset` if its copy was voided): a
-        lookup, the source it names, again until one fills the copy."""
+        lookup (the ``first`` made already, if given), the source it names, again until one
+        fills the copy."""
         local = self._store.get(attempt.object_id)
+        if local is not None and first is not None:
+            self._discard(first)  # a copy appeared since it was asked for: use that
+            first = None
         if local is not None and (local.progress < local.size or local.complete):
             # Complete, or another get in this process (or a reduce vertex here, or a put still
             # copying) is filling it: wait for that.
             return await self._filled(local, attempt)
         attempt.local = local
         while True:
-            reply, generation = await self._lookup(attempt)
+            if first is not None:
+                reply, generation, first = first.reply, first.generation, None
+            else:
+                reply, generation = await self._lookup(attempt)
             source = self._source_for(reply, attempt)
             obj = None if source is None else await source.fill(reply, attempt, generation)
             if obj is not None:

@@ -15,7 +15,6 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import uuid
@@ -44,6 +43,7 @@ from ..memory import LocalStore, Memory, host_key, node_place, shared_memory_ava
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 from .arguments import reduce_request, resolve_timeout
+from .channel import Channels
 from .fetch import Fetcher, check_out, streamable
 from .puts import Putter
 from .session import DirectorySession
@@ -136,6 +136,8 @@ class Node:
             self.config.device_reduce_chunk_bytes,
         )
         self._putter = Putter(self._store, self.config, self._session, self._delete, self._in_background)
+        # The caller threads' own directory connections, for small puts and gets (see .channel).
+        self._channels = Channels(self._session, token, self._io, self.config.caller_channels)
         self._background: set[asyncio.Future[Any]] = set()  # see _in_background
         self._closed = False
         if self.config.fault_injection:
@@ -211,6 +213,7 @@ class Node:
 
     async def _close(self) -> None:
         err = NodeClosedError("the node was closed")
+        self._channels.close()
         self._session.closing()
         if self._ipc_sweeper is not None:
             self._ipc_sweeper.cancel()
@@ -255,7 +258,22 @@ class Node:
             PinnedMemoryError: ``pinned``, and CUDA could not page-lock the copy.
         """
         self._check_open()
-        return self._io.run(self._putter.put(self._putter.prepare(array, object_id, copy, pinned)))
+        return self._put(array, object_id, copy, pinned)
+
+    def _put(
+        self, array: Any, object_id: ObjectID | None, copy: bool, pinned: bool = False, digest: bool = True
+    ) -> ObjectID:
+        """:meth:`put` (from a caller's thread); without ``digest`` the object carries none."""
+        prepared = self._putter.prepare(array, object_id, copy, pinned, digest)
+        put = self._putter.put_on_channel(prepared, self._channels, self._io)
+        return put if put is not None else self._io.run(self._putter.put(prepared))
+
+    def _barrier(self, barrier_id: bytes, rank: int, count: int, timeout: float | None) -> p.BarrierReply:
+        """Member ``rank`` of ``count`` reached barrier ``barrier_id`` (from a caller's thread):
+        the directory's reply (see :meth:`DirectorySession.barrier`), asked on the caller's
+        channel where it has one."""
+        reply = self._channels.barrier(barrier_id, rank, count, timeout)
+        return reply or self._io.run(self._session.barrier(barrier_id, rank, count, timeout))
 
     async def put_async(
         self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True, pinned: bool = False
@@ -316,9 +334,13 @@ class Node:
         indexed = self._fetcher.indexed(object_id)
         if indexed is not None:
             return indexed.deliver(into)
+        first = self._fetcher.ask_on_channel(object_id, timeout, direct, self._channels)
+        if first is not None and first.inline is not None:
+            return first.inline.deliver(into)
         if streamable(into):
-            return self._io.run(self._fetcher.get_into(object_id, timeout, out, direct))
-        return self._io.run(self._fetcher.get(object_id, timeout, direct=direct, lend=True)).deliver(into)
+            return self._io.run(self._fetcher.get_into(object_id, timeout, out, direct, first=first))
+        fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True, first=first)
+        return self._io.run(fetch).deliver(into)
 
     async def get_async(
         self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
@@ -344,14 +366,7 @@ class Node:
             )
 
     def _on_served(self, transfer_id: int, sent: int, while_incomplete: int, failed: bool) -> None:
-        self._session.send(
-            p.ServeDone(
-                transfer_id=transfer_id,
-                bytes_sent=sent,
-                bytes_sent_while_incomplete=while_incomplete,
-                failed=failed,
-            )
-        )
+        self._session.send(p.ServeDone(transfer_id, sent, while_incomplete, failed))
 
     def _on_push(self, msg: p.Message) -> None:
         if isinstance(msg, p.ReduceTask):
@@ -392,6 +407,7 @@ class Node:
         """The directory connection was lost (see :class:`DirectorySession`)."""
         # Nobody can tell a vertex any more that its reduction failed: stop them.
         self._vertices.cancel()
+        self._channels.reset()  # their threads wait on the node's connection, which reconnects
         if not reconnecting:
             return
         # A restarted directory rebuilds every unfinished reduction from scratch: copies of what
@@ -601,21 +617,7 @@ class Node:
         """The directory's event log from sequence number ``since`` (diagnostics, tests); fetched
         in pages of :data:`~hoplite_gpu.protocol.EVENT_LOG_PAGE` events."""
         self._check_open()
-
-        async def fetch() -> list[dict[str, Any]]:
-            events: list[dict[str, Any]] = []
-            start = since
-            while True:
-                request = functools.partial(p.EventLogRequest, since=start)
-                reply = await self._session.request(request, self.config.request_timeout)
-                if not isinstance(reply, p.EventLogReply):
-                    raise ProtocolError(f"unexpected reply to event_log: {reply.TYPE}")
-                events += reply.events
-                if len(reply.events) < p.EVENT_LOG_PAGE:
-                    return events
-                start = reply.events[-1]["seq"] + 1
-
-        return self._io.run(fetch())
+        return self._io.run(self._session.event_log(since))
 
     def stats(self) -> dict[str, Any]:
         """Local store figures: objects, bytes used, capacity, data-plane auth failures, the

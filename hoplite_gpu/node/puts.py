@@ -31,6 +31,7 @@ from ..errors import (
     as_hoplite_error,
     from_kind,
 )
+from ..iothread import IOThread
 from ..memory import (
     MEMORY_DEVICE,
     Buffer,
@@ -42,6 +43,7 @@ from ..memory import (
     write_at,
 )
 from ..object_id import ObjectID
+from .channel import ChannelLost, Channels
 from .session import DirectorySession
 
 #: Bytes a put copies at a time when it copies after publishing (see :meth:`Putter.prepare`).
@@ -59,6 +61,14 @@ def _copy_advancing(
         write_at(obj.buffer.host, pos, src[pos:end])
         loop.call_soon_threadsafe(obj.advance, end)
         pos = end
+
+
+def _check_reply(oid: ObjectID, reply: p.Message) -> None:
+    """Raise what the directory's reply to the put of ``oid`` says went wrong."""
+    if not isinstance(reply, p.PutReply):
+        raise ProtocolError(f"unexpected reply to put: {reply.TYPE}")
+    if reply.error:
+        raise from_kind(reply.error_kind, reply.error, object_id=oid.hex())
 
 
 def _copy_bytes(dst: np.ndarray[Any, Any], host: np.ndarray[Any, Any]) -> None:
@@ -250,25 +260,7 @@ class Putter:
         else:
             segment = self._publish(obj)
         try:
-            reply = await self._session.request(
-                lambda rid: p.PutRequest(
-                    request_id=rid,
-                    object_id=oid.binary(),
-                    size=obj.size,
-                    dtype=obj.dtype,
-                    shape=list(obj.shape),
-                    digest=obj.digest,
-                    inline=inline,
-                    segment=segment,
-                    copying=copying is not None and bool(segment),
-                    memory=obj.memory,
-                ),
-                self._config.request_timeout,
-            )
-            if not isinstance(reply, p.PutReply):
-                raise ProtocolError(f"unexpected reply to put: {reply.TYPE}")
-            if reply.error:
-                raise from_kind(reply.error_kind, reply.error, object_id=oid.hex())
+            await self._register(obj, inline, segment, copying is not None and bool(segment))
             registered = True
             self._memory.index(obj.buffer, oid.binary())
             if copying is not None and prepared.detached:
@@ -282,6 +274,71 @@ class Putter:
         if copying is not None:
             self._announce(obj)
         return oid
+
+    def _request(
+        self, obj: LocalObject, inline: bytes | None, segment: str, copying: bool
+    ) -> Callable[[int], p.PutRequest]:
+        """The put request of ``obj``, given its request id."""
+        return lambda rid: p.PutRequest(
+            request_id=rid,
+            object_id=obj.object_id.binary(),
+            size=obj.size,
+            dtype=obj.dtype,
+            shape=list(obj.shape),
+            digest=obj.digest,
+            inline=inline,
+            segment=segment,
+            copying=copying,
+            memory=obj.memory,
+        )
+
+    async def _register(
+        self, obj: LocalObject, inline: bytes | None, segment: str = "", copying: bool = False
+    ) -> None:
+        """Record ``obj`` in the directory (raises what it refused)."""
+        reply = await self._session.request(
+            self._request(obj, inline, segment, copying), self._config.request_timeout
+        )
+        _check_reply(obj.object_id, reply)
+
+    # ------------------------------------------------------------ on a caller's channel
+    def put_on_channel(self, prepared: Prepared, channels: Channels, io: IOThread) -> ObjectID | None:
+        """:meth:`put` from the caller's thread, on its channel (:mod:`.channel`), of a host
+        object the directory stores inline; None for any other, or one already here or awaited
+        here (put it with :meth:`put`). The object enters the store before the request leaves, as
+        in :meth:`put`. A put the channel lost on the way is made again through the node's
+        connection."""
+        obj = prepared.obj
+        oid = obj.object_id
+        if (
+            not channels.usable()
+            or prepared.pending is not None
+            or obj.memory == MEMORY_DEVICE
+            or obj.size > self._session.inline_threshold_bytes
+        ):
+            return None
+        inline = obj.buffer.to_host().tobytes()
+        if not self._store.add_from_caller(obj):
+            return None
+        try:
+            try:
+                reply = channels.ask(self._request(obj, inline, "", False), self._config.request_timeout)
+            except ChannelLost:
+                io.run(self._register(obj, inline))
+            else:
+                _check_reply(oid, reply)
+        except BaseException as exc:
+            withdrawn = io.submit(self._withdraw(obj, exc))
+            if isinstance(exc, Exception):  # (not on an interrupt) gone from the store on return
+                withdrawn.result(self._config.request_timeout)
+            raise
+        return oid
+
+    async def _withdraw(self, obj: LocalObject, exc: BaseException) -> None:
+        """A put on a channel failed: drop the object (as :meth:`put` does: one that may have been
+        recorded as the reply was lost is not withdrawn either)."""
+        if self._store.get(obj.object_id) is obj:
+            self._store.remove(obj.object_id, as_hoplite_error(exc, obj.object_id))
 
     async def _copied(self, obj: LocalObject, copying: asyncio.Future[None], stop: threading.Event) -> None:
         """The end of a detached put's copy."""

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -106,6 +107,21 @@ class DirectorySession:
     def inline_threshold_bytes(self) -> int:
         """The directory's inline threshold (objects up to this size travel in control messages)."""
         return self.control.inline_threshold_bytes
+
+    def next_id(self) -> int:
+        """A fresh request id (from any thread: every connection of this node shares them)."""
+        return self.control.next_id()
+
+    def channel_hello(self, nonce: bytes, proof: bytes) -> p.Hello:
+        """The ``Hello`` of a caller channel of this node (:mod:`hoplite_gpu.node.channel`)."""
+        return p.Hello(
+            node_id=self._node_id,
+            nonce=nonce,
+            proof=proof,
+            data_host=self._data_host,
+            data_port=self.data_port,
+            channel=True,
+        )
 
     # ------------------------------------------------------------ lifecycle
     def _new_control(self, ids: itertools.count[int] | None = None) -> ControlClient:
@@ -384,6 +400,20 @@ class DirectorySession:
         if not isinstance(reply, p.LookupReply):
             raise ProtocolError(f"unexpected reply to lookup: {reply.TYPE}")
         return reply
+
+    async def event_log(self, since: int) -> list[dict[str, Any]]:
+        """The directory's event log from sequence number ``since``, fetched in pages of
+        :data:`~hoplite_gpu.protocol.EVENT_LOG_PAGE` events."""
+        events: list[dict[str, Any]] = []
+        while True:
+            request = functools.partial(p.EventLogRequest, since=since)
+            reply = await self.request(request, self.config.request_timeout)
+            if not isinstance(reply, p.EventLogReply):
+                raise ProtocolError(f"unexpected reply to event_log: {reply.TYPE}")
+            events += reply.events
+            if len(reply.events) < p.EVENT_LOG_PAGE:
+                return events
+            since = reply.events[-1]["seq"] + 1
 
     async def barrier(
         self, barrier_id: bytes, rank: int, count: int, timeout: float | None

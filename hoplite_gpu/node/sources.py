@@ -159,23 +159,24 @@ class Source(abc.ABC):
         """
 
 
+def inline_object(oid: ObjectID, reply: p.LookupReply) -> LocalObject:
+    """The object an inline reply carries (a copy of its bytes), checked against its metadata."""
+    meta = checked_meta(oid, reply)
+    if reply.inline is None:
+        raise ProtocolError(f"inline reply for {oid} without data", object_id=oid.hex())
+    data = np.frombuffer(reply.inline, np.uint8).copy()
+    if data.size != reply.size:
+        raise ProtocolError(f"inline data of {oid} has the wrong size", object_id=oid.hex())
+    return from_reply(oid, reply, meta, Buffer.wrap(data), progress=reply.size)
+
+
 class InlineSource(Source):
     """The bytes came with the directory's reply."""
 
     async def fill(self, reply: p.LookupReply, attempt: Attempt, generation: int) -> LocalObject | None:
-        oid = attempt.object_id
-        dtype, shape = checked_meta(oid, reply)
-        if reply.inline is None:
-            raise ProtocolError(f"inline reply for {oid} without data", object_id=oid.hex())
-        data = np.frombuffer(reply.inline, np.uint8).copy()
-        if data.size != reply.size:
-            raise ProtocolError(f"inline data of {oid} has the wrong size", object_id=oid.hex())
-        existing = self.ctx.store.get(oid)
-        if existing is not None:
-            return existing
-        return self.ctx.store.add(
-            from_reply(oid, reply, (dtype, shape), Buffer.wrap(data), progress=reply.size)
-        )
+        obj = inline_object(attempt.object_id, reply)
+        existing = self.ctx.store.get(attempt.object_id)
+        return existing if existing is not None else self.ctx.store.add(obj)
 
 
 class LocalSource(Source):

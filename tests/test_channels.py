@@ -1,0 +1,212 @@
+"""Caller channels (:mod:`hoplite_gpu.node.channel`): a blocking put or get of an object the
+directory stores inline goes on the caller thread's own connection, and everything else (large
+objects, a lost channel, a restarted directory) through the node's connection as before."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu.auth import new_token
+from hoplite_gpu.directory import DirectoryProcess
+from hoplite_gpu.directory import service as service_module
+from tests.procs import start_workers, wait_for_events
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = np.arange(256, dtype=np.float32)  # 1 KiB: stored inline
+
+
+def _open_channels(node: Any) -> int:
+    return len(node._channels._open)
+
+
+def _pending(node: Any) -> int:
+    return sum(len(q) for q in node._embedded.state.lookups.pending.values())
+
+
+def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds (fails after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.01)  # polling a condition with a deadline, not synchronisation
+
+
+def _in_thread(work: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = work()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.fixture
+def node() -> Iterator[Any]:
+    n = hg.init()
+    yield n
+    n.close()
+
+
+def test_a_small_put_and_get_go_on_the_callers_channel(node: Any) -> None:
+    other = hg.connect(node.directory_address, token=node.token)
+    try:
+        oid = node.put(SMALL)
+        assert node.contains(oid)  # in the store by the time put returns
+        assert _open_channels(node) == 1
+        got = other.get(oid, timeout=10)
+        assert np.array_equal(got, SMALL) and not got.flags.writeable
+        assert _open_channels(other) == 1
+        out = np.zeros_like(SMALL)
+        assert other.get(oid, timeout=10, out=out) is out and np.array_equal(out, SMALL)
+        kinds = [e["kind"] for e in node.event_log()]
+        assert kinds.count("lookup_inline") == 2
+        assert node.delete(oid)
+        assert not node.contains(oid)
+        with pytest.raises(hg.ObjectDeletedError):
+            other.get(oid, timeout=10)
+    finally:
+        other.close()
+
+
+def test_a_get_waits_on_its_channel_for_a_later_put(node: Any) -> None:
+    oid = hg.ObjectID.random()
+    thread, out = _in_thread(lambda: (node.get(oid, timeout=30), _open_channels(node)))
+    wait_for_events(node, lambda evs: any(e["kind"] == "lookup" for e in evs))
+    node.put(SMALL * 2, oid)
+    thread.join(30)
+    got, channels = out["value"]
+    assert np.array_equal(got, SMALL * 2)
+    assert channels == 2  # one per thread
+
+
+def test_a_get_on_a_channel_times_out_with_the_directorys_reason(node: Any) -> None:
+    oid = hg.ObjectID.random()
+    with pytest.raises(hg.HopliteTimeoutError, match=r"within 0\.3 s: no node has put it"):
+        node.get(oid, timeout=0.3)
+    assert _pending(node) == 0
+
+
+def test_a_large_object_is_pulled_through_the_nodes_connection(node: Any) -> None:
+    other = hg.connect(node.directory_address, token=node.token)
+    try:
+        big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: not inline
+        oid = node.put(big)
+        assert np.array_equal(other.get(oid, timeout=30), big)
+        assert other.contains(oid)  # pulled into its store
+        kinds = [e["kind"] for e in node.event_log()]
+        # One lookup, on the channel; its answer (a pull) is carried out by the I/O thread.
+        assert kinds.count("lookup") == 1 and "transfer_start" in kinds
+        assert _open_channels(other) == 1
+    finally:
+        other.close()
+
+
+def test_a_conflicting_put_on_a_channel_is_refused_and_not_kept(node: Any) -> None:
+    other = hg.connect(node.directory_address, token=node.token)
+    try:
+        oid = node.put(SMALL)
+        assert node.put(SMALL, oid) == oid  # the same put again
+        with pytest.raises(hg.ObjectExistsError):
+            other.put(SMALL + 1, oid)
+        assert not other.contains(oid)
+        assert np.array_equal(other.get(oid, timeout=10), SMALL)
+    finally:
+        other.close()
+
+
+def test_without_caller_channels_every_request_goes_through_the_node(node: Any) -> None:
+    plain = hg.connect(node.directory_address, token=node.token, caller_channels=False)
+    try:
+        oid = plain.put(SMALL)
+        assert np.array_equal(plain.get(oid, timeout=10), SMALL)
+        assert np.array_equal(node.get(oid, timeout=10), SMALL)
+        assert _open_channels(plain) == 0
+    finally:
+        plain.close()
+
+
+def test_a_channel_closed_under_a_waiting_get_hands_it_to_the_node(node: Any) -> None:
+    oid = hg.ObjectID.random()
+    thread, out = _in_thread(lambda: node.get(oid, timeout=60))
+    wait_for_events(node, lambda evs: any(e["kind"] == "lookup" for e in evs))
+    node._channels.reset()  # as when the node loses its directory
+    # The directory withdraws the channel's lookup; the get asks again through the node.
+    wait_for_events(node, lambda evs: sum(e["kind"] == "lookup" for e in evs) == 2)
+    _until(lambda: _pending(node) == 1)
+    node.put(SMALL, oid)
+    thread.join(30)
+    assert np.array_equal(out["value"], SMALL)
+
+
+def test_channels_beyond_a_nodes_share_are_refused(node: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "MAX_CHANNELS_PER_NODE", 1)
+    oid = node.put(SMALL)
+    thread, out = _in_thread(lambda: node.get(oid, timeout=10))
+    thread.join(30)
+    assert np.array_equal(out["value"], SMALL)  # through the node's connection
+    assert _open_channels(node) == 1
+
+
+def test_a_get_waiting_on_a_channel_survives_a_directory_restart() -> None:
+    directory = DirectoryProcess(new_token())
+    directory.start()
+    try:
+        node = hg.connect(directory.address, token=directory.token)
+        putter = start_workers(directory.address, directory.token, 1)[0]
+        try:
+            oid = hg.ObjectID.random()
+            thread, out = _in_thread(lambda: node.get(oid, timeout=90))
+            wait_for_events(node, lambda evs: any(e["kind"] == "lookup" for e in evs))
+            directory.kill()
+            directory.start()
+            putter.call("put_array", SMALL, oid.hex())
+            thread.join(90)
+            assert "error" not in out, out.get("error")
+            assert np.array_equal(out["value"], SMALL)
+            assert np.array_equal(node.get(oid, timeout=30), SMALL)  # on a new channel
+        finally:
+            putter.kill()
+            node.close()
+    finally:
+        directory.kill()
+
+
+def test_a_threads_channel_closes_when_the_thread_ends(node: Any) -> None:
+    oid = node.put(SMALL)
+    thread, out = _in_thread(lambda: node.get(oid, timeout=10))
+    thread.join(30)
+    assert np.array_equal(out["value"], SMALL)
+    service = node._embedded
+    _until(lambda: _open_channels(node) == 1)  # the main thread's
+    _until(lambda: len(service._channels.get(node.node_id, [])) == 1)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_channels_to_a_tls_directory_use_tls(tmp_path: Any) -> None:
+    from tests.test_hardening import _self_signed
+
+    cert, key = _self_signed(tmp_path, "directory")
+    node = hg.init(tls_cert_file=cert, tls_key_file=key, tls_ca_file=cert)
+    try:
+        oid = node.put(SMALL)
+        assert _open_channels(node) == 1
+        assert np.array_equal(node.get(oid, timeout=10), SMALL)
+        chan = next(iter(node._channels._open))
+        assert isinstance(chan.sock, ssl.SSLSocket)
+    finally:
+        node.close()
