@@ -390,7 +390,7 @@ class DirectoryService:
                     self._apply(Request(node_id, item, time.monotonic()))
             finally:
                 self._batching = False
-                self._flush()
+                self._flush(conn)
             if error is not None:
                 raise error
 
@@ -435,9 +435,15 @@ class DirectoryService:
             return
         self._written(conn, frame)
 
-    def _flush(self) -> None:
-        """Send what a batch held, one write per connection."""
+    def _flush(self, requester: _Conn) -> None:
+        """Send what a batch held, one write per connection, the connection the batch came on
+        last: the others' replies answer requests that waited (the gets of a put just handled),
+        and on a host with few cores each write's reader takes a core the next one's may need
+        (bench/README.md#caller-channels)."""
         held, self._held = self._held, []
+        if len(held) > 1 and requester in held:
+            held.remove(requester)
+            held.append(requester)
         for conn in held:
             frames, conn.out, conn.held = conn.out, [], 0
             if frames and not conn.writer.is_closing():
