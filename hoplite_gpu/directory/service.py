@@ -405,7 +405,8 @@ class DirectoryService:
             self._routes[(conn.node_id, request_id)] = conn
 
     def _channel_closed(self, conn: _Conn) -> None:
-        """A caller channel closed: forget it, and withdraw the lookup it waited on."""
+        """A caller channel closed: forget it, and withdraw what it waited on (a lookup, a barrier
+        arrival)."""
         chans = self._channels.get(conn.node_id, [])
         if conn in chans:
             chans.remove(conn)
@@ -516,9 +517,7 @@ class DirectoryService:
             self._apply(AuthFailed(peer, time.monotonic()))
             return None
         if hello.channel:
-            chans = self._channels.get(hello.node_id, [])
-            if hello.node_id not in self._conns or len(chans) >= MAX_CHANNELS_PER_NODE:
-                log.debug("refusing a channel of node %s from %s", hello.node_id[:8], peer)
+            if not self._channel_fits(hello.node_id, peer):
                 return None
         elif hello.node_id in self._conns:
             log.warning("dropping %s: node id %s already connected", peer, hello.node_id)
@@ -534,7 +533,7 @@ class DirectoryService:
         )
         await writer.drain()
         if hello.channel:
-            if hello.node_id not in self._conns:  # left while we said welcome
+            if not self._channel_fits(hello.node_id, peer):  # (again: others came meanwhile)
                 return None
             conn = _Conn(hello.node_id, writer, peer, channel=True)
             self._channels.setdefault(hello.node_id, []).append(conn)
@@ -555,6 +554,14 @@ class DirectoryService:
             )
         )
         return conn
+
+    def _channel_fits(self, node_id: str, peer: str) -> bool:
+        """Whether ``node_id`` may open one more caller channel: it is connected, with fewer than
+        :data:`MAX_CHANNELS_PER_NODE`."""
+        if node_id in self._conns and len(self._channels.get(node_id, ())) < MAX_CHANNELS_PER_NODE:
+            return True
+        log.debug("refusing a channel of node %s from %s", node_id[:8], peer)
+        return False
 
     # ------------------------------------------------------------ state machine glue
     def _apply(self, event: Event) -> None:
