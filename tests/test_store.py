@@ -178,3 +178,36 @@ def test_the_pulls_served_from_an_object_are_counted_and_waited_for() -> None:
         assert obj.serving == 0
 
     asyncio.run(main())
+
+
+def test_an_object_added_from_a_callers_thread_is_counted_and_never_one_awaited() -> None:
+    """``add_from_caller`` (a put on a caller channel) adds only what nothing awaits and what
+    fits (the caller then puts through the I/O thread, whose add wakes the waiters)."""
+    import asyncio
+
+    from hoplite_gpu.memory.store import LocalObject, LocalStore
+    from hoplite_gpu.object_id import ObjectID
+
+    def obj(oid: ObjectID, size: int = 16) -> LocalObject:
+        data = np.zeros(size, np.uint8)
+        return LocalObject(oid, size, "|u1", (size,), b"", Buffer.wrap(data), progress=size)
+
+    store = LocalStore(64)
+    first = ObjectID.random()
+    assert store.add_from_caller(obj(first)) and store.used_bytes == 16
+    assert store.get(first) is not None
+    assert not store.add_from_caller(obj(first))  # here already
+    assert not store.add_from_caller(obj(ObjectID.random(), 64))  # does not fit
+    store.remove(first)
+    assert store.used_bytes == 0
+
+    async def scenario() -> tuple[bool, object]:
+        awaited = ObjectID.random()
+        waiter = asyncio.ensure_future(store.wait_for(awaited, timeout=60))
+        await asyncio.sleep(0)  # one turn of the loop: the waiter runs to its await
+        refused = store.add_from_caller(obj(awaited))
+        store.add(obj(awaited))  # the I/O thread's add
+        return refused, await asyncio.wait_for(waiter, 5)
+
+    refused, found = asyncio.run(scenario())
+    assert refused is False and found is not None
