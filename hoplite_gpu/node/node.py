@@ -312,7 +312,8 @@ class Node:
             out: Optional array (NumPy or CuPy) of the same dtype and shape to copy the result into;
                 it is returned. Without ``out`` the result is a read-only NumPy array that shares
                 memory with the local store (for an object held by another process on this host,
-                with that process's shared-memory segment, which stays valid while you use it).
+                with that process's shared-memory segment, which stays valid while you use it; for
+                one stored inline in the directory, got on a caller channel: its own copy).
                 An object put from device memory comes back as a new CuPy array on the caller's
                 current device (bfloat16 as uint16 before CuPy 14; a host copy where this process
                 has no GPU).
