@@ -142,6 +142,11 @@ class _Conn:
         self.channel = channel
         self.waiting = 0
 
+    def take(self) -> bytes:
+        """The frames held for this connection, joined; it holds none after."""
+        frames, self.out, self.held = self.out, [], 0
+        return b"".join(frames)
+
 
 class DirectoryService:
     """The directory, served on ``host:port`` (port 0 picks a free one).
@@ -431,8 +436,7 @@ class DirectoryService:
             conn.out.append(frame)
             conn.held += len(frame)
             if conn.held >= HELD_BYTES:
-                frames, conn.out, conn.held = conn.out, [], 0
-                self._written(conn, b"".join(frames))
+                self._written(conn, conn.take())
             return
         self._written(conn, frame)
 
@@ -446,9 +450,9 @@ class DirectoryService:
             held.remove(requester)
             held.append(requester)
         for conn in held:
-            frames, conn.out, conn.held = conn.out, [], 0
-            if frames and not conn.writer.is_closing():
-                self._written(conn, b"".join(frames))
+            data = conn.take()
+            if data and not conn.writer.is_closing():
+                self._written(conn, data)
 
     def _written(self, conn: _Conn, data: bytes) -> None:
         conn.writer.write(data)
@@ -590,8 +594,7 @@ class DirectoryService:
                 del self._conns[instr.node_id]
                 self._close_channels(instr.node_id)
                 if conn.out:  # what the batch held for it goes first, as it would have
-                    frames, conn.out, conn.held = conn.out, [], 0
-                    conn.writer.write(b"".join(frames))
+                    conn.writer.write(conn.take())
                 conn.writer.close()
         deadline = self.state.next_deadline()
         if deadline is not None and deadline < self._armed:

@@ -282,9 +282,7 @@ class LocalStore:
         """Insert an object (its bytes count against the capacity)."""
         with self._lock:
             self.reserve(obj.size)
-            self._objects[obj.object_id] = obj
-            self._removed.pop(obj.object_id, None)
-            self.used_bytes += obj.size
+            self._insert(obj)
         for fut in self._arrivals.pop(obj.object_id, []):
             if not fut.done():
                 fut.set_result(obj)
@@ -302,10 +300,14 @@ class LocalStore:
                 or self.used_bytes + obj.size > self.capacity_bytes
             ):
                 return False
-            self._objects[oid] = obj
-            self._removed.pop(oid, None)
-            self.used_bytes += obj.size
+            self._insert(obj)
         return True
+
+    def _insert(self, obj: LocalObject) -> None:
+        """Put ``obj`` in the store and count its bytes (the caller holds the lock)."""
+        self._objects[obj.object_id] = obj
+        self._removed.pop(obj.object_id, None)
+        self.used_bytes += obj.size
 
     def remove(self, oid: ObjectID, error: HopliteError | None = None) -> LocalObject | None:
         """Remove an object, failing its waiters with ``error`` (default: ObjectDeletedError)."""

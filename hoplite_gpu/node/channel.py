@@ -202,9 +202,8 @@ class Channels:
         sock = socket.create_connection((host, port), timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            tls = self._config.client_tls()
-            if tls is not None:
-                sock = tls.wrap_socket(sock, server_hostname=host)
+            if session.tls is not None:
+                sock = session.tls.wrap_socket(sock, server_hostname=host)
             chan = Channel(sock, 4096)  # the handshake's frames are small
             challenge = chan.read()
             if not isinstance(challenge, p.Challenge):

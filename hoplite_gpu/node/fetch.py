@@ -230,10 +230,11 @@ class Fetcher:
             first.inline = sources.inline_object(oid, reply)
         return first
 
-    def _discard(self, first: First) -> None:
-        """A first answer not used (a copy appeared here meanwhile): end the transfer it began."""
-        if first.reply.transfer_id:
-            self._session.send(p.TransferDone(transfer_id=first.reply.transfer_id, ok=False, progress=0))
+    def _discard(self, reply: p.LookupReply) -> None:
+        """An answer not used (its copy was dropped, or one appeared here meanwhile): end the
+        transfer it began, if any."""
+        if reply.transfer_id:
+            self._session.send(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
 
     async def get(
         self,
@@ -318,7 +319,7 @@ class Fetcher:
         fills the copy."""
         local = self._store.get(attempt.object_id)
         if local is not None and first is not None:
-            self._discard(first)  # a copy appeared since it was asked for: use that
+            self._discard(first.reply)  # a copy appeared since it was asked for: use that
             first = None
         if local is not None and (local.progress < local.size or local.complete):
             # Complete, or another get in this process (or a reduce vertex here, or a put still
@@ -356,8 +357,7 @@ class Fetcher:
         generation = self._session.generation  # a copy finished under a later one is restored
         if local is not None and local.error is not None:
             # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.
-            if reply.transfer_id:
-                self._session.send(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
+            self._discard(reply)
             if isinstance(local.error, ObjectReset) and reply.status == "error":
                 # Reset by a repair, then failed or deleted: starting again would wait for an
                 # object that will never come.

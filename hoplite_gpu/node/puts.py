@@ -328,17 +328,13 @@ class Putter:
             else:
                 _check_reply(oid, reply)
         except BaseException as exc:
-            withdrawn = io.submit(self._withdraw(obj, exc))
+            # As put does on failure: one that may have been recorded as the reply was lost is not
+            # withdrawn either.
+            withdrawn = io.submit(self._failed(obj, None, None, exc, registered=False))
             if isinstance(exc, Exception):  # (not on an interrupt) gone from the store on return
                 withdrawn.result(self._config.request_timeout)
             raise
         return oid
-
-    async def _withdraw(self, obj: LocalObject, exc: BaseException) -> None:
-        """A put on a channel failed: drop the object (as :meth:`put` does: one that may have been
-        recorded as the reply was lost is not withdrawn either)."""
-        if self._store.get(obj.object_id) is obj:
-            self._store.remove(obj.object_id, as_hoplite_error(exc, obj.object_id))
 
     async def _copied(self, obj: LocalObject, copying: asyncio.Future[None], stop: threading.Event) -> None:
         """The end of a detached put's copy."""
@@ -360,13 +356,14 @@ class Putter:
         self,
         obj: LocalObject,
         copying: asyncio.Future[None] | None,
-        stop: threading.Event,
+        stop: threading.Event | None,
         exc: BaseException,
         registered: bool,
     ) -> None:
-        """Undo a put that failed (or was cancelled): stop its copy, drop the local object, and
-        withdraw it from the directory if it was published."""
-        stop.set()
+        """Undo a put that failed (or was cancelled): stop its copy (if any), drop the local
+        object, and withdraw it from the directory if it was published."""
+        if stop is not None:
+            stop.set()
         if copying is not None:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(copying)

@@ -89,7 +89,7 @@ class DirectorySession:
         self._data_host = data_host
         self.data_port = data_port  # may be set after construction, before start()
         self._host_key = host_key
-        self._tls = config.client_tls()  # None: plain TCP (Config.tls_ca_file)
+        self.tls = config.client_tls()  # None: plain TCP (Config.tls_ca_file); channels use it too
         self._on_push = on_push
         self._on_lost = on_lost
         self._on_rejoined = on_rejoined
@@ -138,7 +138,7 @@ class DirectorySession:
             self.config.connect_timeout,
             host_key=self._host_key,
             previous_directory=previous_directory,
-            tls=self._tls,
+            tls=self.tls,
             place=self._place,
         )
 
