@@ -152,10 +152,11 @@ def host_veth(container: str) -> str:
 
 def tx_bytes(dev: str, default: int | None = None) -> int:
     """Bytes the host sent through ``dev`` (``default`` when the interface is gone: a killed
-    container's veth goes with its network namespace)."""
+    container's veth goes with its network namespace; while it is being torn down, the read
+    fails with EINVAL or ENODEV instead of ENOENT)."""
     try:
         return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
-    except FileNotFoundError:
+    except OSError:
         if default is None:
             raise
         return default
