@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import memory
+from . import protocol as p
 from .errors import (
     CollectiveArgumentError,
     HopliteError,
@@ -277,6 +278,20 @@ class Group:
         gone = set(oids)
         self._owned = [(s, oid) for s, oid in self._owned if oid not in gone]
         await self._delete(oids, wait)
+
+    def _releasable(self, seq: int) -> list[bytes]:
+        """The objects of this member's collectives before ``seq`` that a barrier's arrival can
+        release (``BarrierRequest.release``): those it put, not the reductions it requested
+        (their records on the node go on the I/O thread, with :meth:`_release_before`)."""
+        session = self.node._session
+        oids = [oid.binary() for s, oid in self._owned if s < seq]
+        return [oid for oid in oids if not session.requested(oid)][: p.MAX_BARRIER_RELEASE]
+
+    def _released(self, release: list[bytes]) -> None:
+        """The barrier that carried ``release`` passed: the directory deleted them."""
+        if release:
+            gone = set(release)
+            self._owned = [(s, oid) for s, oid in self._owned if oid.binary() not in gone]
 
     def _release_before(self, seq: int) -> None:
         """:meth:`_delete_before` from the caller's thread, without waiting: the I/O thread only
@@ -580,8 +595,13 @@ def barrier(group: Group) -> None:
     seq = g._next()
     timeout = g.node._resolve_timeout(g.timeout)
     bid = _barrier_id(g, seq)
+    # The objects of earlier collectives that this member put go with its arrival, deleted by the
+    # directory once every member has come: no message, nor I/O-thread work, of their own to
+    # overlap the next collective (bench/README.md#barrier-releases). The rest after it, as before.
+    release = g._releasable(seq)
     # From the caller's thread, on its channel where it has one (hoplite_gpu.node.channel).
-    g._call(lambda: _passed(g, seq, g.node._barrier(bid, g.rank, g.world_size, timeout), timeout))
+    g._call(lambda: _passed(g, seq, g.node._barrier(bid, g.rank, g.world_size, timeout, release), timeout))
+    g._released(release)
     g._release_before(seq)
 
 

@@ -97,6 +97,9 @@ class Config:
             is sent by the caller's thread on a connection of its own (one per thread), not through
             the node's I/O thread: two thread hops fewer (bench/README.md#caller-channels); off:
             every request goes through the node's connection.
+        local_channels: A caller channel to a directory on this host (in this network namespace)
+            that serves without TLS goes over the directory's abstract Unix socket, not TCP
+            loopback (bench/README.md#local-channels); off: always TCP.
         max_control_message_bytes: Largest control message accepted (a larger one closes the
             connection); 0: ``inline_threshold_bytes`` + 1 MiB.
         connect_timeout: Seconds to connect and authenticate to the directory or a peer.
@@ -172,6 +175,7 @@ class Config:
     shared_memory: bool = True
     same_host_index: bool = True
     caller_channels: bool = True
+    local_channels: bool = True
     max_control_message_bytes: int = 0  # 0: derived from inline_threshold_bytes
     connect_timeout: float = 10.0
     request_timeout: float = 30.0

@@ -5,6 +5,7 @@ objects, a lost channel, a restarted directory) through the node's connection as
 from __future__ import annotations
 
 import shutil
+import socket
 import ssl
 import threading
 import time
@@ -62,25 +63,29 @@ def node() -> Iterator[Any]:
     n.close()
 
 
-def test_a_small_put_and_get_go_on_the_callers_channel(node: Any) -> None:
-    other = hg.connect(node.directory_address, token=node.token)
-    try:
-        oid = node.put(SMALL)
-        assert node.contains(oid)  # in the store by the time put returns
-        assert _open_channels(node) == 1
-        got = other.get(oid, timeout=10)
-        assert np.array_equal(got, SMALL) and not got.flags.writeable
-        assert _open_channels(other) == 1
-        out = np.zeros_like(SMALL)
-        assert other.get(oid, timeout=10, out=out) is out and np.array_equal(out, SMALL)
-        kinds = [e["kind"] for e in node.event_log()]
-        assert kinds.count("lookup_inline") == 2
-        assert node.delete(oid)
-        assert not node.contains(oid)
-        with pytest.raises(hg.ObjectDeletedError):
-            other.get(oid, timeout=10)
-    finally:
-        other.close()
+@pytest.fixture
+def other(node: Any) -> Iterator[Any]:
+    """A second node on ``node``'s directory."""
+    n = hg.connect(node.directory_address, token=node.token)
+    yield n
+    n.close()
+
+
+def test_a_small_put_and_get_go_on_the_callers_channel(node: Any, other: Any) -> None:
+    oid = node.put(SMALL)
+    assert node.contains(oid)  # in the store by the time put returns
+    assert _open_channels(node) == 1
+    got = other.get(oid, timeout=10)
+    assert np.array_equal(got, SMALL) and not got.flags.writeable
+    assert _open_channels(other) == 1
+    out = np.zeros_like(SMALL)
+    assert other.get(oid, timeout=10, out=out) is out and np.array_equal(out, SMALL)
+    kinds = [e["kind"] for e in node.event_log()]
+    assert kinds.count("lookup_inline") == 2
+    assert node.delete(oid)
+    assert not node.contains(oid)
+    with pytest.raises(hg.ObjectDeletedError):
+        other.get(oid, timeout=10)
 
 
 def test_a_get_waits_on_its_channel_for_a_later_put(node: Any) -> None:
@@ -101,32 +106,24 @@ def test_a_get_on_a_channel_times_out_with_the_directorys_reason(node: Any) -> N
     assert _pending(node) == 0
 
 
-def test_a_large_object_is_pulled_through_the_nodes_connection(node: Any) -> None:
-    other = hg.connect(node.directory_address, token=node.token)
-    try:
-        big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: not inline
-        oid = node.put(big)
-        assert np.array_equal(other.get(oid, timeout=30), big)
-        assert other.contains(oid)  # pulled into its store
-        kinds = [e["kind"] for e in node.event_log()]
-        # One lookup, on the channel; its answer (a pull) is carried out by the I/O thread.
-        assert kinds.count("lookup") == 1 and "transfer_start" in kinds
-        assert _open_channels(other) == 1
-    finally:
-        other.close()
+def test_a_large_object_is_pulled_through_the_nodes_connection(node: Any, other: Any) -> None:
+    big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: not inline
+    oid = node.put(big)
+    assert np.array_equal(other.get(oid, timeout=30), big)
+    assert other.contains(oid)  # pulled into its store
+    kinds = [e["kind"] for e in node.event_log()]
+    # One lookup, on the channel; its answer (a pull) is carried out by the I/O thread.
+    assert kinds.count("lookup") == 1 and "transfer_start" in kinds
+    assert _open_channels(other) == 1
 
 
-def test_a_conflicting_put_on_a_channel_is_refused_and_not_kept(node: Any) -> None:
-    other = hg.connect(node.directory_address, token=node.token)
-    try:
-        oid = node.put(SMALL)
-        assert node.put(SMALL, oid) == oid  # the same put again
-        with pytest.raises(hg.ObjectExistsError):
-            other.put(SMALL + 1, oid)
-        assert not other.contains(oid)
-        assert np.array_equal(other.get(oid, timeout=10), SMALL)
-    finally:
-        other.close()
+def test_a_conflicting_put_on_a_channel_is_refused_and_not_kept(node: Any, other: Any) -> None:
+    oid = node.put(SMALL)
+    assert node.put(SMALL, oid) == oid  # the same put again
+    with pytest.raises(hg.ObjectExistsError):
+        other.put(SMALL + 1, oid)
+    assert not other.contains(oid)
+    assert np.array_equal(other.get(oid, timeout=10), SMALL)
 
 
 def test_without_caller_channels_every_request_goes_through_the_node(node: Any) -> None:
@@ -210,3 +207,81 @@ def test_channels_to_a_tls_directory_use_tls(tmp_path: Any) -> None:
         assert isinstance(chan.sock, ssl.SSLSocket)
     finally:
         node.close()
+
+
+def test_a_channel_to_a_directory_of_this_host_takes_its_local_socket(node: Any) -> None:
+    tcp = hg.connect(node.directory_address, token=node.token, local_channels=False)
+    try:
+        oid = node.put(SMALL)
+        assert next(iter(node._channels._open)).sock.family == socket.AF_UNIX
+        assert np.array_equal(tcp.get(oid, timeout=10), SMALL)
+        assert next(iter(tcp._channels._open)).sock.family == socket.AF_INET
+        assert len(node._embedded._channels[node.node_id]) == 1
+    finally:
+        tcp.close()
+
+
+def test_the_local_socket_authenticates_as_tcp_does(node: Any) -> None:
+    from hoplite_gpu import protocol as p
+
+    service = node._embedded
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    try:
+        sock.connect(p.local_socket_name(service.directory_id))
+        assert sock.recv(4096)  # the challenge
+        sock.sendall(b"\x00\x00\x00\x03abc")  # not a hello
+        assert sock.recv(4096) == b""  # closed
+    finally:
+        sock.close()
+    assert service.auth_failures == 1 and service.handshaking == 0
+
+
+def test_a_delete_from_a_callers_thread_goes_on_its_channel(
+    node: Any, other: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    oid = node.put(SMALL)
+    assert np.array_equal(other.get(oid, timeout=10), SMALL)
+    through_io: list[Any] = []
+    real = node._io.run
+    monkeypatch.setattr(node._io, "run", lambda *a, **k: (through_io.append(a), real(*a, **k))[1])
+    assert node.delete(oid) is True
+    assert through_io == [] and not node.contains(oid)
+    assert node.delete(oid) is False  # (made twice: gone already)
+    with pytest.raises(hg.ObjectDeletedError):
+        other.get(oid, timeout=10)
+    # A copy that cannot leave the store from this thread (shared memory) is removed on the
+    # node's loop, through its connection.
+    large = node.put(np.arange(1 << 18, dtype=np.float32))
+    assert node.delete(large) is True and not node.contains(large)
+    assert len(through_io) == 1
+
+
+def test_a_get_on_a_channel_is_not_recorded_as_a_copy(node: Any, other: Any) -> None:
+    oid = node.put(SMALL)
+    assert np.array_equal(other.get(oid, timeout=10), SMALL)
+    assert not other.contains(oid)
+    # The reader is not on record as a holder: the owner's delete sends it nothing.
+    assert other.node_id not in node._embedded.state.catalog.objects[oid.binary()].locations
+    other._io.run(other._fetcher.get(oid, 10.0))  # through the node's connection: kept
+    assert other.contains(oid)
+    assert other.node_id in node._embedded.state.catalog.objects[oid.binary()].locations
+
+
+def test_a_barrier_releases_the_objects_of_earlier_collectives(node: Any, other: Any) -> None:
+    from hoplite_gpu import collective as coll
+
+    groups = [coll.Group(n, r, 2, "release", timeout=30) for r, n in enumerate((node, other))]
+    out = np.zeros_like(SMALL)
+    thread, result = _in_thread(lambda: (coll.broadcast(out, 0, groups[1]), coll.barrier(groups[1])))
+    coll.broadcast(SMALL.copy(), 0, groups[0])
+    [(_, oid)] = groups[0]._owned
+    coll.barrier(groups[0])
+    # Deleted by the directory before it answered the barrier (not by a request after it),
+    # and the root's copy gone when the barrier returns.
+    assert oid.binary() not in node._embedded.state.catalog.objects
+    assert not node.contains(oid) and groups[0]._owned == []
+    thread.join(30)
+    assert "error" not in result and np.array_equal(out, SMALL)
+    kinds = [e["kind"] for e in node.event_log()]
+    assert kinds.count("delete") == 1

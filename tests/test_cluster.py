@@ -67,6 +67,23 @@ node.close()
 """
 
 
+def _directory_on_host_0(cluster: Cluster, port: int, token: str, env: dict[str, str]) -> str:
+    """Start a directory on the cluster's host 0 (killed with the cluster); its address."""
+    import sys
+
+    command = [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", str(port)]
+    directory = cluster.popen(
+        0,
+        [*command, "--host", cluster.address(0)],
+        env={**env, "HOPLITE_TOKEN": token},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert directory.stdout is not None
+    assert "listening on" in directory.stdout.readline()
+    return f"{cluster.address(0)}:{port}"
+
+
 def test_nodes_on_other_hosts_advertise_their_address_on_the_route_to_the_directory() -> None:
     import os
     import sys
@@ -76,17 +93,7 @@ def test_nodes_on_other_hosts_advertise_their_address_on_the_route_to_the_direct
     env = {k: v for k, v in os.environ.items() if k not in ("HOPLITE_LISTEN_HOST", "HOPLITE_ADVERTISE_HOST")}
     with Cluster(hosts=3, rate_bytes=500e6, prefix="hga") as cluster:
         token = "test-token-" + "a" * 20
-        host0 = cluster.address(0)
-        directory = cluster.popen(
-            0,
-            [sys.executable, "-m", "hoplite_gpu.cli", "directory", "--port", "7071", "--host", host0],
-            env={**env, "HOPLITE_TOKEN": token},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert directory.stdout is not None
-        assert "listening on" in directory.stdout.readline()
-        address = f"{cluster.address(0)}:7071"
+        address = _directory_on_host_0(cluster, 7071, token, env)
         oid = hg.ObjectID.random().hex()
         common = {"env": env, "stdout": subprocess.PIPE, "text": True}
         writer = cluster.popen(
@@ -102,3 +109,35 @@ def test_nodes_on_other_hosts_advertise_their_address_on_the_route_to_the_direct
         writer.stdin.close()
         assert writer.wait(30) == 0
     assert not {"hga0", "hga1", "hga2", "hgasw"} & namespaces()
+
+
+# A node that puts and gets a small object, and says what its caller channel runs over.
+_CHANNEL = r"""
+import sys, numpy as np, hoplite_gpu as hg
+node = hg.connect(sys.argv[1], token=sys.argv[2], shared_memory=False)
+oid = node.put(np.arange(256, dtype=np.float32))
+print("FAMILY", node._channels._local.channel.sock.family.name, flush=True)
+print("SUM", int(node.get(oid, timeout=30).sum()), flush=True)
+node.close()
+"""
+
+
+def test_only_a_node_in_the_directorys_namespace_reaches_its_local_socket() -> None:
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HOPLITE_LISTEN_HOST", "HOPLITE_ADVERTISE_HOST")}
+    with Cluster(hosts=2, rate_bytes=500e6, prefix="hgl") as cluster:
+        token = "test-token-" + "l" * 20
+        address = _directory_on_host_0(cluster, 7072, token, env)
+        for host, family in ((0, "AF_UNIX"), (1, "AF_INET")):
+            node = cluster.popen(
+                host,
+                [sys.executable, "-c", _CHANNEL, address, token],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            out, _ = node.communicate(timeout=90)
+            assert f"FAMILY {family}" in out and f"SUM {sum(range(256))}" in out, (host, out)
+    assert not {"hgl0", "hgl1", "hglsw"} & namespaces()

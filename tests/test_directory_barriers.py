@@ -23,10 +23,20 @@ def make_state(*nodes: str, quota: int = 100_000) -> DirectoryState:
     return state
 
 
-def arrive(state, node, rank, count=3, rid=None, timeout=0.0, now=0.0, bid=BID):
+def arrive(state, node, rank, count=3, rid=None, timeout=0.0, now=0.0, bid=BID, release=()):
     rid = 10 + rank if rid is None else rid
-    msg = p.BarrierRequest(request_id=rid, barrier_id=bid, rank=rank, count=count, timeout=timeout)
+    msg = p.BarrierRequest(
+        request_id=rid, barrier_id=bid, rank=rank, count=count, timeout=timeout, release=list(release)
+    )
     return [(s.node_id, s.message) for s in state.handle(Request(node, msg, now))]
+
+
+def put_inline(state, node, oid, rid=500):
+    msg = p.PutRequest(
+        request_id=rid, object_id=oid, size=4, dtype="uint8", shape=[4], digest=b"", inline=b"abcd"
+    )
+    [(to, reply)] = [(s.node_id, s.message) for s in state.handle(Request(node, msg, 0.0))]
+    assert to == node and isinstance(reply, p.PutReply) and not reply.error
 
 
 def test_every_member_is_answered_once_all_have_come():
@@ -180,3 +190,41 @@ def test_the_largest_barrier_is_answered_in_linear_time():
     assert len(out) == count - 1
     assert all(s.message.missing == [count - 1] and s.message.waiting == 1 for s in out)
     assert state.barriers.open == {}
+
+
+def test_a_barrier_deletes_what_its_members_released_once_all_have_come():
+    state = make_state("A", "B", "C")
+    mine, theirs, gone = b"m" * 20, b"t" * 20, b"g" * 20
+    put_inline(state, "A", mine)
+    put_inline(state, "B", theirs)
+    assert arrive(state, "A", 0, release=[mine, theirs, gone]) == []  # theirs is B's: left alone
+    assert arrive(state, "B", 1) == []
+    assert mine in state.catalog.objects  # not before every member has come
+    out = arrive(state, "C", 2)
+    # No DeleteReply: the members learn from their "ok".
+    assert sorted(n for n, m in out if isinstance(m, p.BarrierReply) and m.status == "ok") == ["A", "B", "C"]
+    assert len(out) == 3
+    assert mine not in state.catalog.objects and theirs in state.catalog.objects
+    assert [e["kind"] for e in state.eventlog.page(0)].count("delete") == 1
+
+
+def test_an_arrival_answered_at_its_timeout_releases_nothing():
+    state = make_state("A", "B", "C")
+    mine = b"m" * 20
+    put_inline(state, "A", mine)
+    assert arrive(state, "B", 1) == []
+    assert arrive(state, "A", 0, timeout=1.0, release=[mine]) == []
+    [(node, reply)] = [(s.node_id, s.message) for s in state.handle(Tick(1.0))]
+    assert node == "A" and reply.status == "timeout"
+    assert sorted(n for n, _ in arrive(state, "C", 2, now=2.0)) == ["B", "C"]  # A still counts as come
+    assert mine in state.catalog.objects  # A was told it failed: it deletes its objects itself
+
+
+def test_a_barrier_request_releasing_too_many_does_not_decode():
+    body = {"request_id": 1, "barrier_id": BID, "rank": 0, "count": 2, "timeout": 0.0}
+    frame = p.encode(p.BarrierRequest(**body, release=[b"o" * 20] * (p.MAX_BARRIER_RELEASE + 1)))
+    with pytest.raises(ProtocolError, match="released"):
+        p.decode(frame[p.FRAME_HEADER.size :])
+    frame = p.encode(p.BarrierRequest(**body, release=[b"short"]))
+    with pytest.raises(ProtocolError, match="release"):
+        p.decode(frame[p.FRAME_HEADER.size :])

@@ -227,7 +227,8 @@ async def main():
     sys.stdin.readline()  # the test connected
     await asyncio.sleep(3)
     tries = getattr(service, "accept_errors", -1)
-    print("tries", tries, "lines", sum("accept" in line for line in lines), flush=True)
+    print("tries", tries, "lines", sum("accept" in line for line in lines), "listeners",
+          len(service._listeners), flush=True)
     for fd in taken:
         os.close(fd)
     await asyncio.to_thread(sys.stdin.readline)  # the test got its challenge
@@ -251,9 +252,11 @@ def test_a_directory_out_of_descriptors_backs_off_and_serves_once_they_are_free(
         waiting = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(5)]
         child.stdin.write("connected\n")
         child.stdin.flush()
-        _, tries, _, lines = child.stdout.readline().split()
+        _, tries, _, lines, _, listeners = child.stdout.readline().split()
         # Backed off: asyncio's accept loop logged about 100 errors a second, with tracebacks.
-        assert 1 <= int(tries) <= 15 and 1 <= int(lines) <= 4, (tries, lines)
+        # Each listener's loop backs off on its own (its local socket's too: accept(2) fails
+        # for want of a descriptor before it looks for a connection).
+        assert 1 <= int(tries) <= 15 * int(listeners) and 1 <= int(lines) <= 4, (tries, lines)
         waiting[0].settimeout(5)
         assert waiting[0].recv(4096)  # its challenge, once descriptors are free again
         child.stdin.write("done\n")

@@ -211,3 +211,40 @@ def test_an_object_added_from_a_callers_thread_is_counted_and_never_one_awaited(
 
     refused, found = asyncio.run(scenario())
     assert refused is False and found is not None
+
+
+def test_only_a_plain_complete_object_leaves_the_store_from_a_callers_thread() -> None:
+    """``remove_from_caller`` (a delete on a caller channel, a barrier's release) removes what
+    needs nothing of the loop: complete, awaited by nothing, private host memory."""
+    import asyncio
+
+    from hoplite_gpu.memory.store import LocalObject, LocalStore
+    from hoplite_gpu.object_id import ObjectID
+
+    def obj(progress: int = 16) -> LocalObject:
+        return LocalObject(
+            ObjectID.random(), 16, "|u1", (16,), b"", Buffer.wrap(np.zeros(16, np.uint8)), progress
+        )
+
+    store = LocalStore(1 << 20)
+    plain, partial, pinned = obj(), obj(progress=8), obj()
+    pinned.buffer.unpin = lambda: None  # page-locked by a put(pinned=True): undone on the loop
+    for o in (plain, partial, pinned):
+        store.add(o)
+    assert store.remove_from_caller(ObjectID.random())  # not here: nothing to do
+    assert store.removable_from_caller(plain.object_id) and store.remove_from_caller(plain.object_id)
+    assert store.get(plain.object_id) is None and store.used_bytes == 32
+    for o in (partial, pinned):
+        assert not store.removable_from_caller(o.object_id) and not store.remove_from_caller(o.object_id)
+        assert store.get(o.object_id) is o
+
+    async def watched() -> bool:  # a reader watching it (a pull's failure future) is the loop's
+        done = obj()
+        store.add(done)
+        fut = done.failure()
+        refused = not store.remove_from_caller(done.object_id)
+        done.forget_failure(fut)
+        return refused and store.remove_from_caller(done.object_id)
+
+    assert asyncio.run(watched())
+    assert store.used_bytes == 32

@@ -11,7 +11,9 @@ is forgotten (a member coming later starts it again). At its timeout a member is
 ``timeout``, naming the ranks missing. Arrivals count against the node's quota of
 waiting lookups.
 A restarted directory knows no barrier: members still waiting send theirs again (the session
-repeats a request the lost directory did not answer).
+repeats a request the lost directory did not answer). An arrival may carry objects of its node's
+to delete once every member has come (``BarrierRequest.release``): deleted then, before the
+replies, as the node's own deletes would be, with no reply of their own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Barrier:
     arrived: set[int] = field(default_factory=set)
     waiting: dict[int, tuple[str, int]] = field(default_factory=dict)
     named: list[int] | None = None  # the first ranks missing, once asked (None: to find again)
+    release: dict[int, list[bytes]] = field(default_factory=dict)  # rank -> objects it releases
 
 
 class Barriers:
@@ -76,6 +79,8 @@ class Barriers:
         barrier.arrived.add(rank)
         barrier.named = None
         barrier.waiting[rank] = (node_id, msg.request_id)
+        if msg.release:
+            barrier.release[rank] = msg.release
         self.by_request[(node_id, msg.request_id)] = (bid, rank)
         if msg.timeout > 0:
             heapq.heappush(self.deadlines, (now + msg.timeout, next(self._seq), node_id, msg.request_id))
@@ -84,9 +89,20 @@ class Barriers:
         )
         if len(barrier.arrived) == barrier.count:
             del self.open[bid]
+            for r, oids in barrier.release.items():  # every member is past what they served
+                self._release(barrier.waiting[r][0], oids, now)
             for r in list(barrier.waiting):
                 self._answer(bid, barrier, r, "ok")
             state.record(now, "barrier_ok", barrier_id=bid.hex(), members=barrier.count)
+
+    def _release(self, node_id: str, oids: list[bytes], now: float) -> None:
+        """Delete the objects of ``node_id``'s that its arrival released (others it names are
+        left alone: a node releases only what it put)."""
+        catalog = self.state.catalog
+        for oid in oids:
+            entry = catalog.objects.get(oid)
+            if entry is not None and entry.owner == node_id:
+                catalog.delete(node_id, p.DeleteRequest(request_id=0, object_id=oid), now, reply=False)
 
     def _refuse(self, node_id: str, msg: p.BarrierRequest, why: str) -> None:
         text = f"barrier {msg.barrier_id.hex()[:12]}: {why}"
@@ -111,6 +127,7 @@ class Barriers:
 
     def _withdraw(self, barrier: Barrier, rank: int) -> tuple[str, int]:
         node_id, request_id = barrier.waiting.pop(rank)
+        barrier.release.pop(rank, None)  # (answered, withdrawn or gone: it releases nothing)
         del self.by_request[(node_id, request_id)]
         self.per_node[node_id] -= 1
         if not self.per_node[node_id]:

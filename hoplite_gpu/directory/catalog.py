@@ -125,9 +125,15 @@ class Catalog:
         self.state.record(now, "copy_added", node=node_id, object_id=msg.object_id.hex())
         self.ready(msg.object_id, now)
 
-    def delete(self, node_id: str, msg: p.DeleteRequest, now: float) -> None:
-        """The owner deletes an object everywhere; another node drops its own copy."""
+    def delete(self, node_id: str, msg: p.DeleteRequest, now: float, reply: bool = True) -> None:
+        """The owner deletes an object everywhere; another node drops its own copy. Without
+        ``reply``, no ``DeleteReply`` (a barrier's release: the node learns from its ``ok``)."""
         state, oid = self.state, msg.object_id
+
+        def answer(deleted: bool, kept: bool = False) -> None:
+            if reply:
+                state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=deleted, kept=kept))
+
         red = state.reductions.get(oid)
         if red is not None and red.requester == node_id:
             text = f"reduction {oid.hex()} was deleted"
@@ -135,30 +141,30 @@ class Catalog:
             state.reducer.forget(oid)
             if oid not in self.objects:  # the result was never placed, or dropped above
                 self.remember_delete(oid)
-                state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
+                answer(True)
                 state.record(now, "delete", node=node_id, object_id=oid.hex())
                 return
         entry = self.objects.get(oid)
         if entry is None:
-            state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
+            answer(False)
             return
         if entry.owner != node_id:
             loc = entry.locations.get(node_id)
             if loc is not None and self.sole_copy(entry, loc):
                 # E.g. a reduction's result on the node that computed it, owned by the node that
                 # asked for it: dropping it would lose it; it goes when its owner deletes it.
-                state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False, kept=True))
+                answer(False, kept=True)
                 state.record(now, "delete_kept", node=node_id, object_id=oid.hex())
                 return
             # Even while it serves a transfer: that transfer goes on from the array it holds, but
             # nobody may be sent to (or told to use) the dropped copy any more.
             entry.locations.pop(node_id, None)
-            state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=False))
+            answer(False)
             state.record(now, "delete_local", node=node_id, object_id=oid.hex())
             return
         self.remove(oid, now, skip=node_id)
         self.remember_delete(oid)
-        state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=True))
+        answer(True)
         state.record(now, "delete", node=node_id, object_id=oid.hex())
 
     # ------------------------------------------------------------ copies

@@ -97,6 +97,7 @@ class Lookups:
             msg.direct,
             msg.device_ipc,
             msg.resume,
+            msg.keep,
         )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
         by_object = self.by_request.setdefault((node_id, msg.request_id), {})
@@ -139,8 +140,11 @@ class Lookups:
             memory=entry.memory,
         )
         if entry.inline is not None:
-            # Recorded as a holder so that the owner's delete drops the reader's copy too.
-            entry.locations.setdefault(pl.node_id, Location(pl.node_id, LocationState.COMPLETE, entry.size))
+            # Recorded as a holder so that the owner's delete drops the reader's copy too; not one
+            # that keeps no copy (a caller channel's get: a DropObject would only wake its node).
+            if pl.keep:
+                held = Location(pl.node_id, LocationState.COMPLETE, entry.size)
+                entry.locations.setdefault(pl.node_id, held)
             state.send(pl.node_id, p.LookupReply(status="inline", inline=entry.inline, **meta))
             state.record(now, "lookup_inline", node=pl.node_id, object_id=entry.object_id.hex())
             return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import logging
 import math
 import resource
@@ -41,6 +40,7 @@ from .events import (
     Tick,
 )
 from .frames import FrameReader, Refusal
+from .listeners import connection_host, listen_local, listen_tcp
 from .state import DirectoryState
 
 log = logging.getLogger("hoplite_gpu.directory")
@@ -50,8 +50,6 @@ HANDSHAKE_TIMEOUT = 10.0
 #: First and longest pauses before accepting again after an accept failed for want of descriptors
 #: or memory (the connections wait in the kernel's backlog meanwhile).
 ACCEPT_BACKOFF = (0.01, 1.0)
-#: Kernel backlog of connections not accepted yet.
-LISTEN_BACKLOG = 128
 #: The caps of connections still authenticating take at most 1/this of the descriptors the
 #: process may open, so that they never leave none for the nodes that authenticated.
 HANDSHAKE_SHARE_OF_FILES = 2
@@ -91,41 +89,6 @@ def _handshake_caps(config: DirectoryConfig) -> tuple[int, int]:
             files,
         )
     return most, min(per_address, most)
-
-
-def _listen(infos: list[Any], port: int) -> list[socket.socket]:
-    """Listening sockets on every address of ``infos`` (``getaddrinfo`` results): non-blocking,
-    all on the port the first got when ``port`` is 0."""
-    sockets: list[socket.socket] = []
-    seen: set[tuple[int, Any]] = set()
-    try:
-        for family, kind, proto, _, address in infos:
-            if (family, address) in seen:
-                continue
-            seen.add((family, address))
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # each family on its own socket
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if port == 0 and len(sockets) > 1:
-                address = (address[0], sockets[0].getsockname()[1], *address[2:])
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRNOTAVAIL:  # that family is not enabled here (as asyncio)
-                    sockets.pop().close()
-                    continue
-                raise OSError(exc.errno, f"cannot listen on {address!r}: {exc.strerror}") from None
-            sock.listen(LISTEN_BACKLOG)
-            sock.setblocking(False)
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
-    if not sockets:
-        raise OSError(f"no address to listen on for port {port}")
-    return sockets
 
 
 class _Conn:
@@ -230,8 +193,10 @@ class DirectoryService:
         infos = await loop.getaddrinfo(
             self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
-        self._listeners = _listen(infos, self.port)
+        self._listeners = listen_tcp(infos, self.port)
         self.port = self._listeners[0].getsockname()[1]
+        if self.tls is None:  # (with TLS every connection is TLS's)
+            self._listeners += listen_local(self.directory_id)
         self._accepting = [asyncio.create_task(self._accept_loop(sock)) for sock in self._listeners]
         self._ticker = asyncio.create_task(self._tick_loop())
         log.info("directory %s listening on %s", self.directory_id, self.address)
@@ -292,7 +257,7 @@ class DirectoryService:
     def _admit(self, sock: socket.socket, address: Any) -> None:
         """Count a connection just accepted against the caps of those still authenticating
         (closed at once beyond one), and start its handshake."""
-        host = str(address[0])
+        host = connection_host(address)
         from_address = self._handshaking_from.get(host, 0)
         if self.handshaking >= self._max_handshakes or from_address >= self._max_handshakes_per_address:
             self.refused_handshakes += 1
@@ -335,8 +300,8 @@ class DirectoryService:
         task = asyncio.current_task()
         assert task is not None
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-        peer = ":".join(str(x) for x in address[:2])
-        host = str(address[0])
+        host = connection_host(address)
+        peer = ":".join(str(x) for x in address[:2]) if isinstance(address, tuple) else host
         node_id: str | None = None
         writer: asyncio.StreamWriter | None = None
         conn: _Conn | None = None

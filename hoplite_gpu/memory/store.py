@@ -26,7 +26,7 @@ from ..errors import (
 )
 from ..object_id import ObjectID
 from .arrays import CallerArray
-from .buffers import Buffer
+from .buffers import Buffer, BufferKind
 from .device import device_result
 from .face import Memory
 
@@ -238,6 +238,21 @@ class LocalObject:
 REMEMBERED_REMOVALS = 4096
 
 
+def _plain(obj: LocalObject) -> bool:
+    """Whether ``obj`` can leave the store from any thread: complete, with no waiter (futures of
+    the loop's), its bytes this process's private memory (no page-locking, export or lease to
+    undo on the loop; not a shared-memory segment, which same-host readers may map)."""
+    buf = obj.buffer
+    return (
+        obj.complete
+        and not obj._waiters
+        and buf.kind is BufferKind.PRIVATE
+        and buf.unpin is None
+        and buf.ticket is None
+        and buf.lease is None
+    )
+
+
 class LocalStore:
     """The objects this node holds, with a capacity limit, and the node's :class:`Memory` their
     bytes come from and go back to (a private one without ``memory``)."""
@@ -303,6 +318,33 @@ class LocalStore:
             self._insert(obj)
         return True
 
+    def removable_from_caller(self, oid: ObjectID) -> bool:
+        """Whether :meth:`remove_from_caller` can remove ``oid`` (or it is not here)."""
+        obj = self._objects.get(oid)
+        return obj is None or _plain(obj)
+
+    def remove_from_caller(self, oid: ObjectID) -> bool:
+        """:meth:`remove` from a thread other than the event loop's, of an object that needs
+        nothing of the loop (:func:`_plain`: complete, awaited by nothing, in private or pooled
+        host memory); False (nothing removed) for any other: remove it on the loop."""
+        with self._lock:
+            obj = self._objects.get(oid)
+            if obj is None:
+                return True
+            if not _plain(obj):
+                return False
+            del self._objects[oid]
+            self._forget(obj)
+        self.memory.release(obj.buffer)
+        return True
+
+    def _forget(self, obj: LocalObject) -> None:
+        """Remember ``obj`` as removed and stop counting its bytes (the caller holds the lock)."""
+        self._removed[obj.object_id] = None
+        while len(self._removed) > REMEMBERED_REMOVALS:
+            self._removed.popitem(last=False)
+        self.used_bytes -= obj.size
+
     def _insert(self, obj: LocalObject) -> None:
         """Put ``obj`` in the store and count its bytes (the caller holds the lock)."""
         self._objects[obj.object_id] = obj
@@ -315,10 +357,7 @@ class LocalStore:
             obj = self._objects.pop(oid, None)
             if obj is None:
                 return None
-            self._removed[oid] = None
-            while len(self._removed) > REMEMBERED_REMOVALS:
-                self._removed.popitem(last=False)
-            self.used_bytes -= obj.size
+            self._forget(obj)
         if not obj.complete or obj._waiters:
             obj.fail(error or ObjectDeletedError(f"object {oid} was deleted", object_id=oid.hex()))
         self.memory.release(obj.buffer)

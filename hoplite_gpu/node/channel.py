@@ -7,11 +7,15 @@ caller's thread sends the request and reads the reply itself. The directory send
 only the replies to the requests that came on it (``Hello.channel``); everything it pushes goes
 to the node's connection.
 
-A channel serves what needs no I/O thread: a put of an object the directory stores inline and a
-get of one (``LookupRequest.inline_only``). Anything else, and any request on a channel that is
-lost or cannot be opened, goes through the node's connection as before (:class:`ChannelLost`),
-which also waits for a directory that restarts. A channel is opened on a thread's first small
-request and closed with the node, or when the node loses its directory.
+A channel serves what needs no I/O thread: a put of an object the directory stores inline, the
+first lookup of a get (its inline answer goes to the caller, ``LookupRequest.keep``; any other is
+handed to the I/O thread), a delete of an object whose copy here can leave the store from the
+caller's thread, and a group's barrier (with the objects it releases). Anything else, and any
+request on a channel that is lost or cannot be opened, goes through the node's connection as
+before (:class:`ChannelLost`), which also waits for a directory that restarts. A channel is
+opened on a thread's first small request and closed with the node, or when the node loses its
+directory. Where the directory is on this host (in this network namespace) and serves without
+TLS, a channel goes over its local socket (``Config.local_channels``), not TCP.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .. import auth
 from .. import protocol as p
@@ -38,6 +42,21 @@ log = logging.getLogger("hoplite_gpu")
 #: Seconds a thread whose channel could not be opened goes through the node's connection before
 #: it tries again (a directory that refuses channels costs a connection attempt a second at most).
 REOPEN_PAUSE = 1.0
+
+
+def _connect_local(directory_id: str, timeout: float) -> socket.socket | None:
+    """A connection to the directory's local socket (:func:`~hoplite_gpu.protocol.local_socket_name`),
+    where this process is on its host (in its network namespace); None where it is not reached."""
+    if not hasattr(socket, "AF_UNIX"):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(p.local_socket_name(directory_id))
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 class ChannelLost(Exception):
@@ -78,10 +97,16 @@ class Channel:
         with contextlib.suppress(Exception):
             self.sock.close()
 
-    def close(self) -> None:
-        """Close it; a thread blocked reading it wakes up with an error."""
+    def shut(self) -> None:
+        """End its connection from any thread: a thread blocked reading it wakes up with an error.
+        Its descriptor stays its own until its thread closes it: closed under a thread's read, its
+        number could go to the next socket opened, and the read would go on there."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """End it and free its descriptor (its own thread only, see :meth:`shut`)."""
+        self.shut()
         with contextlib.suppress(OSError):
             self.sock.close()
 
@@ -148,7 +173,7 @@ class Channels:
         return reply
 
     def barrier(
-        self, barrier_id: bytes, rank: int, count: int, timeout: float | None
+        self, barrier_id: bytes, rank: int, count: int, timeout: float | None, release: Sequence[bytes] = ()
     ) -> p.BarrierReply | None:
         """:meth:`DirectorySession.barrier <hoplite_gpu.node.session.DirectorySession.barrier>` on
         this thread's channel; None without one (an arrival the channel lost is withdrawn by the
@@ -157,7 +182,12 @@ class Channels:
             return None
         guard = None if not timeout else timeout + self._config.request_timeout
         request = functools.partial(
-            p.BarrierRequest, barrier_id=barrier_id, rank=rank, count=count, timeout=timeout or 0.0
+            p.BarrierRequest,
+            barrier_id=barrier_id,
+            rank=rank,
+            count=count,
+            timeout=timeout or 0.0,
+            release=list(release),
         )
         try:
             reply = self.ask(lambda rid: request(request_id=rid), guard)
@@ -199,9 +229,13 @@ class Channels:
         session = self._session
         host, port = parse_address(session.address)
         timeout = self._config.connect_timeout
-        sock = socket.create_connection((host, port), timeout)
+        local = self._config.local_channels and session.tls is None  # (TLS: its connections only)
+        sock = _connect_local(directory_id, timeout) if local else None
+        if sock is None:
+            sock = socket.create_connection((host, port), timeout)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if session.tls is not None:
                 sock = session.tls.wrap_socket(sock, server_hostname=host)
             chan = Channel(sock, 4096)  # the handshake's frames are small
@@ -232,14 +266,18 @@ class Channels:
             self._open.discard(chan)
 
     def reset(self) -> None:
-        """Close every channel (the node lost its directory): threads waiting on one go through
-        the node's connection, which waits for the directory to come back."""
+        """End every channel (the node lost its directory): threads waiting on one go through
+        the node's connection, which waits for the directory to come back. Each thread closes its
+        own on its next request, or as it ends (:meth:`Channel.shut`)."""
         with self._lock:
             chans, self._open = list(self._open), weakref.WeakSet()
         for chan in chans:
-            chan.close()
+            chan.shut()
 
     def close(self) -> None:
-        """Close every channel and open no more (the node closes)."""
+        """End every channel and open no more (the node closes); this thread's is closed too."""
         self._closed = True
         self.reset()
+        chan = getattr(self._local, "channel", None)
+        if chan is not None:
+            self._drop(chan)

@@ -213,6 +213,7 @@ class Fetcher:
             shared_memory=same_host,
             direct=direct,
             device_ipc=same_host and device_in_use(),
+            keep=False,  # an inline answer goes to this caller only (see below)
         )
         try:
             reply = channels.ask(lambda rid: request(request_id=rid), guard)

@@ -268,12 +268,15 @@ class Node:
         put = self._putter.put_on_channel(prepared, self._channels, self._io)
         return put if put is not None else self._io.run(self._putter.put(prepared))
 
-    def _barrier(self, barrier_id: bytes, rank: int, count: int, timeout: float | None) -> p.BarrierReply:
-        """Member ``rank`` of ``count`` reached barrier ``barrier_id`` (from a caller's thread):
-        the directory's reply (see :meth:`DirectorySession.barrier`), asked on the caller's
-        channel where it has one."""
-        reply = self._channels.barrier(barrier_id, rank, count, timeout)
-        return reply or self._io.run(self._session.barrier(barrier_id, rank, count, timeout))
+    def _barrier(self, bid: bytes, rank: int, count: int, timeout: float | None, release: Any = ()) -> Any:
+        """Member ``rank`` of ``count`` reached barrier ``bid`` (from a caller's thread): the
+        directory's reply (see :meth:`DirectorySession.barrier`), asked on the caller's channel
+        where it has one; ``release`` (ids this node put) deleted once it is ``ok``."""
+        reply = self._channels.barrier(bid, rank, count, timeout, release)
+        reply = reply or self._io.run(self._session.barrier(bid, rank, count, timeout, release))
+        if reply.status == "ok" and release:
+            self._putter.drop_released(release, self._io)
+        return reply
 
     async def put_async(
         self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True, pinned: bool = False
@@ -590,7 +593,8 @@ class Node:
         which stays until the owner deletes it. Returns whether the object was deleted everywhere."""
         self._check_open()
         self._check_oid(object_id)
-        return self._io.run(self._delete(object_id))
+        deleted = self._putter.delete_on_channel(object_id, self._channels, self._io)  # (.channel)
+        return self._io.run(self._delete(object_id)) if deleted is None else deleted
 
     async def delete_async(self, object_id: ObjectID) -> bool:
         """Async twin of :meth:`delete`."""

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,6 +336,38 @@ class Putter:
                 withdrawn.result(self._config.request_timeout)
             raise
         return oid
+
+    def delete_on_channel(self, oid: ObjectID, channels: Channels, io: IOThread) -> bool | None:
+        """``Node.delete`` from the caller's thread, on its channel (:mod:`.channel`), of an
+        object whose local copy, if any, can leave the store from this thread
+        (:meth:`LocalStore.remove_from_caller`) and that is not a reduction this node requested;
+        None for any other, or when the channel is lost (delete it through the node's
+        connection: a delete made twice answers ``deleted`` False the second time)."""
+        if not channels.usable() or self._session.requested(oid.binary()):
+            return None
+        if not self._store.removable_from_caller(oid):
+            return None
+        try:
+            request = functools.partial(p.DeleteRequest, object_id=oid.binary())
+            reply = channels.ask(lambda rid: request(request_id=rid), self._config.request_timeout)
+        except ChannelLost:
+            return None
+        if not isinstance(reply, p.DeleteReply):
+            raise ProtocolError(f"unexpected reply to delete: {reply.TYPE}")
+        if not reply.kept and not self._store.remove_from_caller(oid):
+            io.run(self._remove(oid))  # it changed meanwhile (e.g. a pull of it began): on the loop
+        return reply.deleted
+
+    async def _remove(self, *oids: ObjectID) -> None:
+        for oid in oids:
+            self._store.remove(oid)
+
+    def drop_released(self, oids: Sequence[bytes], io: IOThread) -> None:
+        """Drop the local copies of objects a barrier released (the directory deleted them): from
+        this thread where they can leave the store from it, the others on the loop, unawaited."""
+        rest = [oid for oid in map(ObjectID, oids) if not self._store.remove_from_caller(oid)]
+        if rest:
+            io.submit(self._remove(*rest))
 
     async def _copied(self, obj: LocalObject, copying: asyncio.Future[None], stop: threading.Event) -> None:
         """The end of a detached put's copy."""

@@ -22,7 +22,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from .. import protocol as p
@@ -416,15 +416,21 @@ class DirectorySession:
             since = reply.events[-1]["seq"] + 1
 
     async def barrier(
-        self, barrier_id: bytes, rank: int, count: int, timeout: float | None
+        self, barrier_id: bytes, rank: int, count: int, timeout: float | None, release: Sequence[bytes] = ()
     ) -> p.BarrierReply:
         """Member ``rank`` of ``count`` reached barrier ``barrier_id``: the directory's reply
-        once all have, or at ``timeout`` (see :class:`~hoplite_gpu.protocol.BarrierRequest`)."""
+        once all have, or at ``timeout``; ``release``: objects of this node's it deletes once all
+        have (see :class:`~hoplite_gpu.protocol.BarrierRequest`)."""
 
         async def once(control: ControlClient, left: float | None) -> p.BarrierReply:
             rid = control.next_id()
             request = p.BarrierRequest(
-                request_id=rid, barrier_id=barrier_id, rank=rank, count=count, timeout=left or 0.0
+                request_id=rid,
+                barrier_id=barrier_id,
+                rank=rank,
+                count=count,
+                timeout=left or 0.0,
+                release=list(release),
             )
             reply = await self._wait_for_reply(control, request, left, "a barrier")
             if not isinstance(reply, p.BarrierReply):
@@ -467,6 +473,10 @@ class DirectorySession:
         self._requested[msg.reduction_id] = msg
         if len(self._requested) > REQUESTED_KEPT:
             del self._requested[next(iter(self._requested))]
+
+    def requested(self, reduction_id: bytes) -> bool:
+        """Whether this node requested the reduction ``reduction_id`` (and re-sends it)."""
+        return reduction_id in self._requested
 
     def forget(self, reduction_id: bytes) -> None:
         """Stop re-sending a reduction (it was deleted)."""

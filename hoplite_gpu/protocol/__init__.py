@@ -1,9 +1,10 @@
 """Every wire message of hoplite_gpu, and their codecs.
 
-Control plane (node <-> directory, over TCP): the messages are frozen dataclasses
-(:mod:`.messages`), their field limits and checks are in :mod:`.fields`, and :mod:`.codec` frames,
-encodes, decodes and validates them (version, type, fields). Data plane (node <-> node, over
-UCX): fixed-size binary headers and tags (:mod:`.data_plane`).
+Control plane (node <-> directory, over TCP, or a local socket on the directory's host): the
+messages are frozen dataclasses (:mod:`.messages`), their field limits and checks are in
+:mod:`.fields`, and :mod:`.codec` frames, encodes, decodes and validates them (version, type,
+fields). Data plane (node <-> node, over UCX): fixed-size binary headers and tags
+(:mod:`.data_plane`).
 
 Every public name of those modules is re-exported here: callers write
 ``from hoplite_gpu import protocol as p`` and ``p.LookupRequest``, ``p.encode``, ``p.PULL_REQUEST``.
@@ -11,7 +12,7 @@ Every public name of those modules is re-exported here: callers write
 
 from __future__ import annotations
 
-from .codec import FRAME_HEADER, PROTOCOL_VERSION, decode, encode, frame_length, read_frame
+from .codec import FRAME_HEADER, PROTOCOL_VERSION, decode, encode, frame_length, local_socket_name, read_frame
 from .codec import _hints as _hints  # for tests/test_fuzz.py
 from .data_plane import (
     ACK,
@@ -44,6 +45,7 @@ from .messages import (
     EVENT_LOG_PAGE,
     FROM_NODES,
     MAX_BARRIER_MEMBERS,
+    MAX_BARRIER_RELEASE,
     MAX_MISSING_NAMED,
     AbortTransfer,
     BarrierReply,
@@ -87,6 +89,7 @@ __all__ = [
     "FROM_NODES",
     "IPC_SEGMENT_PREFIX",
     "MAX_BARRIER_MEMBERS",
+    "MAX_BARRIER_RELEASE",
     "MAX_CODING_COLUMNS",
     "MAX_DIMS",
     "MAX_HELLO_BYTES",
@@ -143,5 +146,6 @@ __all__ = [
     "decode",
     "encode",
     "frame_length",
+    "local_socket_name",
     "read_frame",
 ]

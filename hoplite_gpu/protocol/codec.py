@@ -21,12 +21,20 @@ from ..errors import ProtocolError
 from .fields import FIELD_LIMITS, MAX_TEXT_CHARS
 from .messages import _REGISTRY, FROM_NODES, Message
 
-PROTOCOL_VERSION = 13  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+PROTOCOL_VERSION = 14  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
 # 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
 # 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag);
 # 9: weighted reductions; 10: decoded as inputs arrive (num_objects 0 with coding); 11: Goodbye;
-# 12: barriers; 13: caller channels (Hello.channel)
+# 12: barriers; 13: caller channels (Hello.channel); 14: objects a barrier releases
 FRAME_HEADER = struct.Struct(">I")
+
+
+def local_socket_name(directory_id: str) -> str:
+    """The abstract Unix socket a directory without TLS also listens on, for the processes of its
+    host: an abstract name belongs to its network namespace, so a process in another one (another
+    host, or an emulated one) cannot reach it, and it goes with the directory's last descriptor."""
+    return f"\0hoplite-gpu/{directory_id}"
+
 
 Check = typing.Callable[[Any], bool]
 

@@ -168,6 +168,9 @@ class LookupRequest(Message):
     complete copy's shared-memory segment on its own host; ``device_ipc``: also open a same-host
     device copy's memory (:mod:`hoplite_gpu.memory.ipc`). ``direct``: pull from the owner (or the
     node computing the object) even while it serves others, rather than from the chain of readers.
+    ``keep``: an inline answer is kept in the requester's store, and recorded as its copy (the
+    owner's delete then drops it); False: it goes to one caller only (a caller channel's ``get``),
+    and nothing is recorded.
     """
 
     TYPE: ClassVar[str] = "lookup"
@@ -179,6 +182,7 @@ class LookupRequest(Message):
     direct: bool = False
     device_ipc: bool = False
     resume: bool = False
+    keep: bool = True
 
     def check(self) -> None:
         check_id(self.TYPE, "object_id", self.object_id)
@@ -512,6 +516,8 @@ class ReduceChild(Message):
 #: Most members a barrier may have (:class:`BarrierRequest`), and most missing ranks a reply names.
 MAX_BARRIER_MEMBERS = 1 << 16
 MAX_MISSING_NAMED = 64
+#: Most objects one barrier arrival may release (:attr:`BarrierRequest.release`).
+MAX_BARRIER_RELEASE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,7 +525,10 @@ class BarrierRequest(Message):
     """Member ``rank`` of ``count`` reached barrier ``barrier_id``: answered (:class:`BarrierReply`)
     once all ``count`` members have, or at ``timeout`` (0: waits until cancelled, with
     ``CancelLookup`` of the same request id). One message per member: a group's barrier
-    (:func:`hoplite_gpu.collective.barrier`)."""
+    (:func:`hoplite_gpu.collective.barrier`). ``release``: objects to delete, as a
+    :class:`DeleteRequest` of this node's would (with no reply), once every member has come and
+    before any is answered ``ok`` (a group's objects of its collectives before the barrier,
+    deleted with no message of their own); an arrival answered otherwise releases nothing."""
 
     TYPE: ClassVar[str] = "barrier"
     request_id: int
@@ -527,9 +536,14 @@ class BarrierRequest(Message):
     rank: int
     count: int
     timeout: float
+    release: list[bytes] = field(default_factory=list)
 
     def check(self) -> None:
         check_id(self.TYPE, "barrier_id", self.barrier_id)
+        if len(self.release) > MAX_BARRIER_RELEASE:
+            raise ProtocolError(f"{self.TYPE}: {len(self.release)} released, over {MAX_BARRIER_RELEASE}")
+        for oid in self.release:
+            check_id(self.TYPE, "release", oid)
         check_timeout(self.TYPE, self.timeout)
         if not 1 <= self.count <= MAX_BARRIER_MEMBERS:
             raise ProtocolError(f"{self.TYPE}: count {self.count} is not in 1..{MAX_BARRIER_MEMBERS}")
