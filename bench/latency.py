@@ -10,7 +10,9 @@ one clock for every process of the host, :func:`bench.collectives.round_times`).
   ``recv`` of the same bytes);
 * ``broadcast``, ``reduce`` (SUM to member 0), ``allreduce``, ``allgather``: the
   :mod:`hoplite_gpu.collective` group API (Gloo: ``torch.distributed``'s);
-* ``barrier``: the barrier itself.
+* ``barrier``: the barrier itself;
+* ``delete`` (hoplite_gpu only: Gloo keeps no objects): member 0 deletes an object of 1 KiB it put
+  before the round (timed on member 0 alone; its events per op count that put too).
 
 hoplite_gpu: an embedded directory in this process, one node per worker, the library's defaults
 (same-host copies through shared memory). Gloo: ``torch.distributed`` over loopback. Every result
@@ -46,7 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.collectives import group_op, round_times
 from bench.common import format_size, markdown_table, parse_size, start_workers, stop_workers, write_json
 
-OPS = ("put+get", "broadcast", "reduce", "allreduce", "allgather", "barrier")
+OPS = ("put+get", "broadcast", "reduce", "allreduce", "allgather", "barrier", "delete")
+#: Operations Gloo has no counterpart of.
+OURS_ONLY = ("delete",)
 SYSTEMS = ("hoplite_gpu", "gloo")
 GLOO_PORT = 29533
 
@@ -163,10 +167,15 @@ def _rounds(
     for i in range(rounds):
         arr.fill(i + rank if op != "broadcast" else (i if rank == 0 else -1))
         oid = hg.ObjectID.from_name(f"latency/{node.directory_address}/{op}/{i}")
+        if op == "delete" and rank == 0:
+            node.put(arr, oid)
         coll.barrier(group)
         start = time.monotonic()
         got = arr
-        if op == "put+get":
+        if op == "delete":
+            if rank == 0 and not node.delete(oid):
+                raise AssertionError(f"delete round {i}: the object was not deleted")
+        elif op == "put+get":
             if rank == 0:
                 node.put(arr, oid)
             elif rank == 1:
@@ -174,7 +183,8 @@ def _rounds(
         else:
             group_op(op, arr, group, outs)
         spans.append((start, time.monotonic()))
-        _check(op, rank, world, got, i, outs)
+        if op != "delete":
+            _check(op, rank, world, got, i, outs)
         if op == "put+get" and rank == 0:
             coll.barrier(group)  # member 1 has it: a fresh id each round, the last one deleted
             node.delete(oid)
@@ -211,6 +221,8 @@ def run(
     rows = []
     try:
         for op in ops:
+            if system == "gloo" and op in OURS_ONLY:
+                continue
             since = owner.event_log()[-1]["seq"] + 1 if owner is not None else 0
             del directory_log[:]
             for pipe in pipes:
@@ -219,6 +231,8 @@ def run(
             spans = list(spans)
             if op == "put+get":  # the two members of the operation
                 spans = spans[:2]
+            elif op == "delete":
+                spans = spans[:1]
             times = round_times(spans, warmup, rounds)
             kinds: collections.Counter[str] = collections.Counter()
             if owner is not None:
