@@ -228,3 +228,22 @@ def test_a_barrier_request_releasing_too_many_does_not_decode():
     frame = p.encode(p.BarrierRequest(**body, release=[b"short"]))
     with pytest.raises(ProtocolError, match="release"):
         p.decode(frame[p.FRAME_HEADER.size :])
+
+
+def test_a_barrier_releases_a_reduction_its_member_requested():
+    state = make_state("A", "B")
+    put_inline(state, "A", b"1" * 20, rid=1)
+    rid = b"r" * 20
+    msg = p.ReduceRequest(
+        request_id=2,
+        reduction_id=rid,
+        object_ids=[b"1" * 20, b"2" * 20],
+        num_objects=2,
+        op="sum",
+        timeout=0.0,
+    )
+    state.handle(Request("A", msg, 0.0))  # waits for its second input
+    assert rid in state.reductions
+    assert arrive(state, "B", 1, count=2, release=[rid]) == []  # not B's: left alone
+    assert arrive(state, "A", 0, count=2, release=[rid]) != []
+    assert rid not in state.reductions

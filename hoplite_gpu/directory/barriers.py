@@ -96,13 +96,13 @@ class Barriers:
             state.record(now, "barrier_ok", barrier_id=bid.hex(), members=barrier.count)
 
     def _release(self, node_id: str, oids: list[bytes], now: float) -> None:
-        """Delete the objects of ``node_id``'s that its arrival released (others it names are
-        left alone: a node releases only what it put)."""
-        catalog = self.state.catalog
+        """Delete the objects of ``node_id``'s that its arrival released: what it put, or a
+        reduction it requested (others it names are left alone)."""
+        state = self.state
         for oid in oids:
-            entry = catalog.objects.get(oid)
-            if entry is not None and entry.owner == node_id:
-                catalog.delete(node_id, p.DeleteRequest(request_id=0, object_id=oid), now, reply=False)
+            entry, red = state.catalog.objects.get(oid), state.reductions.get(oid)
+            if (entry and entry.owner == node_id) or (red and red.requester == node_id):
+                state.catalog.delete(node_id, p.DeleteRequest(request_id=0, object_id=oid), now, reply=False)
 
     def _refuse(self, node_id: str, msg: p.BarrierRequest, why: str) -> None:
         text = f"barrier {msg.barrier_id.hex()[:12]}: {why}"
