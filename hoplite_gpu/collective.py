@@ -287,18 +287,14 @@ class Group:
         oids = [oid.binary() for s, oid in self._owned if s < seq]
         return [oid for oid in oids if not session.requested(oid)][: p.MAX_BARRIER_RELEASE]
 
-    def _released(self, release: list[bytes]) -> None:
-        """The barrier that carried ``release`` passed: the directory deleted them."""
-        if release:
-            gone = set(release)
-            self._owned = [(s, oid) for s, oid in self._owned if oid.binary() not in gone]
-
-    def _release_before(self, seq: int) -> None:
+    def _release_before(self, seq: int, released: Sequence[bytes] = ()) -> None:
         """:meth:`_delete_before` from the caller's thread, without waiting: the I/O thread only
-        deletes (``_owned`` changes on the caller's thread, as collectives put from there)."""
-        oids = [oid for s, oid in self._owned if s < seq]
+        deletes (``_owned`` changes on the caller's thread, as collectives put from there).
+        ``released``: those the directory deleted already (a barrier's, :meth:`_releasable`)."""
+        gone = set(released)
+        oids = [oid for s, oid in self._owned if s < seq and oid.binary() not in gone]
+        self._owned = [(s, oid) for s, oid in self._owned if s >= seq]
         if oids:
-            self._owned = [(s, oid) for s, oid in self._owned if s >= seq]
             self.node._io.submit(self._delete(oids))
 
     async def _delete(self, oids: list[ObjectID], wait: bool = False) -> None:
@@ -601,8 +597,7 @@ def barrier(group: Group) -> None:
     release = g._releasable(seq)
     # From the caller's thread, on its channel where it has one (hoplite_gpu.node.channel).
     g._call(lambda: _passed(g, seq, g.node._barrier(bid, g.rank, g.world_size, timeout, release), timeout))
-    g._released(release)
-    g._release_before(seq)
+    g._release_before(seq, release)
 
 
 async def _barrier(g: Group, seq: int) -> None:

@@ -93,10 +93,11 @@ class Config:
         same_host_index: With ``shared_memory``, link each device object under a name derived from
             its ObjectID, so a same-host ``get`` skips the directory
             (bench/README.md#same-host-device-gets-without-a-lookup); off: every ``get`` asks it.
-        caller_channels: A blocking ``put`` or ``get`` of an object stored inline in the directory
-            is sent by the caller's thread on a connection of its own (one per thread), not through
-            the node's I/O thread: two thread hops fewer (bench/README.md#caller-channels); off:
-            every request goes through the node's connection.
+        caller_channels: A blocking ``put`` or ``get`` of an object stored inline in the directory,
+            a blocking ``delete`` of one, and a group's barrier are sent by the caller's thread on
+            a connection of its own (one per thread), not through the node's I/O thread: two
+            thread hops fewer (bench/README.md#caller-channels); off: every request goes through
+            the node's connection.
         local_channels: A caller channel to a directory on this host (in this network namespace)
             that serves without TLS goes over the directory's abstract Unix socket, not TCP
             loopback (bench/README.md#local-channels); off: always TCP.

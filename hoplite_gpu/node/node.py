@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .. import faults
@@ -268,7 +268,9 @@ class Node:
         put = self._putter.put_on_channel(prepared, self._channels, self._io)
         return put if put is not None else self._io.run(self._putter.put(prepared))
 
-    def _barrier(self, bid: bytes, rank: int, count: int, timeout: float | None, release: Any = ()) -> Any:
+    def _barrier(
+        self, bid: bytes, rank: int, count: int, timeout: float | None, release: Sequence[bytes] = ()
+    ) -> p.BarrierReply:
         """Member ``rank`` of ``count`` reached barrier ``bid`` (from a caller's thread): the
         directory's reply (see :meth:`DirectorySession.barrier`), asked on the caller's channel
         where it has one; ``release`` (ids this node put) deleted once it is ``ok``."""
