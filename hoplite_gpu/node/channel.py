@@ -43,6 +43,9 @@ log = logging.getLogger("hoplite_gpu")
 #: it tries again (a directory that refuses channels costs a connection attempt a second at most).
 REOPEN_PAUSE = 1.0
 
+#: Bytes a channel asks the socket for at a time (a frame larger than this is read in parts).
+READ_BYTES = 65536
+
 
 def _connect_local(directory_id: str, timeout: float) -> socket.socket | None:
     """A connection to the directory's local socket (:func:`~hoplite_gpu.protocol.local_socket_name`),
@@ -76,22 +79,34 @@ class Channel:
     def __init__(self, sock: socket.socket, limit: int) -> None:
         self.sock = sock
         self.limit = limit
-        self._header = bytearray(p.FRAME_HEADER.size)
+        self._received = b""  # read from the socket, not yet returned
+        self._timeout = sock.gettimeout()
 
-    def _read(self, n: int, into: bytearray | None = None) -> bytearray:
-        buf = into if into is not None else bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
-            if k == 0:
+    def settimeout(self, timeout: float | None) -> None:
+        """The socket's timeout for what follows (a system call only when it changes)."""
+        if timeout != self._timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
+
+    def _fill(self, n: int) -> None:
+        """Read until at least ``n`` bytes are received: as much as the socket holds each time,
+        so a small frame is one receive, header and body together."""
+        received = self._received
+        while len(received) < n:
+            more = self.sock.recv(max(READ_BYTES, n - len(received)))
+            if not more:
                 raise ConnectionError("the directory closed the channel")
-            got += k
-        return buf
+            received += more
+        self._received = received
 
     def read(self) -> p.Message:
         """The next message (raises OSError, ProtocolError)."""
-        header = self._read(len(self._header), self._header)
-        return p.decode(bytes(self._read(p.frame_length(bytes(header), self.limit))))
+        head = p.FRAME_HEADER.size
+        self._fill(head)
+        end = head + p.frame_length(self._received[:head], self.limit)
+        self._fill(end)
+        payload, self._received = self._received[head:end], self._received[end:]
+        return p.decode(payload)
 
     def __del__(self) -> None:  # its thread ended
         with contextlib.suppress(Exception):
@@ -149,7 +164,7 @@ class Channels:
         chan = self._channel()
         rid = self._session.next_id()
         try:
-            chan.sock.settimeout(guard)
+            chan.settimeout(guard)
             chan.sock.sendall(p.encode(make(rid)))
             while True:
                 reply = chan.read()
