@@ -63,9 +63,36 @@ def _checker(hint: Any) -> Check:
     return lambda value: isinstance(value, hint)
 
 
-#: Per message class: its field names in order, and each field's type check and text limit (None
-#: where the field is not bounded: messages not from nodes).
-_Layout = tuple[tuple[str, ...], dict[str, tuple[Check, int | None]]]
+#: The exact types msgpack decodes a value of each simple annotation to (bool is not an int here,
+#: an int is a float): a field of one of these is checked by its type alone.
+_EXACT: dict[Any, frozenset[type]] = {
+    int: frozenset({int}),
+    float: frozenset({int, float}),
+    bool: frozenset({bool}),
+    str: frozenset({str}),
+    bytes: frozenset({bytes}),
+    type(None): frozenset({type(None)}),
+}
+
+
+def _exact_types(hint: Any) -> frozenset[type] | None:
+    """The exact types a value of ``hint`` may have, where the type alone decides (a simple
+    annotation or a union of them); None where :func:`_checker` must look inside (lists)."""
+    if hint in _EXACT:
+        return _EXACT[hint]
+    if typing.get_origin(hint) is typing.Union or str(typing.get_origin(hint)) == "<class 'types.UnionType'>":
+        args = typing.get_args(hint)
+        parts = [part for part in map(_exact_types, args) if part is not None]
+        if len(parts) == len(args):
+            return frozenset().union(*parts)
+    return None
+
+
+#: A field's check: the exact types its value may have (None: call the check function), the
+#: check function, and its text limit (None where the field is not bounded: messages not from nodes).
+_Field = tuple[frozenset[type] | None, Check, int | None]
+#: Per message class: its field names in order, and each field's check.
+_Layout = tuple[tuple[str, ...], dict[str, _Field]]
 _LAYOUTS: dict[type, _Layout] = {}
 
 
@@ -76,7 +103,11 @@ def _layout(cls: type) -> _Layout:
         names = tuple(hints)
         bounded = cls in FROM_NODES
         checks = {
-            name: (_checker(hints[name]), FIELD_LIMITS.get(name, MAX_TEXT_CHARS) if bounded else None)
+            name: (
+                _exact_types(hints[name]),
+                _checker(hints[name]),
+                FIELD_LIMITS.get(name, MAX_TEXT_CHARS) if bounded else None,
+            )
             for name in names
         }
         layout = _LAYOUTS[cls] = (names, checks)
@@ -117,13 +148,14 @@ def decode(payload: bytes) -> Message:
         raise ProtocolError(f"unknown control message type {kind!r}")
     checks = _layout(cls)[1]
     for name, value in body.items():
-        check = checks.get(name)
-        if check is None:
+        field = checks.get(name)
+        if field is None:
             raise ProtocolError(f"{kind}: unexpected field {name!r}")
-        matches, limit = check
-        if not matches(value):
-            raise ProtocolError(f"{kind}: field {name!r} has type {type(value).__name__}")
-        if limit is not None and isinstance(value, (str, bytes)) and len(value) > limit:
+        exact, matches, limit = field
+        kind_of = type(value)
+        if not (kind_of in exact if exact is not None else matches(value)):
+            raise ProtocolError(f"{kind}: field {name!r} has type {kind_of.__name__}")
+        if limit is not None and (kind_of is str or kind_of is bytes) and len(value) > limit:
             raise ProtocolError(f"{kind}: field {name!r} is {len(value)} long, over its limit")
     try:
         msg = cls(**body)
