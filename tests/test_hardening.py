@@ -668,6 +668,18 @@ def test_the_event_log_is_bounded_in_bytes() -> None:
     assert not state.problems()
 
 
+def test_event_log_pages_start_at_their_seq_after_the_oldest_were_dropped() -> None:
+    from hoplite_gpu.directory.eventlog import EventLog
+
+    log = EventLog(capacity=2500)
+    for i in range(4000):
+        log.append(float(i), "note", "test", {})
+    assert log.events[0]["seq"] == 1500  # the oldest 1500 dropped
+    assert [e["seq"] for e in log.page(0)] == list(range(1500, 1500 + p.EVENT_LOG_PAGE))
+    assert [e["seq"] for e in log.page(3500)] == list(range(3500, 4000))
+    assert log.page(4000) == [] and EventLog().page(0) == []
+
+
 # --------------------------------------------------------------------------- finding 5: a slice per event
 def _present_inputs(state: DirectoryState, n: int) -> list[bytes]:
     ids = [i.to_bytes(20, "big") for i in range(1, n + 1)]

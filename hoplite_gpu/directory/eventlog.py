@@ -44,8 +44,12 @@ class EventLog:
 
     def page(self, since: int) -> list[dict[str, Any]]:
         """The events with ``seq >= since``, at most :data:`~hoplite_gpu.protocol.EVENT_LOG_PAGE`."""
-        wanted = (e for e in self.events if e["seq"] >= since)
-        return list(itertools.islice(wanted, p.EVENT_LOG_PAGE))
+        if not self.events:
+            return []
+        # seq numbers are consecutive: skip to ``since`` in C, not by comparing every event's
+        # (a reader paging through a full log made each page scan all of it, on the directory's loop)
+        start = max(since - self.events[0]["seq"], 0)
+        return list(itertools.islice(self.events, start, start + p.EVENT_LOG_PAGE))
 
     def problems(self) -> list[str]:
         """What is wrong with the log's size accounting (empty when nothing)."""
