@@ -285,3 +285,24 @@ def test_a_barrier_releases_the_objects_of_earlier_collectives(node: Any, other:
     assert "error" not in result and np.array_equal(out, SMALL)
     kinds = [e["kind"] for e in node.event_log()]
     assert kinds.count("delete") == 1
+
+
+def test_a_get_of_an_object_held_here_asks_no_one(node: Any, other: Any) -> None:
+    def lookups() -> int:
+        return sum(e["kind"].startswith("lookup") for e in node.event_log())
+
+    small, big = SMALL, np.arange(1 << 20, dtype=np.float32)  # 4 MiB: not inline
+    ids = [node.put(small), node.put(big)]
+    assert lookups() == 0
+    assert np.array_equal(node.get(ids[0]), small)
+    out = np.zeros_like(big)
+    assert node.get(ids[1], out=out) is out and np.array_equal(out, big)
+    assert lookups() == 0  # both complete in the store: delivered from the caller's thread
+    assert np.array_equal(other.get(ids[1], timeout=10), big)
+    assert lookups() == 1
+    assert np.array_equal(other.get(ids[1], timeout=10), big)  # its copy is kept: no second lookup
+    assert lookups() == 1
+    assert node.delete(ids[1])
+    _until(lambda: not other.contains(ids[1]))  # its copy there is dropped too
+    with pytest.raises(hg.ObjectDeletedError):
+        other.get(ids[1], timeout=10)

@@ -172,6 +172,16 @@ class Fetcher:
         """The directory says a transfer's sender died: stop pulling from it."""
         self._pull.abort(transfer_id, error)
 
+    def at_hand(self, oid: ObjectID) -> LocalObject | None:
+        """What a ``get`` can deliver from the caller's thread, with no lookup and no hop to the
+        I/O thread: a complete copy this node holds (the I/O thread would hand back the same object,
+        issue 42), or one another process on this host put and indexed (:meth:`indexed`); None
+        when there is neither (then ask the directory). Called from the caller's thread."""
+        held = self._store.get(oid)
+        if held is not None and held.complete:
+            return held
+        return self.indexed(oid)
+
     def indexed(self, oid: ObjectID) -> LocalObject | None:
         """A device object another process on this host put, found through its index link and
         open in place (a lent copy, as :meth:`get` with ``lend`` returns; close its buffer's lease

@@ -337,7 +337,7 @@ class Node:
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
         into = check_out(out)
-        indexed = self._fetcher.indexed(object_id)
+        indexed = self._fetcher.at_hand(object_id)
         if indexed is not None:
             return indexed.deliver(into)
         first = self._fetcher.ask_on_channel(object_id, timeout, direct, self._channels)
@@ -356,7 +356,7 @@ class Node:
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
         into = check_out(out)
-        indexed = self._fetcher.indexed(object_id)
+        indexed = self._fetcher.at_hand(object_id)
         if indexed is not None:
             return indexed.deliver(into)
         if streamable(into):
