@@ -14,7 +14,8 @@ Systems, each with one process per host talking only over the cluster's links:
 
 Each collective is timed from the last member entering it to the last leaving it (members pass a
 barrier first; CLOCK_MONOTONIC is shared by every namespace of the machine), as in
-:mod:`bench.collectives`; the median of ``--repeat`` rounds after ``--warmup`` is reported, and
+:mod:`bench.collectives`; the median of ``--repeat`` rounds after ``--warmup`` is reported (with
+the 99th percentile where there are at least 20 rounds: ``--small-repeat`` for the small sizes), and
 every round's result is checked. For link bandwidth ``B`` and ``S`` bytes, the ideal
 (:func:`ideal_seconds`) is:
 
@@ -282,6 +283,10 @@ def run(
     return {"hosts": hosts, "rate_bytes": rate, "link_measured_bytes": measured, "rows": rows}
 
 
+#: Fewest timed rounds of a size for which its 99th percentile is reported (``p99_seconds``).
+P99_MIN_ROUNDS = 20
+
+
 def _run_system(
     cluster: Cluster, system: str, sizes: list[int], repeat: int, warmup: int, ops: Sequence[str]
 ) -> list[dict[str, Any]]:
@@ -314,11 +319,12 @@ def _run_system(
                 for m in members:
                     m.send([op, size, warmup + repeat])
                 spans = [m.recv() for m in members]
-                seconds = statistics.median(round_times(spans, warmup, repeat))
+                times = sorted(round_times(spans, warmup, repeat))
                 cpu = statistics.mean(round_cpu(spans, warmup, repeat))
-                rows.append(
-                    {"system": system, "op": op, "size": size, "seconds": seconds, "cpu_seconds": cpu}
-                )
+                row = {"system": system, "op": op, "size": size, "seconds": statistics.median(times)}
+                if repeat >= P99_MIN_ROUNDS:  # (of fewer rounds, the 99th percentile is the slowest)
+                    row["p99_seconds"] = times[min(len(times) - 1, int(0.99 * len(times)))]
+                rows.append({**row, "cpu_seconds": cpu})
     finally:
         stop_all(members)
         if directory is not None:
@@ -335,6 +341,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     columns = [("N", "r"), ("op", "l"), ("size", "r"), ("ideal s", "r")]
     columns += [(f"{s} s (x ideal)", "r") for s in systems]
     columns += [(f"{s} CPU s/GiB", "r") for s in systems]
+    tails = [s for s in systems if any("p99_seconds" in r for r in rows if r["system"] == s)]
+    columns += [(f"{s} p99 s (x median)", "r") for s in tails]
     cells = []
     for (hosts, op, size), ideal in sorted(ideals.items()):
         line = [str(hosts), OPS[op], format_size(size), f"{ideal:.3g}" if ideal else "-"]
@@ -345,6 +353,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         for system in systems:
             r = by_key.get((hosts, op, size, system))
             line.append("-" if r is None or "cpu_s_per_gib" not in r else f"{r['cpu_s_per_gib']:.3g}")
+        for system in tails:
+            r = by_key.get((hosts, op, size, system))
+            tail = None if r is None else r.get("p99_seconds")
+            line.append("-" if tail is None else f"{tail:.3g} ({tail / r['seconds']:.2g})")
         cells.append(line)
     return markdown_table(columns, cells)
 
