@@ -306,3 +306,19 @@ def test_a_get_of_an_object_held_here_asks_no_one(node: Any, other: Any) -> None
     _until(lambda: not other.contains(ids[1]))  # its copy there is dropped too
     with pytest.raises(hg.ObjectDeletedError):
         other.get(ids[1], timeout=10)
+
+
+def test_an_object_at_the_inline_threshold_comes_whole_over_a_channel(
+    node: Any, other: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hoplite_gpu.node import channel
+
+    monkeypatch.setattr(channel, "READ_BYTES", 1000)  # a frame over 1000 bytes takes two receives or more
+    largest = np.random.default_rng(7).integers(0, 255, node.config.inline_threshold_bytes, np.uint8)
+    ids = [node.put(largest), node.put(SMALL)]
+    assert _open_channels(node) == 1
+    for _ in range(3):  # (a reader keeps no copy of an inline object: it asks each time)
+        assert np.array_equal(other.get(ids[0], timeout=10), largest)
+        assert np.array_equal(other.get(ids[1], timeout=10), SMALL)
+    kinds = [e["kind"] for e in node.event_log()]
+    assert kinds.count("lookup_inline") == 6

@@ -91,13 +91,17 @@ class Channel:
     def _fill(self, n: int) -> None:
         """Read until at least ``n`` bytes are received: as much as the socket holds each time,
         so a small frame is one receive, header and body together."""
-        received = self._received
-        while len(received) < n:
-            more = self.sock.recv(max(READ_BYTES, n - len(received)))
+        have = len(self._received)
+        if have >= n:
+            return
+        parts = [self._received]
+        while have < n:
+            more = self.sock.recv(max(READ_BYTES, n - have))
             if not more:
                 raise ConnectionError("the directory closed the channel")
-            received += more
-        self._received = received
+            parts.append(more)
+            have += len(more)
+        self._received = b"".join(parts)  # (joined once: a large frame comes in many parts)
 
     def read(self) -> p.Message:
         """The next message (raises OSError, ProtocolError)."""
