@@ -77,6 +77,38 @@ def test_a_stalled_directory_renews_leases_instead_of_declaring_nodes_dead() -> 
     assert state.next_deadline() == 14.0
 
 
+def test_lease_and_reduction_deadlines_are_found_without_walking_every_node_and_reduction() -> None:
+    # next_deadline runs after every event: it keeps a lower bound of the nodes' last heartbeats
+    # (renewed at a Tick) and the reductions that wait with a deadline, not a walk over all of them.
+    state = make_state(lease=5.0)
+    assert state.next_deadline() == 5.0
+    for node in NODES:
+        req(state, node, Heartbeat(), now=3.0)
+    assert state.next_deadline() == 5.0  # the bound stays early until a Tick checks the leases
+    assert [i for i in state.handle(Tick(5.0)) if isinstance(i, Disconnect)] == []
+    assert state.next_deadline() == 8.0
+    state.handle(NodeJoined("Z", "127.0.0.1", 9000, 6.0))
+    reduce(state, ids=(0, 1), timeout=4.0, now=6.0)
+    assert state.next_deadline() == 8.0 and state.reducer.timed == {RID}
+    for node in "ABZ":
+        req(state, node, Heartbeat(), now=7.5)
+    put(state, "A", 0, now=7.5)
+    put(state, "B", 1, now=7.5)  # the plan is full: the reduction waits for no input now
+    dead = [i.node_id for i in state.handle(Tick(8.0)) if isinstance(i, Disconnect)]
+    assert sorted(dead) == list("CDEFGH")
+    assert state.next_deadline() == 12.5 and state.reducer.timed == set()
+    # B, holding an input placed in the tree, leaves: the tree is rebuilt and waits again.
+    state.handle(NodeLeft("B", 9.0))
+    assert state.reducer.timed == {RID}
+    for node in "AZ":
+        req(state, node, Heartbeat(), now=12.0)
+    assert state.handle(Tick(12.5)) == []
+    assert state.next_deadline() == 13.0  # the reduction's restarted timeout (the leases: 17.0)
+    state.handle(Tick(13.0))
+    assert [e["error_kind"] for e in state.events if e["kind"] == "reduce_failed"] == ["HopliteTimeoutError"]
+    assert state.next_deadline() == 17.0 and state.reducer.timed == set()
+
+
 # ---------------------------------------------------------------- broadcast
 def test_a_receiver_whose_sender_failed_gets_another_source_and_resumes() -> None:
     state = make_state()

@@ -34,6 +34,11 @@ class Membership:
         # The inputs of the reductions each node requested that are held here, finished ones
         # included (Config.directory_max_reduce_inputs); no zeros.
         self.reduce_inputs: dict[str, int] = {}
+        # At most the oldest last_seen of the nodes (None: not known): the service asks for the
+        # first lease expiry after every event, which must not walk every node. Heartbeats only
+        # raise last_seen, so it stays a lower bound (an expiry found early costs a Tick) until
+        # the Tick that checks the leases recomputes it.
+        self._oldest: float | None = None
 
     # ------------------------------------------------------------ joining and leaving
     def join(self, ev: NodeJoined) -> None:
@@ -48,6 +53,8 @@ class Membership:
             gpu=ev.gpu,
             gpus=ev.gpus,
         )
+        if self._oldest is not None:
+            self._oldest = min(self._oldest, ev.now)
         self.state.record(ev.now, "node_joined", node=ev.node_id, rejoin=ev.rejoin, gpu=ev.gpu)
 
     def leave(self, node_id: str) -> bool:
@@ -73,12 +80,16 @@ class Membership:
 
     def expired(self, now: float) -> list[NodeInfo]:
         """The nodes silent for a whole lease at ``now``."""
+        self._oldest = None  # (these leave; the others' leases were renewed since)
         return [i for i in self.nodes.values() if now - i.last_seen >= self.config.lease_timeout]
 
     def lease_deadline(self) -> float | None:
-        """When the first lease runs out (None: no node, or leases never do)."""
+        """When the first lease runs out, or earlier (see ``_oldest``); None: no node, or leases
+        never do."""
         if self.nodes and math.isfinite(self.config.lease_timeout):
-            return min(info.last_seen for info in self.nodes.values()) + self.config.lease_timeout
+            if self._oldest is None:
+                self._oldest = min(info.last_seen for info in self.nodes.values())
+            return self._oldest + self.config.lease_timeout
         return None
 
     # ------------------------------------------------------------ suspects

@@ -42,6 +42,10 @@ class Reductions:
         self.objects = state.objects
         self.reductions = state.reductions
         self.awaiting: dict[bytes, set[bytes]] = {}  # input ObjectID -> reductions waiting for it
+        # The reductions that may wait with a deadline: for inputs (until their plan is full) or
+        # with a query. The service asks for the earliest after every event, which must not walk
+        # every reduction kept. Added where a deadline is set or a plan replaced (see mark_timed).
+        self.timed: set[bytes] = set()
         self.link = LinkEstimate()
 
     # ------------------------------------------------------------ requests
@@ -139,6 +143,7 @@ class Reductions:
             red.candidates = inputs
             red.gather = combine.new_tracker(red)
         self.reductions[rid] = red
+        self.mark_timed(red)
         self.state.members.charge_reduction(red, cost)
         self._forget_old()
         state.send(node_id, p.ReduceReply(request_id=msg.request_id))
@@ -288,6 +293,7 @@ class Reductions:
                 self.unawait(other, plan.reduction_id)
         red.gather = None
         red.plan = ReducePlan(plan.reduction_id, tuple(used), len(used), epoch=plan.epoch, fan_in=plan.fan_in)
+        self.mark_timed(red)
         red.weights = dict(zip(used, weights, strict=True))
         state.record(
             now,
@@ -484,6 +490,8 @@ class Reductions:
         else:
             deadline = now + msg.timeout if msg.timeout > 0 else None
             red.queries.append(PendingQuery(node_id, msg.request_id, deadline))
+            if deadline is not None:
+                self.timed.add(msg.reduction_id)
 
     def _answer_queries(self, red: Reduction) -> None:
         """Answer every waiting ``reduced_objects`` query (the reduction failed or finished)."""
@@ -535,11 +543,24 @@ class Reductions:
     def deadlines(self) -> list[float]:
         """The deadlines of reductions waiting for inputs and of queries waiting for them."""
         out: list[float] = []
-        for red in self.reductions.values():
-            if red.deadline is not None and red.active and not red.plan.full:
-                out.append(red.deadline)
-            out.extend(q.deadline for q in red.queries if q.deadline is not None)
+        for rid in list(self.timed):
+            red = self.reductions.get(rid)
+            waits: list[float] = []
+            if red is not None:
+                if red.deadline is not None and red.active and not red.plan.full:
+                    waits.append(red.deadline)
+                waits.extend(q.deadline for q in red.queries if q.deadline is not None)
+            if waits:
+                out.extend(waits)
+            else:
+                self.timed.discard(rid)  # it waits for nothing (until marked again)
         return out
+
+    def mark_timed(self, red: Reduction) -> None:
+        """``red`` may wait with a deadline from now on (see ``timed``): its timeout was set or
+        restarted, or its plan replaced (a full plan placed only grows: it is full until then)."""
+        if red.deadline is not None:
+            self.timed.add(red.plan.reduction_id)
 
     def expire(self, now: float) -> None:
         """Fail the reductions that did not get their inputs in time, and answer the queries

@@ -100,6 +100,7 @@ class Repair:
         red.inline = []
         red.inline_ids = []
         red.deadline = now + red.timeout if red.timeout > 0 else None
+        reducer.mark_timed(red)
         for oid in red.plan.inputs:
             reducer.awaiting.setdefault(oid, set()).add(rid)
         for oid in [pl.object_id for pl in old.placed] + list(red.plan.inputs):
