@@ -116,6 +116,9 @@ def _reduction_problems(state: DirectoryState) -> list[str]:
             plan.by_vertex[pl.vertex] is not pl or pl.object_id not in plan.inputs for pl in plan.placed
         ):
             out.append(f"{name}: its placements and vertices disagree")
+        waits = red.deadline is not None and red.active and not plan.full
+        if (waits or any(q.deadline is not None for q in red.queries)) and rid not in state.reducer.timed:
+            out.append(f"{name}: waits with a deadline that next_deadline does not see (Reductions.timed)")
         if not red.active:
             continue
         for pl in plan.placed:
