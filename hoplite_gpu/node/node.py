@@ -337,9 +337,9 @@ class Node:
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
         into = check_out(out)
-        indexed = self._fetcher.at_hand(object_id)
-        if indexed is not None:
-            return indexed.deliver(into)
+        ready = self._fetcher.at_hand(object_id)
+        if ready is not None:
+            return ready.deliver(into)
         first = self._fetcher.ask_on_channel(object_id, timeout, direct, self._channels)
         if first is not None and first.inline is not None:
             return first.inline.deliver(into)
@@ -356,9 +356,9 @@ class Node:
         self._check_oid(object_id)
         timeout = self._resolve_timeout(timeout)
         into = check_out(out)
-        indexed = self._fetcher.at_hand(object_id)
-        if indexed is not None:
-            return indexed.deliver(into)
+        ready = self._fetcher.at_hand(object_id)
+        if ready is not None:
+            return ready.deliver(into)
         if streamable(into):
             return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct))
         fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True)

@@ -39,13 +39,19 @@ def local_socket_name(directory_id: str) -> str:
 Check = typing.Callable[[Any], bool]
 
 
+def _is_union(hint: Any) -> bool:
+    """Whether ``hint`` is ``A | B`` (or ``Optional[A]``)."""
+    origin = typing.get_origin(hint)
+    return origin is typing.Union or str(origin) == "<class 'types.UnionType'>"
+
+
 def _checker(hint: Any) -> Check:
     """A function telling whether a decoded value has the type ``hint`` (a field's annotation),
     built once per field: decoding runs on the directory's one event loop for every message."""
     origin = typing.get_origin(hint)
     if hint is Any:
         return lambda value: True
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+    if _is_union(hint):
         options = tuple(_checker(h) for h in typing.get_args(hint))
         return lambda value: any(check(value) for check in options)
     if hint is type(None):
@@ -80,7 +86,7 @@ def _exact_types(hint: Any) -> frozenset[type] | None:
     annotation or a union of them); None where :func:`_checker` must look inside (lists)."""
     if hint in _EXACT:
         return _EXACT[hint]
-    if typing.get_origin(hint) is typing.Union or str(typing.get_origin(hint)) == "<class 'types.UnionType'>":
+    if _is_union(hint):
         args = typing.get_args(hint)
         parts = [part for part in map(_exact_types, args) if part is not None]
         if len(parts) == len(args):
