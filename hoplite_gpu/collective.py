@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -37,6 +39,8 @@ from .errors import (
     HopliteError,
     HopliteTimeoutError,
     InvalidArgumentError,
+    MemberLostError,
+    NodeClosedError,
     ObjectDeletedError,
 )
 from .iothread import all_or_cancel
@@ -58,12 +62,14 @@ __all__ = [
     "Group",
     "allgather",
     "allreduce",
+    "alltoall",
     "barrier",
     "broadcast",
     "gather",
     "recv",
     "reduce",
     "reducescatter",
+    "scatter",
     "send",
 ]
 
@@ -78,10 +84,24 @@ class Group:
         name: The group's name; identical on every member.
         timeout: Seconds each collective may wait for the other members (None:
             ``Config.default_get_timeout`` of the node, where 0 means forever).
+        watch: Watch the other members (:meth:`Node.watch_group_async
+            <hoplite_gpu.node.Node.watch_group_async>`): once one is lost (its process died or
+            closed its node without :meth:`destroy`, its lease ran out, or it called
+            :meth:`abort`), every collective in flight on this member and every later one raises
+            :class:`~hoplite_gpu.errors.MemberLostError` naming it, instead of waiting for the
+            timeout. Every collective then runs on the node's I/O thread (where it can be
+            cancelled), not on the caller's channel: a small one costs a few tens of
+            microseconds more.
     """
 
     def __init__(
-        self, node: Node, rank: int, world_size: int, name: str = "default", timeout: float | None = None
+        self,
+        node: Node,
+        rank: int,
+        world_size: int,
+        name: str = "default",
+        timeout: float | None = None,
+        watch: bool = False,
     ) -> None:
         if not isinstance(node, Node):
             raise InvalidArgumentError(
@@ -103,11 +123,24 @@ class Group:
         self.seq = 0  # collectives started so far
         self._owned: list[tuple[int, ObjectID]] = []  # (sequence number, object) this member created
         self._deleting: set[asyncio.Future[Any]] = set()  # background deletes in flight
-        self._sent = [0] * world_size  # point-to-point messages sent to each rank
-        self._received = [0] * world_size  # and received from each rank
-        self._acks: dict[int, ObjectID] = {}  # the last acknowledgement this member put, per sender
-        self._described: dict[str, tuple[str, int | None]] = {}  # see _describe
+        self._sent: dict[tuple[int, int], int] = {}  # point-to-point messages sent, per (rank, tag)
+        self._received: dict[tuple[int, int], int] = {}  # and received, per (rank, tag)
+        self._acks: dict[tuple[int, int], ObjectID] = {}  # the last acknowledgement put, per (sender, tag)
+        # See _describe; an OrderedDict: point-to-point calls on other threads add to it too.
+        self._described: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         self.destroyed = False  # see destroy
+        # Watching (see the class's docstring): the watch, the error that broke the group (set on
+        # the I/O thread), the collectives in flight there, and who to tell.
+        self._watching: concurrent.futures.Future[None] | None = None
+        self._error: HopliteError | None = None
+        self._lost: dict[int, str] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._on_lost: list[Callable[[HopliteError], None]] = []
+        if watch:
+            self._watching = node._io.submit(self._watch())
+            # The watch's request goes out in the task's first step: once a later one has run,
+            # it is on its way, ahead of anything this member sends next.
+            node._io.run(asyncio.sleep(0))
 
     def __repr__(self) -> str:
         return (
@@ -129,10 +162,13 @@ class Group:
         self._describe(oid, f"{kind} #{seq}", producer)
         return oid
 
-    def p2p_id(self, src: int, dst: int, n: int, kind: str = "p2p") -> ObjectID:
-        """The ObjectID of the ``n``-th message from ``src`` to ``dst`` (or of its acknowledgement)."""
-        oid = ObjectID.from_name(f"hoplite-group/{self.name}/{kind}/{src}/{dst}/{n}")
-        self._describe(oid, f"{kind} {src}->{dst} #{n}", dst if kind.endswith("ack") else src)
+    def p2p_id(self, src: int, dst: int, n: int, kind: str = "p2p", tag: int = 0) -> ObjectID:
+        """The ObjectID of the ``n``-th message from ``src`` to ``dst`` with ``tag`` (or of its
+        acknowledgement)."""
+        lane = f"{src}/{dst}" if tag == 0 else f"{src}/{dst}/t{tag}"
+        oid = ObjectID.from_name(f"hoplite-group/{self.name}/{kind}/{lane}/{n}")
+        what = f"{kind} {src}->{dst} #{n}" + (f" (tag {tag})" if tag else "")
+        self._describe(oid, what, dst if kind.endswith("ack") else src)
         return oid
 
     def _describe(self, oid: ObjectID, what: str, producer: int | None) -> None:
@@ -140,7 +176,8 @@ class Group:
         collective waited for (the newest :data:`DESCRIBED_KEPT`)."""
         self._described[oid.hex()] = (what, producer)
         if len(self._described) > DESCRIBED_KEPT:
-            del self._described[next(iter(self._described))]
+            with contextlib.suppress(KeyError):  # (another thread trimmed it)
+                self._described.popitem(last=False)
 
     def _named(self, exc: HopliteTimeoutError) -> HopliteTimeoutError:
         """``exc`` with the group, this member and the ranks whose objects it waited for."""
@@ -165,6 +202,116 @@ class Group:
         }
         return HopliteTimeoutError(text, **fields)
 
+    # ------------------------------------------------------------ watching the members
+    @property
+    def watching(self) -> bool:
+        """Whether this member watches the others (``watch=True``) and has not left."""
+        return self._watching is not None and not self._watching.done()
+
+    @property
+    def error(self) -> HopliteError | None:
+        """What broke the group on this member (a :class:`~hoplite_gpu.errors.MemberLostError`,
+        or the error that ended its watch), or None while it works."""
+        return self._error
+
+    @property
+    def lost(self) -> dict[int, str]:
+        """The members lost so far (rank -> why), as far as this member knows."""
+        return dict(self._lost)
+
+    def add_lost_callback(self, callback: Callable[[HopliteError], None]) -> None:
+        """Call ``callback(error)`` once the group breaks (see :attr:`error`), on the node's I/O
+        thread (it must not block); at once if it is broken already."""
+        self._on_lost.append(callback)
+        if self._error is not None:
+            callback(self._error)
+
+    def abort(self, reason: str) -> None:
+        """Give up on the group, for ``reason``: this member's collectives in flight and later
+        ones raise :class:`~hoplite_gpu.errors.MemberLostError`, and so do the other members'
+        once they hear of it (at once where they watch). For a member whose collective failed in
+        a way the others cannot see (a timeout, an argument refused before anything was sent).
+        Idempotent."""
+        if not isinstance(reason, str) or not reason:
+            raise InvalidArgumentError("reason must be a non-empty str", argument="reason")
+        mine = {self.rank: f"rank {self.rank} gave up on the group: {reason}"}
+        io = self.node._io
+        if not self.node.closed:
+            with contextlib.suppress(HopliteError):
+                work = self.node.abort_group_async(self._watch_id(), self.rank, self.world_size, reason)
+                lost = io.run(work, timeout=self.node.config.request_timeout + 1.0)
+                mine = {**lost, **mine}
+        if io.in_thread():
+            self._fail(mine)
+        else:
+            io.loop.call_soon_threadsafe(self._fail, mine)
+
+    def _watch_id(self) -> ObjectID:
+        return ObjectID.from_name(f"hoplite-group/{self.name}/watch")
+
+    async def _watch(self) -> None:
+        """Watch the group until a member is lost (then break it), or until cancelled."""
+        try:
+            lost = await self.node.watch_group_async(self._watch_id(), self.rank, self.world_size)
+        except NodeClosedError:
+            return
+        except HopliteError as exc:  # the directory is gone, or refused the watch
+            if not (self.destroyed or self.node.closed):
+                self._fail({}, exc)
+            return
+        self._fail(lost)
+
+    def _fail(self, lost: dict[int, str], error: HopliteError | None = None) -> None:
+        """The group broke (members ``lost``, or ``error``): on the I/O thread, cancel the
+        collectives in flight here and tell the callbacks; later collectives raise at once."""
+        self._lost.update(lost)
+        if self._error is not None:
+            return
+        if error is None:
+            ranks = sorted(self._lost)
+            who = f"group {self.name!r}, rank {self.rank} of {self.world_size}"
+            text = "; ".join(self._lost[r] for r in ranks)
+            error = MemberLostError(
+                f"{who}: member{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} lost: {text}",
+                group=self.name,
+                rank=self.rank,
+                lost_ranks=ranks,
+                reasons=dict(self._lost),
+            )
+        self._error = error
+        for task in list(self._tasks):
+            task.cancel()
+        for callback in self._on_lost:
+            try:
+                callback(error)
+            except Exception:  # a callback's own failure must not stop the others
+                import logging
+
+                logging.getLogger("hoplite_gpu").exception("a lost-member callback failed")
+
+    def _raise_if_broken(self) -> None:
+        error = self._error
+        if error is not None:
+            raise _again(error)
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``await coro`` as a collective of a watched group: cancelled once the group breaks,
+        which then raises its error."""
+        task = asyncio.current_task()
+        if self._error is not None or task is None:
+            coro.close()
+            self._raise_if_broken()
+            raise HopliteError("a watched group's collective must run on the node's I/O thread")
+        self._tasks.add(task)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self._error is not None:
+                raise _again(self._error) from None
+            raise
+        finally:
+            self._tasks.discard(task)
+
     def destroy(self, wait: bool = True) -> concurrent.futures.Future[None] | None:
         """Delete the objects this member created, once every member is past them; later
         collectives on this member's group raise :class:`InvalidArgumentError` (again: no-op).
@@ -183,19 +330,33 @@ class Group:
         """
         if self.destroyed or self.node.closed:
             self.destroyed = True
+            self._stop_watching()
+            return None
+        if self._error is not None:  # broken: the others will not come to a barrier
+            self.destroyed = True
+            self._stop_watching()
+            self._call(lambda: self.node._io.run(self._clean_up()))
             return None
         if wait:
             barrier(self)
             self.destroyed = True
+            self._stop_watching()  # every member is past every collective: leave cleanly
             self._run(self._clean_up())
             return None
         self.destroyed = True
         seconds = self.timeout if self.timeout else DESTROY_WAIT
         return self.node._io.submit(self._destroy_later(seconds))
 
+    def _stop_watching(self) -> None:
+        """Withdraw the watch: this member leaves the group cleanly (not reported as lost)."""
+        if self._watching is not None:
+            self._watching.cancel()
+
     async def _destroy_later(self, seconds: float) -> None:
         try:
-            await asyncio.wait_for(_barrier(self, self._next()), seconds)
+            if self._error is None:
+                await asyncio.wait_for(_barrier(self, self._next()), seconds)
+                self._stop_watching()  # every member is past every collective: leave cleanly
         except (HopliteError, TimeoutError):
             pass  # a member gone or never destroying its group: clean up without it
         await self._clean_up()
@@ -214,6 +375,11 @@ class Group:
         return seq
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._watching is not None:
+            if self._error is not None:
+                coro.close()
+                self._raise_if_broken()
+            return self._call(lambda: self.node._io.run(self._guarded(coro)))
         return self._call(lambda: self.node._io.run(coro))
 
     def _call(self, work: Callable[[], T]) -> T:
@@ -357,11 +523,14 @@ def broadcast(array: Any, src_rank: int, group: Group) -> Any:
     oid = g.object_id(seq, "broadcast")
     g._describe(oid, f"broadcast #{seq} (the root's)", src_rank)
 
-    # From the caller's thread: a small array goes on its channel (hoplite_gpu.node.channel).
     if g.rank == src_rank:
+        g._raise_if_broken()
         g._owned.append((seq, oid))  # a group's ids are never put twice: no digest (see _put)
+        # From the caller's thread: a small array goes on its channel (hoplite_gpu.node.channel).
         g._call(lambda: g.node._put(array, oid, copy=True, digest=False))
         return array
+    if g._watching is not None:  # on the I/O thread, where it can be cancelled
+        return g._run(g.node.get_async(oid, timeout=g.timeout, out=array))
     return g._call(lambda: g.node.get(oid, timeout=g.timeout, out=array))
 
 
@@ -507,6 +676,62 @@ def gather(list_out: list[Any] | None, array: Any, dst_rank: int, group: Group) 
     return g._run(run())
 
 
+def scatter(array: Any, list_in: list[Any] | None, src_rank: int, group: Group) -> Any:
+    """Member ``r`` receives ``src_rank``'s ``list_in[r]`` into ``array`` (in place); returns it.
+
+    Only ``src_rank``'s ``list_in`` is used (others may pass None); it returns as soon as its
+    pieces are registered, like :func:`reduce`; the others read theirs straight from it.
+    """
+    g = _check_group(group)
+    _check_rank(g, src_rank, "src_rank")
+    if g.rank == src_rank:
+        _check_list(g, list_in, "list_in")
+    seq = g._next()
+    ids = [g.object_id(seq, "scatter", r) for r in range(g.world_size)]
+    for r, oid in enumerate(ids):
+        g._describe(oid, f"scatter #{seq} piece {r}", src_rank)
+
+    async def run() -> Any:
+        if g.rank != src_rank:
+            return await g.node.get_async(ids[g.rank], timeout=g.timeout, out=array, direct=True)
+        assert list_in is not None
+        others = [r for r in range(g.world_size) if r != g.rank]
+        await all_or_cancel([g._put(seq, list_in[r], ids[r]) for r in others])
+        _copy(array, list_in[g.rank])
+        return array
+
+    return g._run(run())
+
+
+def alltoall(list_out: list[Any], list_in: list[Any], group: Group) -> list[Any]:
+    """Member ``r``'s ``list_in[j]`` lands in member ``j``'s ``list_out[r]``, for every pair;
+    returns ``list_out``. Each member reads its pieces straight from their senders; the pieces
+    of a pair may differ in size from those of another pair (each ``list_out[r]`` has the
+    dtype and shape of what ``r`` sends it)."""
+    g = _check_group(group)
+    _check_list(g, list_out, "list_out")
+    _check_list(g, list_in, "list_in")
+    seq = g._next()
+    n, me = g.world_size, g.rank
+
+    def piece(src: int, dst: int) -> ObjectID:
+        return g.object_id(seq, "alltoall", dst, src)  # (put by src: the last part)
+
+    async def run() -> list[Any]:
+        others = [(me + 1 + i) % n for i in range(n - 1)]
+        puts = [g._put(seq, list_in[dst], piece(me, dst)) for dst in others]
+        gets = [
+            g.node.get_async(piece(src, me), timeout=g.timeout, out=list_out[src], direct=True)
+            for src in reversed(others)
+        ]
+        await all_or_cancel([*puts, *gets])
+        _copy(list_out[me], list_in[me])
+        await g._delete_before(seq)
+        return list_out
+
+    return g._run(run())
+
+
 def _check_list(g: Group, arrays: Any, argument: str) -> None:
     if not isinstance(arrays, list) or len(arrays) != g.world_size:
         raise InvalidArgumentError(f"{argument} must be a list of {g.world_size} arrays", argument=argument)
@@ -531,18 +756,21 @@ def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str
     return g._run(run())
 
 
-def send(array: Any, dst_rank: int, group: Group) -> None:
+def send(array: Any, dst_rank: int, group: Group, tag: int = 0) -> None:
     """Send ``array`` to ``dst_rank``, which receives it with :func:`recv`; returns once it has.
 
     Only the two members take part (the others' sequence of collectives is unaffected); messages
-    between a pair arrive in the order they were sent. The array is copied when the call starts,
-    so the caller may change it as soon as ``send`` returns.
+    between a pair with the same ``tag`` arrive in the order they were sent (messages of other
+    tags are apart: a receiver takes them in any order). The array is copied when the call
+    starts, so the caller may change it as soon as ``send`` returns.
     """
     g = _check_group(group)
     _check_peer(g, dst_rank, "dst_rank")
-    n = g._sent[dst_rank]
-    g._sent[dst_rank] += 1
-    oid, ack = g.p2p_id(g.rank, dst_rank, n), g.p2p_id(g.rank, dst_rank, n, "p2p-ack")
+    _check_tag(tag)
+    lane = (dst_rank, tag)
+    n = g._sent.get(lane, 0)
+    g._sent[lane] = n + 1
+    oid, ack = g.p2p_id(g.rank, dst_rank, n, tag=tag), g.p2p_id(g.rank, dst_rank, n, "p2p-ack", tag)
 
     async def run() -> None:
         await g.node.put_async(array, oid)
@@ -554,26 +782,33 @@ def send(array: Any, dst_rank: int, group: Group) -> None:
     g._run(run())
 
 
-def recv(array: Any, src_rank: int, group: Group) -> Any:
-    """Receive the next message ``src_rank`` sends to this member into ``array`` (in place: same
-    dtype and shape); returns it."""
+def recv(array: Any, src_rank: int, group: Group, tag: int = 0) -> Any:
+    """Receive the next message ``src_rank`` sends to this member with ``tag`` into ``array``
+    (in place: same dtype and shape); returns it."""
     g = _check_group(group)
     _check_peer(g, src_rank, "src_rank")
-    n = g._received[src_rank]
-    oid, ack = g.p2p_id(src_rank, g.rank, n), g.p2p_id(src_rank, g.rank, n, "p2p-ack")
+    _check_tag(tag)
+    lane = (src_rank, tag)
+    n = g._received.get(lane, 0)
+    oid, ack = g.p2p_id(src_rank, g.rank, n, tag=tag), g.p2p_id(src_rank, g.rank, n, "p2p-ack", tag)
 
     async def run() -> Any:
         await g.node.get_async(oid, timeout=g.timeout, out=array)
-        g._received[src_rank] += 1
+        g._received[lane] = n + 1
         await g.node.put_async(np.zeros(1, np.uint8), ack)
         # The sender read the previous acknowledgement before it sent this message.
-        previous = g._acks.get(src_rank)
-        g._acks[src_rank] = ack
+        previous = g._acks.get(lane)
+        g._acks[lane] = ack
         if previous is not None:
             await g.node.delete_async(previous)
         return array
 
     return g._run(run())
+
+
+def _check_tag(tag: Any) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise InvalidArgumentError(f"tag must be an int, got {type(tag).__name__}", argument="tag")
 
 
 def _check_peer(group: Group, rank: Any, argument: str) -> int:
@@ -589,6 +824,9 @@ def barrier(group: Group) -> None:
     group's timeout passes first)."""
     g = _check_group(group)
     seq = g._next()
+    if g._watching is not None:  # on the I/O thread, where it can be cancelled
+        g._run(_barrier(g, seq))
+        return
     timeout = g.node._resolve_timeout(g.timeout)
     bid = _barrier_id(g, seq)
     # The objects of earlier collectives that this member put go with its arrival, deleted by the
@@ -632,3 +870,9 @@ def _copy(dst: Any, src: Any) -> None:
             "list_out entries must match the array's dtype and shape", argument="list_out"
         )
     memory.copy_into(dst, src)
+
+
+def _again(error: HopliteError) -> HopliteError:
+    """A fresh copy of ``error`` to raise (one instance raised from many calls would pile up
+    their tracebacks)."""
+    return type(error)(error.message, **error.fields)

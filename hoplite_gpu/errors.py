@@ -146,6 +146,17 @@ class ObjectLostError(HopliteError):
     """
 
 
+class MemberLostError(HopliteError):
+    """A member of a watched group is gone (:class:`hoplite_gpu.collective.Group` with
+    ``watch=True``): its process died or closed its node, its lease ran out, or it gave up on the
+    group. Every collective of the group in flight on this member, and every later one, raises
+    it; make a new group (under a new name) with the members left.
+
+    Fields: ``group`` (its name), ``rank`` (this member), ``lost_ranks`` (ascending), ``reasons``
+    (rank -> why).
+    """
+
+
 class DeviceIpcError(HopliteError):
     """Device memory of another process on this host could not be opened (CUDA IPC: its process is
     gone, no peer access between the devices, or a handle of another machine). Reads fall back to

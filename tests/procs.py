@@ -205,6 +205,12 @@ COLLECTIVES = (
     "destroy",
     "destroy_later",
     "destroyed",
+    "abort",
+    "lost",
+    "send",
+    "recv",
+    "scatter",
+    "alltoall",
 )
 
 
@@ -248,13 +254,23 @@ _destroying: dict[str, Any] = {}  # group name -> the future of Group.destroy(wa
 def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tuple[Any, ...]) -> Any:
     """Group collectives; arrays are ``make_array(dtype, shape, seed)`` with a per-rank seed."""
     if cmd == "group":
-        name, rank, world, *timeout = args  # the group's timeout: CMD_TIMEOUT unless given
-        groups[name] = hg.collective.Group(node, rank, world, name, timeout=(timeout or [CMD_TIMEOUT])[0])
+        name, rank, world, *rest = args  # the group's timeout (CMD_TIMEOUT unless given), watch
+        timeout, watch = (rest + [CMD_TIMEOUT, False][len(rest) :])[:2]
+        groups[name] = hg.collective.Group(node, rank, world, name, timeout=timeout, watch=watch)
         return rank
     group = groups[args[0]]
     coll = hg.collective
     if cmd == "barrier":
         return coll.barrier(group)
+    if cmd == "abort":
+        return group.abort(args[1])
+    if cmd == "lost":  # the members lost so far, and what broke the group
+        return group.lost, type(group.error).__name__ if group.error else None
+    if cmd == "send":  # name, dtype, shape, seed, dst, tag
+        coll.send(make_array(args[1], args[2], args[3]), args[4], group, tag=args[5])
+        return True
+    if cmd == "recv":  # name, dtype, shape, src, tag: the array received
+        return coll.recv(np.empty(args[2], args[1]), args[3], group, tag=args[4])
     if cmd == "destroy":
         return group.destroy()
     if cmd == "destroy_later":  # destroy without waiting; "destroyed" waits for the clean-up
@@ -283,6 +299,10 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
         out = [np.empty_like(arr) for _ in range(group.world_size)] if group.rank == args[4] else None
         return coll.gather(out, arr, args[4], group)
     pieces = [make_array(dtype, shape, seed + group.rank * 100 + dst) for dst in range(group.world_size)]
+    if cmd == "scatter":  # the root's pieces for every rank
+        return coll.scatter(np.empty_like(arr), pieces if group.rank == args[4] else None, args[4], group)
+    if cmd == "alltoall":
+        return coll.alltoall([np.empty_like(arr) for _ in pieces], pieces, group)
     out = np.empty_like(arr)
     return coll.reducescatter(out, pieces, group, args[4])
 

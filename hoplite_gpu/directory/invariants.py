@@ -52,6 +52,7 @@ def problems(state: DirectoryState) -> list[str]:
     if inline != state.members.inline_bytes:
         out.append(f"inline bytes per node {state.members.inline_bytes} are really {inline}")
     out.extend(state.eventlog.problems())
+    out.extend(state.watches.problems())
     out.extend(_object_problems(state))
     out.extend(_reduction_problems(state))
     return out

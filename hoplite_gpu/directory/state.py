@@ -21,6 +21,7 @@ handlers' work is done by its rooms:
   :mod:`.reduce`), their weights and decoding, the inline reduce, and repair after failures.
 * :mod:`.recovery`: restoring copies after this directory restarted.
 * :mod:`.barriers`: barriers, one message per member.
+* :mod:`.watches`: watched groups, whose members hear at once that one of them is gone.
 * :mod:`.eventlog` and :mod:`.invariants`: the event log and the invariant checker.
 """
 
@@ -57,6 +58,7 @@ from .records import LocationState, NodeInfo, ObjectEntry, PendingLookup, Reduct
 from .recovery import Recovery
 from .reductions import Reductions
 from .repair import Repair
+from .watches import Watches
 
 __all__ = [
     "MAX_REPAIRS",
@@ -129,6 +131,7 @@ class DirectoryState:
         self.repair = Repair(self)
         self.recovery = Recovery(self)
         self.barriers = Barriers(self)
+        self.watches = Watches(self.send, self.record, config.max_pending_lookups)
         self._stimuli = itertools.count(1)
         self._event: Event | None = None  # the event being handled (or handled last)
         self._stimulus = 0  # its number
@@ -301,6 +304,7 @@ class DirectoryState:
             return
         self.record(now, "node_left", node=node_id, reason=reason)
         self.barriers.forget_node(node_id)
+        self.watches.forget_node(node_id, now, reason)
         touched = set(self.lookups.forget_node(node_id, reason))
         touched.update(self.catalog.forget_node(node_id))
         self.repair.node_left(node_id, now, reason)
@@ -328,10 +332,15 @@ class DirectoryState:
     def _on_cancel_lookup(self, node_id: str, msg: p.CancelLookup, now: float) -> None:
         self.lookups.cancel(node_id, msg.request_id)
         self.barriers.cancel(node_id, msg.request_id)
+        self.watches.cancel(node_id, msg.request_id)
 
     @on_request(p.BarrierRequest)
     def _on_barrier(self, node_id: str, msg: p.BarrierRequest, now: float) -> None:
         self.barriers.request(node_id, msg, now)
+
+    @on_request(p.WatchRequest)
+    def _on_watch(self, node_id: str, msg: p.WatchRequest, now: float) -> None:
+        self.watches.request(node_id, msg, now)
 
     @on_request(p.TransferDone)
     def _on_transfer_done(self, node_id: str, msg: p.TransferDone, now: float) -> None:

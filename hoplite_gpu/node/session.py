@@ -439,6 +439,22 @@ class DirectorySession:
 
         return await self.with_directory(once, timeout)
 
+    async def watch(self, group_id: bytes, rank: int, count: int, abort: str = "") -> p.WatchReply:
+        """Member ``rank`` of ``count`` watches group ``group_id``: the directory's reply once a
+        member is lost (held until then; cancel to withdraw); with ``abort``, gives up on the
+        group and returns at once (see :class:`~hoplite_gpu.protocol.WatchRequest`)."""
+
+        async def once(control: ControlClient, left: float | None) -> p.WatchReply:
+            request = p.WatchRequest(
+                request_id=control.next_id(), group_id=group_id, rank=rank, count=count, abort=abort
+            )
+            reply = await self._wait_for_reply(control, request, left, "a watch")
+            if not isinstance(reply, p.WatchReply):
+                raise ProtocolError(f"unexpected reply to watch: {reply.TYPE}")
+            return reply
+
+        return await self.with_directory(once, self.config.request_timeout if abort else None)
+
     async def _wait_for_reply(
         self, control: ControlClient, request: Any, timeout: float | None, what: str, **fields: Any
     ) -> p.Message:

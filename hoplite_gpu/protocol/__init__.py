@@ -78,6 +78,8 @@ from .messages import (
     ServeDone,
     TransferDone,
     VertexDone,
+    WatchReply,
+    WatchRequest,
     Welcome,
 )
 
@@ -141,6 +143,8 @@ __all__ = [
     "ServeDone",
     "TransferDone",
     "VertexDone",
+    "WatchReply",
+    "WatchRequest",
     "Welcome",
     "chunk_tag",
     "decode",

@@ -26,6 +26,7 @@ MAX_HELLO_BYTES = 64 * 1024
 #: Fields of messages from nodes with a limit other than :data:`MAX_TEXT_CHARS`.
 FIELD_LIMITS = {
     "reason": 1024,
+    "abort": 1024,
     "segment": MAX_NAME_CHARS,
     "digest": 64,
     "nonce": 64,

@@ -520,6 +520,14 @@ MAX_MISSING_NAMED = 64
 MAX_BARRIER_RELEASE = 4096
 
 
+def _check_member(kind: str, rank: int, count: int) -> None:
+    """A member ``rank`` of a group of ``count`` (barriers, watches)."""
+    if not 1 <= count <= MAX_BARRIER_MEMBERS:
+        raise ProtocolError(f"{kind}: count {count} is not in 1..{MAX_BARRIER_MEMBERS}")
+    if not 0 <= rank < count:
+        raise ProtocolError(f"{kind}: rank {rank} is not in 0..{count - 1}")
+
+
 @dataclass(frozen=True, slots=True)
 class BarrierRequest(Message):
     """Member ``rank`` of ``count`` reached barrier ``barrier_id``: answered (:class:`BarrierReply`)
@@ -545,10 +553,7 @@ class BarrierRequest(Message):
         for oid in self.release:
             check_id(self.TYPE, "release", oid)
         check_timeout(self.TYPE, self.timeout)
-        if not 1 <= self.count <= MAX_BARRIER_MEMBERS:
-            raise ProtocolError(f"{self.TYPE}: count {self.count} is not in 1..{MAX_BARRIER_MEMBERS}")
-        if not 0 <= self.rank < self.count:
-            raise ProtocolError(f"{self.TYPE}: rank {self.rank} is not in 0..{self.count - 1}")
+        _check_member(self.TYPE, self.rank, self.count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,6 +566,40 @@ class BarrierReply(Message):
     status: str
     waiting: int = 0
     missing: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchRequest(Message):
+    """Member ``rank`` of ``count`` watches group ``group_id``: answered (:class:`WatchReply`) as
+    soon as a member of the group is lost (its node left or was declared dead, or it gave up on
+    the group), at once if one already is; held until then (withdrawn with ``CancelLookup`` of the
+    same request id: this member leaves the group cleanly, and is not reported lost). With
+    ``abort`` set, the member gives up on the group instead, for that reason: it is lost from
+    now on, every member watching is answered, and so is this request (at once). A group's
+    collectives use it to fail at once when a member is gone (:class:`hoplite_gpu.collective.Group`
+    with ``watch=True``)."""
+
+    TYPE: ClassVar[str] = "watch"
+    request_id: int
+    group_id: bytes
+    rank: int
+    count: int
+    abort: str = ""
+
+    def check(self) -> None:
+        check_id(self.TYPE, "group_id", self.group_id)
+        _check_member(self.TYPE, self.rank, self.count)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchReply(Message):
+    """Directory -> node: the members of the group lost so far (ranks, ascending), each with
+    why (``reasons[i]`` for ``lost[i]``); at most :data:`MAX_MISSING_NAMED` of them."""
+
+    TYPE: ClassVar[str] = "watch_reply"
+    request_id: int
+    lost: list[int] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -600,5 +639,6 @@ FROM_NODES: frozenset[type[Message]] = frozenset(
         VertexDone,
         EventLogRequest,
         BarrierRequest,
+        WatchRequest,
     }
 )

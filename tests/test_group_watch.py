@@ -1,0 +1,140 @@
+"""Watched groups with real processes: a member SIGKILLed or giving up breaks the others'
+collectives at once (not at their timeout); scatter, alltoall and tagged point-to-point messages."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from tests.procs import Worker, make_array, start_workers
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+#: The groups' own timeout: a watched group must fail long before it.
+TIMEOUT = 60.0
+
+
+@pytest.fixture
+def owner() -> Iterator[Any]:
+    node = hg.init()
+    yield node
+    node.close()
+
+
+def join(owner: Any, workers: list[Worker], name: str, watch: bool = True) -> hg.collective.Group:
+    n = len(workers) + 1
+    for rank, w in enumerate(workers, start=1):
+        w.send("group", name, rank, n, TIMEOUT, watch)
+    assert [w.result() for w in workers] == list(range(1, n))
+    return hg.collective.Group(owner, 0, n, name, timeout=TIMEOUT, watch=watch)
+
+
+def test_a_member_killed_mid_allreduce_fails_every_survivor_at_once(owner: Any) -> None:
+    workers = start_workers(owner.directory_address, owner.token, 3)
+    try:
+        group = join(owner, workers, "killed")
+        shape = (1 << 20,)  # 4 MiB of float32: sharded
+        for w in workers[:2]:
+            w.send("allreduce", "killed", "float32", shape, 0, "sum")
+        workers[2].kill()  # rank 3: never contributes
+        start = time.monotonic()
+        with pytest.raises(hg.MemberLostError) as err:
+            hg.collective.allreduce(make_array("float32", shape, 0), group)
+        assert time.monotonic() - start < TIMEOUT / 3
+        assert err.value.lost_ranks == [3] and err.value.rank == 0 and "rank 3's node left" in str(err.value)
+        for w in workers[:2]:
+            with pytest.raises(RuntimeError, match="MemberLostError"):
+                w.result(timeout=TIMEOUT / 3)
+        # Later collectives fail at once, on every survivor.
+        start = time.monotonic()
+        with pytest.raises(hg.MemberLostError):
+            hg.collective.barrier(group)
+        assert time.monotonic() - start < 1.0
+        assert workers[0].call("lost", "killed")[1] == "MemberLostError"
+        assert group.lost.keys() == {3} and isinstance(group.error, hg.MemberLostError)
+        group.destroy()  # a broken group is destroyed without waiting for the others
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_a_member_that_gives_up_fails_the_others_with_its_reason(owner: Any) -> None:
+    workers = start_workers(owner.directory_address, owner.token, 1)
+    try:
+        group = join(owner, workers, "gives-up")
+        seen: list[hg.HopliteError] = []
+        group.add_lost_callback(seen.append)
+        workers[0].send("broadcast", "gives-up", "float32", (1000,), 0, 0)  # waits for rank 0's put
+        group.abort("the input had the wrong shape")
+        with pytest.raises(RuntimeError, match="gave up on the group: the input had the wrong shape"):
+            workers[0].result(timeout=TIMEOUT / 3)
+        assert len(seen) == 1 and seen[0].lost_ranks == [0]
+        with pytest.raises(hg.MemberLostError):
+            hg.collective.broadcast(make_array("float32", (1000,), 0), 0, group)
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_members_that_destroy_their_group_leave_it_cleanly(owner: Any) -> None:
+    workers = start_workers(owner.directory_address, owner.token, 1)
+    try:
+        group = join(owner, workers, "clean")
+        workers[0].send("allreduce", "clean", "float32", (256,), 0, "sum")
+        hg.collective.allreduce(make_array("float32", (256,), 0), group)
+        workers[0].result()
+        workers[0].send("destroy", "clean")
+        group.destroy()
+        workers[0].result()
+        other = join(owner, workers, "clean-next")  # the process lives on, in another group
+        workers[0].stop()
+        assert not group.watching and group.error is None
+        # Its node left after it had left "clean"; "clean-next", which it never destroyed, breaks.
+        with pytest.raises(hg.MemberLostError):
+            hg.collective.barrier(other)
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_scatter_alltoall_and_tagged_messages(owner: Any) -> None:
+    workers = start_workers(owner.directory_address, owner.token, 2)
+    try:
+        group = join(owner, workers, "data", watch=False)
+        n, shape = 3, (5, 7)
+
+        def piece(src: int, dst: int) -> np.ndarray[Any, Any]:
+            return make_array("int64", shape, 4 + src * 100 + dst)
+
+        for w in workers:
+            w.send("scatter", "data", "int64", shape, 4, 1)
+        got = hg.collective.scatter(np.empty(shape, np.int64), None, 1, group)
+        assert np.array_equal(got, piece(1, 0))
+        for rank, w in enumerate(workers, start=1):
+            assert np.array_equal(w.result(), piece(1, rank))
+
+        for w in workers:
+            w.send("alltoall", "data", "int64", shape, 4)
+        mine = [piece(0, dst) for dst in range(n)]
+        out = hg.collective.alltoall([np.empty(shape, np.int64) for _ in range(n)], mine, group)
+        assert all(np.array_equal(out[src], piece(src, 0)) for src in range(n))
+        for rank, w in enumerate(workers, start=1):
+            assert all(np.array_equal(got, piece(src, rank)) for src, got in enumerate(w.result()))
+
+        # Two tags between the same pair: received in the other order than sent, each intact.
+        a, b = make_array("float32", (64,), 1), make_array("float32", (64,), 2)
+        workers[0].send("recv", "data", "float32", (64,), 0, 8)
+        workers[1].send("recv", "data", "float32", (64,), 0, 0)
+        hg.collective.send(b, 2, group)  # tag 0, to rank 2
+        hg.collective.send(a, 1, group, tag=8)
+        assert np.array_equal(workers[0].result(), a) and np.array_equal(workers[1].result(), b)
+        with pytest.raises(hg.InvalidArgumentError):
+            hg.collective.send(a, 1, group, tag="x")  # type: ignore[arg-type]
+    finally:
+        for w in workers:
+            w.kill()
