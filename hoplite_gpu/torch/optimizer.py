@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import collective
-from .errors import InvalidArgumentError
-from .reduce_ops import ReduceOp, as_op
+from .. import collective
+from ..errors import InvalidArgumentError
+from ..reduce_ops import ReduceOp, as_op
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -101,7 +101,7 @@ def _fused(tensors: list[Any], bucket_bytes: int, run: Callable[[Any], Any]) -> 
     its bucket is used as it is; others are packed into one flat tensor and unpacked after)."""
     import torch
 
-    from .ray.common import as_buffer
+    from ..ray.common import as_buffer
 
     for bucket in _buckets(tensors, bucket_bytes):
         if len(bucket) == 1:

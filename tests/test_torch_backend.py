@@ -1,0 +1,108 @@
+"""The torch.distributed backend "hoplite", with real processes (tests/torch_ranks.py): every
+collective against Gloo's result on the same inputs, DDP and FSDP2 against Gloo, async work, a
+timeout, bad input, and a rank SIGKILLed mid-allreduce."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.torch_ranks import run_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def results(runs: dict[int, dict[str, Any]]) -> list[Any]:
+    for rank, run in runs.items():
+        assert "result" in run, f"rank {rank}: {run.get('traceback') or run['log']}"
+    return [run["result"] for run in runs.values()]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_every_collective_matches_gloo(tmp_path: Path, world: int) -> None:
+    for rank, found in enumerate(results(run_ranks("collectives", world, tmp_path, timeout=240))):
+        assert found["bad"] == [], f"rank {rank}: {found['bad']}"
+        assert found["ran"] > 200
+
+
+def test_ddp_trains_to_the_same_parameters_as_gloo(tmp_path: Path) -> None:
+    for diffs in results(run_ranks("ddp", 2, tmp_path)):
+        assert diffs.keys() == {"plain", "views", "unused", "hook", "no_sync"}
+        assert all(d <= 1e-5 for d in diffs.values()), diffs
+
+
+def test_fsdp2_trains_to_the_same_parameters_as_gloo(tmp_path: Path) -> None:
+    for found in results(run_ranks("fsdp", 2, tmp_path)):
+        assert found["diff"] <= 1e-5, found
+
+
+def test_a_rank_sigkilled_mid_allreduce_fails_every_survivor_with_a_typed_error(tmp_path: Path) -> None:
+    """Rank 3 dies half way through serving a shard (its own fault injection, SIGKILL); ranks 0-2
+    get a DistBackendError naming rank 3 within the stall timeout, and later collectives fail at
+    once. The group's timeout (60 s) is far longer."""
+    victim = {3: {"HOPLITE_FAULT_INJECTION": "serve:*:0.5:KILL"}}
+    runs = run_ranks("killed", 4, tmp_path, arg="3", rank_env=victim, env={"HOPLITE_STALL_TIMEOUT": "10"})
+    assert "result" not in runs[3] and "error" not in runs[3]  # killed: it wrote nothing
+    for rank in range(3):
+        found = results({rank: runs[rank]})[0]
+        assert found["error"] == "RankLostError" and found["dist_backend_error"], found
+        assert found["fields"]["lost_ranks"] == [3], found
+        assert "rank 3" in found["message"]
+        assert found["seconds"] < 10, found
+        assert found["later"]["error"] == "RankLostError" and found["later"]["seconds"] < 1.0
+
+
+def test_the_directory_host_killed_fails_the_others_naming_it(tmp_path: Path) -> None:
+    """Rank 0 hosts the directory; it is SIGKILLed mid-allreduce; the others name rank 0."""
+    victim = {0: {"HOPLITE_FAULT_INJECTION": "serve:*:0.5:KILL"}}
+    runs = run_ranks("killed", 3, tmp_path, arg="0", rank_env=victim)
+    for rank in (1, 2):
+        found = results({rank: runs[rank]})[0]
+        assert found["error"] == "RankLostError" and found["dist_backend_error"], found
+        assert found["fields"]["lost_ranks"] == [0] and "global rank 0" in found["message"], found
+        assert found["seconds"] < 10, found
+
+
+def test_a_timeout_fails_the_work_and_tells_the_other_rank(tmp_path: Path) -> None:
+    # Rank 1 waits longer than rank 0: what ends its barrier is rank 0's giving up.
+    runs = run_ranks(
+        "timeout", 2, tmp_path, rank_env={0: {"TEST_PG_TIMEOUT": "3"}, 1: {"TEST_PG_TIMEOUT": "60"}}
+    )
+    first, second = results(runs)
+    assert first["early"]["error"] == "BackendTimeoutError" and not first["early"]["completed"]
+    assert first["error"] == "BackendTimeoutError" and first["dist_backend_error"]
+    assert "rank 1" in first["message"] and 2.5 < first["seconds"] < 10, first
+    assert second["error"] == "RankLostError" and "did not finish" not in second["message"], second
+    assert "all_reduce" in second["message"] and second["fields"]["lost_ranks"] == [0]
+
+
+def test_bad_input_is_refused_on_its_rank_and_breaks_the_group_for_the_others(tmp_path: Path) -> None:
+    refused = results(run_ranks("bad_input", 3, tmp_path, arg="refused"))
+    assert refused[1]["noncontiguous"]["error"] == "CollectiveArgumentError"
+    assert "contiguous" in refused[1]["noncontiguous"]["message"]
+    for rank in (0, 2):
+        other = refused[rank]["noncontiguous"]
+        assert other["error"] == "RankLostError" and "rank 1" in other["message"] and other["seconds"] < 10
+    assert all(r["later"]["error"] == "RankLostError" for r in refused)
+
+    sizes = results(run_ranks("bad_input", 3, tmp_path, arg="sizes"))
+    assert all(r["sizes"] is not None and r["sizes"]["dist_backend_error"] is not None for r in sizes)
+    assert all(r["later"]["error"] == "RankLostError" for r in sizes), sizes
+
+    local = results(run_ranks("bad_input", 2, tmp_path, arg="local"))
+    for found in local:
+        assert (
+            found["no_store"]["error"] == "InvalidArgumentError" and "store" in found["no_store"]["message"]
+        )
+        assert (
+            found["float8"]["error"] == "CollectiveArgumentError" and "float8" in found["float8"]["message"]
+        )
+        assert "PREMUL_SUM" in found["premul_sum"]["message"]
+        assert "non-integral" in found["band_float"]["message"]
+        assert found["root_outside"]["error"] == "CollectiveArgumentError"
+        assert found["send_to_self"]["error"] == "ValueError"  # torch's own check
+        assert "src" in found["recv_any"]["message"]
