@@ -22,11 +22,15 @@ def results(runs: dict[int, dict[str, Any]]) -> list[Any]:
     return [run["result"] for run in runs.values()]
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_every_collective_matches_gloo(tmp_path: Path, world: int) -> None:
-    for rank, found in enumerate(results(run_ranks("collectives", world, tmp_path, timeout=240))):
+@pytest.mark.parametrize(("world", "shm"), [(1, "0"), (3, "0"), (4, "1")])
+def test_every_collective_matches_gloo(tmp_path: Path, world: int, shm: str) -> None:
+    """Over the data plane (the suite's default), and with same-host shared memory (a user's)."""
+    env = {"HOPLITE_SHARED_MEMORY": shm}
+    for rank, found in enumerate(results(run_ranks("collectives", world, tmp_path, timeout=240, env=env))):
         assert found["bad"] == [], f"rank {rank}: {found['bad']}"
         assert found["ran"] > 200
+        # Not compared where an older torch's Gloo lacks the collective (all_to_all in 2.11).
+        assert all(name.startswith("all_to_all ") for name in found["skipped"]), found["skipped"]
 
 
 def test_ddp_trains_to_the_same_parameters_as_gloo(tmp_path: Path) -> None:
@@ -106,3 +110,19 @@ def test_bad_input_is_refused_on_its_rank_and_breaks_the_group_for_the_others(tm
         assert found["root_outside"]["error"] == "CollectiveArgumentError"
         assert found["send_to_self"]["error"] == "ValueError"  # torch's own check
         assert "src" in found["recv_any"]["message"]
+
+
+def _cuda() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="no CUDA GPU")
+def test_cuda_tensors_through_the_backend(tmp_path: Path) -> None:
+    """Two ranks on one GPU: collectives of CUDA tensors right, DDP on CUDA as DDP over Gloo on
+    CPU, and no byte staged through host memory (CUDA IPC between the processes)."""
+    env = {"HOPLITE_SHARED_MEMORY": "1"}  # (the suite turns it off; CUDA IPC needs it)
+    for found in results(run_ranks("cuda", 2, tmp_path, timeout=240, env=env)):
+        assert found["bad"] == [], found["bad"]
+        assert found["ddp_diff"] <= 1e-4, found
+        assert found["staged"] == {}, found
