@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,5 +119,53 @@ def test_a_killed_directory_is_still_reported(host: subprocess.Popen[str], recor
         host.kill()
         host.wait(30)
         records.wait_for(lambda r: r.levelno == logging.WARNING and "lost the directory" in r.getMessage())
+    finally:
+        node.close()
+
+
+def _connect_resolving(host: subprocess.Popen[str], resolve: Any) -> hg.Node:
+    """A node of the host's directory with a resolver (as the Ray integration's nodes have)."""
+    assert host.stdout is not None
+    address, token = host.stdout.readline().split()
+    return hg.Node(address, token, hg.Config.from_env(), resolve_directory=resolve)
+
+
+def test_a_directory_its_resolver_says_is_gone_for_good_is_lost_quietly(
+    host: subprocess.Popen[str], records: Records
+) -> None:
+    """The Ray directory actor of a Ray that shut down (its resolver says so): no warning, no
+    retries for reconnect_timeout; requests fail at once."""
+
+    def resolve(seconds: float) -> str:
+        raise hg.DirectoryUnavailableError("Ray was shut down", peer="hoplite", cause="shutdown")
+
+    node = _connect_resolving(host, resolve)
+    try:
+        host.kill()
+        host.wait(30)
+        records.wait_for(lambda r: "gone for good" in r.getMessage())
+        with pytest.raises(hg.DirectoryUnavailableError, match="Ray was shut down"):
+            node.get(hg.ObjectID.from_name("exit-test"), timeout=5)
+        assert not records.warnings()
+    finally:
+        node.close()
+
+
+def test_a_directory_its_resolver_still_finds_is_reported(
+    host: subprocess.Popen[str], records: Records
+) -> None:
+    """A resolver that still names the directory (a Ray actor restarting): warned once."""
+    found: list[str] = []
+
+    def resolve(seconds: float) -> str:
+        found.append("asked")
+        return node.directory_address
+
+    node = _connect_resolving(host, resolve)
+    try:
+        host.kill()
+        host.wait(30)
+        records.wait_for(lambda r: r.levelno == logging.WARNING and "lost the directory" in r.getMessage())
+        assert found
     finally:
         node.close()

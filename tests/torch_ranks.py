@@ -519,13 +519,13 @@ def bad_input(rank: int, world: int, arg: str) -> dict[str, Any]:
         attempt("later", lambda: dist.broadcast(torch.ones(4), 0))
         return found
     # "local": each refused everywhere (every rank makes the same mistake), one group each time
-    from hoplite_gpu.torch.backend import _create
+    from hoplite_gpu.torch.backend import create
 
     class Options:
         store = None
         group_rank, group_size, timeout, group_id, global_ranks_in_group = 0, 1, None, "x", []
 
-    attempt("no_store", lambda: _create(Options()))
+    attempt("no_store", lambda: create(Options()))
     attempt("float8", lambda: dist.all_reduce(torch.ones(4, dtype=torch.float8_e4m3fn)))
     for name, call in [
         ("premul_sum", lambda: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0))),

@@ -184,8 +184,10 @@ class DirectorySession:
             return
         if getattr(error, "cause", "") == "shutdown":  # it said Goodbye: stopped, not lost
             log.debug("the directory at %s shut down; reconnecting in case it comes back", self.address)
-        else:
+        elif self._resolve is None:
             log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
+        # else: said once the resolver was asked, which knows a directory that is gone for good
+        # (the Ray directory actor of a Ray that shut down) from one that may come back.
         if self._reconnecting is None or self._reconnecting.done():
             self._reconnecting = asyncio.ensure_future(self._reconnect(error))
         self._on_lost(True)
@@ -197,16 +199,30 @@ class DirectorySession:
         lost = self.control
         give_up = time.monotonic() + self.config.reconnect_timeout
         pause = 0.05
+        said = self._resolve is None or getattr(error, "cause", "") == "shutdown"  # (see _lost)
         while True:
             client = self._new_control(ids=lost.ids)
             try:
                 if self._resolve is not None:
-                    await self._resolve_address(give_up)
+                    try:
+                        await self._resolve_address(give_up)
+                    except HopliteError as exc:
+                        if getattr(exc, "cause", "") == "shutdown":  # gone for good: quietly
+                            log.debug("the directory at %s is gone for good: %s", self.address, exc)
+                            self._unreachable = exc
+                            return
+                        raise
+                    if not said:
+                        said = True
+                        log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
                 await self._join(client, previous_directory=lost.directory_id)
                 break
             except HopliteError as exc:
                 # Also an AuthenticationError: a directory dying as it authenticated us looks
                 # like a refusal; a real one (another token) fails when the time is up.
+                if not said:
+                    said = True
+                    log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
                 error = exc
             except Exception as exc:  # not expected; retried all the same, and said
                 log.exception("reconnecting to the directory failed unexpectedly")

@@ -1,10 +1,10 @@
 """hoplite_gpu for PyTorch: the torch.distributed backend ``"hoplite"``, and gradient averaging in
 the style of Horovod.
 
-Importing this package registers the backend, so ``torch.distributed`` code, DDP, FSDP and Ray
-Train switch to hoplite_gpu by name::
+torch registers the backend as it is imported, wherever hoplite_gpu is installed (:mod:`.plugin`),
+and so does importing this package; ``torch.distributed`` code, DDP, FSDP and Ray Train switch to
+hoplite_gpu by name::
 
-    import hoplite_gpu.torch  # registers "hoplite"
     dist.init_process_group("hoplite", init_method="env://", rank=rank, world_size=world_size)
     model = torch.nn.parallel.DistributedDataParallel(model)
 
@@ -21,17 +21,39 @@ The Horovod-style helpers (:mod:`.optimizer`) take a :class:`hoplite_gpu.collect
 
 from __future__ import annotations
 
-from .backend import BACKEND, ProcessGroupHoplite, register
-from .errors import BackendTimeoutError, HopliteBackendError, RankLostError
-from .optimizer import (
-    DEFAULT_BUCKET_BYTES,
-    DistributedOptimizer,
-    allreduce_gradients,
-    allreduce_tensors,
-    broadcast_parameters,
-    resolve_group,
-)
-from .work import HopliteWork
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .plugin import BACKEND, register
+
+if TYPE_CHECKING:
+    from .backend import ProcessGroupHoplite
+    from .errors import BackendTimeoutError, HopliteBackendError, RankLostError
+    from .optimizer import (
+        DEFAULT_BUCKET_BYTES,
+        DistributedOptimizer,
+        allreduce_gradients,
+        allreduce_tensors,
+        broadcast_parameters,
+        resolve_group,
+    )
+    from .work import HopliteWork
+
+#: Where each public name lives (imported on first use: the backend's modules load with its
+#: first group, not with ``import torch``, which registers it through :mod:`.plugin`).
+_LAZY = {
+    "ProcessGroupHoplite": "backend",
+    "BackendTimeoutError": "errors",
+    "HopliteBackendError": "errors",
+    "RankLostError": "errors",
+    "DEFAULT_BUCKET_BYTES": "optimizer",
+    "DistributedOptimizer": "optimizer",
+    "allreduce_gradients": "optimizer",
+    "allreduce_tensors": "optimizer",
+    "broadcast_parameters": "optimizer",
+    "resolve_group": "optimizer",
+    "HopliteWork": "work",
+}
 
 __all__ = [
     "BACKEND",
@@ -48,5 +70,13 @@ __all__ = [
     "register",
     "resolve_group",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 
 register()

@@ -1,6 +1,6 @@
 """The torch.distributed backend ``"hoplite"``: :class:`ProcessGroupHoplite`, a process group whose
 collectives run on :mod:`hoplite_gpu.collective` (public names only), registered with
-``torch.distributed.Backend.register_backend`` when :mod:`hoplite_gpu.torch` is imported.
+``torch.distributed.Backend.register_backend`` by :mod:`.plugin`.
 
 Each torch process group is a watched :class:`hoplite_gpu.collective.Group` of the same members,
 under a name its rank 0 makes up (:mod:`.rendezvous`). Its collectives run in one lane (one
@@ -32,24 +32,16 @@ from ..errors import DirectoryUnavailableError, HopliteError, InvalidArgumentErr
 from . import rendezvous as rdv
 from . import tensors as tt
 from .errors import RankLostError, as_torch_error
+from .plugin import BACKEND
 from .work import HopliteWork, Lane
 
-#: The backend's name for ``init_process_group``, ``new_group`` and ``TorchConfig(backend=)``.
-BACKEND = "hoplite"
 #: Seconds a group waits for its members when torch passes no timeout (torch's own default).
 DEFAULT_TIMEOUT = 1800.0
 
 
-def register() -> None:
-    """Register the backend ``"hoplite"`` with torch.distributed, for CPU and CUDA tensors
-    (idempotent; importing :mod:`hoplite_gpu.torch` does it)."""
-    if getattr(dist.Backend, BACKEND.upper(), None) == BACKEND:
-        return
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-
-
-def _create(options: Any, backend_options: Any = None) -> ProcessGroupHoplite:
-    """The creator torch calls for each new group of this backend (``extended_api``)."""
+def create(options: Any, backend_options: Any = None) -> ProcessGroupHoplite:
+    """The creator torch calls for each new group of this backend (``extended_api``: ``options``
+    is a ``_DistributedBackendOptions``)."""
     store = options.store
     if store is None:
         raise InvalidArgumentError(
