@@ -52,3 +52,16 @@ def test_weight_sync_example_brings_every_rollout_to_each_version(ray_session: A
 
     done = weight_sync.run(rollouts=2, width=256, steps=3)  # raises if a rollout got other weights
     assert [row["version"] for row in done] == [1, 2, 3]
+
+
+@pytest.mark.timeout(240)
+def test_ray_train_example_trains_with_the_hoplite_backend(ray_session: Any) -> None:
+    """Ray Train's TorchTrainer with TorchConfig(backend="hoplite"): DDP in its workers over the
+    backend, the same losses as one process on the same global batches."""
+    pytest.importorskip("ray.train.torch")
+    from examples import ray_train
+
+    ours = ray_train.train(workers=2, steps=4, global_batch=64)
+    single = ray_train.train_single(steps=4, global_batch=64)
+    assert len(ours) == 4
+    assert max(abs(a - b) for a, b in zip(ours, single, strict=True)) <= 1e-4, (ours, single)

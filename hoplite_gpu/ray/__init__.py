@@ -36,6 +36,7 @@ The package, one concept per module (each imports only :mod:`.common` and the mo
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -80,9 +81,11 @@ def register_collective_backend() -> None:
     """Register the ``"hoplite"`` backend with ``ray.util.collective`` in this process (again: no-op).
 
     Every process that creates a group needs it (the driver and each actor), like any backend
-    registered through Ray's registry (Ray >= 2.56). It also starts importing the node's modules
-    (and UCX, where the node will run the UCX data plane) in the background, so that the
-    process's first collective does not wait for them.
+    registered through Ray's registry (Ray >= 2.56). The torch.distributed backend ``"hoplite"``
+    (Ray Train's ``TorchConfig(backend="hoplite")``) is registered too, here where torch is
+    imported already, else as torch is imported (:mod:`hoplite_gpu.torch.plugin`). It also
+    starts importing the node's modules (and UCX, where the node will run the UCX data plane) in
+    the background, so that the process's first collective does not wait for them.
     """
     from ray.util.collective.backend_registry import _global_registry
     from ray.util.collective.backend_registry import register_collective_backend as register
@@ -91,6 +94,10 @@ def register_collective_backend() -> None:
 
     if not _global_registry.is_registered(BACKEND):
         register(BACKEND, HopliteGroup)
+    if "torch" in sys.modules:  # (else torch registers it as it is imported: hoplite_gpu.torch.plugin)
+        from ..torch.plugin import autoload
+
+        autoload()
     _start_preload()
 
 
