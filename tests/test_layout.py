@@ -54,6 +54,7 @@ PURE = (
     "hoplite_gpu.directory.repair",
     "hoplite_gpu.directory.recovery",
     "hoplite_gpu.directory.reduce",
+    "hoplite_gpu.directory.watches",
     "hoplite_gpu.protocol",
     "hoplite_gpu.ucx_choice",
     "hoplite_gpu.ucx_probe",

@@ -17,6 +17,7 @@ pytest.importorskip("ray")
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hgray  # noqa: E402
 import hoplite_gpu.torch as hgt  # noqa: E402
+import hoplite_gpu.torch.optimizer as hgt_optimizer  # noqa: E402
 from hoplite_gpu.memory import cuda, kernels, shm  # noqa: E402
 
 WORLD = 3
@@ -390,7 +391,7 @@ def test_buckets_fuse_by_device_and_dtype_within_the_size() -> None:
         torch.zeros(5, dtype=torch.float64),
         torch.zeros(3),
     ]
-    buckets = hgt._buckets(ts, bucket_bytes=80)
+    buckets = hgt_optimizer._buckets(ts, bucket_bytes=80)
     assert [[t.numel() for t in b] for b in buckets] == [[10, 10], [100], [3], [5]]
 
 

@@ -5,8 +5,9 @@ The public methods are synchronous and thread-safe; each has an ``*_async`` twin
 (:class:`~hoplite_gpu.iothread.IOThread`), shared by every node and embedded directory of that process.
 
 The node wires its parts together: the directory link (:mod:`.session`), the get side
-(:mod:`.fetch`, with :mod:`.sources`), reduce vertices (:mod:`.vertex`), the local store and the
-data plane; what stays here is the public API, put, and what the directory pushes.
+(:mod:`.fetch`, with :mod:`.sources`), reduce vertices (:mod:`.vertex`), watched groups
+(:mod:`.watches`), the store and the data plane; what stays here is the public API, put, and
+what the directory pushes.
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ from .fetch import Fetcher, check_out, streamable
 from .puts import Putter
 from .session import DirectorySession
 from .vertex import VertexRunner
+from .watches import GroupWatches
 
 __all__ = ["IOThread", "Node"]
 
 log = logging.getLogger("hoplite_gpu")
 
 
-class Node:
+class Node(GroupWatches):
     """A process's handle on the object store. Create it with :func:`hoplite_gpu.init` or
     :func:`hoplite_gpu.connect`.
 
@@ -148,8 +150,7 @@ class Node:
     # ------------------------------------------------------------ properties
     @property
     def directory_address(self) -> str:
-        """``host:port`` of the directory this node is connected to (or was last, while it
-        reconnects)."""
+        """``host:port`` of the directory this node is joined to (or was, while it reconnects)."""
         return self._session.address
 
     @property
@@ -575,62 +576,8 @@ class Node:
             raise from_kind(reply.error_kind, reply.error, object_id=culprit, reduction_id=rid.hex())
         return [ObjectID(o) for o in reply.object_ids]
 
-    # ------------------------------------------------------------ watched groups
-    async def watch_group_async(self, group_id: ObjectID, rank: int, count: int) -> dict[int, str]:
-        """Watch a group as its member ``rank`` of ``count``: returns once a member of the group
-        is lost, with each lost member's rank and why (at once if one already is). A member is
-        lost when its node leaves the directory (its process died or closed the node, or its
-        lease ran out) or when it gives up on the group (:meth:`abort_group`). Cancel the call
-        to stop watching: this member then leaves the group cleanly and is not reported.
-        :class:`hoplite_gpu.collective.Group` with ``watch=True`` uses it.
-
-        Raises:
-            InvalidArgumentError: bad arguments, or the group was watched with another ``count``,
-                or ``rank`` is watched from another node.
-            QuotaExceededError: this node holds as many watches as the directory allows.
-            DirectoryUnavailableError: the directory was lost and did not come back.
-        """
-        self._check_open()
-        self._check_member(group_id, rank, count)
-        reply = await self._io.run_async(self._session.watch(group_id.binary(), rank, count))
-        return dict(zip(reply.lost, reply.reasons, strict=False))
-
-    def abort_group(self, group_id: ObjectID, rank: int, count: int, reason: str) -> dict[int, str]:
-        """Give up on a group as its member ``rank`` of ``count``, for ``reason``: this member is
-        lost from now on, and every member watching the group (:meth:`watch_group_async`) is
-        told. Returns the members lost so far (this one included)."""
-        return self._io.run(self._abort_group(group_id, rank, count, reason))
-
-    async def abort_group_async(
-        self, group_id: ObjectID, rank: int, count: int, reason: str
-    ) -> dict[int, str]:
-        """Async twin of :meth:`abort_group`."""
-        return await self._io.run_async(self._abort_group(group_id, rank, count, reason))
-
-    async def _abort_group(self, group_id: ObjectID, rank: int, count: int, reason: str) -> dict[int, str]:
-        self._check_open()
-        self._check_member(group_id, rank, count)
-        if not isinstance(reason, str) or not reason:
-            raise InvalidArgumentError("reason must be a non-empty str", argument="reason")
-        reply = await self._session.watch(group_id.binary(), rank, count, abort=reason[:1000])
-        return dict(zip(reply.lost, reply.reasons, strict=False))
-
-    @staticmethod
-    def _check_member(group_id: Any, rank: Any, count: Any) -> None:
-        if not isinstance(group_id, ObjectID):
-            raise InvalidArgumentError(
-                f"group_id must be an ObjectID, got {type(group_id).__name__}", argument="group_id"
-            )
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= p.MAX_BARRIER_MEMBERS:
-            raise InvalidArgumentError(
-                f"count must be an int in 1..{p.MAX_BARRIER_MEMBERS}", argument="count"
-            )
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < count:
-            raise InvalidArgumentError(f"rank must be an int in 0..{count - 1}", argument="rank")
-
     def _in_background(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run ``work`` (a delete, the end of a detached put's copy) without waiting for it (its
-        failure is only logged)."""
+        """Run ``work`` (a delete, a detached put's copy) in the background; failures are logged."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background_done)

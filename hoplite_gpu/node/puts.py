@@ -140,7 +140,7 @@ class Putter:
         put twice, such as a group's, where hashing every byte on the I/O thread buys nothing.
         ``borrow`` (with ``copy`` False) keeps a contiguous array itself or copies it before the
         put returns, never after: nothing reads the caller's array once the object is withdrawn
-        but the pulls being served (a collective's inputs, see ``collective._sharded_allreduce``).
+        but the pulls being served (a collective's inputs, see ``collective.operations._sharded_allreduce``).
         """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(

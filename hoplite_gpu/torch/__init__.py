@@ -24,7 +24,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .plugin import BACKEND, register
+from .names import BACKEND
+from .plugin import register
 
 if TYPE_CHECKING:
     from .backend import ProcessGroupHoplite

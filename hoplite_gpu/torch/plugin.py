@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-#: The backend's name for ``init_process_group``, ``new_group`` and ``TorchConfig(backend=)``.
-BACKEND = "hoplite"
+from .names import BACKEND
 
 
 def register() -> None:

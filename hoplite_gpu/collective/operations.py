@@ -1,0 +1,329 @@
+"""The collectives of a :class:`~.group.Group` other than its barrier (see
+:mod:`hoplite_gpu.collective`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from .. import memory
+from ..errors import InvalidArgumentError
+from ..iothread import all_or_cancel
+from ..memory import LocalObject
+from ..object_id import ObjectID
+from ..reduce_ops import ReduceOp, as_op
+from .group import Group, _check_group, _check_rank
+
+
+def broadcast(array: Any, src_rank: int, group: Group) -> Any:
+    """Copy ``src_rank``'s ``array`` into ``array`` on every member (in place); returns it."""
+    g = _check_group(group)
+    _check_rank(g, src_rank, "src_rank")
+    seq = g._next()
+    oid = g.object_id(seq, "broadcast")
+    g._describe(oid, f"broadcast #{seq} (the root's)", src_rank)
+
+    if g.rank == src_rank:
+        g._raise_if_broken()
+        g._owned.append((seq, oid))  # a group's ids are never put twice: no digest (see _put)
+        # From the caller's thread: a small array goes on its channel (hoplite_gpu.node.channel).
+        g._call(lambda: g.node._put(array, oid, copy=True, digest=False))
+        return array
+    if g._watching is not None:  # on the I/O thread, where it can be cancelled
+        return g._run(g.node.get_async(oid, timeout=g.timeout, out=array))
+    return g._call(lambda: g.node.get(oid, timeout=g.timeout, out=array))
+
+
+def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
+    """Reduce every member's ``array`` into ``array`` on ``dst_rank`` (in place); returns it.
+
+    Other members return as soon as their contribution is registered.
+    """
+    g = _check_group(group)
+    _check_rank(g, dst_rank, "dst_rank")
+    reduce_op = as_op(op)
+    seq = g._next()
+    inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
+
+    async def run() -> Any:
+        mine = g._put(seq, array, inputs[g.rank])
+        if g.rank != dst_rank:
+            await mine
+        else:  # the one requester: the directory computes the root on its node
+            await g._reduce_into(seq, inputs, g.object_id(seq, "reduce-result"), reduce_op, array, mine)
+        return array
+
+    return g._run(run())
+
+
+#: Arrays of at least this many bytes are allreduced in shards (see :func:`allreduce`); smaller
+#: ones, whose time is latency rather than bandwidth, as one reduce pipelined into a broadcast.
+SHARD_MIN_BYTES = 1 << 20
+
+
+def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
+    """Reduce every member's ``array`` and write the result into ``array`` everywhere (in place).
+
+    A small array (under :data:`SHARD_MIN_BYTES`) is reduced once, on a tree the directory shapes,
+    and the result read by every member as it is being reduced. A large C-contiguous array is cut
+    into one shard per member: member ``j`` requests the reduction of everyone's shard ``j`` as a
+    star (every other member's shard streams straight into ``j``'s vertex) and every member reads
+    every shard's result straight from the member computing it (``get(direct=True)``), while it is
+    being computed. Each member's link then carries ``2 (N-1)/N`` times the array's bytes each
+    way, the bandwidth-optimal amount, whatever the order in which members arrive; a single tree's
+    inner vertices carry twice the array, and chains of readers load their first members' links
+    more than their last's. The shards are ordinary reductions: a member that dies is repaired
+    around like in any other. The large array is read in place by the other members while the
+    call runs (not copied first): write to it only once the call has returned or raised.
+    """
+    g = _check_group(group)
+    reduce_op = as_op(op)
+    seq = g._next()
+    flat = memory.flat_view(array)
+    n = g.world_size
+    if n > 1 and flat is not None and flat.nbytes >= SHARD_MIN_BYTES and flat.size >= n:
+        return g._run(_sharded_allreduce(g, seq, array, flat, reduce_op))
+    return g._run(_small_allreduce(g, seq, array, reduce_op))
+
+
+async def _small_allreduce(g: Group, seq: int, array: Any, op: ReduceOp = ReduceOp.SUM) -> Any:
+    """Collective ``seq``: reduce every member's ``array`` on one tree, read into ``array``."""
+    inputs = [g.object_id(seq, "allreduce", r) for r in range(g.world_size)]
+    mine = g._put(seq, array, inputs[g.rank])
+    await g._reduce_into(seq, inputs, g.object_id(seq, "allreduce-result"), op, array, mine)
+    await g._delete_before(seq)
+    return array
+
+
+async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any:
+    n, me = g.world_size, g.rank
+    cuts = [flat.size * j // n for j in range(n + 1)]
+    shards = [flat[cuts[j] : cuts[j + 1]] for j in range(n)]
+    inputs = [[g.object_id(seq, "allreduce-shard", j, r) for r in range(n)] for j in range(n)]
+    results = [g.object_id(seq, "allreduce-shard-result", j) for j in range(n)]
+    # Its own shard first: the reduction it requests then has its root here (the directory places
+    # the requester's input there) and is set up while the others are put. Then the others, each
+    # member starting after its own, so that every reduction soon has inputs to stream.
+    # The shards are lent to the store, not copied (unless same-host readers would map a copy):
+    # result j's bytes land in shard j only after its root read this member's shard j up to
+    # them; the call returns once every result is whole, when nothing reads the shards any more
+    # (a reduction rebuilt because its root died never completes: the root's own shard is gone),
+    # and deletes them; if it fails, it withdraws them first. bench/README.md, "Lent shards".
+    lent = [inputs[j][me] for j in range(n)]
+    received: list[LocalObject] = []  # results pulled straight into the shards
+    try:
+        mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
+        await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
+        order = [(me + 1 + i) % n for i in range(n - 1)]
+        await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
+        await all_or_cancel([g._get_received(results[j], shards[j], received) for j in [*order, me]])
+    except BaseException:
+        await asyncio.shield(g._withdraw(lent, received))  # before the caller may write to its array
+        raise
+    await asyncio.shield(g._withdraw([], received))
+    await g._delete_now(lent)
+    await g._delete_before(seq)
+    return array
+
+
+def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
+    """Fill ``list_out[r]`` with member ``r``'s ``array`` on every member; returns ``list_out``.
+
+    Every member reads each other member's array straight from it (``get(direct=True)``): each
+    link carries ``N-1`` arrays each way, the least possible, where chains of readers would load
+    some links more than others.
+    """
+    g = _check_group(group)
+    _check_list(g, list_out, "list_out")
+    seq = g._next()
+    ids = [g.object_id(seq, "allgather", r) for r in range(g.world_size)]
+
+    async def run() -> list[Any]:
+        others = [(g.rank + 1 + i) % g.world_size for i in range(g.world_size - 1)]
+        gets = [g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others]
+        await all_or_cancel([g._put(seq, array, ids[g.rank]), *gets])
+        _copy(list_out[g.rank], array)
+        await g._delete_before(seq)
+        return list_out
+
+    return g._run(run())
+
+
+def gather(list_out: list[Any] | None, array: Any, dst_rank: int, group: Group) -> list[Any] | None:
+    """Fill ``list_out[r]`` on ``dst_rank`` with member ``r``'s ``array``; returns ``list_out``.
+
+    Only ``dst_rank``'s ``list_out`` is used (others may pass None); the others return as soon as
+    their array is registered, like :func:`reduce`.
+    """
+    g = _check_group(group)
+    _check_rank(g, dst_rank, "dst_rank")
+    if g.rank == dst_rank:
+        _check_list(g, list_out, "list_out")
+    seq = g._next()
+    ids = [g.object_id(seq, "gather", r) for r in range(g.world_size)]
+
+    async def run() -> list[Any] | None:
+        mine = g._put(seq, array, ids[g.rank])
+        if g.rank != dst_rank or list_out is None:
+            await mine
+            return list_out
+        others = [r for r in range(g.world_size) if r != g.rank]
+        gets = [g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others]
+        await all_or_cancel([mine, *gets])
+        _copy(list_out[g.rank], array)
+        return list_out
+
+    return g._run(run())
+
+
+def scatter(array: Any, list_in: list[Any] | None, src_rank: int, group: Group) -> Any:
+    """Member ``r`` receives ``src_rank``'s ``list_in[r]`` into ``array`` (in place); returns it.
+
+    Only ``src_rank``'s ``list_in`` is used (others may pass None); it returns as soon as its
+    pieces are registered, like :func:`reduce`; the others read theirs straight from it.
+    """
+    g = _check_group(group)
+    _check_rank(g, src_rank, "src_rank")
+    if g.rank == src_rank:
+        _check_list(g, list_in, "list_in")
+    seq = g._next()
+    ids = [g.object_id(seq, "scatter", r) for r in range(g.world_size)]
+    for r, oid in enumerate(ids):
+        g._describe(oid, f"scatter #{seq} piece {r}", src_rank)
+
+    async def run() -> Any:
+        if g.rank != src_rank:
+            return await g.node.get_async(ids[g.rank], timeout=g.timeout, out=array, direct=True)
+        assert list_in is not None
+        others = [r for r in range(g.world_size) if r != g.rank]
+        await all_or_cancel([g._put(seq, list_in[r], ids[r]) for r in others])
+        _copy(array, list_in[g.rank])
+        return array
+
+    return g._run(run())
+
+
+def alltoall(list_out: list[Any], list_in: list[Any], group: Group) -> list[Any]:
+    """Member ``r``'s ``list_in[j]`` lands in member ``j``'s ``list_out[r]``, for every pair;
+    returns ``list_out``. Each member reads its pieces straight from their senders; the pieces
+    of a pair may differ in size from those of another pair (each ``list_out[r]`` has the
+    dtype and shape of what ``r`` sends it)."""
+    g = _check_group(group)
+    _check_list(g, list_out, "list_out")
+    _check_list(g, list_in, "list_in")
+    seq = g._next()
+    n, me = g.world_size, g.rank
+
+    def piece(src: int, dst: int) -> ObjectID:
+        return g.object_id(seq, "alltoall", dst, src)  # (put by src: the last part)
+
+    async def run() -> list[Any]:
+        others = [(me + 1 + i) % n for i in range(n - 1)]
+        puts = [g._put(seq, list_in[dst], piece(me, dst)) for dst in others]
+        gets = [
+            g.node.get_async(piece(src, me), timeout=g.timeout, out=list_out[src], direct=True)
+            for src in reversed(others)
+        ]
+        await all_or_cancel([*puts, *gets])
+        _copy(list_out[me], list_in[me])
+        await g._delete_before(seq)
+        return list_out
+
+    return g._run(run())
+
+
+def _check_list(g: Group, arrays: Any, argument: str) -> None:
+    if not isinstance(arrays, list) or len(arrays) != g.world_size:
+        raise InvalidArgumentError(f"{argument} must be a list of {g.world_size} arrays", argument=argument)
+
+
+def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
+    """Member ``r`` gets, in ``out``, the reduction over members of their ``list_in[r]``."""
+    g = _check_group(group)
+    _check_list(g, list_in, "list_in")
+    reduce_op = as_op(op)
+    seq = g._next()
+
+    async def run() -> Any:
+        ids = [g.object_id(seq, "reducescatter", dst, g.rank) for dst in range(g.world_size)]
+        puts = [g._put(seq, piece, oid) for piece, oid in zip(list_in, ids, strict=True)]
+        inputs = [g.object_id(seq, "reducescatter", g.rank, src) for src in range(g.world_size)]
+        result = g.object_id(seq, "reducescatter-result", g.rank)
+        await g._reduce_into(seq, inputs, result, reduce_op, out, all_or_cancel(puts))
+        await g._delete_before(seq)
+        return out
+
+    return g._run(run())
+
+
+def send(array: Any, dst_rank: int, group: Group, tag: int = 0) -> None:
+    """Send ``array`` to ``dst_rank``, which receives it with :func:`recv`; returns once it has.
+
+    Only the two members take part (the others' sequence of collectives is unaffected); messages
+    between a pair with the same ``tag`` arrive in the order they were sent (messages of other
+    tags are apart: a receiver takes them in any order). The array is copied when the call
+    starts, so the caller may change it as soon as ``send`` returns.
+    """
+    g = _check_group(group)
+    _check_peer(g, dst_rank, "dst_rank")
+    _check_tag(tag)
+    lane = (dst_rank, tag)
+    n = g._sent.get(lane, 0)
+    g._sent[lane] = n + 1
+    oid, ack = g.p2p_id(g.rank, dst_rank, n, tag=tag), g.p2p_id(g.rank, dst_rank, n, "p2p-ack", tag)
+
+    async def run() -> None:
+        await g.node.put_async(array, oid)
+        try:
+            await g.node.get_async(ack, timeout=g.timeout)
+        finally:
+            await g.node.delete_async(oid)
+
+    g._run(run())
+
+
+def recv(array: Any, src_rank: int, group: Group, tag: int = 0) -> Any:
+    """Receive the next message ``src_rank`` sends to this member with ``tag`` into ``array``
+    (in place: same dtype and shape); returns it."""
+    g = _check_group(group)
+    _check_peer(g, src_rank, "src_rank")
+    _check_tag(tag)
+    lane = (src_rank, tag)
+    n = g._received.get(lane, 0)
+    oid, ack = g.p2p_id(src_rank, g.rank, n, tag=tag), g.p2p_id(src_rank, g.rank, n, "p2p-ack", tag)
+
+    async def run() -> Any:
+        await g.node.get_async(oid, timeout=g.timeout, out=array)
+        g._received[lane] = n + 1
+        await g.node.put_async(np.zeros(1, np.uint8), ack)
+        # The sender read the previous acknowledgement before it sent this message.
+        previous = g._acks.get(lane)
+        g._acks[lane] = ack
+        if previous is not None:
+            await g.node.delete_async(previous)
+        return array
+
+    return g._run(run())
+
+
+def _check_tag(tag: Any) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise InvalidArgumentError(f"tag must be an int, got {type(tag).__name__}", argument="tag")
+
+
+def _check_peer(group: Group, rank: Any, argument: str) -> int:
+    _check_rank(group, rank, argument)
+    if rank == group.rank:
+        raise InvalidArgumentError(f"{argument} is this member's own rank ({rank})", argument=argument)
+    return int(rank)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    """Copy a result (host or device memory) into a caller's array (NumPy or CuPy)."""
+    if tuple(dst.shape) != tuple(src.shape) or np.dtype(dst.dtype) != np.dtype(src.dtype):
+        raise InvalidArgumentError(
+            "list_out entries must match the array's dtype and shape", argument="list_out"
+        )
+    memory.copy_into(dst, src)

@@ -1,0 +1,75 @@
+"""The node's part in watched groups (:mod:`hoplite_gpu.directory.watches`): watching a group as one
+of its members, and giving up on one. :class:`hoplite_gpu.collective.Group` with ``watch=True``
+uses them; they are :class:`~hoplite_gpu.node.Node` methods."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import protocol as p
+from ..errors import InvalidArgumentError
+from ..iothread import IOThread
+from ..object_id import ObjectID
+from .session import DirectorySession
+
+
+class GroupWatches:
+    """The watched-group methods of :class:`~hoplite_gpu.node.Node` (a part of it)."""
+
+    _io: IOThread
+    _session: DirectorySession
+
+    def _check_open(self) -> None:  # (the node's)
+        raise NotImplementedError
+
+    async def watch_group_async(self, group_id: ObjectID, rank: int, count: int) -> dict[int, str]:
+        """Watch a group as its member ``rank`` of ``count``: returns once a member of the group
+        is lost, with each lost member's rank and why (at once if one already is). A member is
+        lost when its node leaves the directory (its process died or closed the node, or its
+        lease ran out) or when it gives up on the group (:meth:`abort_group`). Cancel the call
+        to stop watching: this member then leaves the group cleanly and is not reported.
+        :class:`hoplite_gpu.collective.Group` with ``watch=True`` uses it.
+
+        Raises:
+            InvalidArgumentError: bad arguments, or the group was watched with another ``count``,
+                or ``rank`` is watched from another node.
+            QuotaExceededError: this node holds as many watches as the directory allows.
+            DirectoryUnavailableError: the directory was lost and did not come back.
+        """
+        self._check_open()
+        self._check_member(group_id, rank, count)
+        reply = await self._io.run_async(self._session.watch(group_id.binary(), rank, count))
+        return dict(zip(reply.lost, reply.reasons, strict=False))
+
+    def abort_group(self, group_id: ObjectID, rank: int, count: int, reason: str) -> dict[int, str]:
+        """Give up on a group as its member ``rank`` of ``count``, for ``reason``: this member is
+        lost from now on, and every member watching the group (:meth:`watch_group_async`) is
+        told. Returns the members lost so far (this one included)."""
+        return self._io.run(self._abort_group(group_id, rank, count, reason))
+
+    async def abort_group_async(
+        self, group_id: ObjectID, rank: int, count: int, reason: str
+    ) -> dict[int, str]:
+        """Async twin of :meth:`abort_group`."""
+        return await self._io.run_async(self._abort_group(group_id, rank, count, reason))
+
+    async def _abort_group(self, group_id: ObjectID, rank: int, count: int, reason: str) -> dict[int, str]:
+        self._check_open()
+        self._check_member(group_id, rank, count)
+        if not isinstance(reason, str) or not reason:
+            raise InvalidArgumentError("reason must be a non-empty str", argument="reason")
+        reply = await self._session.watch(group_id.binary(), rank, count, abort=reason[:1000])
+        return dict(zip(reply.lost, reply.reasons, strict=False))
+
+    @staticmethod
+    def _check_member(group_id: Any, rank: Any, count: Any) -> None:
+        if not isinstance(group_id, ObjectID):
+            raise InvalidArgumentError(
+                f"group_id must be an ObjectID, got {type(group_id).__name__}", argument="group_id"
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= p.MAX_BARRIER_MEMBERS:
+            raise InvalidArgumentError(
+                f"count must be an int in 1..{p.MAX_BARRIER_MEMBERS}", argument="count"
+            )
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < count:
+            raise InvalidArgumentError(f"rank must be an int in 0..{count - 1}", argument="rank")
