@@ -38,7 +38,7 @@ def test_members_watch_until_one_leaves_then_all_others_hear_which_and_why():
     for node, reply in out:
         assert isinstance(reply, p.WatchReply) and reply.lost == [1]
         assert reply.request_id == {"A": 10, "C": 12}[node]
-        assert "rank 1's node left" in reply.reasons[0]
+        assert "rank 1's node is gone" in reply.reasons[0]
     # Nobody watches any more: the group is forgotten, its lost member remembered.
     assert state.watches.groups == {} and state.watches.by_request == {} and state.watches.per_node == {}
     # A member that watches later hears of it at once.

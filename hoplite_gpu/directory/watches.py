@@ -167,7 +167,8 @@ class Watches:
     def forget_node(self, node_id: str, now: float, reason: str) -> None:
         """``node_id`` left: its members of every group are lost."""
         for gid, group in list(self.groups.items()):
-            gone = {r: f"rank {r}'s node left ({reason})" for r, n in group.members.items() if n == node_id}
+            why = "its connection closed" if reason == "left" else reason
+            gone = {r: f"rank {r}'s node is gone ({why})" for r, n in group.members.items() if n == node_id}
             if not gone:
                 continue
             for rank in [r for r, (n, _) in group.waiting.items() if n == node_id]:

@@ -32,7 +32,7 @@ from ..errors import DirectoryUnavailableError, HopliteError, InvalidArgumentErr
 from . import rendezvous as rdv
 from . import tensors as tt
 from .errors import RankLostError, as_torch_error
-from .plugin import BACKEND
+from .names import BACKEND
 from .work import HopliteWork, Lane
 
 #: Seconds a group waits for its members when torch passes no timeout (torch's own default).
@@ -53,7 +53,13 @@ def create(options: Any, backend_options: Any = None) -> ProcessGroupHoplite:
     ranks = [int(r) for r in (options.global_ranks_in_group or range(size))]
     timeout = _seconds(options.timeout) or DEFAULT_TIMEOUT
     met = rdv.rendezvous(store, rank, ranks[rank], timeout)
-    return ProcessGroupHoplite(met, rank, size, timeout, ranks, str(options.group_id or "0"))
+    pg = ProcessGroupHoplite(met, rank, size, timeout, ranks, str(options.group_id or "0"))
+    try:
+        rdv.all_joined(store, size, timeout)
+    except BaseException:
+        pg.leave()
+        raise
+    return pg
 
 
 def _seconds(timeout: Any) -> float | None:

@@ -3,11 +3,12 @@
 One node per process serves every hoplite process group of it. Group rank 0 of each new group
 publishes, in the c10d store torch hands the backend, the directory's address and token and a
 fresh name for the group; the other members read them (``store.get`` waits, within the store's
-timeout). The directory of the world group is the one ``HOPLITE_DIRECTORY`` (with
-``HOPLITE_TOKEN``) names when set; otherwise rank 0 starts one in its own process, listening on
-its interface that routes to the store's host (loopback when the store is local), with a fresh
-token. The other processes then cannot outlive it: their nodes do not try to reconnect
-(``reconnect_timeout=0``), and a lost directory means rank 0 is gone.
+timeout); once each has made its group it waits for the others (:func:`all_joined`). The
+directory of the world group is the one ``HOPLITE_DIRECTORY`` (with ``HOPLITE_TOKEN``) names when
+set; otherwise rank 0 starts one in its own process, listening on its interface that routes to
+the store's host (loopback when the store is local), with a fresh token. The other processes then
+cannot outlive it: their nodes do not try to reconnect (``reconnect_timeout=0``), and a lost
+directory means rank 0 is gone.
 
 At exit the process waits (up to :data:`EXIT_WAIT` seconds) until the other members of each of
 its groups have finished their collectives with it (each group's ``destroy(wait=False)`` ends
@@ -41,6 +42,7 @@ log = logging.getLogger("hoplite_gpu.torch")
 EXIT_WAIT = 10.0
 #: Keys of the store, under the prefix torch gives each group.
 ADDRESS, TOKEN, NAME, HOST_RANK = "hoplite/directory", "hoplite/token", "hoplite/group", "hoplite/host"
+JOINED, READY = "hoplite/joined", "hoplite/ready"
 
 
 @dataclass(slots=True)
@@ -82,6 +84,22 @@ def rendezvous(store: Any, group_rank: int, global_rank: int, timeout: float) ->
     token, name, host = (_get(store, key, timeout) for key in (TOKEN, NAME, HOST_RANK))
     with PROCESS.lock:
         return Rendezvous(_member_node(address, token, int(host)), name, int(host))
+
+
+def all_joined(store: Any, size: int, timeout: float) -> None:
+    """Return once every member of the group has called this (after making its group, so every
+    member watches it): a group is made by all its members together, as Gloo's and NCCL's are,
+    and no member uses the store afterwards (rank 0's process may host it)."""
+    import datetime
+
+    try:
+        if int(store.add(JOINED, 1)) == size:
+            store.set(READY, "1")
+        store.wait([READY], datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # torch's store errors (a timeout, the store's host gone)
+        raise DirectoryUnavailableError(
+            f"not every member of the group joined within {timeout:.0f} s: {exc}", peer="", cause="rendezvous"
+        ) from exc
 
 
 def _get(store: Any, key: str, timeout: float) -> str:
