@@ -33,15 +33,13 @@ def test_every_collective_matches_gloo(tmp_path: Path, world: int, shm: str) -> 
         assert all(name.startswith("all_to_all ") for name in found["skipped"]), found["skipped"]
 
 
-def test_ddp_trains_to_the_same_parameters_as_gloo(tmp_path: Path) -> None:
-    for diffs in results(run_ranks("ddp", 2, tmp_path)):
+def test_ddp_and_fsdp2_train_to_the_same_parameters_as_gloo(tmp_path: Path) -> None:
+    """DDP in five modes, then FSDP2 (fully_shard), each against the same training over Gloo."""
+    for found in results(run_ranks("training", 2, tmp_path)):
+        diffs = found["ddp"]
         assert diffs.keys() == {"plain", "views", "unused", "hook", "no_sync"}
         assert all(d <= 1e-5 for d in diffs.values()), diffs
-
-
-def test_fsdp2_trains_to_the_same_parameters_as_gloo(tmp_path: Path) -> None:
-    for found in results(run_ranks("fsdp", 2, tmp_path)):
-        assert found["diff"] <= 1e-5, found
+        assert found["fsdp"]["diff"] <= 1e-5, found
 
 
 def test_a_rank_sigkilled_mid_allreduce_fails_every_survivor_with_a_typed_error(tmp_path: Path) -> None:
@@ -71,6 +69,28 @@ def test_the_directory_host_killed_fails_the_others_naming_it(tmp_path: Path) ->
         assert found["seconds"] < 10, found
 
 
+def test_a_standalone_directory_from_the_environment_outlives_rank_0(tmp_path: Path) -> None:
+    """With HOPLITE_DIRECTORY and HOPLITE_TOKEN set, every rank joins that directory; rank 0
+    SIGKILLed mid-allreduce is then reported as its node gone, not as the directory lost."""
+    from hoplite_gpu.auth import new_token
+    from hoplite_gpu.directory import DirectoryProcess
+
+    token = new_token()
+    directory = DirectoryProcess(token)
+    directory.start()
+    try:
+        env = {"HOPLITE_DIRECTORY": directory.address, "HOPLITE_TOKEN": token}
+        victim = {0: {"HOPLITE_FAULT_INJECTION": "serve:*:0.5:KILL"}}
+        runs = run_ranks("killed", 3, tmp_path, arg="0", env=env, rank_env=victim)
+        for rank in (1, 2):
+            found = results({rank: runs[rank]})[0]
+            assert found["directory"] == directory.address and found["host_rank"] == -1, found
+            assert found["error"] == "RankLostError" and found["fields"]["lost_ranks"] == [0], found
+            assert "rank 0's node is gone" in found["message"] and found["seconds"] < 10, found
+    finally:
+        directory.stop()
+
+
 def test_a_timeout_fails_the_work_and_tells_the_other_rank(tmp_path: Path) -> None:
     # Rank 1 waits longer than rank 0: what ends its barrier is rank 0's giving up.
     runs = run_ranks(
@@ -95,13 +115,13 @@ def test_bad_input_is_refused_on_its_rank_and_breaks_the_group_for_the_others(tm
 
     # Tensors of other sizes on different ranks: whoever sees it names the ranks' inputs and
     # breaks the group; everyone fails at once.
-    sizes = results(run_ranks("bad_input", 3, tmp_path, arg="sizes"))
+    sizes = refused  # (a new group of the same ranks, after the first broke)
     errors = [r["sizes"] for r in sizes]
     assert all(e and e["error"] in ("CollectiveArgumentError", "RankLostError") for e in errors), errors
     assert all(e["seconds"] < 10 for e in errors), errors
     seen = [e for e in errors if e["error"] == "CollectiveArgumentError"]
     assert seen and all("shape" in e["message"] and "rank" in e["message"] for e in seen), errors
-    assert all(r["later"]["error"] == "RankLostError" for r in sizes), sizes
+    assert all(r["sizes_later"]["error"] == "RankLostError" for r in sizes), sizes
 
     local = results(run_ranks("bad_input", 2, tmp_path, arg="local"))
     for found in local:

@@ -459,7 +459,10 @@ def killed(rank: int, world: int, arg: str) -> dict[str, Any]:
                 again = None
             except Exception as exc2:
                 again = {"error": type(exc2).__name__, "seconds": time.monotonic() - later}
-            return {**_error(exc), "step": step, "seconds": took, "later": again, "victim": victim}
+            from hoplite_gpu.torch.rendezvous import PROCESS
+
+            joined = {"directory": PROCESS.node.directory_address, "host_rank": PROCESS.host_rank}
+            return {**_error(exc), "step": step, "seconds": took, "later": again, "victim": victim, **joined}
     raise AssertionError("nothing failed")
 
 
@@ -507,16 +510,15 @@ def bad_input(rank: int, world: int, arg: str) -> dict[str, Any]:
         except Exception as exc:
             found[name] = {**_error(exc), "seconds": time.monotonic() - begun}
 
-    if arg == "refused":
+    if arg == "refused":  # then, on a new group of the same ranks, tensors of other sizes
         if rank == 1:
             attempt("noncontiguous", lambda: dist.all_reduce(torch.ones(4, 4).t()))
         else:
             attempt("noncontiguous", lambda: dist.all_reduce(torch.ones(4, 4)))
         attempt("later", lambda: dist.all_reduce(torch.ones(4)))
-        return found
-    if arg == "sizes":
-        attempt("sizes", lambda: dist.all_reduce(torch.ones(1000 + 10 * rank)))
-        attempt("later", lambda: dist.broadcast(torch.ones(4), 0))
+        again = dist.new_group(backend="hoplite")
+        attempt("sizes", lambda: dist.all_reduce(torch.ones(1000 + 10 * rank), group=again))
+        attempt("sizes_later", lambda: dist.broadcast(torch.ones(4), 0, group=again))
         return found
     # "local": each refused everywhere (every rank makes the same mistake), one group each time
     from hoplite_gpu.torch.backend import create
@@ -618,10 +620,16 @@ def cuda(rank: int, world: int, arg: str) -> dict[str, Any]:
     return {"bad": bad, "ddp_diff": diff, "staged": {k: v for k, v in staged.items() if v}}
 
 
+def training(rank: int, world: int, arg: str) -> dict[str, Any]:
+    """:func:`ddp`, then :func:`fsdp`, in the same processes."""
+    return {"ddp": ddp(rank, world, arg), "fsdp": fsdp(rank, world, arg)}
+
+
 SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
     "collectives": collectives,
     "ddp": ddp,
     "fsdp": fsdp,
+    "training": training,
     "killed": killed,
     "timeout": timeout,
     "bad_input": bad_input,
