@@ -135,7 +135,6 @@ def test_bad_input_is_refused_on_its_rank_and_breaks_the_group_for_the_others(tm
         assert "non-integral" in found["band_float"]["message"]
         assert found["root_outside"]["error"] == "CollectiveArgumentError"
         assert found["send_to_self"]["error"] == "ValueError"  # torch's own check
-        assert "src" in found["recv_any"]["message"]
 
 
 def _cuda() -> bool:

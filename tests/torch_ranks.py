@@ -328,7 +328,16 @@ def collectives(rank: int, world: int, arg: str) -> dict[str, Any]:
         ]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-        return [a, b, c, d]
+        # From any source: rank 0 takes one message from every other rank, in whatever order.
+        got = {}
+        if rank == 0:
+            for _ in range(world - 1):
+                buf = torch.zeros(2)
+                got[dist.recv(buf, group=g, tag=3)] = buf
+        else:
+            dist.send(_inputs(torch.float32, rank + 5, 2), dst=0, group=g, tag=3)
+        anywhere = [got[src] for src in sorted(got)] + [torch.tensor(sorted(got))]
+        return [a, b, c, d, *anywhere]
 
     for fn in (coalesced, asynchronous, objects, point_to_point):
         compare(fn.__name__, fn)
@@ -534,7 +543,6 @@ def bad_input(rank: int, world: int, arg: str) -> dict[str, Any]:
         ("band_float", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND)),
         ("root_outside", lambda: dist.broadcast(torch.ones(4), src=world + 3)),
         ("send_to_self", lambda: dist.send(torch.ones(4), dst=rank)),
-        ("recv_any", lambda: dist.recv(torch.ones(4))),
     ]:
         attempt(name, call)
     return found

@@ -290,22 +290,67 @@ def recv(array: Any, src_rank: int, group: Group, tag: int = 0) -> Any:
     g = _check_group(group)
     _check_peer(g, src_rank, "src_rank")
     _check_tag(tag)
-    lane = (src_rank, tag)
-    n = g._received.get(lane, 0)
-    oid, ack = g.p2p_id(src_rank, g.rank, n, tag=tag), g.p2p_id(src_rank, g.rank, n, "p2p-ack", tag)
+    n = g._received.get((src_rank, tag), 0)
+    oid = g.p2p_id(src_rank, g.rank, n, tag=tag)
 
     async def run() -> Any:
         await g.node.get_async(oid, timeout=g.timeout, out=array)
-        g._received[lane] = n + 1
-        await g.node.put_async(np.zeros(1, np.uint8), ack)
-        # The sender read the previous acknowledgement before it sent this message.
-        previous = g._acks.get(lane)
-        g._acks[lane] = ack
-        if previous is not None:
-            await g.node.delete_async(previous)
+        await _acknowledge(g, src_rank, tag, n)
         return array
 
     return g._run(run())
+
+
+def recv_any(array: Any, group: Group, tag: int = 0) -> int:
+    """Receive the next message any other member sends to this one with ``tag`` into ``array``
+    (in place: same dtype and shape); returns the sender's rank. The first message to arrive is
+    taken; one that arrived at the same time from another member is taken by a later receive.
+    Do not wait in :func:`recv` for a named member with the same ``tag`` meanwhile: both could
+    take the same message."""
+    g = _check_group(group)
+    _check_tag(tag)
+    senders = [r for r in range(g.world_size) if r != g.rank]
+    if not senders:
+        raise InvalidArgumentError("a group of one member has nobody to receive from", argument="group")
+    counts = {src: g._received.get((src, tag), 0) for src in senders}
+
+    async def run() -> int:
+        gets = {
+            asyncio.ensure_future(
+                g.node.get_async(g.p2p_id(src, g.rank, counts[src], tag=tag), timeout=g.timeout)
+            ): src
+            for src in senders
+        }
+        try:
+            done, _ = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in gets:
+                task.cancel()
+            await asyncio.gather(*gets, return_exceptions=True)
+        arrived = [t for t in done if not t.cancelled() and t.exception() is None]
+        if not arrived:
+            raise next(t.exception() for t in done if t.exception() is not None)  # type: ignore[misc]
+        first = min(arrived, key=lambda t: gets[t])
+        src = gets[first]
+        _copy(array, first.result())
+        await _acknowledge(g, src, tag, counts[src])
+        return src
+
+    return g._run(run())
+
+
+async def _acknowledge(g: Group, src: int, tag: int, n: int) -> None:
+    """Message ``n`` from ``src`` with ``tag`` was received: count it, and put its acknowledgement
+    (which the sender waits for), deleting the previous one (the sender read it before it sent
+    this message)."""
+    lane = (src, tag)
+    g._received[lane] = n + 1
+    ack = g.p2p_id(src, g.rank, n, "p2p-ack", tag)
+    await g.node.put_async(np.zeros(1, np.uint8), ack)
+    previous = g._acks.get(lane)
+    g._acks[lane] = ack
+    if previous is not None:
+        await g.node.delete_async(previous)
 
 
 def _check_tag(tag: Any) -> None:

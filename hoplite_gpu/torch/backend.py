@@ -390,9 +390,17 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> HopliteWork:
-        """``dist.all_gather_coalesced``: one ``all_gather`` per input tensor."""
-        works = [self.allgather([list(outs)], [t], opts) for outs, t in zip(outputs, inputs, strict=True)]
-        return self._join("all_gather_coalesced", works, [t for outs in outputs for t in outs])
+        """``dist.all_gather_coalesced``: ``outputs[r][j]`` gets rank ``r``'s ``inputs[j]``, one
+        ``all_gather`` per input tensor."""
+        if len(outputs) != self._size or any(len(row) != len(inputs) for row in outputs):
+            what = f"{self._size} lists (one per rank) of {len(inputs)} tensors (one per input)"
+            refused = tt.argument_error(f"all_gather_coalesced: output_tensor_lists must hold {what}")
+            return self._refused("all_gather_coalesced", refused)
+        works = [
+            self.allgather([[outputs[r][j] for r in range(self._size)]], [t], opts)
+            for j, t in enumerate(inputs)
+        ]
+        return self._join("all_gather_coalesced", works, [t for row in outputs for t in row])
 
     def gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -497,11 +505,16 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         return self._run(f"recv from {src}", [t], call, lane=("recv", src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> HopliteWork:
-        """``dist.recv`` without a source: not supported (name the source)."""
-        return self._refused(
-            "recv",
-            tt.argument_error("the hoplite backend receives from a named source only: pass src", "src"),
-        )
+        """``dist.recv`` / ``irecv`` without a source: the next message any rank sends with
+        ``tag`` (the work's ``_source_rank()`` says whose). Do not wait for a named source with the
+        same tag meanwhile (:func:`hoplite_gpu.collective.recv_any`)."""
+        try:
+            t = tt.single(tensors, "recv")
+            buf = tt.as_bytes(t)
+        except InvalidArgumentError as exc:
+            return self._refused("recv", exc)
+        call = functools.partial(collective.recv_any, buf, self.group, tag=tag)
+        return self._run("recv from any source", [t], call, lane=("recv", "any", tag))
 
     # ------------------------------------------------------------ barriers
     def barrier(self, opts: Any = None) -> HopliteWork:
