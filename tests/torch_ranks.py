@@ -290,6 +290,19 @@ def collectives(rank: int, world: int, arg: str) -> dict[str, Any]:
         dist.all_reduce_coalesced(ts, group=g)
         return ts
 
+    def coalesced_into_tensors(g: Any) -> Any:
+        gathered = [torch.zeros(world * 3) for _ in range(2)]
+        scattered = [torch.zeros(2) for _ in range(2)]
+        with dist._coalescing_manager(group=g or dist.group.WORLD, async_ops=True) as cm:
+            for i, out in enumerate(gathered):
+                dist.all_gather_into_tensor(out, _inputs(torch.float32, rank + i, 3), group=g)
+        cm.wait()
+        with dist._coalescing_manager(group=g or dist.group.WORLD, async_ops=True) as cm:
+            for i, out in enumerate(scattered):
+                dist.reduce_scatter_tensor(out, _inputs(torch.float32, rank + i, 2 * world), group=g)
+        cm.wait()
+        return [*gathered, *scattered]
+
     def asynchronous(g: Any) -> Any:
         ts = [_inputs(torch.float32, rank + i, 1000) for i in range(4)]
         works = [dist.all_reduce(t, group=g, async_op=True) for t in ts]
@@ -339,7 +352,7 @@ def collectives(rank: int, world: int, arg: str) -> dict[str, Any]:
         anywhere = [got[src] for src in sorted(got)] + [torch.tensor(sorted(got))]
         return [a, b, c, d, *anywhere]
 
-    for fn in (coalesced, asynchronous, objects, point_to_point):
+    for fn in (coalesced, coalesced_into_tensors, asynchronous, objects, point_to_point):
         compare(fn.__name__, fn)
     dist.barrier()
     dist.barrier(group=gloo)

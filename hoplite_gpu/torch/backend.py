@@ -309,8 +309,9 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> HopliteWork:
         """Several ``reduce_scatter_tensor`` at once (one work for all)."""
-        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return self._join("reduce_scatter_tensor_coalesced", works, list(outputs))
+        return self._pairwise(
+            "reduce_scatter_tensor_coalesced", self._reduce_scatter_base, outputs, inputs, opts
+        )
 
     def _reduce_scatter(
         self, what: str, out: torch.Tensor, pieces: list[torch.Tensor], op: Any, opts: Any
@@ -384,8 +385,7 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> HopliteWork:
         """Several ``all_gather_into_tensor`` at once (one work for all)."""
-        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return self._join("all_gather_into_tensor_coalesced", works, list(outputs))
+        return self._pairwise("all_gather_into_tensor_coalesced", self._allgather_base, outputs, inputs, opts)
 
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -591,6 +591,22 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         for n in sizes:
             cuts.append(cuts[-1] + n * row_bytes)
         return [flat[cuts[j] : cuts[j + 1]] for j in range(self._size)]
+
+    def _pairwise(
+        self,
+        what: str,
+        one: Callable[[torch.Tensor, torch.Tensor, Any], HopliteWork],
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: Any,
+    ) -> HopliteWork:
+        """``one(output, input, opts)`` for each pair, as one work."""
+        if len(outputs) != len(inputs):
+            refused = tt.argument_error(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+            return self._refused(what, refused)
+        return self._join(
+            what, [one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)], list(outputs)
+        )
 
     def _join(self, what: str, works: list[HopliteWork], outputs: list[torch.Tensor]) -> HopliteWork:
         """One work completing once all of ``works`` have (with the first error)."""
