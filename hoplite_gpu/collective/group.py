@@ -154,14 +154,13 @@ class Group:
         for hex_id in dict.fromkeys([*_HEX_ID.findall(exc.message), str(exc.fields.get("object_id") or "")]):
             if hex_id not in self._described:
                 continue
-            what, producer = self._described[hex_id]
+            producer = self._described[hex_id][1]
             if producer is not None:
                 ranks.append(producer)
-                waiting.append(f"rank {producer}'s {what} ({hex_id[:12]})")
-            else:
-                waiting.append(f"the {what} ({hex_id[:12]})")
-        who = f"group {self.name!r}, rank {self.rank} of {self.world_size}"
-        text = f"{exc.message} [{who}" + (f"; waiting for {', '.join(waiting)}" if waiting else "") + "]"
+            waiting.append(self._object(hex_id))
+        text = (
+            f"{exc.message} [{self._who()}" + (f"; waiting for {', '.join(waiting)}" if waiting else "") + "]"
+        )
         fields = {
             **exc.fields,
             "group": self.name,
@@ -237,10 +236,10 @@ class Group:
             return
         if error is None:
             ranks = sorted(self._lost)
-            who = f"group {self.name!r}, rank {self.rank} of {self.world_size}"
             text = "; ".join(self._lost[r] for r in ranks)
+            members = f"member{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
             error = MemberLostError(
-                f"{who}: member{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} lost: {text}",
+                f"{self._who()}: {members} lost: {text}",
                 group=self.name,
                 rank=self.rank,
                 lost_ranks=ranks,
@@ -359,17 +358,21 @@ class Group:
         except CollectiveArgumentError:
             raise
         except (InvalidArgumentError, ReduceMismatchError) as exc:  # what other members put
-            who = f"group {self.name!r}, rank {self.rank} of {self.world_size}"
-            text = _HEX_ID.sub(self._name_of, exc.message)
-            raise CollectiveArgumentError(f"{text} [{who}]", **exc.fields) from None
+            text = _HEX_ID.sub(lambda found: self._object(found.group(0)), exc.message)
+            raise CollectiveArgumentError(f"{text} [{self._who()}]", **exc.fields) from None
 
-    def _name_of(self, found: re.Match[str]) -> str:
-        """An object's hex id, with what it is and whose where this member knows it."""
-        what, producer = self._described.get(found.group(0), ("", None))
-        if not what:
-            return found.group(0)
+    def _who(self) -> str:
+        """This member, for errors: ``group 'x', rank 1 of 4``."""
+        return f"group {self.name!r}, rank {self.rank} of {self.world_size}"
+
+    def _object(self, hex_id: str) -> str:
+        """An object's hex id, with what it is and whose where this member knows it (see
+        :meth:`_describe`): ``rank 2's allreduce #0 (9de9f712acfc)``."""
+        if hex_id not in self._described:
+            return hex_id
+        what, producer = self._described[hex_id]
         whose = f"rank {producer}'s " if producer is not None else "the "
-        return f"{whose}{what} ({found.group(0)[:12]})"
+        return f"{whose}{what} ({hex_id[:12]})"
 
     async def _put(self, seq: int, array: Any, oid: ObjectID, borrow: bool = False) -> None:
         """Put ``array`` as ``oid`` (this member's, deleted once every member is past ``seq``).

@@ -200,6 +200,13 @@ class DirectorySession:
         give_up = time.monotonic() + self.config.reconnect_timeout
         pause = 0.05
         said = self._resolve is None or getattr(error, "cause", "") == "shutdown"  # (see _lost)
+
+        def say() -> None:  # the warning _lost left to this first attempt, once
+            nonlocal said
+            if not said:
+                said = True
+                log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
+
         while True:
             client = self._new_control(ids=lost.ids)
             try:
@@ -212,17 +219,13 @@ class DirectorySession:
                             self._unreachable = exc
                             return
                         raise
-                    if not said:
-                        said = True
-                        log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
+                    say()
                 await self._join(client, previous_directory=lost.directory_id)
                 break
             except HopliteError as exc:
                 # Also an AuthenticationError: a directory dying as it authenticated us looks
                 # like a refusal; a real one (another token) fails when the time is up.
-                if not said:
-                    said = True
-                    log.warning("lost the directory at %s (%s); reconnecting", self.address, error)
+                say()
                 error = exc
             except Exception as exc:  # not expected; retried all the same, and said
                 log.exception("reconnecting to the directory failed unexpectedly")

@@ -295,11 +295,7 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
         try:
             out, src = tt.check(output, "output"), tt.check(input, "input")
-            if src.numel() != out.numel() * self._size or src.dtype != out.dtype:
-                raise tt.argument_error(
-                    f"reduce_scatter_tensor: input has {src.numel()} {src.dtype} elements, not "
-                    f"{self._size} x the output's {out.numel()} {out.dtype}"
-                )
+            self._check_whole("reduce_scatter_tensor", ("input", src), ("output", out))
             pieces = list(src.reshape(self._size, -1).unbind(0))
             return self._reduce_scatter("reduce_scatter_tensor", out, pieces, op, opts)
         except InvalidArgumentError as exc:
@@ -368,11 +364,7 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         ``size`` equal chunks of ``output``."""
         try:
             out, t = tt.check(output, "output"), tt.check(input, "input")
-            if out.numel() != t.numel() * self._size or out.dtype != t.dtype:
-                raise tt.argument_error(
-                    f"all_gather_into_tensor: output has {out.numel()} {out.dtype} elements, not "
-                    f"{self._size} x the input's {t.numel()} {t.dtype}"
-                )
+            self._check_whole("all_gather_into_tensor", ("output", out), ("input", t))
             rows = tt.as_bytes(out).reshape(self._size, -1)
             dst, src = [rows[r] for r in range(self._size)], tt.as_bytes(t)
         except InvalidArgumentError as exc:
@@ -562,6 +554,17 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         self._check_rank(rank, argument)
         if rank == self._rank:
             raise tt.argument_error(f"{argument} rank {rank} is this process's own rank", argument)
+
+    def _check_whole(
+        self, what: str, whole: tuple[str, torch.Tensor], part: tuple[str, torch.Tensor]
+    ) -> None:
+        """``whole`` holds ``size`` parts like ``part`` (each named, for the error)."""
+        (big, w), (small, p) = whole, part
+        if w.numel() != p.numel() * self._size or w.dtype != p.dtype:
+            raise tt.argument_error(
+                f"{what}: {big} has {w.numel()} {w.dtype} elements, not "
+                f"{self._size} x the {small}'s {p.numel()} {p.dtype}"
+            )
 
     @staticmethod
     def _one(lists: Any, what: str) -> list[torch.Tensor]:

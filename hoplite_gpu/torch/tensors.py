@@ -149,8 +149,6 @@ def _buffer(tensor: torch.Tensor) -> Any:
     """A NumPy or CuPy array sharing memory with a contiguous tensor."""
     try:
         buf, back = as_buffer(tensor)
-    except CollectiveArgumentError:
-        raise
     except Exception as exc:  # e.g. bfloat16 CUDA tensors with a CuPy before 14
         raise argument_error(str(exc)) from None
     assert back is None, "a contiguous tensor is used in place"

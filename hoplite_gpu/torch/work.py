@@ -138,6 +138,11 @@ class Lane:
             if self._busy or self._work:
                 return False
             self._busy = True
+        self._call(call)
+        return True
+
+    def _call(self, call: Callable[[], None]) -> None:
+        """Run ``call`` (the lane is busy meanwhile), then wake the lane's thread for what came."""
         try:
             call()
         finally:
@@ -145,7 +150,6 @@ class Lane:
                 self._busy = False
                 if self._work:
                     self._more.notify()
-        return True
 
     def _loop(self) -> None:
         while True:
@@ -156,8 +160,4 @@ class Lane:
                         return
                 call = self._work.popleft()
                 self._busy = True
-            try:
-                call()
-            finally:
-                with self._lock:
-                    self._busy = False
+            self._call(call)
