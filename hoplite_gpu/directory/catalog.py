@@ -5,7 +5,10 @@ An object has locations: nodes holding a *complete* copy, or a *partial* copy st
 Objects of at most ``inline_threshold_bytes`` are stored here and returned with the lookup. When
 a dead node held the last complete copy of an object (and nobody is computing it), the object is
 *lost*: partial holders drop it and waiting lookups fail with ``ObjectLostError``; a later put of
-the same ObjectID (a restarted task) makes it available again. The ids of the latest
+the same ObjectID (a restarted task) makes it available again. A lookup that reaches the
+directory within ``lease_timeout`` of the loss fails with ``ObjectLostError`` too: it was most
+likely sent while the object was there (its message raced the holder's death on another
+connection); a later one is a get before the next put, and waits for it. The ids of the latest
 :data:`DELETES_KEPT` deletes are kept, so that a lookup of a deleted object fails at once with
 ``ObjectDeletedError`` instead of waiting for a put that will not come (until the id is put again).
 """
@@ -36,6 +39,7 @@ class Catalog:
         self.nodes = state.nodes
         self.objects = state.objects
         self.deleted: OrderedDict[bytes, None] = OrderedDict()  # the latest deletes, oldest first
+        self.lost: OrderedDict[bytes, float] = OrderedDict()  # recent losses and when, oldest first
 
     # ------------------------------------------------------------ requests
     def put(self, node_id: str, msg: p.PutRequest, now: float) -> None:
@@ -107,6 +111,7 @@ class Catalog:
             members.charge_inline(entry, node_id)
         self.objects[oid] = entry
         self.deleted.pop(oid, None)  # put again: a lookup waits for it as for any put
+        self.lost.pop(oid, None)
         state.send(node_id, p.PutReply(request_id=msg.request_id))
         state.record(
             now, "put", node=node_id, object_id=oid.hex(), size=msg.size, inline=msg.inline is not None
@@ -240,10 +245,27 @@ class Catalog:
         state = self.state
         state.record(now, "object_lost", object_id=oid.hex(), partial_copies=len(self.objects[oid].locations))
         self.remove(oid, now, reason="lost")
+        self._remember_loss(oid, now)
         state.lookups.fail(oid, lambda pl: lost_lookup(pl.request_id, oid))
         red = state.reductions.get(oid)
         if red is not None and red.done:  # a finished result cannot be put again: fail its readers
             red.error = ("ObjectLostError", f"the result of reduction {oid.hex()} was lost", oid)
+
+    def _remember_loss(self, oid: bytes, now: float) -> None:
+        """Keep ``oid``'s loss for :meth:`lost_recently` (the oldest go once past the window, or
+        beyond :data:`DELETES_KEPT` ids)."""
+        lost = self.lost
+        lost[oid] = now
+        lost.move_to_end(oid)
+        window = self.config.lease_timeout
+        while lost and (len(lost) > DELETES_KEPT or next(iter(lost.values())) < now - window):
+            lost.popitem(last=False)
+
+    def lost_recently(self, oid: bytes, now: float) -> bool:
+        """Whether ``oid`` was lost (and not put again) within ``lease_timeout`` before ``now``: a
+        first lookup of it then fails as the ones waiting at the loss did (see the module's text)."""
+        when = self.lost.get(oid)
+        return when is not None and now - when <= self.config.lease_timeout
 
     def forget_node(self, node_id: str) -> set[bytes]:
         """``node_id`` left: drop its copies. The ids of the objects it held a copy of."""

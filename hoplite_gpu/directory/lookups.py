@@ -62,6 +62,12 @@ class Lookups:
         if red is None and msg.object_id in state.catalog.deleted and msg.object_id not in self.objects:
             state.send(node_id, deleted_lookup(msg.request_id, msg.object_id))  # it will not come
             return
+        gone = msg.object_id not in self.objects and (red is None or not red.active)
+        if gone and state.catalog.lost_recently(msg.object_id, now):
+            # Lost an instant ago: this lookup raced the holder's death (tests/test_soak.py found
+            # a get that then waited its whole timeout for a put that never came).
+            state.send(node_id, lost_lookup(msg.request_id, msg.object_id))
+            return
         if (
             (msg.have_bytes > 0 or msg.resume)
             and msg.object_id not in self.objects
