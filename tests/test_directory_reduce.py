@@ -375,6 +375,20 @@ def test_a_reduction_decoding_as_inputs_arrive_places_the_first_cover_of_every_p
     assert refused.error_kind == "ObjectExistsError"
 
 
+def test_the_event_log_of_a_reduction_decoding_as_inputs_arrive_goes_on_the_wire() -> None:
+    # Found by tests/test_soak.py: an arrival's event held a NumPy bool; the event log reply to a
+    # node then failed to encode and cut the node's connection to the directory.
+    from hoplite_gpu import protocol as p
+
+    state = make_state()
+    reduce_as_arrive(state, [0, 1])
+    put(state, "B", 0)
+    put(state, "C", 1)
+    arrivals = [e for e in state.events if e["kind"] == "reduce_arrival"]
+    assert [type(e["decodable"]) for e in arrivals] == [bool, bool]
+    p.encode(p.EventLogReply(request_id=1, events=list(state.events)))
+
+
 def test_a_counted_input_lost_before_the_decision_is_counted_out_again() -> None:
     """Node B holds the only piece of partition 0 and leaves before the others arrive: the
     arrivals are counted again without it, and partition 0's other piece (put later) is used."""

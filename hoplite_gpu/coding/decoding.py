@@ -92,7 +92,7 @@ class DecodeTracker:
     @property
     def decodable(self) -> bool:
         """Whether the rows kept so far combine into the all-ones row."""
-        return self._residual <= DECODE_TOLERANCE * np.sqrt(self.width)
+        return bool(self._residual <= DECODE_TOLERANCE * np.sqrt(self.width))  # not np.bool_
 
     def solution(self) -> tuple[list[Any], list[float]]:
         """The keys used and their weights (the kept rows with a weight that is not 0), in arrival

@@ -16,6 +16,10 @@ from .. import protocol as p
 from .config import EVENT_LOG_BYTES, EVENT_LOG_CAPACITY
 
 
+#: The types of event details sent as they are (lists and dicts are the callers' own, of those).
+_WIRE = frozenset({str, int, float, bool, bytes, type(None), list, dict})
+
+
 class EventLog:
     """The newest events, at most ``capacity`` of them and about ``max_bytes`` (oldest go first).
 
@@ -33,7 +37,12 @@ class EventLog:
         self._seq = itertools.count()
 
     def append(self, now: float, kind: str, cause: str, details: dict[str, Any]) -> None:
-        """Add an event of ``kind`` at ``now``, written while handling ``cause``."""
+        """Add an event of ``kind`` at ``now``, written while handling ``cause``. Its details are
+        sent to nodes as they are: a value of another type than the wire's (a NumPy scalar) is
+        turned into one (an unencodable reply once cut a node's connection; tests/test_soak.py)."""
+        for key, value in details.items():
+            if type(value) not in _WIRE:
+                details[key] = value.item() if hasattr(value, "item") else str(value)
         size = event_bytes(details)
         self.events.append({"seq": next(self._seq), "t": now, "kind": kind, "cause": cause, **details})
         self.sizes.append(size)

@@ -553,7 +553,12 @@ class DirectoryService:
                     if routed is not None:
                         routed.waiting = 0
                         conn = routed if not routed.writer.is_closing() else conn
-                self._write(conn, p.encode(instr.message))
+                try:
+                    frame = p.encode(instr.message)
+                except Exception:  # a bug; the node's other messages still go (it times out this one)
+                    log.exception("could not encode a %s for node %s; dropped", instr.message.TYPE, instr.node_id[:8])
+                    continue
+                self._write(conn, frame)
             elif isinstance(instr, Disconnect):
                 log.warning("declaring node %s dead: %s", instr.node_id[:8], instr.reason)
                 del self._conns[instr.node_id]
