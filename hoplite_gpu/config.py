@@ -130,6 +130,9 @@ class Config:
         validate_directory: A directory started with this config checks its invariants after each
             event and logs what broke as ``invariant_violated`` (the tests turn it on; it costs a
             pass over the state per event).
+        directory_violation_log: With ``validate_directory``, a directory also appends one line
+            per broken invariant to this file, so that a harness (the tests, a soak) sees those
+            of directories in other processes; empty: none.
         directory_unread_bytes: A directory drops a node whose unread replies pile up beyond this
             (a stuck or hostile reader would grow its memory); the node is repaired as a dead one.
         directory_max_handshakes: A directory closes new connections at once while this many have not
@@ -194,6 +197,7 @@ class Config:
     reconnect_timeout: float = 30.0
     fault_injection: str = ""
     validate_directory: bool = False
+    directory_violation_log: str = ""
     directory_unread_bytes: int = 64 * MiB
     directory_max_handshakes: int = 256
     directory_max_handshakes_per_address: int = 64

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,8 +16,13 @@ os.environ.setdefault("HOPLITE_SHARED_MEMORY", "0")
 # Every directory the tests start (embedded, standalone, in a Ray actor) checks its invariants
 # after each event (Config.validate_directory); see broken_invariants below.
 os.environ.setdefault("HOPLITE_VALIDATE_DIRECTORY", "1")
+# ... and those in other processes (workers, standalone, the Ray actor, torch ranks; they inherit
+# this environment) append what broke to this file (Config.directory_violation_log).
+VIOLATIONS = os.environ.setdefault(
+    "HOPLITE_DIRECTORY_VIOLATION_LOG", os.path.join(tempfile.mkdtemp(prefix="hoplite-tests-"), "violations")
+)
 
-from tests.procs import Worker, start_workers
+from tests.procs import Worker, start_workers  # noqa: E402  (after the environment above)
 
 
 class _Broken(logging.Handler):
@@ -29,18 +35,38 @@ class _Broken(logging.Handler):
             self.found.append(record.getMessage())
 
 
+def _violations_since(offset: int) -> list[str]:
+    """Lines directories in other processes appended to :data:`VIOLATIONS` after ``offset``."""
+    try:
+        with open(VIOLATIONS) as report:
+            report.seek(offset)
+            return report.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def _violations_end() -> int:
+    try:
+        return os.path.getsize(VIOLATIONS)
+    except FileNotFoundError:
+        return 0
+
+
 @pytest.fixture(autouse=True)
 def broken_invariants() -> Iterator[list[str]]:
-    """Fail any test during which a directory in this process broke an invariant (directories in
-    other processes log it and record an ``invariant_violated`` event; the soak checks those)."""
+    """Fail any test during which a directory broke an invariant: one in this process (it logs
+    it), or one in another process (it appends it to :data:`VIOLATIONS`)."""
     handler = _Broken()
     logger = logging.getLogger("hoplite_gpu.directory")
     logger.addHandler(handler)
+    start = _violations_end()
     try:
         yield handler.found
     finally:
         logger.removeHandler(handler)
     assert not handler.found, handler.found[0]
+    elsewhere = _violations_since(start)
+    assert not elsewhere, f"a directory in another process broke an invariant: {elsewhere[0]}"
 
 
 def _gpu() -> bool:

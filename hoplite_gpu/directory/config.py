@@ -41,6 +41,8 @@ class DirectoryConfig:
             a pass over the whole state per event). A :class:`~.state.DirectoryState` raises
             :class:`~.invariants.InvariantError` on a broken one (for tests); a
             :class:`~.service.DirectoryService` logs and records it and goes on serving.
+        violation_log: A service appends each broken invariant to this file as well
+            (``Config.directory_violation_log``; empty: none).
         max_pending_lookups: Per-node quota of waiting lookups
             (``Config.directory_max_pending_lookups``).
         max_reductions: Per-node quota of unfinished reductions
@@ -65,6 +67,7 @@ class DirectoryConfig:
     inline_threshold_bytes: int = _DEFAULT.inline_threshold_bytes
     lease_timeout: float = _DEFAULT.lease_timeout
     validate: bool = _DEFAULT.validate_directory
+    violation_log: str = _DEFAULT.directory_violation_log
     max_pending_lookups: int = _DEFAULT.directory_max_pending_lookups
     max_reductions: int = _DEFAULT.directory_max_reductions
     max_reduce_inputs: int = _DEFAULT.directory_max_reduce_inputs
@@ -84,6 +87,7 @@ class DirectoryConfig:
             inline_threshold_bytes=config.inline_threshold_bytes,
             lease_timeout=config.lease_timeout,
             validate=config.validate_directory,
+            violation_log=config.directory_violation_log,
             max_pending_lookups=config.directory_max_pending_lookups,
             max_reductions=config.directory_max_reductions,
             max_reduce_inputs=config.directory_max_reduce_inputs,

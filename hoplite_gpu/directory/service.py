@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import resource
 import socket
 import ssl
@@ -581,6 +582,10 @@ class DirectoryService:
             self.violations += 1
             log.error("directory invariants broken after %s: %s", type(event).__name__, "; ".join(problems))
             self.state.record(event.now, "invariant_violated", after=type(event).__name__, problems=problems)
+            path = self.config.violation_log
+            if path:
+                with contextlib.suppress(OSError), open(path, "a") as report:
+                    report.write(f"pid {os.getpid()} after {type(event).__name__}: {'; '.join(problems)}\n")
 
     async def _tick_loop(self) -> None:
         """Send the state machine a Tick at its next deadline (or when woken), for as long as the
