@@ -22,9 +22,12 @@ def digest(arr: np.ndarray[Any, Any]) -> str:
 
 
 def make_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any, Any]:
-    """Deterministic array of any dtype/shape (distinct per seed)."""
+    """Deterministic array of any dtype/shape: small integers (0-250, so sums stay exact) drawn
+    from a generator seeded with ``seed`` (PCG64), so no pattern repeats along the array and arrays
+    of different seeds differ throughout (a relay that sends bytes from a wrong offset fails the
+    digest check)."""
     n = int(np.prod(shape))
-    raw = (np.arange(n, dtype=np.int64) * 2654435761 + seed) % 251
+    raw = np.random.Generator(np.random.PCG64(seed % (1 << 64))).integers(0, 251, n, dtype=np.uint8)
     if dtype == "bfloat16":
         import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy; nothing else may have)
     return raw.astype(dtype).reshape(shape)
