@@ -8,7 +8,9 @@ node (the process it is armed in) and event, never by time. A spec is a comma-se
   the offset, and the sender cuts its chunks there so the offset is exact), ``receive`` (this
   node's copy of the object has at least that many bytes; checked as chunks land) or ``reduce``
   (a reduce-tree vertex on this node, of the reduction with that id, is about to reduce the chunk
-  at the offset).
+  at the offset), or ``report`` (this node holds every byte of its copy, or of a reduce vertex's
+  output, and is about to tell the directory: "after the last byte, before the report"; any
+  ``at`` fires there). ``serve`` at ``0`` fires before the first byte.
 * ``object``: the ObjectID in hex (for ``reduce``: the reduction id), a prefix of it, or ``*``.
 * ``at``: a fraction of the object's size in ``[0, 1]`` (``0.5``: half way), or a byte count
   with a ``B`` suffix (``1048576B``).
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
 
-EVENTS = ("serve", "receive", "reduce")
+EVENTS = ("serve", "receive", "reduce", "report")
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
 

@@ -36,6 +36,7 @@ from ..errors import (
     ProtocolError,
     from_kind,
 )
+from ..faults import INJECTOR
 from ..memory import (
     MEMORY_DEVICE,
     OUT_KINDS,
@@ -436,6 +437,8 @@ class Fetcher:
         """Tell the directory about a complete copy this node now holds: the transfer that
         filled it, or a copy added (a mapping); restored instead if the directory restarted since
         ``generation``."""
+        if INJECTOR.armed:
+            INJECTOR.check("report", local.object_id.hex(), local.size, local.size)
         if generation != self._session.generation:
             self.restore(local)  # the directory restarted meanwhile: it never heard of the copy
         elif transfer_id:

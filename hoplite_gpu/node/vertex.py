@@ -159,6 +159,8 @@ class VertexRunner:
             await reduce_stream(
                 task, own, list(children), out, self.chunk_bytes, run.weights, self.device_chunk_bytes
             )
+            if INJECTOR.armed:
+                INJECTOR.check("report", task.reduction_id.hex(), task.size, task.size)
             self._report(
                 p.VertexDone(
                     reduction_id=task.reduction_id,
