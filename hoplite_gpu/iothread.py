@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import sys
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from .errors import HopliteError, HopliteTimeoutError, InvalidArgumentError
@@ -45,6 +46,21 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         else:
             return uvloop.new_event_loop()
     return asyncio.new_event_loop()
+
+
+async def bounded(aw: Awaitable[T], timeout: float | None) -> T:
+    """``await aw``, raising :class:`asyncio.TimeoutError` after ``timeout`` s (None: no limit).
+
+    Unlike ``asyncio.wait_for`` before Python 3.12, a cancellation that comes just as ``aw``
+    finishes is never lost: ``wait_for`` then returns ``aw``'s result or raises its error, and the
+    cancelled caller goes on (a watched group's collective whose pull failed as its member died
+    went on to look the object up again and waited for its whole timeout; tests/test_soak.py)."""
+    if timeout is None:
+        return await aw
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await aw
+    return await asyncio.wait_for(aw, timeout)  # 3.10: no asyncio.timeout
 
 
 async def all_or_cancel(steps: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:

@@ -59,3 +59,27 @@ def test_the_standard_loop_still_serves_a_node_and_its_directory() -> None:
         check=True,
     )
     assert out.stdout.split()[-1].startswith("asyncio")
+
+
+@pytest.mark.parametrize("outcome", ["result", "error"])
+def test_a_cancellation_as_the_awaited_finishes_is_not_lost(outcome: str) -> None:
+    # Found by tests/test_soak.py: a watched group cancelled a collective just as its pull from
+    # the dead member failed; asyncio.wait_for (before Python 3.12) then raised the pull's error
+    # instead, and the collective looked the object up again and waited out its timeout.
+    import asyncio
+
+    from hoplite_gpu.iothread import bounded
+
+    async def main() -> None:
+        inner = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(bounded(inner, 30.0))
+        await asyncio.sleep(0)  # it waits on inner
+        if outcome == "result":
+            inner.set_result(1)
+        else:
+            inner.set_exception(ValueError("the pull failed"))
+        waiting.cancel()  # in the same turn of the loop
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(main())

@@ -15,7 +15,6 @@ from typing import Any
 from .. import protocol as p
 from .config import EVENT_LOG_BYTES, EVENT_LOG_CAPACITY
 
-
 #: The types of event details sent as they are (lists and dicts are the callers' own, of those).
 _WIRE = frozenset({str, int, float, bool, bytes, type(None), list, dict})
 

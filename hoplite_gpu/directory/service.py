@@ -557,7 +557,8 @@ class DirectoryService:
                 try:
                     frame = p.encode(instr.message)
                 except Exception:  # a bug; the node's other messages still go (it times out this one)
-                    log.exception("could not encode a %s for node %s; dropped", instr.message.TYPE, instr.node_id[:8])
+                    what = instr.message.TYPE
+                    log.exception("could not encode a %s for node %s; dropped", what, instr.node_id[:8])
                     continue
                 self._write(conn, frame)
             elif isinstance(instr, Disconnect):

@@ -24,6 +24,7 @@ from ..errors import (
     ObjectDeletedError,
     StoreFullError,
 )
+from ..iothread import bounded
 from ..object_id import ObjectID
 from .arrays import CallerArray
 from .buffers import Buffer, BufferKind
@@ -186,7 +187,7 @@ class LocalObject:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._unserved.append(fut)
         try:
-            await asyncio.wait_for(fut, timeout)
+            await bounded(fut, timeout)
             return True
         except asyncio.TimeoutError:
             return False
@@ -227,7 +228,7 @@ class LocalObject:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((min(need, self.size), fut))
         try:
-            await asyncio.wait_for(fut, timeout)
+            await bounded(fut, timeout)
         except asyncio.TimeoutError:
             raise self._stalled(timeout) from None
         finally:
@@ -379,7 +380,7 @@ class LocalStore:
             obj = self._objects.get(oid)  # added from a caller's thread just before it was awaited
             if obj is not None:
                 return obj
-            return await asyncio.wait_for(fut, timeout)
+            return await bounded(fut, timeout)
         except asyncio.TimeoutError:
             return None
         finally:

@@ -44,6 +44,7 @@ from ..errors import (
     TransportError,
     as_hoplite_error,
 )
+from ..iothread import bounded
 from ..memory import Buffer, LocalObject, LocalStore, digest_of
 from ..object_id import ObjectID
 
@@ -294,7 +295,7 @@ class PullSource(Source):
             self.aborts[reply.transfer_id] = abort
             pull = self.ctx.data.pull(reply.sender_host, reply.sender_port, local, reply.transfer_id, abort)
             try:
-                await asyncio.wait_for(pull, attempt.remaining())
+                await bounded(pull, attempt.remaining())
             except asyncio.TimeoutError:
                 sender = reply.sender_node[:8] if reply.sender_node else "?"
                 raise attempt.timed_out(

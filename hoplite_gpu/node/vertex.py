@@ -31,6 +31,7 @@ from ..errors import (
     TransportError,
 )
 from ..faults import INJECTOR
+from ..iothread import bounded
 from ..memory import Buffer, DeviceEvent, LocalObject, LocalStore, through_file, write_at
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
@@ -452,9 +453,8 @@ async def _publish(queued: collections.deque[tuple[int, DeviceEvent]], out: Loca
             if not wait:
                 return
             try:
-                await asyncio.wait_for(
-                    asyncio.get_running_loop().run_in_executor(None, event.wait), DEVICE_WAIT_SECONDS
-                )
+                done = asyncio.get_running_loop().run_in_executor(None, event.wait)
+                await bounded(done, DEVICE_WAIT_SECONDS)
             except asyncio.TimeoutError:
                 raise HopliteTimeoutError(
                     f"the device did not finish a reduce step of {out.object_id} within "
