@@ -385,6 +385,29 @@ def test_a_root_that_finished_as_its_childs_node_died_unseen_adopts_the_old_tree
     assert again.status == "pull" and again.sender_node == "D"
 
 
+def test_a_reduction_whose_requester_left_fails_at_once() -> None:
+    # Found by tests/test_soak.py: a collective's member requests the reduction of everyone's
+    # shard and dies with its own input; nobody puts that again, so the reduction, its vertices'
+    # partial outputs and the others' inputs were held until its timeout (or for ever).
+    state = make_state()
+    reduce(state, node="A", ids=(0, 1, 2))
+    for i, node in enumerate("ABC"):
+        put(state, node, i, BIG)
+    state.handle(NodeLeft("A", 1.0))
+    red = state.reductions[RID]
+    assert not red.active and red.error is not None and red.error[0] == "ObjectLostError"
+    reply = lookup_result(state, "D", now=1.1)
+    assert reply.error_kind == "ObjectLostError" and "which requested it" in reply.error
+    assert not any(pl.output_id in state.objects for pl in red.plan.placed if pl.runs_task)
+    # A reduction another node requested goes on without A's input (first-k): not failed.
+    state2 = make_state()
+    reduce(state2, node="B", ids=(0, 1, 2), k=2)
+    for i, node in enumerate("ABC"):
+        put(state2, node, i, BIG)
+    state2.handle(NodeLeft("A", 1.0))
+    assert state2.reductions[RID].active
+
+
 def test_a_rebuilt_tree_gives_its_root_to_a_node_other_than_one_that_may_hold_the_old_result() -> None:
     state = make_state()
     reduce(state, ids=(0, 1, 2), k=2)

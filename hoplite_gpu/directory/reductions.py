@@ -474,6 +474,18 @@ class Reductions:
         )
         self._answer_queries(red)
 
+    def requester_left(self, node_id: str, now: float, reason: str) -> None:
+        """``node_id`` left: the reductions it requested and that are not finished fail with
+        ``ObjectLostError`` (its readers learn at once). Such a reduction often cannot finish at
+        all (the requester's own input died with it, and nobody puts it again), and its inputs,
+        vertices and partial results would otherwise be held until its timeout, or for ever
+        (tests/test_soak.py found them after every collective that lost a member)."""
+        for red in list(self.reductions.values()):
+            if red.requester == node_id and red.active:
+                rid = red.plan.reduction_id.hex()
+                text = f"reduction {rid} was abandoned: node {node_id[:8]}, which requested it, {reason}"
+                self.fail(red, "ObjectLostError", text, now, culprit=red.plan.reduction_id, drop="lost")
+
     # ------------------------------------------------------------ reduced_objects
     def reduced_objects(self, node_id: str, msg: p.ReducedObjectsRequest, now: float) -> None:
         """Which inputs a reduction uses: answered now if it finished or failed, else once it does."""

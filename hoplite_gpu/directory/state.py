@@ -307,6 +307,7 @@ class DirectoryState:
         self.watches.forget_node(node_id, now, reason)
         touched = set(self.lookups.forget_node(node_id, reason))
         touched.update(self.catalog.forget_node(node_id))
+        self.reducer.requester_left(node_id, now, reason)
         self.repair.node_left(node_id, now, reason)
         self.catalog.settle(touched, now)
 
