@@ -293,3 +293,33 @@ def test_a_sharded_allreduce_with_a_member_killed_after_its_puts_fails_typed(own
     finally:
         for w in (a, b):
             w.kill()
+
+
+def test_receivers_of_a_stopped_sole_source_learn_of_the_loss_with_the_lease() -> None:
+    """Found by tests/test_soak.py: the source is stopped (SIGSTOP) before it serves a byte. Its
+    kernel still accepts connections, so the receiver pulling from it waited in the handshake for
+    the whole connect timeout after the directory had declared the object lost. Every receiver
+    now raises ObjectLostError once the source's lease runs out."""
+    import os
+    import signal
+    import time
+
+    lease = 3.0
+    owner = hg.init(lease_timeout=lease)
+    slow = {"connect_timeout": 30.0, "stall_timeout": 30.0}  # far beyond the lease
+    workers = start_workers(owner.directory_address, owner.token, 4, **slow)
+    try:
+        oid = hg.ObjectID.random()
+        workers[0].call("put", "float32", (1 << 20,), 5, oid.hex())
+        for w in workers[1:]:
+            w.send("get", oid.hex(), 60)
+        stopped = time.monotonic()
+        os.kill(workers[0].proc.pid, signal.SIGSTOP)
+        for w in workers[1:]:
+            with pytest.raises(RuntimeError, match="ObjectLostError"):
+                w.result(60)
+            assert time.monotonic() - stopped < lease + 3.0
+    finally:
+        for w in workers:
+            w.kill()
+        owner.close()

@@ -344,6 +344,31 @@ class TcpDataPlane(PlaneBase):
             raise
         return sock
 
+    async def _connection_unless(
+        self, host: str, port: int, address: str, obj: LocalObject, abort: asyncio.Future[None] | None
+    ) -> socket.socket:
+        """:meth:`_connection`, given up as soon as the object fails or ``abort`` does (raising
+        that error): a stopped peer's kernel still accepts connections, and its handshake would
+        otherwise hold the pull for ``connect_timeout`` after the directory said it was lost (the
+        soak measured it: a receiver's typed error came a connect timeout after the others')."""
+        failed = obj.failure()
+        stops = [failed] if abort is None else [failed, abort]
+        connecting = asyncio.ensure_future(self._connection(host, port, address))
+        try:
+            await asyncio.wait([connecting, *stops], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            connecting.cancel()
+            raise
+        finally:
+            obj.forget_failure(failed)
+        if connecting.done():
+            return connecting.result()
+        connecting.cancel()
+        for fut in stops:
+            if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+        raise PeerLostError(f"pull from {address} was stopped", peer=address, cause="aborted")
+
     async def _authenticate_client(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, address: str
     ) -> None:
@@ -387,7 +412,7 @@ class TcpDataPlane(PlaneBase):
         object failing) shuts the socket, which ends the worker's receive at once."""
         cfg = self.config
         address = f"{host}:{port}"
-        sock = await self._connection(host, port, address)
+        sock = await self._connection_unless(host, port, address, obj, abort)
         loop = asyncio.get_running_loop()
         start = obj.progress
         chunk = min(self.chunk_size(address), MAX_STEP)
