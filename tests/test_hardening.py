@@ -158,6 +158,29 @@ def test_a_peer_sending_a_bad_dtype_is_dropped_and_the_directory_keeps_its_timer
     assert np.array_equal(owner.get(oid, timeout=5), np.arange(5))
 
 
+def test_an_answer_to_a_withdrawn_lookup_ends_the_transfer_it_began(owner: Any) -> None:
+    # Found by tests/test_soak.py: a get cancelled (its watched group broke) just as the
+    # directory answered its lookup with a transfer; the answer found no waiter and was dropped,
+    # and the transfer stayed on record, its sender busy, for ever.
+    oid = owner.put(np.arange(1 << 18, dtype=np.float32))  # above the inline threshold
+    service = owner._embedded
+
+    async def ask_and_walk_away() -> None:
+        client = ControlClient(lambda msg: None, 1 << 20)
+        await client.connect(owner.directory_address, owner.token, "raw-peer", "127.0.0.1", 9, 5.0)
+        client.send(p.LookupRequest(request_id=77, object_id=oid.binary(), timeout=5.0))  # no waiter
+        for _ in range(500):  # the transfer begins, then ends: poll it with a deadline
+            mine = [e["kind"] for e in service.state.events if e.get("receiver") == "raw-peer"]
+            if "transfer_done" in mine:
+                break
+            await asyncio.sleep(0.01)
+        await client.close()
+
+    IOThread.get().run(ask_and_walk_away(), timeout=30)
+    events = [e for e in owner.event_log() if e.get("receiver") == "raw-peer"]
+    assert [e["kind"] for e in events] == ["transfer_start", "transfer_done"], events
+
+
 @pytest.mark.parametrize("timeout", ["1", math.nan, -1, True, [1]])
 def test_a_get_with_a_timeout_that_is_not_seconds_is_refused(owner: Any, timeout: Any) -> None:
     oid = owner.put(np.arange(3))

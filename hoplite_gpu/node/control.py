@@ -272,11 +272,15 @@ class ControlClient:
                     continue
                 request_id = getattr(msg, "request_id", None)
                 fut = self._pending.pop(request_id, None) if request_id is not None else None
-                if fut is not None:
-                    if not fut.done():
-                        fut.set_result(msg)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
                 elif request_id is None:
                     self.on_push(msg)
+                elif isinstance(msg, p.LookupReply) and msg.transfer_id:
+                    # Its get gave up (cancelled) as the answer crossed the CancelLookup: end the
+                    # transfer the directory began, or it stays on record and its sender busy
+                    # (tests/test_soak.py found one left after a watched group broke).
+                    self.send(p.TransferDone(transfer_id=msg.transfer_id, ok=False, progress=0))
             # unreachable
         except ProtocolError as exc:
             log.error("bad message from the directory: %s", exc)
