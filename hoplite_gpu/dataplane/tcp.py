@@ -25,6 +25,7 @@ import contextlib
 import logging
 import socket
 import time
+from typing import Any
 
 import numpy as np
 
@@ -355,7 +356,8 @@ class TcpDataPlane(PlaneBase):
         stops = [failed] if abort is None else [failed, abort]
         connecting = asyncio.ensure_future(self._connection(host, port, address))
         try:
-            await asyncio.wait([connecting, *stops], return_when=asyncio.FIRST_COMPLETED)
+            waits: list[asyncio.Future[Any]] = [connecting, *stops]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             connecting.cancel()
             raise
