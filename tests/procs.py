@@ -63,6 +63,24 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for debugging hangs
 
     node = hg.connect(address, token=token, **overrides)
+
+    def tasks_on_stderr(*_: Any) -> None:  # SIGUSR2: the I/O thread's coroutines, for hangs
+        import sys
+
+        def dump() -> None:
+            for task in asyncio.all_tasks(node._io.loop):
+                lines, coro = [repr(task)[:200]], task.get_coro()
+                while coro is not None and hasattr(coro, "cr_frame"):  # down the awaits
+                    frame = coro.cr_frame
+                    if frame is not None:
+                        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+                    coro = coro.cr_await
+                lines.append(f"  awaits {coro!r}"[:300])
+                print("\n".join(lines), file=sys.stderr)
+
+        node._io.loop.call_soon_threadsafe(dump)
+
+    signal.signal(signal.SIGUSR2, tasks_on_stderr)
     conn.send(("ok", node.node_id))
     groups: dict[str, Any] = {}
     held: dict[str, Any] = {}  # arrays returned by get, kept alive ("hold")
