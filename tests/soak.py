@@ -492,17 +492,37 @@ def reduce_objects(soak: Soak, run: Run, rng: random.Random) -> None:
         try:
             got = np.array(result.result())
         except hg.HopliteError as exc:
-            raise Failure(f"{run}: the reduction failed: {type(exc).__name__}: {exc}"[:800]) from exc
-    chosen = owner.reduced_objects(rid, timeout=10)
-    picked = [arrays[ids.index(o)] for o in chosen]
-    if len(chosen) != k or not np.array_equal(got, expected_reduce(picked, op)):
-        raise Failure(f"{run}: wrong reduction (k={k})")
-    run.outcomes.append("exact")
+            result_lost(soak, run, rid, exc)
+            got = None
+    if got is not None:
+        check_reduction(soak, run, owner, rid, ids, arrays, k, op, got)
     owner.delete(rid)
     if not reput:
         soak.finish(run, {})
     for i, w in enumerate(soak.workers):
         w.call("delete", ids[i].hex(), timeout=30)
+
+
+def check_reduction(
+    soak: Soak, run: Run, owner: Any, rid: Any, ids: list[Any], arrays: list[Any], k: int, op: str, got: Any
+) -> None:
+    """The reduction equals NumPy's over the inputs ``reduced_objects`` reports."""
+    chosen = owner.reduced_objects(rid, timeout=10)
+    picked = [arrays[ids.index(o)] for o in chosen]
+    if len(chosen) != k or not np.array_equal(got, expected_reduce(picked, op)):
+        raise Failure(f"{run}: wrong reduction (k={k})")
+    run.outcomes.append("exact")
+
+
+def result_lost(soak: Soak, run: Run, rid: Any, exc: Exception) -> None:
+    """A reduction's get failed: only the loss of its finished result with the victim (its sole
+    copy: the root died serving it) is a typed outcome; the library does not compute it again."""
+    text = f"{type(exc).__name__}: {exc}"
+    if run.fired_at is None:
+        run.fired_at = soak.fired(run.pid)
+    if not (isinstance(exc, hg.ObjectLostError) and rid.hex() in str(exc)):
+        raise Failure(f"{run}: the reduction failed: {text}"[:800]) from exc
+    soak.judge(run, -1, ("error", text, time.monotonic()), lambda v: False)
 
 
 def _gone(soak: Soak, run: Run) -> bool:
@@ -529,10 +549,11 @@ def coded(soak: Soak, run: Run, rng: random.Random) -> None:
     try:
         got = np.array(soak.owner.get(rid, DEADLINE))
     except hg.HopliteError as exc:
-        raise Failure(f"{run}: the coded reduction failed: {type(exc).__name__}: {exc}"[:800]) from exc
-    if not np.array_equal(got, np.sum(list(grads.values()), axis=0, dtype=np.float32)):
-        raise Failure(f"{run}: wrong decoded sum")
-    run.outcomes.append("exact")
+        result_lost(soak, run, rid, exc)
+    else:
+        if not np.array_equal(got, np.sum(list(grads.values()), axis=0, dtype=np.float32)):
+            raise Failure(f"{run}: wrong decoded sum")
+        run.outcomes.append("exact")
     soak.owner.delete(rid)
     soak.finish(run, {})
     for w in range(WORKERS):
