@@ -248,10 +248,13 @@ def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str
 
     async def run() -> Any:
         ids = [g.object_id(seq, "reducescatter", dst, g.rank) for dst in range(g.world_size)]
-        puts = [g._put(seq, piece, oid) for piece, oid in zip(list_in, ids, strict=True)]
+
+        async def contribute() -> None:  # the puts begin here: none is left unawaited if cancelled
+            await all_or_cancel([g._put(seq, piece, oid) for piece, oid in zip(list_in, ids, strict=True)])
+
         inputs = [g.object_id(seq, "reducescatter", g.rank, src) for src in range(g.world_size)]
         result = g.object_id(seq, "reducescatter-result", g.rank)
-        await g._reduce_into(seq, inputs, result, reduce_op, out, all_or_cancel(puts))
+        await g._reduce_into(seq, inputs, result, reduce_op, out, contribute())
         await g._delete_before(seq)
         return out
 
