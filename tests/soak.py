@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import multiprocessing.connection
 import os
 import random
 import signal
@@ -90,6 +89,15 @@ class Run:
 
     def __str__(self) -> str:
         return f"run {self.number}: {self.op}, worker {self.victim} {self.sig} at {self.event} {self.at}"
+
+
+def _read(conn: Any) -> tuple[str, Any, float]:
+    """One answer from a worker's pipe (see :meth:`Soak.answers`), with the time it came."""
+    try:
+        status, value = conn.recv()
+    except (EOFError, OSError):
+        return ("dead", None, time.monotonic())
+    return (status, value[0] + ": " + value[1] if status == "error" else value, time.monotonic())
 
 
 def expected_reduce(arrays: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]:
@@ -224,40 +232,36 @@ class Soak:
         """The answers of ``members`` to the commands sent them: (``"ok"``, value) or (``"error"``,
         ``"Kind: text"``) or (``"dead"``, None) for the victim if its fault fired, with the time
         each came. Waits past the victim's fault only as long as a survivor may."""
+        # Each answer is read on a thread of its own: a member stopped in the middle of sending one
+        # leaves a pipe that is readable but never complete (a blocking read there hung the soak).
+        readers = concurrent.futures.ThreadPoolExecutor(len(members))
+        reading = {i: readers.submit(_read, self.workers[i].conn) for i in members}
+        readers.shutdown(wait=False)
         got: dict[int, tuple[str, Any, float]] = {}
         end = time.monotonic() + deadline
         while len(got) < len(members):
-            waiting = {self.workers[i].conn: i for i in members if i not in got}
             if run.fired_at is None:
                 run.fired_at = self.fired(run.pid)
-            for i in list(waiting.values()):
-                if i == run.victim and run.fired_at is not None and not self._answered(i):
-                    got[i] = ("dead", None, time.monotonic())
-                    del waiting[self.workers[i].conn]
-            if not waiting:
-                break
-            ready = multiprocessing.connection.wait(list(waiting), timeout=0.05)
-            now = time.monotonic()
-            for conn in ready:
-                i = waiting[conn]
-                try:
-                    status, value = conn.recv()  # type: ignore[union-attr]
-                except (EOFError, OSError):
-                    got[i] = ("dead", None, now)
+            for i, fut in reading.items():
+                if i in got:
                     continue
-                got[i] = (status, value[0] + ": " + value[1] if status == "error" else value, now)
-            if now > end:
+                if fut.done():
+                    got[i] = fut.result()
+                elif i == run.victim and run.fired_at is not None:
+                    got[i] = ("dead", None, time.monotonic())  # not read: it may never be whole
+            if len(got) == len(members):
+                break
+            if time.monotonic() > end:
                 late = [i for i in members if i not in got]
                 for i in late:  # their threads' stacks, on stderr (tests/procs.py registers it)
                     os.kill(self.workers[i].proc.pid, signal.SIGUSR1)
                     os.kill(self.workers[i].proc.pid, signal.SIGUSR2)  # and their coroutines'
                 raise Failure(f"{run}: hang: workers {late} did not answer within {deadline} s")
+            pending = [f for i, f in reading.items() if i not in got]
+            concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
         if run.fired_at is None:
             run.fired_at = self.fired(run.pid)
         return got
-
-    def _answered(self, i: int) -> bool:
-        return bool(self.workers[i].conn.poll(0))
 
     def finish(self, run: Run, got: dict[int, tuple[str, Any, float]]) -> None:
         """After the operation: the victim is replaced if its fault fired (a dead victim must have

@@ -278,8 +278,8 @@ def send(array: Any, dst_rank: int, group: Group, tag: int = 0) -> None:
     oid, ack = g.p2p_id(g.rank, dst_rank, n, tag=tag), g.p2p_id(g.rank, dst_rank, n, "p2p-ack", tag)
 
     async def run() -> None:
-        await g.node.put_async(array, oid)
-        try:
+        try:  # a send cancelled during its put (its watched group broke) still deletes it
+            await g.node.put_async(array, oid)
             await g.node.get_async(ack, timeout=g.timeout)
         finally:
             await g.node.delete_async(oid)
