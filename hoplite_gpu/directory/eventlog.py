@@ -39,9 +39,6 @@ class EventLog:
         """Add an event of ``kind`` at ``now``, written while handling ``cause``. Its details are
         sent to nodes as they are: a value of another type than the wire's (a NumPy scalar) is
         turned into one (an unencodable reply once cut a node's connection; tests/test_soak.py)."""
-        for key, value in details.items():
-            if type(value) not in _WIRE:
-                details[key] = value.item() if hasattr(value, "item") else str(value)
         size = event_bytes(details)
         self.events.append({"seq": next(self._seq), "t": now, "kind": kind, "cause": cause, **details})
         self.sizes.append(size)
@@ -69,8 +66,11 @@ class EventLog:
 def event_bytes(details: dict[str, Any]) -> int:
     """An estimate of an event's memory: a fixed cost for the record and each field, plus the
     length of its texts and byte strings (every other value is a number, a flag or short). The
-    fixed cost covers ``seq``, ``t``, ``kind`` and ``cause``."""
+    fixed cost covers ``seq``, ``t``, ``kind`` and ``cause``. On the same walk, a value of a type
+    not on the wire is turned into one in place (see :meth:`EventLog.append`)."""
     size = 360
-    for value in details.values():
+    for key, value in details.items():
+        if type(value) not in _WIRE:
+            value = details[key] = value.item() if hasattr(value, "item") else str(value)
         size += 72 + (len(value) if isinstance(value, (str, bytes)) else 0)
     return size
