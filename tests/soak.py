@@ -451,12 +451,7 @@ def broadcast_get(soak: Soak, run: Run, rng: random.Random) -> None:
         soak.workers[i].send("get", oid.hex(), DEADLINE)
     soak.start(run)
     got = soak.answers(run, receivers)
-    source_died = run.fired_at is not None and run.victim == src
-    for i, answer in got.items():
-        if answer[0] == "error" and not source_died:
-            # The source's complete copy lives: every receiver gets the bytes.
-            raise Failure(f"{run}: receiver {i} failed though the source lives: {answer[1][:400]}")
-        soak.judge(run, i, answer, lambda v: v == expected)
+    judge_receivers(soak, run, got, src, lambda v: v == expected)
     src_pid = soak.workers[src].proc.pid
     soak.finish(run, got)
     holders = [i for i in range(WORKERS) if soak.workers[i].proc.pid != run.pid or run.fired_at is None]
@@ -465,6 +460,18 @@ def broadcast_get(soak: Soak, run: Run, rng: random.Random) -> None:
     else:  # its owner died: the copies left stay readable; drop them (the last one stays kept)
         for i in holders:
             soak.workers[i].call("delete", oid.hex(), timeout=30)
+
+
+def judge_receivers(
+    soak: Soak, run: Run, got: dict[int, tuple[str, Any, float]], source: int, check: Callable[[Any], bool]
+) -> None:
+    """Judge the receivers of one source's object (a get, a weights version): while the source's
+    complete copy lives, every receiver must get it; only its death may end one with an error."""
+    source_died = run.fired_at is not None and run.victim == source
+    for i, answer in got.items():
+        if answer[0] == "error" and not source_died:
+            raise Failure(f"{run}: receiver {i} failed though the source lives: {answer[1][:400]}")
+        soak.judge(run, i, answer, check)
 
 
 def reduce_objects(soak: Soak, run: Run, rng: random.Random) -> None:
@@ -576,11 +583,7 @@ def weights(soak: Soak, run: Run, rng: random.Random) -> None:
         soak.workers[i].send("receive_weights", name, 1, DEADLINE, None)
     soak.start(run)
     got = soak.answers(run, subs)
-    publisher_died = run.fired_at is not None and run.victim == pub
-    for i, answer in got.items():
-        if answer[0] == "error" and not publisher_died:
-            raise Failure(f"{run}: subscriber {i} failed though the publisher lives: {answer[1][:400]}")
-        soak.judge(run, i, answer, lambda v: tuple(v) == want)
+    judge_receivers(soak, run, got, pub, lambda v: tuple(v) == want)
     soak.finish(run, got)
     for i in range(WORKERS):
         soak.workers[i].call("close_weights", name, timeout=30)
