@@ -29,6 +29,7 @@ SEEDS = [
 ]
 OPS = tuple(o for o in os.environ.get("HOPLITE_SOAK_OPS", "").split(",") if o) or None
 MAX_FAILURES = 5
+PROGRESS = 100  # runs between the partial counts printed
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -68,10 +69,17 @@ def test_every_operation_survives_random_faults(owner: Any) -> None:
                     soak.once(number)
                 except Exception as exc:  # a failed run: record it, start over with fresh workers
                     failures.append(f"seed {seed}: {type(exc).__name__}: {exc}"[:1500])
+                    print(f"\nFAILED seed {seed} run {number}: {failures[-1]}", flush=True)
                     dump_events(owner, f"seed {seed} run {number}: {exc}"[:300])
                     soak.restart()
                     if len(failures) >= MAX_FAILURES:
                         break
+                if number % PROGRESS == 0:  # a long soak stopped early still tells its counts
+                    print(
+                        f"\nseed {seed}: {number} runs, {time.monotonic() - started:.0f} s, "
+                        f"{len(failures)} failed\n{soak.table()}",
+                        flush=True,
+                    )
         finally:
             soak.finish_soak()
         if len(failures) >= MAX_FAILURES:
