@@ -33,7 +33,10 @@ from hoplite_gpu.protocol import (
     PutReply,
     PutRequest,
     ServeDone,
+    SummaryReply,
+    SummaryRequest,
     TransferDone,
+    encode,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -485,6 +488,26 @@ def test_event_log_replies_are_pages():
     assert [e["seq"] for e in first] == list(range(EVENT_LOG_PAGE))
     rest = req(state, "A", EventLogRequest(2, since=EVENT_LOG_PAGE))[0].message.events
     assert [e["seq"] for e in rest] == list(range(EVENT_LOG_PAGE, total))
+
+
+def test_the_summary_names_what_the_directory_holds():
+    state = make_state("A", "B", "C")
+    put(state, "A")
+    tid = pull(lookup(state, "B", 1), "B", 1, "A").transfer_id
+    lookup(state, "C", 2, timeout=30.0, oid=b"z" * 20)  # nobody put it: it waits
+    out = req(state, "C", SummaryRequest(3))
+    assert len(out) == 1 and out[0].node_id == "C" and out[0].message.request_id == 3
+    summary = out[0].message.summary
+    assert summary["nodes"] == ["A", "B", "C"]
+    assert summary["objects"] == [
+        {"object_id": OID.hex(), "owner": "A", "holders": ["A"], "receiving": ["B"], "inline": False}
+    ]
+    assert summary["lookups"] == [(b"z" * 20).hex()] and summary["lookups_total"] == 1
+    assert summary["transfers"] == [{"object_id": OID.hex(), "sender": "A", "receiver": "B"}]
+    done(state, "B", tid)
+    summary = req(state, "C", SummaryRequest(4))[0].message.summary
+    assert summary["objects"][0]["holders"] == ["A", "B"] and summary["transfers_total"] == 0
+    encode(SummaryReply(request_id=4, summary=summary))  # it goes on the wire as it is
 
 
 # ---------------------------------------------------------------- invariants

@@ -30,6 +30,7 @@ ANSWERED = frozenset(
         p.ReduceRequest,
         p.ReducedObjectsRequest,
         p.EventLogRequest,
+        p.SummaryRequest,
         p.BarrierRequest,
     )
 )

@@ -384,3 +384,48 @@ class DirectoryState:
     @on_request(p.EventLogRequest)
     def _on_event_log(self, node_id: str, msg: p.EventLogRequest, now: float) -> None:
         self.send(node_id, p.EventLogReply(request_id=msg.request_id, events=self.eventlog.page(msg.since)))
+
+    @on_request(p.SummaryRequest)
+    def _on_summary(self, node_id: str, msg: p.SummaryRequest, now: float) -> None:
+        self.send(node_id, p.SummaryReply(request_id=msg.request_id, summary=self.summary()))
+
+    def summary(self) -> dict[str, Any]:
+        """What the directory holds now, in brief: the live nodes; each object with its owner,
+        the live nodes holding a complete copy (``holders``) or still receiving one
+        (``receiving``) and whether its bytes are inline;
+        the objects with lookups waiting; the transfers under way; the unfinished reductions; the
+        open barriers and watched groups. Each list holds at most :data:`~hoplite_gpu.protocol.
+        SUMMARY_PAGE` entries; ``*_total`` counts them all."""
+        page, COMPLETE = p.SUMMARY_PAGE, LocationState.COMPLETE
+        objects = [
+            {
+                "object_id": oid.hex(),
+                "owner": entry.owner,
+                "holders": sorted(
+                    n for n, loc in entry.locations.items() if n in self.nodes and loc.state is COMPLETE
+                ),
+                "receiving": sorted(
+                    n for n, loc in entry.locations.items() if n in self.nodes and loc.state is not COMPLETE
+                ),
+                "inline": entry.inline is not None,
+            }
+            for oid, entry in itertools.islice(self.objects.items(), page)
+        ]
+        waiting = [oid for oid, queue in self.lookups.pending.items() if any(q.live for q in queue)]
+        active = [rid for rid, red in self.reductions.items() if red.active]
+        return {
+            "nodes": sorted(self.nodes)[:page],
+            "objects": objects,
+            "objects_total": len(self.objects),
+            "lookups": [oid.hex() for oid in waiting[:page]],
+            "lookups_total": len(waiting),
+            "transfers": [
+                {"object_id": t.object_id.hex(), "sender": t.sender, "receiver": t.receiver}
+                for t in itertools.islice(self.lookups.transfers.values(), page)
+            ],
+            "transfers_total": len(self.lookups.transfers),
+            "reductions": [rid.hex() for rid in active[:page]],
+            "reductions_total": len(active),
+            "barriers": len(self.barriers.open),
+            "watched_groups": len(self.watches.groups),
+        }

@@ -17,7 +17,6 @@ import atexit
 import contextlib
 import dataclasses
 import logging
-import os
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -45,6 +44,7 @@ from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 from .arguments import reduce_request, resolve_timeout
 from .channel import Channels
+from .diagnostics import Diagnostics
 from .fetch import Fetcher, check_out, streamable
 from .puts import Putter
 from .session import DirectorySession
@@ -56,7 +56,7 @@ __all__ = ["IOThread", "Node"]
 log = logging.getLogger("hoplite_gpu")
 
 
-class Node(GroupWatches):
+class Node(GroupWatches, Diagnostics):
     """A process's handle on the object store. Create it with :func:`hoplite_gpu.init` or
     :func:`hoplite_gpu.connect`.
 
@@ -619,32 +619,3 @@ class Node(GroupWatches):
         """Whether this node holds a complete local copy."""
         obj = self._store.get(object_id)
         return obj is not None and obj.complete
-
-    def event_log(self, since: int = 0) -> list[dict[str, Any]]:
-        """The directory's event log from sequence number ``since`` (diagnostics, tests); fetched
-        in pages of :data:`~hoplite_gpu.protocol.EVENT_LOG_PAGE` events."""
-        self._check_open()
-        return self._io.run(self._session.event_log(since))
-
-    def stats(self) -> dict[str, Any]:
-        """Local store figures: objects, bytes used, capacity, data-plane auth failures, the
-        unreceived messages the data plane dropped (``stale_*``: see ``DataPlane._sweep_unexpected``),
-        the device bytes it sent and received staged through host buffers (``staged_*``; none
-        with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself), and the process's
-        pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)
-        and its reads of same-host processes' device memory (``device_ipc_*``: mappings opened,
-        reads from a mapping kept open, gets that found the memory through an index link with no
-        lookup, mappings kept now; see :mod:`hoplite_gpu.memory.ipc`)."""
-        return {
-            "node_id": self.node_id,
-            "objects": len(self._store),
-            "used_bytes": self._store.used_bytes,
-            "capacity_bytes": self._store.capacity_bytes,
-            "data_auth_failures": self._data.auth_failures,
-            "stale_messages_dropped": self._data.stale_messages,
-            "stale_bytes_dropped": self._data.stale_bytes,
-            "staged_bytes_sent": self._data.staged_sent,
-            "staged_bytes_received": self._data.staged_received,
-            **self._memory.stats(),
-            "pid": os.getpid(),
-        }

@@ -434,6 +434,13 @@ class DirectorySession:
                 return events
             since = reply.events[-1]["seq"] + 1
 
+    async def summary(self) -> dict[str, Any]:
+        """What the directory holds now, in brief (:meth:`.DirectoryState.summary`)."""
+        reply = await self.request(p.SummaryRequest, self.config.request_timeout)
+        if not isinstance(reply, p.SummaryReply):
+            raise ProtocolError(f"unexpected reply to summary: {reply.TYPE}")
+        return reply.summary
+
     async def barrier(
         self, barrier_id: bytes, rank: int, count: int, timeout: float | None, release: Sequence[bytes] = ()
     ) -> p.BarrierReply:

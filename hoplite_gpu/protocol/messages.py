@@ -340,6 +340,19 @@ class EventLogRequest(Message):
     since: int = 0
 
 
+#: Most entries each list of a :class:`SummaryReply` carries (its totals count them all).
+SUMMARY_PAGE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryRequest(Message):
+    """What the directory holds now, in brief (diagnostics, tests, leak checks): answered with a
+    :class:`SummaryReply`."""
+
+    TYPE: ClassVar[str] = "summary"
+    request_id: int
+
+
 # ---------------------------------------------------------------- replies and pushes
 @dataclass(frozen=True, slots=True)
 class PutReply(Message):
@@ -612,6 +625,16 @@ class EventLogReply(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class SummaryReply(Message):
+    """Directory -> node: ``summary`` (see
+    :meth:`~hoplite_gpu.directory.state.DirectoryState.summary`)."""
+
+    TYPE: ClassVar[str] = "summary_reply"
+    request_id: int
+    summary: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorReply(Message):
     """Directory -> node: the request could not be served."""
 
@@ -638,6 +661,7 @@ FROM_NODES: frozenset[type[Message]] = frozenset(
         ReducedObjectsRequest,
         VertexDone,
         EventLogRequest,
+        SummaryRequest,
         BarrierRequest,
         WatchRequest,
     }
