@@ -241,6 +241,13 @@ class ControlClient:
         """Stop waiting for the reply to ``request_id``."""
         self._pending.pop(request_id, None)
 
+    def unwanted(self, reply: p.Message) -> None:
+        """A reply its asker no longer waits for: end the transfer a lookup's answer began, or it
+        stays on record and its sender busy (tests/test_soak.py found it both when the answer
+        crossed the asker's ``CancelLookup`` and when the asker was cancelled as it came)."""
+        if isinstance(reply, p.LookupReply) and reply.transfer_id and self._lost is None:
+            self.send(p.TransferDone(transfer_id=reply.transfer_id, ok=False, progress=0))
+
     async def request(self, msg: p.Message, timeout: float | None) -> p.Message:
         """Send a request (it must have ``request_id``) and wait for its reply (``timeout`` None:
         as long as the connection lives)."""
@@ -276,11 +283,8 @@ class ControlClient:
                     fut.set_result(msg)
                 elif request_id is None:
                     self.on_push(msg)
-                elif isinstance(msg, p.LookupReply) and msg.transfer_id:
-                    # Its get gave up (cancelled) as the answer crossed the CancelLookup: end the
-                    # transfer the directory began, or it stays on record and its sender busy
-                    # (tests/test_soak.py found one left after a watched group broke).
-                    self.send(p.TransferDone(transfer_id=msg.transfer_id, ok=False, progress=0))
+                else:  # its asker gave up (cancelled) as the answer crossed the CancelLookup
+                    self.unwanted(msg)
             # unreachable
         except ProtocolError as exc:
             log.error("bad message from the directory: %s", exc)

@@ -499,7 +499,10 @@ class DirectorySession:
             ) from None
         except BaseException:
             with contextlib.suppress(HopliteError):
-                control.send(p.CancelLookup(request_id=rid))
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    control.unwanted(fut.result())  # cancelled as the answer came: it is void
+                else:
+                    control.send(p.CancelLookup(request_id=rid))
             raise
         finally:
             control.forget(rid)
