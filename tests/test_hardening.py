@@ -4,16 +4,19 @@ an exception inside the directory costs the one event that raised it, not the di
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import shutil
 import socket
 import time
+import uuid
 from typing import Any
 
 import numpy as np
 import pytest
 
 import hoplite_gpu as hg
+from hoplite_gpu import collective as coll
 from hoplite_gpu import protocol as p
 from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request, Tick
@@ -21,6 +24,7 @@ from hoplite_gpu.dtypes import dtype_from_wire, dtype_to_wire
 from hoplite_gpu.errors import InvalidArgumentError, ProtocolError
 from hoplite_gpu.iothread import IOThread
 from hoplite_gpu.memory import shm
+from hoplite_gpu.node import Node
 from hoplite_gpu.node.control import ControlClient
 from hoplite_gpu.topology import GpuInfo, Inventory
 
@@ -179,6 +183,80 @@ def test_an_answer_to_a_withdrawn_lookup_ends_the_transfer_it_began(owner: Any) 
     IOThread.get().run(ask_and_walk_away(), timeout=30)
     events = [e for e in owner.event_log() if e.get("receiver") == "raw-peer"]
     assert [e["kind"] for e in events] == ["transfer_start", "transfer_done"], events
+
+
+def test_a_lookup_cancelled_as_its_answer_comes_ends_the_transfer_it_began(
+    owner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by tests/test_soak.py (seed 3, an allgather whose member died): a get re-asked for
+    # another source and its task was cancelled (the watched group broke) just as the answer
+    # came. The answer was set on its future, so the reply was not an orphan, but the task saw
+    # only the cancellation: the transfer the answer began stayed on record, its sender busy.
+    oid = owner.put(np.arange(1 << 18, dtype=np.float32))  # above the inline threshold
+    reader = hg.connect(owner.directory_address, token=owner.token)
+    expect = ControlClient.expect
+
+    def cancel_as_it_comes(self: ControlClient, request_id: int) -> asyncio.Future[p.Message]:
+        fut = expect(self, request_id)
+        task = asyncio.current_task()
+        assert task is not None
+        # Runs before the task wakes with the answer: the task then sees only the cancellation.
+        fut.add_done_callback(lambda f: task.cancel() if isinstance(f.result(), p.LookupReply) else None)
+        return fut
+
+    async def lookup() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await reader._session.lookup(oid, 5.0, 0)
+
+    try:
+        monkeypatch.setattr(ControlClient, "expect", cancel_as_it_comes)
+        IOThread.get().run(lookup(), timeout=30)
+        monkeypatch.undo()
+        mine = [e["kind"] for e in owner.event_log() if e.get("receiver") == reader.node_id]
+        assert mine[:1] == ["transfer_start"]  # the answer began one
+        end = time.monotonic() + 10
+        while owner.directory_summary()["transfers_total"] and time.monotonic() < end:
+            time.sleep(0.02)  # polling with a deadline: the node's TransferDone is on its way
+        assert owner.directory_summary()["transfers"] == []
+    finally:
+        reader.close()
+
+
+def test_an_acknowledgement_put_as_its_recv_was_cancelled_is_deleted_with_the_group(
+    owner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by tests/test_soak.py (seed 3, send/recv whose watched group broke): the receiver's
+    # acknowledgement landed in the directory as its recv was cancelled, before the group
+    # recorded it, so destroying the group did not delete it: left for ever, owned by a live node.
+    sender_node = hg.connect(owner.directory_address, token=owner.token)
+    name = f"acks-{uuid.uuid4().hex[:8]}"
+    sender, receiver = (
+        coll.Group(sender_node, 0, 2, name, timeout=30),
+        coll.Group(owner, 1, 2, name, timeout=30),
+    )
+    put_async = Node.put_async
+
+    async def landed_then_cancelled(self: Node, array: Any, *args: Any, **kwargs: Any) -> Any:
+        oid = await put_async(self, array, *args, **kwargs)
+        if self is owner and array.nbytes == 1:  # the acknowledgement is in the directory
+            raise asyncio.CancelledError
+        return oid
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            sent = pool.submit(coll.send, np.arange(5.0), 1, sender)
+            monkeypatch.setattr(Node, "put_async", landed_then_cancelled)
+            with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
+                coll.recv(np.zeros(5), 0, receiver)
+            monkeypatch.undo()
+            sent.result(30)  # the sender read the acknowledgement
+            destroyed = pool.submit(sender.destroy)
+            receiver.destroy()
+            destroyed.result(30)
+        mine = {owner.node_id, sender_node.node_id}
+        assert [o for o in owner.directory_summary()["objects"] if o["owner"] in mine] == []
+    finally:
+        sender_node.close()
 
 
 @pytest.mark.parametrize("timeout", ["1", math.nan, -1, True, [1]])
