@@ -287,25 +287,24 @@ class Soak:
 
     # ------------------------------------------------------------ leaks
     def leaks(self) -> list[str]:
-        """What the directory still holds that nobody alive should: objects put by live nodes
-        (every operation deletes what it put), objects with no copy on a live node, waiting
-        lookups, transfers, unfinished reductions."""
-        service = self.owner._embedded
+        """What the directory still holds that nobody alive should (its public summary, so a
+        standalone directory is checked the same way): objects put by live nodes (every
+        operation deletes what it put), objects with no copy on a live node, waiting lookups,
+        transfers, unfinished reductions."""
+        summary = self.owner.directory_summary()
         live = {w.node_id for w in self.workers} | {self.owner.node_id}
-
-        async def look() -> list[str]:
-            state = service.state
-            found = []
-            for oid, entry in state.objects.items():
-                holders = [n for n in entry.locations if n in state.nodes]
-                if entry.owner in live or (entry.inline is None and not holders):
-                    found.append(f"object {oid.hex()[:12]} of {entry.owner[:8]} held by {len(holders)}")
-            found += [f"lookup of {oid.hex()[:12]}" for oid, q in state.lookups.pending.items() if q]
-            found += [f"transfer {t}" for t in state.lookups.transfers]
-            found += [f"reduction {rid.hex()[:12]}" for rid, red in state.reductions.items() if red.active]
-            return found
-
-        return self.owner._io.run(look())  # type: ignore[no-any-return]
+        found = [
+            f"object {o['object_id'][:12]} of {o['owner'][:8]} held by {len(o['holders'] + o['receiving'])}"
+            for o in summary["objects"]
+            if o["owner"] in live or not (o["inline"] or o["holders"] or o["receiving"])
+        ]
+        found += [f"lookup of {oid[:12]}" for oid in summary["lookups"]]
+        found += [
+            f"transfer of {t['object_id'][:12]} {t['sender'][:8]} -> {t['receiver'][:8]}"
+            for t in summary["transfers"]
+        ]
+        found += [f"reduction {rid[:12]}" for rid in summary["reductions"]]
+        return found
 
     def settle(self, run: Run) -> None:
         """Wait (with a deadline) until :meth:`leaks` finds nothing: deletes run in the background."""
