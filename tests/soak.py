@@ -16,6 +16,11 @@ never fired:
 * **failed**: anything else: a wrong result, a wait past its deadline (a hang), another error,
   a typed error without a fault or too late, or something left behind (see :meth:`Soak.leaks`).
 
+With a standalone directory (``Soak(..., directory=DirectoryProcess)``) a third fault joins
+them, ``DIRECTORY``: the directory is SIGKILLed a random moment after the operation started and
+restarted at once at the same address. No member dies, so every member must end **exact**: the
+nodes reconnect, restore their copies and re-send what they wait for.
+
 A failed run writes the directory's event log (``HOPLITE_SOAK_LOG``), replaces every worker and
 the soak goes on; :meth:`Soak.table` prints the counts per operation and fault.
 """
@@ -28,6 +33,7 @@ import os
 import random
 import signal
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,6 +44,7 @@ import numpy as np
 
 import hoplite_gpu as hg
 from hoplite_gpu.coding import GradientCode
+from hoplite_gpu.directory import DirectoryProcess
 from tests.procs import Worker, digest, make_array, start_workers, weights_state
 
 WORKERS = 4
@@ -59,6 +66,9 @@ LAYOUT = [("a", "float32", (256, 1024)), ("b", "float32", (300, 500)), ("c", "in
 EVENTS = ("serve", "receive", "reduce", "report", "now")
 AT = (0.0, 0.25, 0.5, 0.75, 0.99, 1.0)
 SIGNALS = ("KILL", "STOP")
+#: The directory fault (a standalone directory killed and restarted) comes at most this long after
+#: the operation started.
+RESTART_WITHIN = 0.5
 #: Errors that say what was lost: the soak's "lost" outcome.
 TYPED = ("MemberLostError", "ObjectLostError", "WeightSyncError")
 
@@ -80,6 +90,7 @@ class Run:
     pid: int = 0
     node_id: str = ""
     fired_at: float | None = None  # time.monotonic() of the fault (the fault log's clock)
+    restarted: threading.Thread | None = None  # DIRECTORY: the thread killing and restarting it
     outcomes: list[str] = field(default_factory=list)  # per member judged: "exact" / "lost"
     worst: float = 0.0  # longest time from the fault to a survivor's typed error
 
@@ -88,6 +99,8 @@ class Run:
         return f"{self.event}:*:{self.at}:{self.sig}"
 
     def __str__(self) -> str:
+        if self.sig == "DIRECTORY":
+            return f"run {self.number}: {self.op}, the directory restarted"
         return f"run {self.number}: {self.op}, worker {self.victim} {self.sig} at {self.event} {self.at}"
 
 
@@ -106,10 +119,19 @@ def expected_reduce(arrays: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[A
 
 
 class Soak:
-    """Runs of the soak on ``owner``'s embedded directory with :data:`WORKERS` worker processes."""
+    """Runs of the soak on ``owner``'s directory with :data:`WORKERS` worker processes; with
+    ``directory`` (the standalone directory ``owner`` is connected to), runs restart it too."""
 
-    def __init__(self, owner: Any, seed: int, operations: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self,
+        owner: Any,
+        seed: int,
+        operations: tuple[str, ...] | None = None,
+        directory: DirectoryProcess | None = None,
+    ) -> None:
         self.owner = owner
+        self.directory = directory
+        self.signals = SIGNALS if directory is None else (*SIGNALS, "DIRECTORY")
         self.seed = seed
         self.rng = random.Random(seed)
         self.operations = operations or tuple(OPERATIONS)
@@ -181,13 +203,23 @@ class Soak:
         """One run; raises :class:`Failure` (after which the workers are replaced)."""
         rng = self.rng
         op = rng.choice(self.operations)
-        run = Run(number, op, rng.randrange(WORKERS), rng.choice(EVENTS), rng.choice(AT), rng.choice(SIGNALS))
-        run.pid = self.workers[run.victim].proc.pid
-        run.node_id = self.workers[run.victim].node_id
+        run = Run(
+            number, op, rng.randrange(WORKERS), rng.choice(EVENTS), rng.choice(AT), rng.choice(self.signals)
+        )
+        if run.sig == "DIRECTORY":  # no member is the victim
+            run.victim, run.event = -1, "now"
+        else:
+            run.pid = self.workers[run.victim].proc.pid
+            run.node_id = self.workers[run.victim].node_id
         self._log_at = os.path.getsize(self._log) if os.path.exists(self._log) else 0
-        OPERATIONS[op](self, run, rng)
+        try:
+            OPERATIONS[op](self, run, rng)
+        finally:
+            self._restarted(run)
         self.settle(run)
-        fault = run.sig if run.fired_at is not None else "missed"
+        fault = (
+            "DIRECTORY" if run.restarted is not None else run.sig if run.fired_at is not None else "missed"
+        )
         outcome = "lost" if "lost" in run.outcomes else "exact"
         self.counts[op, fault, outcome] += 1
         if run.fired_at is not None:
@@ -195,13 +227,31 @@ class Soak:
         return run
 
     def arm(self, run: Run) -> None:
-        if run.event != "now":
+        if run.event != "now" and run.sig != "DIRECTORY":
             self.workers[run.victim].call("arm", run.spec)
 
     def start(self, run: Run) -> None:
-        """Just after the operation's commands went out: the ``now`` fault."""
-        if run.event == "now":
+        """Just after the operation's commands went out: the ``now`` fault, or the directory's
+        restart a random moment later (on a thread: the operation goes on meanwhile)."""
+        if run.sig == "DIRECTORY":
+            delay = self.rng.uniform(0.0, RESTART_WITHIN)
+            run.restarted = threading.Thread(target=self._restart_directory, args=(delay,), daemon=True)
+            run.restarted.start()
+        elif run.event == "now":
             self._signal(run)
+
+    def _restart_directory(self, delay: float) -> None:
+        assert self.directory is not None
+        time.sleep(delay)  # not synchronisation: a random moment of the operation for the fault
+        self.directory.kill()
+        self.directory.start()
+
+    def _restarted(self, run: Run) -> None:
+        """Wait for the directory's restart to be over (a run's end, before anything is checked)."""
+        if run.restarted is not None:
+            run.restarted.join(DEADLINE)
+            if run.restarted.is_alive():
+                raise Failure(f"{run}: the directory did not restart within {DEADLINE} s")
 
     def judge(self, run: Run, i: int, answer: tuple[str, Any, float], check: Callable[[Any], bool]) -> None:
         """Judge member ``i``'s answer (status, value or error text, time it came)."""
@@ -320,13 +370,13 @@ class Soak:
     # ------------------------------------------------------------ reporting
     def table(self) -> str:
         """Counts per operation and fault (``missed``: the fault point was never reached)."""
-        rows = ["operation        fault   exact  lost  worst s"]
+        rows = ["operation        fault      exact  lost  worst s"]
         for op in sorted({k[0] for k in self.counts}):
-            for fault in ("KILL", "STOP", "missed"):
+            for fault in ("KILL", "STOP", "DIRECTORY", "missed"):
                 exact, lost = self.counts[op, fault, "exact"], self.counts[op, fault, "lost"]
                 if exact or lost:
                     worst = f"{self.worst.get(op, 0):.1f}" if fault != "missed" else ""
-                    rows.append(f"{op:<16} {fault:<7} {exact:>5} {lost:>5}  {worst}")
+                    rows.append(f"{op:<16} {fault:<10} {exact:>5} {lost:>5}  {worst}")
         rows.append(f"failed: {len(self.failures)}")
         return "\n".join(rows)
 
@@ -538,7 +588,7 @@ def result_lost(soak: Soak, run: Run, rid: Any, exc: Exception) -> None:
 def _gone(soak: Soak, run: Run) -> bool:
     """Whether the directory no longer counts the victim's node (a killed one closes its
     connection; a stopped one misses its lease)."""
-    return run.sig == "KILL" or run.node_id not in soak.owner._embedded.state.nodes
+    return run.sig == "KILL" or run.node_id not in soak.owner.directory_summary()["nodes"]
 
 
 def coded(soak: Soak, run: Run, rng: random.Random) -> None:
