@@ -8,6 +8,7 @@ connection, and say what went wrong with a typed error.
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 import time
@@ -219,6 +220,49 @@ def test_a_peer_speaking_another_data_plane_is_named(rogue: tuple[int, list[byte
             IOThread.get().run(plane.pull("127.0.0.1", port, into, 1), timeout=30)
     finally:
         IOThread.get().run(plane.close(), timeout=30)
+
+
+def test_a_connection_given_up_that_ends_anyway_is_closed_and_its_error_retrieved() -> None:
+    # Found by tests/test_soak.py ("Task exception was never retrieved"): a pull stopped while
+    # connecting cancels the connection, and a cancellation that lands as the connect finishes
+    # is lost on Python < 3.12 (asyncio.wait_for): the task ends with the connect's error, or
+    # with a socket nobody uses.
+    plane = TcpDataPlane(LocalStore(1 << 20), TOKEN, Config(connect_timeout=5))
+    unused, peer = socket.socketpair()
+
+    async def finishing_anyway(outcome: Any) -> socket.socket:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if isinstance(outcome, BaseException):
+                raise outcome from None
+        return outcome  # type: ignore[no-any-return]
+
+    async def give_up_both() -> list[dict[str, Any]]:
+        unhandled: list[dict[str, Any]] = []
+        loop = asyncio.get_running_loop()
+        previous = loop.get_exception_handler()
+        loop.set_exception_handler(lambda _, context: unhandled.append(context))
+        try:
+            tasks = [
+                asyncio.ensure_future(finishing_anyway(o)) for o in (hg.TransportError("refused"), unused)
+            ]
+            await asyncio.sleep(0)  # both wait in their connect
+            for task in tasks:
+                plane._give_up(task)
+            await asyncio.wait(tasks)
+            del tasks
+            gc.collect()  # an unretrieved exception is reported when its task is collected
+            return unhandled
+        finally:
+            loop.set_exception_handler(previous)
+
+    try:
+        assert IOThread.get().run(give_up_both(), timeout=30) == []
+        assert unused.fileno() == -1 or peer.recv(1) == b""  # the unused connection was closed
+    finally:
+        IOThread.get().run(plane.close(), timeout=30)
+        peer.close()
 
 
 def test_data_plane_must_be_a_known_one() -> None:

@@ -359,17 +359,29 @@ class TcpDataPlane(PlaneBase):
             waits: list[asyncio.Future[Any]] = [connecting, *stops]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
-            connecting.cancel()
+            self._give_up(connecting)
             raise
         finally:
             obj.forget_failure(failed)
         if connecting.done():
             return connecting.result()
-        connecting.cancel()
+        self._give_up(connecting)
         for fut in stops:
             if fut.done() and not fut.cancelled() and fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
         raise PeerLostError(f"pull from {address} was stopped", peer=address, cause="aborted")
+
+    def _give_up(self, connecting: asyncio.Future[socket.socket]) -> None:
+        """Cancel a connection nobody waits for; one that ends anyway (a cancellation that lands
+        as the connect finishes) is closed, and its error retrieved (the soak saw "Task
+        exception was never retrieved")."""
+
+        def discard(task: asyncio.Future[socket.socket]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                self._forget(task.result())
+
+        connecting.cancel()
+        connecting.add_done_callback(discard)
 
     async def _authenticate_client(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, address: str
