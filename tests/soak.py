@@ -19,7 +19,9 @@ never fired:
 With a standalone directory (``Soak(..., directory=DirectoryProcess)``) a third fault joins
 them, ``DIRECTORY``: the directory is SIGKILLed a random moment after the operation started and
 restarted at once at the same address. No member dies, so every member must end **exact**: the
-nodes reconnect, restore their copies and re-send what they wait for.
+nodes reconnect, restore their copies and re-send what they wait for. Its workers share memory
+(same-host copies through ``/dev/shm``, the default on one host), and no segment of a process the
+soak started may outlive it once the run settled.
 
 A failed run writes the directory's event log (``HOPLITE_SOAK_LOG``), replaces every worker and
 the soak goes on; :meth:`Soak.table` prints the counts per operation and fault.
@@ -31,6 +33,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import signal
 import tempfile
 import threading
@@ -45,6 +48,7 @@ import numpy as np
 import hoplite_gpu as hg
 from hoplite_gpu.coding import GradientCode
 from hoplite_gpu.directory import DirectoryProcess
+from hoplite_gpu.memory import sweep_orphans
 from tests.procs import Worker, digest, make_array, start_workers, weights_state
 
 WORKERS = 4
@@ -69,6 +73,8 @@ SIGNALS = ("KILL", "STOP")
 #: The directory fault (a standalone directory killed and restarted) comes at most this long after
 #: the operation started.
 RESTART_WITHIN = 0.5
+SHM = "/dev/shm"
+_SEGMENT = re.compile(r"hoplite-\d+-(\d+)-\d+-[0-9a-f]+")  # a process's segment (memory/shm.py)
 #: Errors that say what was lost: the soak's "lost" outcome.
 TYPED = ("MemberLostError", "ObjectLostError", "WeightSyncError")
 
@@ -132,6 +138,9 @@ class Soak:
         self.owner = owner
         self.directory = directory
         self.signals = SIGNALS if directory is None else (*SIGNALS, "DIRECTORY")
+        # Same-host copies through /dev/shm (the default on one host) with the standalone directory.
+        self.config = {**CONFIG, "shared_memory": directory is not None and os.path.isdir(SHM)}
+        self.pids: set[int] = set()  # every worker process started
         self.seed = seed
         self.rng = random.Random(seed)
         self.operations = operations or tuple(OPERATIONS)
@@ -148,7 +157,9 @@ class Soak:
 
     # ------------------------------------------------------------ workers
     def _start(self, n: int) -> list[Worker]:
-        return start_workers(self.owner.directory_address, self.owner.token, n, **CONFIG)
+        workers = start_workers(self.owner.directory_address, self.owner.token, n, **self.config)
+        self.pids.update(w.proc.pid for w in workers)
+        return workers
 
     def replace(self, i: int) -> Worker:
         """Kill worker ``i`` (stopped or not) and start a fresh one (a restarted task)."""
@@ -167,8 +178,11 @@ class Soak:
         self.workers = self._start(WORKERS)
 
     def finish_soak(self) -> None:
-        """Kill the workers and unset the fault log (if this soak set it)."""
+        """Kill the workers, sweep the segments they could not unlink (killed) and unset the
+        fault log (if this soak set it)."""
         self.close()
+        if self.config["shared_memory"]:
+            sweep_orphans()
         if self._set_log:
             os.environ.pop("HOPLITE_FAULT_LOG", None)
 
@@ -356,11 +370,24 @@ class Soak:
         found += [f"reduction {rid[:12]}" for rid in summary["reductions"]]
         return found
 
+    def orphans(self) -> list[str]:
+        """Shared-memory segments of worker processes that are gone (a killed one cannot unlink
+        its own: the next node to start on the host sweeps them, see ``sweep_orphans``)."""
+        if not self.config["shared_memory"]:
+            return []
+        live = {w.proc.pid for w in self.workers}
+        found = []
+        for name in os.listdir(SHM):
+            m = _SEGMENT.fullmatch(name)
+            if m is not None and int(m.group(1)) in self.pids - live:
+                found.append(f"/dev/shm/{name}")
+        return found
+
     def settle(self, run: Run) -> None:
         """Wait (with a deadline) until :meth:`leaks` finds nothing: deletes run in the background."""
         end = time.monotonic() + 30
         while True:
-            found = self.leaks()
+            found = self.leaks() + self.orphans()
             if not found:
                 return
             if time.monotonic() > end:
