@@ -185,6 +185,28 @@ def test_an_answer_to_a_withdrawn_lookup_ends_the_transfer_it_began(owner: Any) 
     assert [e["kind"] for e in events] == ["transfer_start", "transfer_done"], events
 
 
+def test_a_message_sent_on_a_connection_closed_under_it_is_a_typed_error(owner: Any) -> None:
+    # Found by tests/test_soak.py on a killed directory: a served transfer's report went out on a
+    # connection whose transport had closed before the read loop saw it; uvloop raised
+    # RuntimeError("the handler is closed"), which escaped the session's send and the serving task.
+    async def send_after_the_close() -> None:
+        client = ControlClient(lambda msg: None, 1 << 20)
+        await client.connect(owner.directory_address, owner.token, "closing-peer", "127.0.0.1", 9, 5.0)
+        assert client._writer is not None
+        client._writer.transport.abort()  # closed under the client, its read loop not yet told
+        try:
+            for _ in range(100):  # a turn of the loop closes the transport; the read loop sees it later
+                await asyncio.sleep(0)
+                try:
+                    client.send(p.Heartbeat())
+                except hg.DirectoryUnavailableError:
+                    return  # (asyncio's own loop drops writes to a closed transport, with a warning)
+        finally:
+            await client.close()
+
+    IOThread.get().run(send_after_the_close(), timeout=30)
+
+
 def test_a_lookup_cancelled_as_its_answer_comes_ends_the_transfer_it_began(
     owner: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -218,6 +218,7 @@ class ControlClient:
             InvalidArgumentError: it encodes to more than the control message limit (ours, or
                 what the directory's inline threshold implies if larger), which the directory
                 would refuse (nothing is sent).
+            DirectoryUnavailableError: the connection is lost or closed.
         """
         if self._lost is not None:
             raise self._lost
@@ -227,7 +228,15 @@ class ControlClient:
         limit = max(self.limit, self.inline_threshold_bytes + MiB)
         if len(frame) - p.FRAME_HEADER.size > limit:
             raise _too_large(msg, len(frame) - p.FRAME_HEADER.size, limit)
-        self._writer.write(frame)
+        try:
+            self._writer.write(frame)
+        except (RuntimeError, OSError) as exc:  # closed under us (uvloop: "the handler is closed")
+            # before the read loop saw it: the directory was killed (the soak saw this)
+            raise DirectoryUnavailableError(
+                f"the connection to the directory at {self.address} is closed",
+                peer=self.address,
+                cause="closed",
+            ) from exc
 
     def expect(self, request_id: int) -> asyncio.Future[p.Message]:
         """Register interest in the reply to ``request_id`` (call before :meth:`send`)."""
