@@ -24,9 +24,9 @@ def make_state(*nodes: str, quota: int = 100_000, lease: float = math.inf) -> Di
     return state
 
 
-def watch(state, node, rank, count=3, rid=None, abort="", now=0.0, gid=GID):
+def watch(state, node, rank, count=3, rid=None, abort="", now=0.0, gid=GID, again=False):
     rid = 10 + rank if rid is None else rid
-    msg = p.WatchRequest(request_id=rid, group_id=gid, rank=rank, count=count, abort=abort)
+    msg = p.WatchRequest(request_id=rid, group_id=gid, rank=rank, count=count, abort=abort, again=again)
     return [(s.node_id, s.message) for s in state.handle(Request(node, msg, now))]
 
 
@@ -123,6 +123,42 @@ def test_ended_groups_are_remembered_up_to_a_bound(monkeypatch):
         watch(state, "B", 1, count=2, rid=90 + i, abort="done", gid=gid)
     assert list(state.watches.ended) == [bytes([1]) * 20, bytes([2]) * 20]
     assert watch(state, "A", 0, count=2, gid=bytes([0]) * 20) == []  # forgotten: a new group
+
+
+def restarted(*nodes: str) -> DirectoryState:
+    """A fresh directory (the old one died) that ``nodes`` rejoin at 0 s, with a 5 s lease."""
+    state = DirectoryState(DirectoryConfig(lease_timeout=5.0, validate=True))
+    for i, node in enumerate(nodes):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, rejoin=True))
+    return state
+
+
+def test_a_member_that_did_not_watch_again_after_a_restart_is_lost_when_recovery_ends():
+    # Found by tests/test_soak.py: a member stopped just after the directory restarted, before it
+    # watched again; the restarted directory did not know it was a member, so its node's death
+    # (its lease) was not reported, and the others waited for the group's timeout.
+    state = restarted("A", "B", "C")
+    assert watch(state, "A", 0, again=True) == [] and watch(state, "B", 1, again=True) == []
+    for node in ("A", "B"):
+        state.handle(Request(node, p.Heartbeat(), 4.0))
+    out = [(s.node_id, s.message) for s in state.handle(Tick(5.0)) if hasattr(s, "message")]
+    replies = {node: m for node, m in out if isinstance(m, p.WatchReply)}
+    assert sorted(replies) == ["A", "B"]
+    assert replies["A"].lost == [2] and "did not watch again" in replies["A"].reasons[0]
+    assert [e["rank"] for e in state.events if e["kind"] == "member_lost"] == [2]
+
+
+def test_members_that_all_watched_again_or_a_group_watched_afresh_lose_nobody_at_recovery():
+    state = restarted("A", "B", "C")
+    for rank, node in enumerate("ABC"):
+        assert watch(state, node, rank, again=True) == []
+    fresh = b"f" * 20  # a group first watched while the directory recovers: its ranks may be late
+    assert watch(state, "A", 0, gid=fresh, rid=90) == []
+    for node in "ABC":
+        state.handle(Request(node, p.Heartbeat(), 4.0))
+    assert [s for s in state.handle(Tick(5.0)) if isinstance(getattr(s, "message", None), p.WatchReply)] == []
+    assert sorted(state.watches.groups[GID].waiting) == [0, 1, 2]
+    assert list(state.watches.groups[fresh].waiting) == [0]
 
 
 def test_the_message_is_validated():

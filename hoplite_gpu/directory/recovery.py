@@ -3,7 +3,8 @@
 Nodes that lost their directory rejoin (``NodeJoined.rejoin``) and re-send what they hold as
 :class:`~hoplite_gpu.protocol.Restore` messages, and their unfinished reductions with ``rejoin``.
 For a lease after the first rejoin, a resumed lookup of an object not known yet waits (its source
-may not have rejoined yet) instead of failing as lost; after it, such a lookup fails.
+may not have rejoined yet) instead of failing as lost; after it, such a lookup fails, and so does
+a member of a watched group that has not watched again (:meth:`.watches.Watches.recovered`).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Recovery:
         state, lookups = self.state, self.state.lookups
         self.until = None
         state.record(now, "directory_recovered", objects=len(self.objects))
+        state.watches.recovered(now)
         for oid in [o for o in lookups.pending if o not in self.objects]:
             red = state.reductions.get(oid)
             if red is not None and red.active:

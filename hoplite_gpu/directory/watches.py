@@ -11,8 +11,12 @@ that withdraws its request (``CancelLookup``) leaves the group cleanly and is no
 A group is kept while a member watches it; once none does, its lost members are remembered
 (the newest :data:`ENDED_KEPT` groups), so that a member arriving late still hears of them. A
 restarted directory knows no group: members still watching send theirs again (the session repeats
-a request the lost directory did not answer); deaths while it was down go unreported (the
-collectives' timeouts still bound every wait).
+a request the lost directory did not answer, marked ``again``). A member of such a group that has
+not watched again when the restart's recovery window closes (a lease after the first node
+rejoined: :meth:`Watches.recovered`) is lost: it died while the directory was down, or before it
+could watch again (its node's own death after that is reported as always). A member that had left
+cleanly before the restart is reported too, which the group's other members, also past their last
+collective, do not see.
 
 The room receives what it uses: the function that sends a message to a node, the one that records
 an event, and the most watches a node may hold.
@@ -39,6 +43,7 @@ class WatchedGroup:
     members: dict[int, str] = field(default_factory=dict)
     waiting: dict[int, tuple[str, int]] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
+    again: bool = False  # watched again after a restart of the directory: see Watches.recovered
 
 
 class Watches:
@@ -85,6 +90,7 @@ class Watches:
             self._close_if_idle(gid, group)
             return
         group.members[rank] = node_id
+        group.again = group.again or msg.again
         self._record(now, "watch", node=node_id, group_id=gid.hex(), rank=rank, lost=len(group.lost))
         if group.lost:
             self._answer(node_id, msg.request_id, group)
@@ -163,6 +169,18 @@ class Watches:
         self._withdraw(group, rank)
         group.members.pop(rank, None)
         self._close_if_idle(gid, group)
+
+    def recovered(self, now: float) -> None:
+        """The restart's recovery window closed (see :mod:`.recovery`): the members of a group
+        watched again that have not watched again by now are lost (their node died while the
+        directory was down, or before it watched again: nothing else would report them)."""
+        for gid, group in list(self.groups.items()):
+            if group.again:
+                group.again = False
+                why = "rank {} did not watch again within a lease of the directory's restart"
+                missing = {r: why.format(r) for r in range(group.count) if r not in group.members}
+                self._lose(gid, group, missing, now)
+                self._close_if_idle(gid, group)
 
     def forget_node(self, node_id: str, now: float, reason: str) -> None:
         """``node_id`` left: its members of every group are lost."""

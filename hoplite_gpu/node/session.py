@@ -470,9 +470,16 @@ class DirectorySession:
         member is lost (held until then; cancel to withdraw); with ``abort``, gives up on the
         group and returns at once (see :class:`~hoplite_gpu.protocol.WatchRequest`)."""
 
+        tries = itertools.count()
+
         async def once(control: ControlClient, left: float | None) -> p.WatchReply:
             request = p.WatchRequest(
-                request_id=control.next_id(), group_id=group_id, rank=rank, count=count, abort=abort
+                request_id=control.next_id(),
+                group_id=group_id,
+                rank=rank,
+                count=count,
+                abort=abort,
+                again=next(tries) > 0,  # to a restarted directory: see Watches.recovered
             )
             reply = await self._wait_for_reply(control, request, left, "a watch")
             if not isinstance(reply, p.WatchReply):

@@ -590,7 +590,8 @@ class WatchRequest(Message):
     ``abort`` set, the member gives up on the group instead, for that reason: it is lost from
     now on, every member watching is answered, and so is this request (at once). A group's
     collectives use it to fail at once when a member is gone (:class:`hoplite_gpu.collective.Group`
-    with ``watch=True``)."""
+    with ``watch=True``). ``again``: sent again to a restarted directory (this member watched
+    the one before it)."""
 
     TYPE: ClassVar[str] = "watch"
     request_id: int
@@ -598,6 +599,7 @@ class WatchRequest(Message):
     rank: int
     count: int
     abort: str = ""
+    again: bool = False
 
     def check(self) -> None:
         check_id(self.TYPE, "group_id", self.group_id)
