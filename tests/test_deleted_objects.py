@@ -13,7 +13,7 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu.directory import catalog
 from hoplite_gpu.protocol import DeleteRequest, LookupReply
-from tests.procs import Worker, digest, make_array, start_workers
+from tests.procs import MARGIN, Worker, digest, make_array, start_workers
 from tests.test_directory_state import OID, done, lookup, make_state, pull, put, req
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,7 +99,7 @@ def test_a_get_of_a_deleted_object_raises_object_deleted_error_elsewhere(
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="ObjectDeletedError"):
         reader.call("get", oid.hex(), None, timeout=30.0)  # the default timeout: none (forever)
-    assert time.monotonic() - started < 20.0
+    assert time.monotonic() - started < MARGIN  # at once: the directory knows it was deleted
     with pytest.raises(hg.ObjectDeletedError, match="deleted"):
         owner.get(oid)
     owner.put(np.arange(4, dtype=np.int32), oid)  # the id may be used anew

@@ -27,6 +27,7 @@ from hoplite_gpu.memory import shm
 from hoplite_gpu.node import Node
 from hoplite_gpu.node.control import ControlClient
 from hoplite_gpu.topology import GpuInfo, Inventory
+from tests.procs import MARGIN
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,7 +158,7 @@ def test_a_peer_sending_a_bad_dtype_is_dropped_and_the_directory_keeps_its_timer
     started = time.monotonic()
     with pytest.raises(hg.HopliteTimeoutError):
         owner.get(hg.ObjectID.random(), timeout=1)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 1 + MARGIN
     oid = owner.put(np.arange(5))
     assert np.array_equal(owner.get(oid, timeout=5), np.arange(5))
 
@@ -257,6 +258,7 @@ def test_an_acknowledgement_put_as_its_recv_was_cancelled_is_deleted_with_the_gr
         coll.Group(owner, 1, 2, name, timeout=30),
     )
     put_async = Node.put_async
+    before = {o["object_id"] for o in owner.directory_summary()["objects"]}  # earlier tests' objects
 
     async def landed_then_cancelled(self: Node, array: Any, *args: Any, **kwargs: Any) -> Any:
         oid = await put_async(self, array, *args, **kwargs)
@@ -275,8 +277,7 @@ def test_an_acknowledgement_put_as_its_recv_was_cancelled_is_deleted_with_the_gr
             destroyed = pool.submit(sender.destroy)
             receiver.destroy()
             destroyed.result(30)
-        mine = {owner.node_id, sender_node.node_id}
-        assert [o for o in owner.directory_summary()["objects"] if o["owner"] in mine] == []
+        assert [o for o in owner.directory_summary()["objects"] if o["object_id"] not in before] == []
     finally:
         sender_node.close()
 

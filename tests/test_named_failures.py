@@ -11,7 +11,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu.collective import Group
-from tests.procs import make_array, start_workers
+from tests.procs import MARGIN, make_array, start_workers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -21,7 +21,7 @@ def test_a_get_of_an_object_nobody_put_says_so(owner: Any) -> None:
     started = time.monotonic()
     with pytest.raises(hg.HopliteTimeoutError, match="no node has put it") as info:
         owner.get(oid, timeout=0.5)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 0.5 + MARGIN
     assert info.value.object_id == oid.hex() and oid.hex() in str(info.value)
 
 
@@ -75,7 +75,7 @@ def test_a_collective_with_a_member_missing_names_its_rank(owner: Any, op: str) 
         started = time.monotonic()
         with pytest.raises(hg.HopliteTimeoutError) as info:
             run()
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 1.5 + MARGIN  # the group's timeout
         text = str(info.value)
         assert f"group {name!r}, rank 0 of 3" in text, text
         assert info.value.waiting_for_ranks == [1], text

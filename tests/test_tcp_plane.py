@@ -24,6 +24,7 @@ from hoplite_gpu.dataplane import TcpDataPlane
 from hoplite_gpu.iothread import IOThread
 from hoplite_gpu.memory.buffers import Buffer
 from hoplite_gpu.memory.store import LocalObject, LocalStore
+from tests.procs import MARGIN
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,7 +159,7 @@ def test_a_stalled_sender_is_a_peer_lost_error_after_the_stall_timeout() -> None
         started = time.monotonic()
         with pytest.raises(hg.PeerLostError, match=r"no progress for 1\.0 s"):
             both.run(both.client.pull("127.0.0.1", both.port, into, 4))
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 1.0 + MARGIN
         assert into.progress == MiB and np.array_equal(into.buffer.view(0, MiB), src[:MiB])
     finally:
         both.close()
