@@ -7,6 +7,8 @@ SIGKILL, and every wait has a deadline.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -155,3 +157,26 @@ def test_a_directory_process_that_cannot_listen_raises_a_typed_error() -> None:
         with pytest.raises(hg.DirectoryUnavailableError, match="did not start"):
             d.start()
         assert not d.running
+
+
+def test_a_member_stopped_just_after_making_its_group_across_a_restart_is_reported(
+    directory: DirectoryProcess, owner: Any
+) -> None:
+    # Found by tests/test_soak.py: a member made its watched group while its node was still
+    # reconnecting to a restarted directory and was stopped before the watch went out; the
+    # directory never knew it was a member, and the others waited for the group's timeout.
+    # Making a watched group now returns once the directory holds the watch.
+    worker = start_workers(directory.address, directory.token, 1)[0]
+    try:
+        directory.kill()
+        directory.start()
+        worker.send("group", "across", 1, 2, 60.0, True)
+        assert worker.result(60) == 1
+        os.kill(worker.proc.pid, signal.SIGSTOP)  # its lease (8 s) runs out: it is lost
+        stopped = time.monotonic()
+        group = hg.collective.Group(owner, 0, 2, "across", timeout=60.0, watch=True)
+        with pytest.raises(hg.MemberLostError, match="rank 1"):
+            hg.collective.barrier(group)
+        assert time.monotonic() - stopped < 8.0 + MARGIN
+    finally:
+        worker.kill()

@@ -105,10 +105,12 @@ class Group:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_lost: list[Callable[[HopliteError], None]] = []
         if watch:
-            self._watching = node._io.submit(self._watch())
-            # The watch's request goes out in the task's first step: once a later one has run,
-            # it is on its way, ahead of anything this member sends next.
-            node._io.run(asyncio.sleep(0))
+            # Returns once the directory holds the watch (or the watch ended: refused, or the
+            # directory gone): a member that dies after its group was made is always reported.
+            registered: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._watching = node._io.submit(self._watch(registered))
+            bound = node.config.reconnect_timeout + node.config.request_timeout
+            concurrent.futures.wait([registered, self._watching], bound, concurrent.futures.FIRST_COMPLETED)
 
     def __repr__(self) -> str:
         return (
@@ -216,10 +218,18 @@ class Group:
     def _watch_id(self) -> ObjectID:
         return ObjectID.from_name(f"hoplite-group/{self.name}/watch")
 
-    async def _watch(self) -> None:
-        """Watch the group until a member is lost (then break it), or until cancelled."""
+    async def _watch(self, registered: concurrent.futures.Future[None]) -> None:
+        """Watch the group until a member is lost (then break it), or until cancelled;
+        ``registered`` is resolved once the directory holds the watch."""
+        held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def tell(_: asyncio.Future[None]) -> None:
+            if not registered.done():
+                registered.set_result(None)
+
+        held.add_done_callback(tell)
         try:
-            lost = await self.node.watch_group_async(self._watch_id(), self.rank, self.world_size)
+            lost = await self.node.watch_group_async(self._watch_id(), self.rank, self.world_size, held)
         except NodeClosedError:
             return
         except HopliteError as exc:  # the directory is gone, or refused the watch

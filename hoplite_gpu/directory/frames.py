@@ -31,6 +31,7 @@ ANSWERED = frozenset(
         p.ReducedObjectsRequest,
         p.EventLogRequest,
         p.SummaryRequest,
+        p.PingRequest,
         p.BarrierRequest,
     )
 )

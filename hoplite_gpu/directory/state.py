@@ -385,6 +385,10 @@ class DirectoryState:
     def _on_event_log(self, node_id: str, msg: p.EventLogRequest, now: float) -> None:
         self.send(node_id, p.EventLogReply(request_id=msg.request_id, events=self.eventlog.page(msg.since)))
 
+    @on_request(p.PingRequest)
+    def _on_ping(self, node_id: str, msg: p.PingRequest, now: float) -> None:
+        self.send(node_id, p.PingReply(request_id=msg.request_id))
+
     @on_request(p.SummaryRequest)
     def _on_summary(self, node_id: str, msg: p.SummaryRequest, now: float) -> None:
         self.send(node_id, p.SummaryReply(request_id=msg.request_id, summary=self.summary()))

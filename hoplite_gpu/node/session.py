@@ -465,12 +465,29 @@ class DirectorySession:
 
         return await self.with_directory(once, timeout)
 
-    async def watch(self, group_id: bytes, rank: int, count: int, abort: str = "") -> p.WatchReply:
+    async def watch(
+        self,
+        group_id: bytes,
+        rank: int,
+        count: int,
+        abort: str = "",
+        registered: asyncio.Future[None] | None = None,
+    ) -> p.WatchReply:
         """Member ``rank`` of ``count`` watches group ``group_id``: the directory's reply once a
         member is lost (held until then; cancel to withdraw); with ``abort``, gives up on the
-        group and returns at once (see :class:`~hoplite_gpu.protocol.WatchRequest`)."""
+        group and returns at once (see :class:`~hoplite_gpu.protocol.WatchRequest`).
+        ``registered`` is resolved once the directory holds the watch (a ping after it on the
+        same connection came back)."""
 
         tries = itertools.count()
+
+        async def confirm(control: ControlClient) -> None:
+            if registered is not None and not registered.done():
+                await control.request(
+                    p.PingRequest(request_id=control.next_id()), self.config.request_timeout
+                )
+                if not registered.done():
+                    registered.set_result(None)
 
         async def once(control: ControlClient, left: float | None) -> p.WatchReply:
             request = p.WatchRequest(
@@ -481,7 +498,7 @@ class DirectorySession:
                 abort=abort,
                 again=next(tries) > 0,  # to a restarted directory: see Watches.recovered
             )
-            reply = await self._wait_for_reply(control, request, left, "a watch")
+            reply = await self._wait_for_reply(control, request, left, "a watch", sent=confirm)
             if not isinstance(reply, p.WatchReply):
                 raise ProtocolError(f"unexpected reply to watch: {reply.TYPE}")
             return reply
@@ -489,14 +506,23 @@ class DirectorySession:
         return await self.with_directory(once, self.config.request_timeout if abort else None)
 
     async def _wait_for_reply(
-        self, control: ControlClient, request: Any, timeout: float | None, what: str, **fields: Any
+        self,
+        control: ControlClient,
+        request: Any,
+        timeout: float | None,
+        what: str,
+        sent: Callable[[ControlClient], Awaitable[None]] | None = None,
+        **fields: Any,
     ) -> p.Message:
         """Send ``request`` (one the directory holds until it can answer, or until its own
-        ``timeout``) and return the reply; withdrawn (``CancelLookup``) if the caller gives up."""
+        ``timeout``) and return the reply; withdrawn (``CancelLookup``) if the caller gives up.
+        ``sent(control)`` is awaited once it is sent."""
         rid = request.request_id
         fut = control.expect(rid)
         try:
             control.send(request)
+            if sent is not None:
+                await sent(control)
             # The directory enforces the deadline; the margin covers a directory that went silent.
             guard = None if timeout is None else timeout + self.config.request_timeout
             reply = await within(fut, guard)

@@ -4,6 +4,7 @@ uses them; they are :class:`~hoplite_gpu.node.Node` methods."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from .. import protocol as p
@@ -22,13 +23,21 @@ class GroupWatches:
     def _check_open(self) -> None:  # (the node's)
         raise NotImplementedError
 
-    async def watch_group_async(self, group_id: ObjectID, rank: int, count: int) -> dict[int, str]:
+    async def watch_group_async(
+        self,
+        group_id: ObjectID,
+        rank: int,
+        count: int,
+        registered: asyncio.Future[None] | None = None,
+    ) -> dict[int, str]:
         """Watch a group as its member ``rank`` of ``count``: returns once a member of the group
         is lost, with each lost member's rank and why (at once if one already is). A member is
         lost when its node leaves the directory (its process died or closed the node, or its
         lease ran out) or when it gives up on the group (:meth:`abort_group`). Cancel the call
         to stop watching: this member then leaves the group cleanly and is not reported.
-        :class:`hoplite_gpu.collective.Group` with ``watch=True`` uses it.
+        :class:`hoplite_gpu.collective.Group` with ``watch=True`` uses it. ``registered`` (a
+        future of this node's I/O loop) is resolved once the directory holds the watch: this
+        member's death is reported from then on (a member that dies before is known to nobody).
 
         Raises:
             InvalidArgumentError: bad arguments, or the group was watched with another ``count``,
@@ -38,7 +47,8 @@ class GroupWatches:
         """
         self._check_open()
         self._check_member(group_id, rank, count)
-        reply = await self._io.run_async(self._session.watch(group_id.binary(), rank, count))
+        watch = self._session.watch(group_id.binary(), rank, count, registered=registered)
+        reply = await self._io.run_async(watch)
         return dict(zip(reply.lost, reply.reasons, strict=False))
 
     def abort_group(self, group_id: ObjectID, rank: int, count: int, reason: str) -> dict[int, str]:

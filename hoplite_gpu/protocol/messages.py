@@ -353,6 +353,16 @@ class SummaryRequest(Message):
     request_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class PingRequest(Message):
+    """Answered at once with a :class:`PingReply`. The directory handles a connection's messages
+    in order, so the reply says that what the node sent before it on that connection was handled
+    (a group member knows its watch is registered: :class:`hoplite_gpu.collective.Group`)."""
+
+    TYPE: ClassVar[str] = "ping"
+    request_id: int
+
+
 # ---------------------------------------------------------------- replies and pushes
 @dataclass(frozen=True, slots=True)
 class PutReply(Message):
@@ -637,6 +647,14 @@ class SummaryReply(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class PingReply(Message):
+    """Directory -> node: the answer to a :class:`PingRequest`."""
+
+    TYPE: ClassVar[str] = "ping_reply"
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorReply(Message):
     """Directory -> node: the request could not be served."""
 
@@ -664,6 +682,7 @@ FROM_NODES: frozenset[type[Message]] = frozenset(
         VertexDone,
         EventLogRequest,
         SummaryRequest,
+        PingRequest,
         BarrierRequest,
         WatchRequest,
     }
