@@ -358,7 +358,8 @@ class Soak:
         summary = self.owner.directory_summary()
         live = {w.node_id for w in self.workers} | {self.owner.node_id}
         found = [
-            f"object {o['object_id'][:12]} of {o['owner'][:8]} held by {len(o['holders'] + o['receiving'])}"
+            f"object {o['object_id'][:12]} ({o['size']} B) of {o['owner'][:8]} held by "
+            f"{len(o['holders'] + o['receiving'])}"
             for o in summary["objects"]
             if o["owner"] in live or not (o["inline"] or o["holders"] or o["receiving"])
         ]

@@ -500,7 +500,14 @@ def test_the_summary_names_what_the_directory_holds():
     summary = out[0].message.summary
     assert summary["nodes"] == ["A", "B", "C"]
     assert summary["objects"] == [
-        {"object_id": OID.hex(), "owner": "A", "holders": ["A"], "receiving": ["B"], "inline": False}
+        {
+            "object_id": OID.hex(),
+            "owner": "A",
+            "size": MiB,
+            "holders": ["A"],
+            "receiving": ["B"],
+            "inline": False,
+        }
     ]
     assert summary["lookups"] == [(b"z" * 20).hex()] and summary["lookups_total"] == 1
     assert summary["transfers"] == [{"object_id": OID.hex(), "sender": "A", "receiver": "B"}]

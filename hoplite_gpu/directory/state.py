@@ -394,7 +394,7 @@ class DirectoryState:
         self.send(node_id, p.SummaryReply(request_id=msg.request_id, summary=self.summary()))
 
     def summary(self) -> dict[str, Any]:
-        """What the directory holds now, in brief: the live nodes; each object with its owner,
+        """What the directory holds now, in brief: the live nodes; each object with its owner, size,
         the live nodes holding a complete copy (``holders``) or still receiving one
         (``receiving``) and whether its bytes are inline;
         the objects with lookups waiting; the transfers under way; the unfinished reductions; the
@@ -405,6 +405,7 @@ class DirectoryState:
             {
                 "object_id": oid.hex(),
                 "owner": entry.owner,
+                "size": entry.size,
                 "holders": sorted(
                     n for n, loc in entry.locations.items() if n in self.nodes and loc.state is COMPLETE
                 ),

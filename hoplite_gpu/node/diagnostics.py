@@ -33,7 +33,7 @@ class Diagnostics:
 
     def directory_summary(self) -> dict[str, Any]:
         """What the directory holds now, in brief (diagnostics, leak checks): its live ``nodes``;
-        its ``objects`` (each with ``object_id``, ``owner``, the live ``holders`` of a complete
+        its ``objects`` (each with ``object_id``, ``owner``, ``size``, the live ``holders`` of a complete
         copy and those still ``receiving`` one, and whether it is ``inline``); the objects with
         ``lookups`` waiting; the ``transfers`` under way; the unfinished ``reductions``; the
         counts of open ``barriers`` and ``watched_groups``. Lists stop at
