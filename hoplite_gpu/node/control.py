@@ -21,6 +21,7 @@ from ..errors import (
     ProtocolError,
     from_kind,
 )
+from ..iothread import bounded
 from ..topology import GpuPlace
 
 log = logging.getLogger("hoplite_gpu.control")
@@ -129,7 +130,7 @@ class ControlClient:
         host, port = parse_address(address)
         try:
             opening = asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
-            reader, writer = await asyncio.wait_for(opening, timeout)
+            reader, writer = await bounded(opening, timeout)
         except ssl.SSLError as exc:  # before OSError: it is one
             raise DirectoryUnavailableError(
                 f"TLS with the directory at {address} failed: {exc}; check Config.tls_ca_file "
@@ -144,7 +145,7 @@ class ControlClient:
                 cause=type(exc).__name__,
             ) from exc
         try:
-            challenge = await asyncio.wait_for(p.read_frame(reader, 4096), timeout)
+            challenge = await bounded(p.read_frame(reader, 4096), timeout)
             if not isinstance(challenge, p.Challenge):
                 raise ProtocolError(f"expected a challenge from {address}, got {challenge.TYPE}")
             mine = auth.new_nonce()
@@ -166,7 +167,7 @@ class ControlClient:
             )
             await writer.drain()
             try:
-                welcome = await asyncio.wait_for(p.read_frame(reader, 4096), timeout)
+                welcome = await bounded(p.read_frame(reader, 4096), timeout)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 raise AuthenticationError(
                     f"the directory at {address} refused our token (connection closed during authentication)",
@@ -333,4 +334,4 @@ class ControlClient:
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._writer.wait_closed(), 1.0)
+                await asyncio.wait_for(self._writer.wait_closed(), 1.0)  # (closing: nothing to lose)

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from .. import protocol as p
 from ..config import Config
 from ..errors import DirectoryUnavailableError, HopliteError, ProtocolError, from_kind
+from ..iothread import bounded
 from ..object_id import ObjectID
 from ..topology import GpuPlace
 from .control import ControlClient, within
@@ -301,7 +302,7 @@ class DirectorySession:
         # worker whose raylet died spins past its timeout) must not keep the process from exiting.
         threading.Thread(target=work, name="hoplite-resolve", daemon=True).start()
         try:
-            address = await asyncio.wait_for(asyncio.wrap_future(answer), left + 1.0)
+            address = await bounded(asyncio.wrap_future(answer), left + 1.0)
         except HopliteError:
             raise
         except asyncio.TimeoutError:
@@ -338,8 +339,8 @@ class DirectorySession:
         pending = self._reconnecting
         if pending is None or pending.done():
             return
-        try:
-            await asyncio.wait_for(asyncio.shield(pending), timeout)
+        try:  # (not asyncio.wait_for: before 3.12 it loses a cancellation as the reconnection ends)
+            await bounded(asyncio.shield(pending), timeout)
         except asyncio.TimeoutError:
             raise DirectoryUnavailableError(
                 f"the directory at {self.address} is unreachable (reconnecting)",
