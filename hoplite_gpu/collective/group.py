@@ -24,6 +24,7 @@ from ..errors import (
     MemberLostError,
     NodeClosedError,
     ObjectDeletedError,
+    ObjectLostError,
     ReduceMismatchError,
 )
 from ..iothread import all_or_cancel
@@ -410,6 +411,46 @@ class Group:
                 store.remove(oid)
         stall = self.node.config.stall_timeout
         return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), self._delete_now(oids))
+
+    async def _lending(self, seq: int, lent: list[ObjectID], steps: Coroutine[Any, Any, T]) -> T:
+        """``await steps`` of collective ``seq``, which lends the caller's memory as ``lent``. If
+        the node rejoins a restarted directory meanwhile, ``lent`` are failed at once, before the
+        node restores its copies (results received in place may have overwritten their bytes, and
+        the restarted directory would rebuild the unfinished reductions from them: the soak saw
+        wrong sums), and this raises :class:`ObjectLostError`."""
+        store = self.node._store
+        error = ObjectLostError(
+            f"the directory restarted during allreduce #{seq}: the reductions of the "
+            "shards this member lent cannot be rebuilt (results received in place overwrite them); "
+            f"call it again [{self._who()}]",
+            object_id=lent[0].hex(),
+        )
+        restarted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def rejoined() -> None:
+            for oid in lent:
+                obj = store.get(oid)
+                if obj is not None:
+                    obj.fail(error)
+                    store.remove(oid)
+            if not restarted.done():
+                restarted.set_result(None)
+
+        task: asyncio.Future[Any] = asyncio.ensure_future(steps)
+        self.node._rejoin_callbacks.add(rejoined)
+        try:
+            await asyncio.wait([task, restarted], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        finally:
+            self.node._rejoin_callbacks.discard(rejoined)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise error
 
     async def _get_received(self, oid: ObjectID, out: Any, received: list[LocalObject]) -> Any:
         """``get_async(oid, out=out, direct=True)``, but a copy pulled over the data plane into a

@@ -113,12 +113,16 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     # and deletes them; if it fails, it withdraws them first. bench/README.md, "Lent shards".
     lent = [inputs[j][me] for j in range(n)]
     received: list[LocalObject] = []  # results pulled straight into the shards
-    try:
+
+    async def steps() -> None:
         mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
         await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
         order = [(me + 1 + i) % n for i in range(n - 1)]
         await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
         await all_or_cancel([g._get_received(results[j], shards[j], received) for j in [*order, me]])
+
+    try:  # a restart of the directory fails it (ObjectLostError): see Group._lending
+        await g._lending(seq, lent, steps())
     except BaseException:
         await asyncio.shield(g._withdraw(lent, received))  # before the caller may write to its array
         raise

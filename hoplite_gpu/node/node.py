@@ -137,6 +137,9 @@ class Node(GroupWatches, Diagnostics):
             self.config.reduce_chunk_bytes,
             self.config.device_reduce_chunk_bytes,
         )
+        # Called when the node rejoins a restarted directory, before it restores its copies (a
+        # collective that lent the caller's memory: collective.Group._lending).
+        self._rejoin_callbacks: set[Callable[[], None]] = set()
         self._putter = Putter(self._store, self.config, self._session, self._delete, self._in_background)
         # The caller threads' own directory connections, for small puts and gets (see .channel).
         self._channels = Channels(self._session, token, self._io, self.config.caller_channels)
@@ -441,6 +444,8 @@ class Node(GroupWatches, Diagnostics):
         """Reconnected to a restarted directory: index under its key, and tell it about every
         complete copy held here."""
         self._index_joined()
+        for callback in list(self._rejoin_callbacks):
+            callback()
         for obj in self._store.objects():
             if obj.complete and not obj.reduction:
                 self._fetcher.restore(obj)
