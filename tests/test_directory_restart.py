@@ -180,3 +180,35 @@ def test_a_member_stopped_just_after_making_its_group_across_a_restart_is_report
         assert time.monotonic() - stopped < 8.0 + MARGIN
     finally:
         worker.kill()
+
+
+def test_a_sharded_allreduce_across_a_restart_raises_object_lost_not_a_wrong_sum(
+    directory: DirectoryProcess, owner: Any
+) -> None:
+    # Found by tests/test_soak.py: the sharded allreduce lends each member's array as its inputs
+    # and receives the results into it; the restarted directory rebuilt the unfinished reductions
+    # from restored inputs that results had partly overwritten, and members got wrong sums.
+    workers = start_workers(directory.address, directory.token, 4, **SLOW)
+    try:
+        for rank, w in enumerate(workers):
+            w.send("group", "sharded", rank, 4, 60.0, True)
+        assert [w.result(60) for w in workers] == [0, 1, 2, 3]
+        shape = (8 << 20,)  # 32 MiB of float32: 8 MiB shards, 0.5 s each at the rate limit
+        for w in workers:
+            w.send("allreduce", "sharded", "float32", shape, 40, "sum")
+        wait_for_events(owner, lambda evs: len(kinds(evs, "transfer_start")) >= 4)
+        directory.kill()
+        restarted = time.monotonic()
+        directory.start()
+        want = np.sum([make_array("float32", shape, 40 + r) for r in range(4)], axis=0, dtype=np.float32)
+        for w in workers:
+            try:
+                got = w.result(120)
+            except RuntimeError as exc:  # the typed error, soon after the restart
+                assert "ObjectLostError" in str(exc) and "the directory restarted" in str(exc), exc
+                assert time.monotonic() - restarted < 8.0 + MARGIN
+            else:
+                assert np.array_equal(got, want)  # finished before the restart mattered
+    finally:
+        for w in workers:
+            w.kill()
