@@ -208,6 +208,25 @@ def test_a_message_sent_on_a_connection_closed_under_it_is_a_typed_error(owner: 
     IOThread.get().run(send_after_the_close(), timeout=30)
 
 
+def test_a_request_whose_write_finds_the_connection_closed_waits_for_the_reconnection(owner: Any) -> None:
+    # Found by tests/test_soak.py on a killed directory: the write of a request found the
+    # connection closed before its read loop did, and the request failed with
+    # DirectoryUnavailableError instead of going out again once the node reconnected.
+    node = hg.connect(owner.directory_address, token=owner.token)
+    session = node._session
+
+    async def ping_after_the_close() -> Any:
+        assert session.control._writer is not None
+        session.control._writer.transport.abort()
+        await asyncio.sleep(0)  # the transport is closed; the read loop has not seen it yet
+        return await session.request(lambda rid: p.PingRequest(request_id=rid), 30.0)
+
+    try:
+        assert isinstance(IOThread.get().run(ping_after_the_close(), timeout=60), p.PingReply)
+    finally:
+        node.close()
+
+
 def test_a_lookup_cancelled_as_its_answer_comes_ends_the_transfer_it_began(
     owner: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -325,6 +325,13 @@ class ControlClient:
             except Exception:  # a bug there must not pass silently with this task
                 log.exception("handling the loss of the directory connection failed")
 
+    async def settled(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the read loop has ended: the connection's loss is
+        then known (:attr:`lost`) and told (``on_lost``)."""
+        if self._read_task is not None and not self._read_task.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await bounded(asyncio.shield(self._read_task), timeout)
+
     async def close(self) -> None:
         """Close the connection."""
         if self._read_task is not None:

@@ -363,7 +363,11 @@ class DirectorySession:
             control = self.control
             try:
                 return await call(control, left)
-            except DirectoryUnavailableError:
+            except DirectoryUnavailableError as exc:
+                if exc.fields.get("cause") == "closed" and not control.lost:
+                    # A write found the connection closed before its read loop did: let it see
+                    # the loss (and the reconnection begin) rather than fail (the restart soak).
+                    await control.settled(self.config.request_timeout)
                 if not self._will_reconnect(control):
                     raise
 
