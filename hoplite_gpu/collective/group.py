@@ -419,22 +419,23 @@ class Group:
         the restarted directory would rebuild the unfinished reductions from them: the soak saw
         wrong sums), and this raises :class:`ObjectLostError`."""
         store = self.node._store
-        error = ObjectLostError(
-            f"the directory restarted during allreduce #{seq}: the reductions of the "
-            "shards this member lent cannot be rebuilt (results received in place overwrite them); "
-            f"call it again [{self._who()}]",
-            object_id=lent[0].hex(),
-        )
-        restarted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        restarted: asyncio.Future[ObjectLostError] = asyncio.get_running_loop().create_future()
 
         def rejoined() -> None:
+            if restarted.done():
+                return
+            error = ObjectLostError(
+                f"the directory restarted during allreduce #{seq}: the reductions of the "
+                "shards this member lent cannot be rebuilt (results received in place overwrite "
+                f"them); call it again [{self._who()}]",
+                object_id=lent[0].hex(),
+            )
             for oid in lent:
                 obj = store.get(oid)
                 if obj is not None:
                     obj.fail(error)
                     store.remove(oid)
-            if not restarted.done():
-                restarted.set_result(None)
+            restarted.set_result(error)
 
         task: asyncio.Future[Any] = asyncio.ensure_future(steps)
         self.node._rejoin_callbacks.add(rejoined)
@@ -450,7 +451,7 @@ class Group:
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        raise error
+        raise restarted.result()
 
     async def _get_received(self, oid: ObjectID, out: Any, received: list[LocalObject]) -> Any:
         """``get_async(oid, out=out, direct=True)``, but a copy pulled over the data plane into a

@@ -396,10 +396,10 @@ class DirectoryState:
     def summary(self) -> dict[str, Any]:
         """What the directory holds now, in brief: the live nodes; each object with its owner, size,
         the live nodes holding a complete copy (``holders``) or still receiving one
-        (``receiving``) and whether its bytes are inline;
-        the objects with lookups waiting; the transfers under way; the unfinished reductions; the
-        open barriers and watched groups. Each list holds at most :data:`~hoplite_gpu.protocol.
-        SUMMARY_PAGE` entries; ``*_total`` counts them all."""
+        (``receiving``) and whether its bytes are inline; the objects with lookups waiting; the
+        transfers under way; the unfinished reductions; the open barriers and watched groups.
+        Each list holds at most :data:`~hoplite_gpu.protocol.SUMMARY_PAGE` entries; ``*_total``
+        counts them all."""
         page, COMPLETE = p.SUMMARY_PAGE, LocationState.COMPLETE
         objects = [
             {

@@ -341,4 +341,4 @@ class ControlClient:
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._writer.wait_closed(), 1.0)  # (closing: nothing to lose)
+                await asyncio.wait_for(self._writer.wait_closed(), 1.0)
