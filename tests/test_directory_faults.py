@@ -134,6 +134,31 @@ def test_a_receiver_whose_sender_failed_gets_another_source_and_resumes() -> Non
     assert lookup(state, "D", 0, now=2.0).sender_node == "A"
 
 
+def test_a_copy_a_reader_found_withdrawn_is_not_offered_again_unless_it_is_the_last() -> None:
+    # A collective withdraws results it received into the caller's memory without telling the
+    # directory; the soak saw a reader offered such a copy until it gave up with an untyped error.
+    state = make_state()
+    put(state, "A", 0, BIG)
+    for node in "BC":
+        first = lookup(state, node, 0)
+        req(state, node, TransferDone(first.transfer_id, True, BIG))
+    offered = lookup(state, "D", 0)
+    req(state, "D", TransferDone(offered.transfer_id, False, 0, sender_lacks=True), now=1.0)
+    assert offered.sender_node not in state.objects[oid(0)].locations
+    assert state.nodes[offered.sender_node].suspect_since is None  # alive: it only dropped it
+    again = lookup(state, "D", 0, now=1.0)
+    second = again.sender_node
+    assert again.status == "pull" and second != offered.sender_node
+    req(state, "D", TransferDone(again.transfer_id, False, 0, sender_lacks=True), now=1.1)
+    (last,) = {"A", "B", "C"} - {offered.sender_node, second}
+    third = lookup(state, "D", 0, now=1.1)
+    assert third.sender_node == last
+    # The last complete copy on record is kept: only its node's death settles its loss.
+    req(state, "D", TransferDone(third.transfer_id, False, 0, sender_lacks=True), now=1.2)
+    assert state.objects[oid(0)].locations[last].state is LocationState.COMPLETE
+    assert lookup(state, "D", 0, now=1.2).sender_node == last
+
+
 def test_after_a_relay_dies_its_downstream_never_pulls_from_its_own_descendants() -> None:
     state = make_state()
     put(state, "A", 0, BIG)

@@ -325,6 +325,7 @@ class PullSource(Source):
                     progress=local.progress,
                     reason=str(exc),
                     sender_failed=not isinstance(exc, ObjectNotFoundError),
+                    sender_lacks=isinstance(exc, ObjectNotFoundError),
                 )
             )
             attempt.fruitless = 0 if local.progress > before else attempt.fruitless + 1

@@ -210,6 +210,7 @@ class TransferDone(Message):
     reason: str = ""
     segment: str = ""  # the receiver's shared-memory segment holding the copy (when ok)
     sender_failed: bool = False  # the sender went away or stalled (not: it no longer holds it)
+    sender_lacks: bool = False  # the sender refused: it no longer holds the object (withdrawn)
 
 
 @dataclass(frozen=True, slots=True)
