@@ -507,6 +507,25 @@ def test_a_reader_that_got_the_whole_result_from_a_dying_relay_holds_a_complete_
     assert state.objects[RID].locations["H"].state is LocationState.COMPLETE
 
 
+def test_a_finished_reduction_whose_result_was_lost_still_names_its_inputs() -> None:
+    # The soak: the owner's get had every byte of the result when the root died serving it (its
+    # report crossed the loss); it then asked which inputs it holds the sum of.
+    state = make_state()
+    chain(state, n=4, k=3)
+    red = state.reductions[RID]
+    root = red.plan.by_vertex[0].node_id
+    pulling = lookup_result(state, "A")
+    assert pulling.sender_node == root
+    req(state, root, VertexDone(RID, 0, True, epoch=0), 1.0)
+    assert red.done
+    state.handle(NodeLeft(root, 1.1))
+    assert RID not in state.objects and kinds(state, "object_lost")
+    req(state, "A", TransferDone(pulling.transfer_id, True, BIG), 1.2)
+    assert reduced(state, 1.2) == [oid(0), oid(1), oid(2)]
+    lost = lookup_result(state, "G", now=1.3)
+    assert lost.status == "error" and lost.error_kind == "ObjectLostError"  # readers still fail
+
+
 def lookup_result(state, node, now=0.0, request_id=5):
     ((_, reply),) = sent(req(state, node, LookupRequest(request_id, RID, 0.0), now), LookupReply)
     return reply

@@ -603,8 +603,10 @@ class Reductions:
 
 
 def reduced_reply(request_id: int, red: Reduction) -> p.ReducedObjectsReply:
-    """The answer to a ``reduced_objects`` query of a failed or finished reduction."""
-    if red.error is not None:
+    """The answer to a ``reduced_objects`` query of a failed or finished reduction. A finished
+    one whose result was lost since still names its inputs: a reader may hold the whole result
+    (its last bytes arrived as the root died)."""
+    if red.error is not None and not red.done:
         kind, message, culprit = red.error
         return p.ReducedObjectsReply(
             request_id=request_id, error=message, error_kind=kind, error_object_id=culprit
