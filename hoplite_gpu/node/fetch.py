@@ -31,6 +31,7 @@ from ..errors import (
     HopliteError,
     HopliteTimeoutError,
     InvalidArgumentError,
+    ObjectNotFoundError,
     ObjectReset,
     ObjectTooLargeError,
     ProtocolError,
@@ -270,12 +271,19 @@ class Fetcher:
         deadline = None if timeout is None else time.monotonic() + timeout
         if first is not None:
             deadline = first.deadline
+        vanished = 0
         while True:
             attempt = sources.Attempt(
                 oid, timeout, deadline, started=started, lend=lend, direct=direct, into=into
             )
             try:
                 return await self._fetch(attempt, first)
+            except sources.Vanished as exc:
+                first = None
+                vanished += 1
+                if vanished >= sources.MAX_FRUITLESS_PULLS:
+                    raise ObjectNotFoundError(str(exc), object_id=oid.hex()) from None
+                log.debug("%s; asking again", exc)
             except ObjectReset:
                 first = None
                 log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)

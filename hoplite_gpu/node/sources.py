@@ -40,6 +40,7 @@ from ..errors import (
     HopliteError,
     HopliteTimeoutError,
     ObjectNotFoundError,
+    ObjectReset,
     ProtocolError,
     TransportError,
     as_hoplite_error,
@@ -52,6 +53,13 @@ log = logging.getLogger("hoplite_gpu")
 
 #: Consecutive failed pulls without any new byte received before ``get`` gives up.
 MAX_FRUITLESS_PULLS = 8
+
+
+class Vanished(ObjectReset):
+    """The copy the directory said this node holds or computes is not here: a reduce vertex's
+    output voided as the node rejoined a restarted directory (which then places the vertex again),
+    or dropped as the answer came. The get asks again, at most :data:`MAX_FRUITLESS_PULLS` times
+    in a row, then raises :class:`ObjectNotFoundError`."""
 
 
 @dataclass(slots=True)
@@ -199,7 +207,7 @@ class LocalSource(Source):
             existing = await self.ctx.store.wait_for(oid, wait, coming=True)
         if existing is not None and existing.error is None:
             return existing  # complete, or a reduce vertex here computes it
-        raise ObjectNotFoundError(f"object {oid} vanished from this node", object_id=oid.hex())
+        raise Vanished(f"object {oid} vanished from this node", object_id=oid.hex())
 
 
 class SharedMemorySource(Source):
