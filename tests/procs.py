@@ -55,6 +55,22 @@ def array_type(arr: Any) -> str:
     return f"{type(arr).__module__.split('.')[0]}.{type(arr).__name__}"
 
 
+def _node(hg: Any, address: str, token: str, overrides: dict[str, Any]) -> Any:
+    """The worker's node: connected to ``address``, or with ``ray_directory`` (the Ray cluster's
+    address, namespace and the directory actor's name) found through that actor, as a Ray
+    program's processes find it (and find it again once Ray restarted it)."""
+    ray_directory = overrides.pop("ray_directory", None)
+    if ray_directory is None:
+        return hg.connect(address, token=token, **overrides)
+    import ray
+
+    import hoplite_gpu.ray as hgray
+
+    cluster, namespace, name = ray_directory
+    ray.init(address=cluster, namespace=namespace, logging_level="WARNING", log_to_driver=False)
+    return hgray.node(name, config=hg.Config.from_env().replace(**overrides))
+
+
 def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> None:
     import faulthandler
     import signal
@@ -64,7 +80,7 @@ def _serve(address: str, token: str, overrides: dict[str, Any], conn: Any) -> No
     faulthandler.enable()  # a crash in native code prints its stacks
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for debugging hangs
 
-    node = hg.connect(address, token=token, **overrides)
+    node = _node(hg, address, token, overrides)
 
     def tasks_on_stderr(*_: Any) -> None:  # SIGUSR2: the I/O thread's coroutines, for hangs
         import sys

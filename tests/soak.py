@@ -18,12 +18,13 @@ never fired:
 
 With a standalone directory (``Soak(..., directory=DirectoryProcess)``) a third fault joins
 them, ``DIRECTORY``: the directory is SIGKILLed a random moment after the operation started and
-restarted at once at the same address. No member dies, so every member must end **exact**: the
-nodes reconnect, restore their copies and re-send what they wait for; the one exception is a
-sharded allreduce in flight, which lends the caller's array and raises ``ObjectLostError``
-(:data:`RESTARTED`) within the bound. Its workers share memory
-(same-host copies through ``/dev/shm``, the default on one host), and no segment of a process the
-soak started may outlive it once the run settled.
+restarted at once at the same address (or, with the Ray directory actor, SIGKILLed and restarted
+by Ray at a new address its nodes find through the actor). No member dies, so every member must
+end **exact**: the nodes reconnect, restore their copies and re-send what they wait for; the one
+exception is a sharded allreduce in flight, which lends the caller's array and raises
+``ObjectLostError`` (:data:`RESTARTED`) within the bound. Its workers share memory (same-host
+copies through ``/dev/shm``, the default on one host), and no segment of a process the soak started
+may outlive it once the run settled.
 
 A failed run writes the directory's event log (``HOPLITE_SOAK_LOG``), replaces every worker and
 the soak goes on; :meth:`Soak.table` prints the counts per operation and fault.
@@ -43,13 +44,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 import hoplite_gpu as hg
 from hoplite_gpu.coding import GradientCode
-from hoplite_gpu.directory import DirectoryProcess
 from hoplite_gpu.memory import sweep_orphans
 from tests.procs import Worker, digest, make_array, start_workers, weights_state
 
@@ -129,19 +129,33 @@ def expected_reduce(arrays: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[A
     return np.sum(arrays, axis=0, dtype=arrays[0].dtype) if op == "sum" else np.max(arrays, axis=0)
 
 
+class Restartable(Protocol):
+    """A directory the soak kills and restarts: a standalone ``DirectoryProcess``, or the Ray
+    directory actor (``tests/test_soak.py``)."""
+
+    def kill(self) -> None:
+        """SIGKILL it."""
+
+    def start(self) -> Any:
+        """Start it again (or wait until it was), at an address its nodes find."""
+
+
 class Soak:
     """Runs of the soak on ``owner``'s directory with :data:`WORKERS` worker processes; with
-    ``directory`` (the standalone directory ``owner`` is connected to), runs restart it too."""
+    ``directory`` (the one ``owner`` is connected to), runs restart it too. ``connect``: more
+    settings of the workers' nodes (``ray_directory``: see ``tests.procs``)."""
 
     def __init__(
         self,
         owner: Any,
         seed: int,
         operations: tuple[str, ...] | None = None,
-        directory: DirectoryProcess | None = None,
+        directory: Restartable | None = None,
+        connect: dict[str, Any] | None = None,
     ) -> None:
         self.owner = owner
         self.directory = directory
+        self.connect = connect or {}  # how workers find the directory, besides its address
         self.signals = SIGNALS if directory is None else (*SIGNALS, "DIRECTORY")
         # Same-host copies through /dev/shm (the default on one host) with the standalone directory.
         self.config = {**CONFIG, "shared_memory": directory is not None and os.path.isdir(SHM)}
@@ -162,7 +176,9 @@ class Soak:
 
     # ------------------------------------------------------------ workers
     def _start(self, n: int) -> list[Worker]:
-        workers = start_workers(self.owner.directory_address, self.owner.token, n, **self.config)
+        workers = start_workers(
+            self.owner.directory_address, self.owner.token, n, **self.config, **self.connect
+        )
         self.pids.update(w.proc.pid for w in workers)
         return workers
 

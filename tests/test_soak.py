@@ -2,7 +2,9 @@
 
 ``HOPLITE_SOAK_RUNS`` sets the runs per seed (``make test``: 30; ``make soak``: 2000),
 ``HOPLITE_SOAK_RESTART_RUNS`` those of the soak on a standalone directory that is also killed and
-restarted (``make test``: 15; ``make soak``: 500), ``HOPLITE_SOAK_SEEDS`` the seeds (default
+restarted (``make test``: 15; ``make soak``: 500), ``HOPLITE_SOAK_RAY_RUNS`` those of the soak on
+the Ray directory actor, which Ray restarts (``make test``: 8; ``make soak``: 200; skipped without
+Ray), ``HOPLITE_SOAK_SEEDS`` the seeds (default
 ``1``; ``make soak SEEDS="1 2 3 4 5"``), ``HOPLITE_SOAK_OPS`` a comma-separated subset of the
 operations. The counts per operation and fault are printed at the end (``pytest -s``);
 ``HOPLITE_SOAK_LOG`` names a file the directory's event log of each failed run is appended to.
@@ -13,6 +15,7 @@ A failed run does not stop the soak: the workers are replaced and it goes on (at
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,11 +25,14 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu.auth import new_token
 from hoplite_gpu.directory import DirectoryProcess
-from tests.soak import LEASE, OPERATIONS, STALL, Soak
+from tests.soak import DEADLINE, LEASE, OPERATIONS, STALL, Restartable, Soak
 
 RUNS = int(os.environ.get("HOPLITE_SOAK_RUNS", "30"))
 #: Runs per seed of the soak on a standalone directory that is also killed and restarted.
 RESTART_RUNS = int(os.environ.get("HOPLITE_SOAK_RESTART_RUNS", "15"))
+#: Runs per seed of the soak on the Ray directory actor, also killed (Ray restarts it).
+RAY_RUNS = int(os.environ.get("HOPLITE_SOAK_RAY_RUNS", "8"))
+RAY_NAME = "hoplite-soak"
 SEEDS = [
     int(s)
     for s in os.environ.get("HOPLITE_SOAK_SEEDS", os.environ.get("HOPLITE_SOAK_SEED", "1"))
@@ -39,7 +45,7 @@ PROGRESS = 100  # runs between the partial counts printed
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.timeout(max(300, max(RUNS, RESTART_RUNS) * len(SEEDS) * 15)),
+    pytest.mark.timeout(max(300, max(RUNS, RESTART_RUNS, RAY_RUNS) * len(SEEDS) * 15)),
 ]
 
 
@@ -80,7 +86,59 @@ def test_every_operation_survives_faults_and_directory_restarts() -> None:
         directory.kill()
 
 
-def soak_every_seed(owner: Any, runs: int, directory: DirectoryProcess | None = None) -> None:
+class RayDirectoryActor:
+    """The Ray directory actor ``name`` as the soak's restartable directory: :meth:`kill`
+    SIGKILLs its process, :meth:`start` waits until Ray restarted it (at a new address)."""
+
+    def __init__(self, ray: Any, name: str) -> None:
+        self.ray, self.name = ray, name
+        self.address, self.pid = self.start()
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def start(self) -> tuple[str, int]:
+        """The actor's address and process once it answers at an address other than before."""
+        import hoplite_gpu.ray as hgray
+
+        deadline = time.monotonic() + DEADLINE
+        before = getattr(self, "address", "")
+        while True:
+            try:
+                address = hgray.directory_info(self.name, timeout=max(0.1, deadline - time.monotonic()))[0]
+                if address != before:
+                    actor = self.ray.get_actor(self.name)
+                    pid = self.ray.get(actor.__ray_call__.remote(lambda actor: os.getpid()), timeout=DEADLINE)
+                    self.address, self.pid = address, int(pid)
+                    return self.address, self.pid
+            except hg.DirectoryUnavailableError:
+                pass  # asked the dead process before Ray saw it die: ask again
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray did not restart the directory actor within {DEADLINE} s")
+            time.sleep(0.05)  # polling with a deadline
+
+
+@pytest.mark.skipif(RAY_RUNS == 0, reason="HOPLITE_SOAK_RAY_RUNS=0")
+def test_every_operation_survives_faults_and_ray_directory_actor_restarts(ray_session: Any) -> None:
+    """The same soak on the Ray directory actor, which a third of the runs SIGKILL: Ray restarts
+    it at a new address, and the workers (Ray drivers of the same cluster) find it again."""
+    import hoplite_gpu.ray as hgray
+
+    ray = ray_session
+    hgray.start_directory(RAY_NAME, max_restarts=-1, config=hg.Config.from_env().replace(lease_timeout=LEASE))
+    try:
+        config = hg.Config.from_env().replace(stall_timeout=STALL, reconnect_timeout=DEADLINE)
+        node = hgray.node(RAY_NAME, config=config)
+        context = ray.get_runtime_context()
+        connect = {"ray_directory": (context.gcs_address, context.namespace, RAY_NAME)}
+        soak_every_seed(node, RAY_RUNS, RayDirectoryActor(ray, RAY_NAME), connect)
+    finally:
+        hgray.stop_directory(RAY_NAME)
+
+
+def soak_every_seed(
+    owner: Any, runs: int, directory: Restartable | None = None, connect: dict[str, Any] | None = None
+) -> None:
     """``runs`` runs of each seed of :data:`SEEDS` on ``owner``'s directory: the counts printed,
     every failure recorded (at most :data:`MAX_FAILURES`) and raised at the end."""
     assert not OPS or set(OPS) <= set(OPERATIONS), f"unknown operations in HOPLITE_SOAK_OPS: {OPS}"
@@ -88,7 +146,7 @@ def soak_every_seed(owner: Any, runs: int, directory: DirectoryProcess | None = 
     soaks = []
     failures: list[str] = []
     for seed in SEEDS:
-        soak = Soak(owner, seed, OPS, directory)
+        soak = Soak(owner, seed, OPS, directory, connect)
         soaks.append(soak)
         try:
             for number in range(1, runs + 1):
@@ -118,9 +176,10 @@ def soak_every_seed(owner: Any, runs: int, directory: DirectoryProcess | None = 
             total.worst[op] = max(total.worst.get(op, 0.0), worst)
     total.failures = failures
     done = sum(total.counts.values())
-    where = "a standalone directory restarted" if directory else "an embedded directory"
+    where = "an embedded directory" if directory is None else f"a restarted {type(directory).__name__}"
     took = time.monotonic() - started
     print(f"\nsoak on {where}, seeds {SEEDS}, {done} runs in {took:.0f} s\n{total.table()}")
     assert not failures, "\n".join(failures)
     fired = sum(n for (_, fault, _), n in total.counts.items() if fault != "missed")
-    assert fired > done // 3, total.counts  # most runs really killed or stopped a member
+    if done >= 20:  # (a few runs may all miss their fault point by chance)
+        assert fired > done // 3, total.counts  # most runs really killed or stopped a member
