@@ -17,6 +17,8 @@ from hoplite_gpu.directory.state import (
     Tick,
 )
 from hoplite_gpu.protocol import (
+    DeleteReply,
+    DeleteRequest,
     DropObject,
     Heartbeat,
     LookupReply,
@@ -612,6 +614,33 @@ def test_a_result_restored_by_a_reader_finishes_the_resent_reduction() -> None:
             assert reply.object_ids == [oid(i) for i in range(4)]
         ((_, lookup_reply),) = sent(req(state, "G", LookupRequest(6, RID, 0.0), 100.3), LookupReply)
         assert (lookup_reply.sender_node, lookup_reply.reduction_id) == ("H", b"")
+
+
+def test_a_result_restored_before_its_reduction_was_resent_is_the_requesters_to_delete() -> None:
+    state = restarted(lease=math.inf)
+    req(state, "H", Restore(RID, BIG, "<f4", [BIG // 4], b""), 100.0)  # a reader's copy
+    req(state, "A", ReduceRequest(9, RID, [oid(i) for i in range(4)], "sum", 3, rejoin=True), 100.1)
+    out = req(state, "A", DeleteRequest(10, RID), 100.2)
+    assert sent(out, DeleteReply) == [("A", DeleteReply(request_id=10, deleted=True))]
+    assert ("H", DropObject(RID)) in sent(out, DropObject)
+    assert RID not in state.objects and RID not in state.reductions
+
+
+def test_a_copy_of_a_result_of_other_inputs_is_not_restored_beside_the_one_computed_again() -> None:
+    # The restart soak: the requester held the old tree's result (of inputs 0, 1, 2) and the
+    # restarted directory computed the re-sent reduction (3 of 4) from the first inputs restored.
+    state = restarted(lease=math.inf)
+    req(state, "A", ReduceRequest(9, RID, [oid(i) for i in range(4)], "max", 3, rejoin=True), 100.0)
+    for i, node in ((3, "E"), (1, "C"), (2, "D")):
+        restore(state, node, i, owner=True, now=100.1)
+    red = state.reductions[RID]
+    root = red.plan.by_vertex[0].node_id
+    req(state, root, VertexDone(RID, 0, True, epoch=0), 100.2)
+    assert red.done and not red.restored
+    req(state, "H", Restore(RID, BIG, "<f4", [BIG // 4], b""), 100.3)
+    assert list(state.objects[RID].locations) == [root] and kinds(state, "restore_conflict")
+    ((_, which),) = sent(req(state, "A", ReducedObjectsRequest(3, RID), 100.4), ReducedObjectsReply)
+    assert which.object_ids == [oid(3), oid(1), oid(2)]
 
 
 def test_a_result_restored_after_its_reduction_was_resent_finishes_it() -> None:

@@ -7,6 +7,7 @@ SIGKILL, and every wait has a deadline.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -103,6 +104,37 @@ def test_a_reduction_completes_across_a_directory_restart(
         after = owner.event_log()
         assert kinds(after, "directory_recovering") and kinds(after, "reduce_done")
         owner.delete(rid)
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_a_finished_reduction_of_the_first_inputs_keeps_its_result_across_a_restart(
+    directory: DirectoryProcess, owner: Any
+) -> None:
+    # The restart soak: the requester held the result of 3 inputs of 4; the restarted directory
+    # ran the re-sent reduction again from the first 3 inputs restored, which were others, so
+    # reduced_objects named inputs the requester's result was not the sum of.
+    workers = start_workers(directory.address, directory.token, 4)
+    try:
+        arrays = [make_array("float32", (1 << 20,), 40 + i) for i in range(4)]
+        ids = [hg.ObjectID.random() for _ in range(4)]
+        rid = owner.reduce(ids, "sum", num_objects=3)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            got = pool.submit(owner.get, rid, 60)  # asked before it is computed
+            for i in range(3):
+                workers[i].call("put_array", arrays[i], ids[i].hex())
+            first = np.array(got.result(60))
+        assert np.array_equal(first, np.sum(arrays[:3], axis=0, dtype=np.float32))
+        workers[3].call("put_array", arrays[3], ids[3].hex())
+        workers[0].call("delete", ids[0].hex())  # were it computed again: inputs 1, 2 and 3
+        directory.kill()
+        directory.start()
+        assert np.array_equal(workers[3].call("get_array", rid.hex(), 60), first)
+        with pytest.raises(hg.ObjectNotFoundError, match="is not known"):
+            owner.reduced_objects(rid, timeout=30)
+        owner.delete(rid)
+        assert rid.hex() not in [o["object_id"] for o in owner.directory_summary()["objects"]]
     finally:
         for w in workers:
             w.kill()

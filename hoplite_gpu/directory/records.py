@@ -144,6 +144,12 @@ class Reduction:
         """Neither finished nor failed."""
         return self.error is None and not self.done
 
+    @property
+    def chooses(self) -> bool:
+        """Whether it reduces only some of the inputs asked for (the first to be ready, or those
+        that decode): two runs of it may reduce different ones."""
+        return bool(self.candidates) or self.plan.num_objects < len(self.plan.inputs)
+
 
 @dataclass(slots=True)
 class NodeInfo:

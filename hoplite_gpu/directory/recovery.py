@@ -50,6 +50,12 @@ class Recovery:
         too_big = msg.size > self.config.inline_threshold_bytes or not members.inline_fits(node_id, msg.size)
         if inline is not None and too_big:
             inline = None  # over the threshold or the quota: the node's own copy is registered
+        red = state.reductions.get(oid)
+        if red is not None and red.done and not red.restored and red.chooses:
+            # This directory computed the result from the inputs it chose; a copy from before the
+            # restart may be of others: readers must not get either at random.
+            state.record(now, "restore_conflict", node=node_id, object_id=oid.hex())
+            return
         entry = self.objects.get(oid)
         if entry is None:
             entry = ObjectEntry(
@@ -86,10 +92,10 @@ class Recovery:
         if entry.inline is None:
             state.catalog.add_complete(entry, node_id, msg.segment)
         state.record(now, "restore", node=node_id, object_id=oid.hex(), owner=msg.owner)
-        red = state.reductions.get(oid)
         if red is not None and red.active:
             # The result was complete before the restart; the re-sent request's tree is not needed.
             red.restored = True
+            entry.owner = red.requester  # who deletes it, as one computed here
             state.reducer.finish(red, now)  # which also marks the result final (not void on a restart)
         state.catalog.ready(oid, now)
 

@@ -115,7 +115,9 @@ class Reductions:
             red.candidates = inputs if as_arrive else ()
             self.reductions[rid] = red
             self.state.members.charge_reduction(red, cost)
-            self.objects[rid].reduction = b""
+            result = self.objects[rid]
+            result.reduction = b""
+            result.owner = node_id  # the requester deletes it, as one computed here
             state.send(node_id, p.ReduceReply(request_id=msg.request_id))
             state.record(now, "reduce_restored", node=node_id, object_id=rid.hex())
             return
@@ -612,7 +614,7 @@ def reduced_reply(request_id: int, red: Reduction) -> p.ReducedObjectsReply:
             request_id=request_id, error=message, error_kind=kind, error_object_id=culprit
         )
     plan = red.plan
-    if red.restored and (red.candidates or plan.num_objects < len(plan.inputs)):
+    if red.restored and red.chooses:
         return p.ReducedObjectsReply(
             request_id=request_id,
             error=(

@@ -442,12 +442,13 @@ class Node(GroupWatches, Diagnostics):
 
     def _on_rejoined(self) -> None:
         """Reconnected to a restarted directory: index under its key, and tell it about every
-        complete copy held here."""
+        complete copy held here: ordinary objects and finished reduction results (which the
+        reductions re-sent next then need not compute again, perhaps from other inputs)."""
         self._index_joined()
         for callback in list(self._rejoin_callbacks):
             callback()
         for obj in self._store.objects():
-            if obj.complete and not obj.reduction:
+            if obj.complete and obj.reduction in (b"", obj.object_id.binary()):
                 self._fetcher.restore(obj)
 
     # ------------------------------------------------------------ reduce
