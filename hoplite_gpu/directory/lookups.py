@@ -285,6 +285,8 @@ class Lookups:
             state.members.suspect(transfer.sender, now, node_id, msg.reason)
         if msg.sender_lacks and not msg.ok and sender is not None and not sender.producing:
             self._lacks(entry, sender, now)
+            if transfer.object_id not in self.objects:
+                return  # that was its last copy: lost (the receiver was told)
         own = entry.locations.get(node_id)
         if msg.ok:
             reducer = state.reducer
@@ -310,12 +312,11 @@ class Lookups:
 
     def _lacks(self, entry: ObjectEntry, sender: Location, now: float) -> None:
         """A reader found ``sender``'s copy gone (a collective withdraws results it received into
-        the caller's memory without telling the directory): it is not offered again, unless it is
-        the only copy on record, whose loss only the node's death settles."""
-        if self.state.catalog.sole_copy(entry, sender):
-            return
+        the caller's memory without telling the directory): it is not offered again, and with no
+        other complete copy and nobody computing it, the object is lost."""
         del entry.locations[sender.node_id]
         self.state.record(now, "copy_gone", object_id=entry.object_id.hex(), node=sender.node_id)
+        self.state.catalog.settle({entry.object_id}, now)
 
     def serve_failed(self, node_id: str, transfer_id: int, now: float) -> None:
         """The sender gave up on a transfer (its receiver stalled, e.g. a stopped process): it is
