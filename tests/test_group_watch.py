@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
-from tests.procs import Worker, make_array, start_workers
+from tests.procs import Worker, make_array, start_workers, wait_for_events
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -101,6 +101,35 @@ def test_members_that_destroy_their_group_leave_it_cleanly(owner: Any) -> None:
         # Its node left after it had left "clean"; "clean-next", which it never destroyed, breaks.
         with pytest.raises(hg.MemberLostError):
             hg.collective.barrier(other)
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_a_member_whose_destroy_finds_the_group_broken_still_deletes_its_objects(owner: Any) -> None:
+    # The soak on the Ray directory actor: the others had passed the final barrier and left when
+    # the directory restarted; this member's arrival was lost with it, its barrier then failed
+    # with MemberLostError, and its objects were left behind.
+    workers = start_workers(owner.directory_address, owner.token, 2)
+    try:
+        group = join(owner, workers, "broken-destroy")
+        for w in workers:
+            w.send("allreduce", "broken-destroy", "float32", (256,), 0, "sum")
+        hg.collective.allreduce(make_array("float32", (256,), 0), group)
+        for w in workers:
+            w.result()
+        mine = workers[0].node_id
+
+        def owned() -> list[str]:
+            return [o["object_id"] for o in owner.directory_summary()["objects"] if o["owner"] == mine]
+
+        assert owned()
+        workers[0].send("destroy", "broken-destroy")  # rank 1 waits at the barrier for 0 and 2
+        wait_for_events(owner, lambda evs: any(e["kind"] == "barrier" and e["rank"] == 1 for e in evs))
+        workers[1].kill()  # rank 2 never comes
+        with pytest.raises(RuntimeError, match="MemberLostError"):
+            workers[0].result(timeout=TIMEOUT / 3)
+        assert owned() == []
     finally:
         for w in workers:
             w.kill()

@@ -305,6 +305,10 @@ class Group:
         Returns:
             With ``wait=False``, a future that completes when this member's objects are deleted
             (None when the group was already destroyed); else None.
+
+        Raises:
+            MemberLostError, HopliteTimeoutError: (``wait``) the barrier failed: a member was lost
+                or did not come. This member's objects are deleted all the same.
         """
         if self.destroyed or self.node.closed:
             self.destroyed = True
@@ -316,7 +320,15 @@ class Group:
             self._call(lambda: self.node._io.run(self._clean_up()))
             return None
         if wait:
-            barrier(self)
+            try:
+                barrier(self)
+            except HopliteError:
+                # A member was lost (or never came): nobody will read this member's objects, which
+                # are deleted all the same, and the caller learns the group broke.
+                self.destroyed = True
+                self._stop_watching()
+                self._call(lambda: self.node._io.run(self._clean_up()))
+                raise
             self.destroyed = True
             self._stop_watching()  # every member is past every collective: leave cleanly
             self._run(self._clean_up())
