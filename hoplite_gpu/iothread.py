@@ -135,3 +135,18 @@ class IOThread:
         if self.in_thread():
             return await coro
         return await asyncio.wrap_future(self.submit(coro))
+
+
+def forget(fut: asyncio.Future[Any]) -> None:
+    """Drop a future no longer awaited (a ucxx send or receive, the streams of a vertex that
+    failed): cancel it and mark its error retrieved, now or when it ends (a ucxx request cancelled
+    on a closed endpoint may still end with an error of its own), so asyncio does not log it as
+    unretrieved."""
+    fut.cancel()
+    fut.add_done_callback(retrieved)
+
+
+def retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark a finished future's error (if any) retrieved."""
+    if not fut.cancelled():
+        fut.exception()

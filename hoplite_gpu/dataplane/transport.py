@@ -32,10 +32,11 @@ from ..errors import (
     PeerLostError,
 )
 from ..faults import INJECTOR
+from ..iothread import forget
 from ..memory import LocalObject, LocalStore
 from ..object_id import ObjectID
 from .shared import PlaneBase, ServeCallback, pull_status, refusal, unreachable
-from .ucx import as_transport_error, check_features, failure_of, forget, landed, timed, ucxx_module
+from .ucx import as_transport_error, check_features, failure_of, landed, timed, ucxx_module
 
 log = logging.getLogger("hoplite_gpu.transport")
 

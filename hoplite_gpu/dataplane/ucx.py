@@ -193,7 +193,7 @@ async def landed(
 
 def failure_of(fut: asyncio.Future[Any]) -> asyncio.Future[None]:
     """A future that fails with ``fut``'s error if ``fut`` fails, and never succeeds otherwise
-    (for :func:`landed`'s ``stops``); hand it to :func:`forget` afterwards."""
+    (for :func:`landed`'s ``stops``); hand it to :func:`~hoplite_gpu.iothread.forget` afterwards."""
     failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def check(done: asyncio.Future[Any]) -> None:
@@ -207,15 +207,3 @@ def failure_of(fut: asyncio.Future[Any]) -> asyncio.Future[None]:
     return failed
 
 
-def forget(fut: asyncio.Future[Any]) -> None:
-    """Drop a future (one from :func:`failure_of`, or a send or receive no longer awaited): cancel
-    it and mark its error retrieved, now or when it ends (a ucxx request cancelled on a closed
-    endpoint may still end with an error of its own), so asyncio does not log it as unretrieved."""
-    fut.cancel()
-    fut.add_done_callback(retrieved)
-
-
-def retrieved(fut: asyncio.Future[Any]) -> None:
-    """Mark a finished future's error (if any) retrieved."""
-    if not fut.cancelled():
-        fut.exception()

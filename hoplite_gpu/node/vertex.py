@@ -31,7 +31,7 @@ from ..errors import (
     TransportError,
 )
 from ..faults import INJECTOR
-from ..iothread import bounded
+from ..iothread import bounded, forget
 from ..memory import Buffer, DeviceEvent, LocalObject, LocalStore, through_file, write_at
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
@@ -155,7 +155,7 @@ class VertexRunner:
                     # No timeout: the directory cancels the vertex if the reduction fails.
                     await run.weights_chosen
             except BaseException:
-                streams.cancel()
+                forget(streams)  # (a stream cancelled under it failed it: not logged as unretrieved)
                 raise
             await reduce_stream(
                 task, own, list(children), out, self.chunk_bytes, run.weights, self.device_chunk_bytes
