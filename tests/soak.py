@@ -33,12 +33,16 @@ the soak goes on; :meth:`Soak.table` prints the counts per operation and fault.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import itertools
 import json
 import os
 import random
 import re
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -81,7 +85,7 @@ _SEGMENT = re.compile(r"hoplite-\d+-(\d+)-\d+-[0-9a-f]+")  # a process's segment
 #: What the one error a directory's restart may cause says (a sharded allreduce in flight).
 RESTARTED = "the directory restarted during allreduce"
 #: Errors that say what was lost: the soak's "lost" outcome.
-TYPED = ("MemberLostError", "ObjectLostError", "WeightSyncError")
+TYPED = ("MemberLostError", "ObjectLostError", "WeightSyncError", "RankLostError")
 
 
 class Failure(AssertionError):
@@ -163,7 +167,9 @@ class Soak:
         self.pids: set[int] = set()  # every worker process started
         self.seed = seed
         self.rng = random.Random(seed)
-        self.operations = operations or tuple(OPERATIONS)
+        # Torch ranks find the directory at its address: not the Ray actor's, which moves.
+        torch = importlib.util.find_spec("torch") is not None and "ray_directory" not in self.connect
+        self.operations = operations or tuple(o for o in OPERATIONS if torch or o != "torch")
         self.counts: Counter[tuple[str, str, str]] = Counter()  # (op, fault, outcome)
         self.worst: dict[str, float] = {}
         self.failures: list[str] = []
@@ -713,6 +719,94 @@ def weights(soak: Soak, run: Run, rng: random.Random) -> None:
         soak.workers[i].call("close_weights", name, timeout=30)
 
 
+#: The torch.distributed collectives of :func:`torch_collective` (``tests/torch_ranks.py``, ``soak``).
+TORCH_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+
+
+def torch_collective(soak: Soak, run: Run, rng: random.Random) -> None:
+    """A collective of ``torch.distributed`` on the hoplite backend, in four fresh rank processes
+    joined to the soak's directory (``HOPLITE_DIRECTORY``); the victim's own fault injection kills
+    or stops it. Survivors get the exact output or ``RankLostError``."""
+    from tests.torch_ranks import ROOT, SOAK_ELEMENTS
+
+    op, seed = rng.choice(TORCH_OPS), rng.randrange(1 << 30)
+    if run.event == "now":
+        run.event = "serve"  # (a fresh process: signalled at once, it would die before joining)
+    n = SOAK_ELEMENTS
+    inputs = [make_array("float32", (n,), seed + r) for r in range(WORKERS)]
+    if op == "all_reduce":
+        want = [digest(np.sum(inputs, axis=0, dtype=np.float32))] * WORKERS
+    elif op == "broadcast":
+        want = [digest(inputs[0])] * WORKERS
+    elif op == "all_gather":
+        want = [digest(np.concatenate(inputs))] * WORKERS
+    else:
+        pieces = [
+            [make_array("float32", (n,), seed + r * 100 + j) for j in range(WORKERS)] for r in range(WORKERS)
+        ]
+        want = [
+            digest(np.sum([pieces[r][j] for r in range(WORKERS)], axis=0, dtype=np.float32))
+            for j in range(WORKERS)
+        ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+        "HOPLITE_DIRECTORY": soak.owner.directory_address,
+        "HOPLITE_TOKEN": soak.owner.token,
+        "HOPLITE_STALL_TIMEOUT": str(STALL),
+        "TEST_PG_TIMEOUT": str(DEADLINE),
+    }
+    with tempfile.TemporaryDirectory(prefix="hoplite-soak-torch-") as tmp:
+        out = os.path.join(tmp, "rank")
+        procs = []
+        try:
+            for rank in range(WORKERS):
+                fault = {"HOPLITE_FAULT_INJECTION": run.spec} if rank == run.victim else {}
+                cmd = [sys.executable, "-m", "tests.torch_ranks", "soak", str(rank), str(WORKERS), str(port)]
+                procs.append(subprocess.Popen([*cmd, out, f"{op}:{seed}"], env={**env, **fault}, cwd=ROOT))
+            if run.sig != "DIRECTORY":
+                run.pid = procs[run.victim].pid
+            soak.start(run)
+            _await_ranks(soak, run, procs)
+        finally:
+            for proc in procs:  # the stopped victim, or any left at the deadline
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(30)
+        if run.sig != "DIRECTORY":
+            run.fired_at = soak.fired(run.pid)
+        for rank in range(WORKERS):
+            path = f"{out}.{rank}.json"
+            if not os.path.exists(path):
+                answer: tuple[str, Any, float] = ("dead", None, time.monotonic())
+            else:
+                with open(path) as f:
+                    found = json.load(f)
+                if "result" in found:
+                    answer = ("ok", found["result"], time.monotonic())
+                else:
+                    answer = ("error", f"{found['error']}: {found['message']}", found["at"])
+            soak.judge(run, rank, answer, lambda got, rank=rank: got == want[rank])
+
+
+def _await_ranks(soak: Soak, run: Run, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Until every rank exited but a victim whose fault fired (a hang past the deadline fails)."""
+    deadline = time.monotonic() + DEADLINE + 60  # (starting a rank imports torch: tens of s here)
+    victim = procs[run.victim] if run.sig != "DIRECTORY" else None
+    while True:
+        running = [p for p in procs if p.poll() is None and p is not victim]
+        if victim is not None and victim.poll() is None and soak.fired(victim.pid) is None:
+            running.append(victim)
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise Failure(f"{run}: torch ranks still running after {DEADLINE + 60:.0f} s")
+        time.sleep(0.05)  # polling with a deadline
+
+
 #: Every operation of the soak, by name.
 OPERATIONS: dict[str, Callable[[Soak, Run, random.Random], None]] = {
     "get": broadcast_get,
@@ -724,6 +818,7 @@ OPERATIONS: dict[str, Callable[[Soak, Run, random.Random], None]] = {
     "reduce_to": collective("reduce_to", SHAPE, _reduce_to),
     "reducescatter": collective("reducescatter", SHAPE, _reducescatter),
     "allgather": collective("allgather", SHAPE, lambda run, rank, seed, how: _inputs(seed, SHAPE)),
+    "torch": torch_collective,
     "broadcast": collective(
         "broadcast",
         SHAPE,

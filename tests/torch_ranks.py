@@ -121,6 +121,7 @@ def _error(exc: BaseException) -> dict[str, Any]:
         "dist_backend_error": isinstance(exc, dist.DistBackendError),
         "fields": {k: v for k, v in getattr(exc, "fields", {}).items() if isinstance(v, int | str | list)},
         "traceback": traceback.format_exc()[-3000:],
+        "at": time.monotonic(),  # when it came (the system's monotonic clock, as the fault log's)
     }
 
 
@@ -488,6 +489,38 @@ def killed(rank: int, world: int, arg: str) -> dict[str, Any]:
     raise AssertionError("nothing failed")
 
 
+def soak(rank: int, world: int, arg: str) -> str:
+    """One collective of the fault soak (``tests/soak.py``, operation ``torch``); ``arg`` is
+    ``OP:SEED``: the digest of this rank's output (an error is written by :func:`main`)."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.procs import digest, make_array
+
+    op, seed_text = arg.split(":")
+    seed, n = int(seed_text), SOAK_ELEMENTS
+    x = torch.from_numpy(make_array("float32", (n,), seed + rank))
+    if op == "all_reduce":
+        dist.all_reduce(x)
+        out = x
+    elif op == "broadcast":
+        dist.broadcast(x, src=0)
+        out = x
+    elif op == "all_gather":
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x)
+        out = torch.cat(parts)
+    else:  # reduce_scatter: rank r's piece j is seed + r * 100 + j
+        pieces = [torch.from_numpy(make_array("float32", (n,), seed + rank * 100 + j)) for j in range(world)]
+        out = torch.empty(n)
+        dist.reduce_scatter(out, pieces)
+    return digest(out.numpy())
+
+
+#: Elements of each rank's tensor in :func:`soak` (4 MiB of float32: sharded, many chunks).
+SOAK_ELEMENTS = 1 << 20
+
+
 def timeout(rank: int, world: int, arg: str) -> dict[str, Any]:
     """Rank 1 never joins the allreduce: ``Work.wait(0.5 s)`` raises and the work goes on; the
     group's timeout (TEST_PG_TIMEOUT) then fails the allreduce on rank 0, and rank 1 hears of it."""
@@ -652,6 +685,7 @@ SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
     "fsdp": fsdp,
     "training": training,
     "killed": killed,
+    "soak": soak,
     "timeout": timeout,
     "bad_input": bad_input,
     "cuda": cuda,
