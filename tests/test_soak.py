@@ -3,7 +3,7 @@
 ``HOPLITE_SOAK_RUNS`` sets the runs per seed (``make test``: 30; ``make soak``: 2000),
 ``HOPLITE_SOAK_RESTART_RUNS`` those of the soak on a standalone directory that is also killed and
 restarted (``make test``: 15; ``make soak``: 500), ``HOPLITE_SOAK_RAY_RUNS`` those of the soak on
-the Ray directory actor, which Ray restarts (``make test``: 8; ``make soak``: 200; skipped without
+the Ray directory actor, which Ray restarts (``make test``: 5; ``make soak``: 200; skipped without
 Ray), ``HOPLITE_SOAK_SEEDS`` the seeds (default
 ``1``; ``make soak SEEDS="1 2 3 4 5"``), ``HOPLITE_SOAK_OPS`` a comma-separated subset of the
 operations. The counts per operation and fault are printed at the end (``pytest -s``);
@@ -31,7 +31,7 @@ RUNS = int(os.environ.get("HOPLITE_SOAK_RUNS", "30"))
 #: Runs per seed of the soak on a standalone directory that is also killed and restarted.
 RESTART_RUNS = int(os.environ.get("HOPLITE_SOAK_RESTART_RUNS", "15"))
 #: Runs per seed of the soak on the Ray directory actor, also killed (Ray restarts it).
-RAY_RUNS = int(os.environ.get("HOPLITE_SOAK_RAY_RUNS", "8"))
+RAY_RUNS = int(os.environ.get("HOPLITE_SOAK_RAY_RUNS", "5"))
 RAY_NAME = "hoplite-soak"
 SEEDS = [
     int(s)
