@@ -58,6 +58,35 @@ def test_a_rank_sigkilled_mid_allreduce_fails_every_survivor_with_a_typed_error(
         assert found["later"]["error"] == "RankLostError" and found["later"]["seconds"] < 1.0
 
 
+def test_a_rank_that_destroys_its_group_and_exits_at_once_leaves_the_others_their_data(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's broadcast returns once its tensor is put; it destroys the group and exits while
+    the others still pull it (its sends limited to 8 MiB/s: 4 MiB to each). The exit waits for the
+    group's clean-up, so every rank gets the tensor (the soak saw RankLostError, rank 0's node
+    gone, on the others)."""
+    from hoplite_gpu.auth import new_token
+    from hoplite_gpu.directory import DirectoryProcess
+    from tests.procs import digest, make_array
+    from tests.torch_ranks import SOAK_ELEMENTS
+
+    token = new_token()
+    directory = DirectoryProcess(token)
+    directory.start()
+    try:
+        env = {
+            "HOPLITE_DIRECTORY": directory.address,
+            "HOPLITE_TOKEN": token,
+            "HOPLITE_SHARED_MEMORY": "0",
+            "HOPLITE_SEND_RATE_LIMIT": str(8 << 20),
+        }
+        runs = run_ranks("soak", 4, tmp_path, arg="broadcast:7", env=env)
+    finally:
+        directory.stop()
+    want = digest(make_array("float32", (SOAK_ELEMENTS,), 7))
+    assert results(runs) == [want] * 4
+
+
 def test_the_directory_host_killed_fails_the_others_naming_it(tmp_path: Path) -> None:
     """Rank 0 hosts the directory; it is SIGKILLed mid-allreduce; the others name rank 0."""
     victim = {0: {"HOPLITE_FAULT_INJECTION": "serve:*:0.5:KILL"}}

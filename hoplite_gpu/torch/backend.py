@@ -536,8 +536,8 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         """``dist.destroy_process_group``: local and quiet (the clean-up waits for the others in
-        the background)."""
-        self.leave()
+        the background, and the process's exit waits for it: :mod:`.rendezvous`)."""
+        rdv.left(self.leave())
 
     def abort(self) -> None:
         """``torch.distributed``'s abort: give up on the group (the others' work fails), then

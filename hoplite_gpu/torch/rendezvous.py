@@ -11,10 +11,11 @@ cannot outlive it: their nodes do not try to reconnect (``reconnect_timeout=0``)
 directory means rank 0 is gone.
 
 At exit the process waits (up to :data:`EXIT_WAIT` seconds) until the other members of each of
-its groups have finished their collectives with it (each group's ``destroy(wait=False)`` ends
-with a barrier), so that rank 0's directory, or a member's results others still read, are not
-pulled from under them; a process ending on an uncaught exception gives up on its groups at once
-instead, so the others fail with that exception's text rather than waiting.
+its groups, destroyed or not, have finished their collectives with it (each group's
+``destroy(wait=False)`` ends with a barrier), so that rank 0's directory, or a member's results
+others still read, are not pulled from under them; a process ending on an uncaught exception
+gives up on its groups at once instead, so the others fail with that exception's text rather than
+waiting.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class _Process:
         self.node: Any = None
         self.host_rank = -1  # global rank whose process hosts the node's directory; -1: none
         self.groups: list[Any] = []  # live ProcessGroupHoplite objects (for exit)
+        # Clean-ups of groups destroyed (``dist.destroy_process_group``) still waiting for the
+        # other members: the exit waits for them too.
+        self.leaving: list[concurrent.futures.Future[None]] = []
         self.exit_hook = False
 
 
@@ -189,12 +193,20 @@ def unregister(pg: Any) -> None:
             PROCESS.groups.remove(pg)
 
 
+def left(waits: list[concurrent.futures.Future[None]]) -> None:
+    """A group was destroyed on this member: the exit waits for ``waits``, its clean-up (others
+    may still read this member's objects: a rank that destroyed its group and exited at once
+    failed the others' collectives with its node gone; the soak found it)."""
+    with PROCESS.lock:
+        PROCESS.leaving = [f for f in PROCESS.leaving if not f.done()] + waits
+
+
 def _at_exit() -> None:
     """See the module's docstring: wait for the others, or give up on an uncaught exception."""
     crashed = getattr(sys, "last_value", None)
     with PROCESS.lock:
         groups = list(PROCESS.groups)
-    waits: list[concurrent.futures.Future[None]] = []
+        waits: list[concurrent.futures.Future[None]] = list(PROCESS.leaving)
     for pg in groups:
         try:
             if crashed is not None:
