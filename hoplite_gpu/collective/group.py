@@ -315,9 +315,7 @@ class Group:
             self._stop_watching()
             return None
         if self._error is not None:  # broken: the others will not come to a barrier
-            self.destroyed = True
-            self._stop_watching()
-            self._call(lambda: self.node._io.run(self._clean_up()))
+            self._leave_broken()
             return None
         if wait:
             try:
@@ -325,9 +323,7 @@ class Group:
             except HopliteError:
                 # A member was lost (or never came): nobody will read this member's objects, which
                 # are deleted all the same, and the caller learns the group broke.
-                self.destroyed = True
-                self._stop_watching()
-                self._call(lambda: self.node._io.run(self._clean_up()))
+                self._leave_broken()
                 raise
             self.destroyed = True
             self._stop_watching()  # every member is past every collective: leave cleanly
@@ -336,6 +332,13 @@ class Group:
         self.destroyed = True
         seconds = self.timeout if self.timeout else DESTROY_WAIT
         return self.node._io.submit(self._destroy_later(seconds))
+
+    def _leave_broken(self) -> None:
+        """Destroy a group the others will not come to a barrier of: delete this member's objects
+        now and stop watching."""
+        self.destroyed = True
+        self._stop_watching()
+        self._call(lambda: self.node._io.run(self._clean_up()))
 
     def _stop_watching(self) -> None:
         """Withdraw the watch: this member leaves the group cleanly (not reported as lost)."""
