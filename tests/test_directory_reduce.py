@@ -9,7 +9,7 @@ import pytest
 
 from hoplite_gpu.directory.config import DirectoryConfig
 from hoplite_gpu.directory.reduce import vertex_object_id
-from hoplite_gpu.directory.state import DirectoryState, LocationState, NodeJoined, Request, Tick
+from hoplite_gpu.directory.state import DirectoryState, LocationState, NodeJoined, NodeLeft, Request, Tick
 from hoplite_gpu.protocol import (
     DeleteReply,
     DeleteRequest,
@@ -442,3 +442,71 @@ def test_a_reduction_decoding_as_inputs_arrive_fails_when_it_cannot() -> None:
     error = state.reductions[RID].error
     assert error is not None and error[0] == "HopliteTimeoutError"
     assert "the 1 of its 8 inputs that became ready" in error[1]
+
+
+def test_an_ordered_reduction_places_each_input_at_its_listed_position() -> None:
+    # The chain 1 -> 2 -> 3 -> 0 (the listed order), whatever order the inputs arrive in: the
+    # first listed is the leaf, the last computes the result (a ring allreduce's shard).
+    state = make_state()
+    ids = [oid(i) for i in (1, 2, 3, 0)]
+    out = req(state, "A", ReduceRequest(9, RID, ids, "sum", 4, degree=1, ordered=True))
+    assert sent(out, ReduceReply) == [("A", ReduceReply(request_id=9))]
+    tasks: dict[int, tuple[str, ReduceTask]] = {}
+    for node, i in (("A", 0), ("C", 2), ("D", 3), ("B", 1)):  # the root's input first
+        tasks.update({m.vertex: (n, m) for n, m in sent(put(state, node, i, 64 * MiB), ReduceTask)})
+    assert {v: n for v, (n, _) in tasks.items()} == {0: "A", 1: "D", 2: "C"}  # B: the leaf
+    assert tasks[2][1].input_id == oid(2) and tasks[0][1].input_id == oid(0)
+    assert state.reductions[RID].plan.by_vertex[3].node_id == "B"
+    # Arrival order is still what reduced_objects names.
+    assert state.reductions[RID].plan.reduced_objects() == [oid(0), oid(2), oid(3), oid(1)]
+
+
+def test_an_ordered_reduction_needs_every_input() -> None:
+    state = make_state()
+    ids = [oid(i) for i in range(4)]
+    ((_, reply),) = sent(req(state, "A", ReduceRequest(9, RID, ids, "sum", 3, ordered=True)), ReduceReply)
+    assert reply.error_kind == "InvalidArgumentError" and "listed order" in reply.error
+
+
+def _computed_at_a(state: DirectoryState) -> None:
+    """RID computed at A (a chain B -> A), not complete yet; C, D and E put objects of theirs."""
+    req(state, "A", ReduceRequest(9, RID, [oid(1), oid(0)], "sum", 2, degree=1, ordered=True))
+    for node, i in (("A", 0), ("B", 1), ("C", 2), ("D", 3), ("E", 4)):
+        put(state, node, i)
+
+
+def test_a_lookup_via_a_node_waits_for_its_copy_then_pulls_from_it() -> None:
+    # A ring of readers: D reads via C's object, C via B's, B straight from A computing it.
+    state = make_state()
+    _computed_at_a(state)
+    assert sent(req(state, "D", LookupRequest(1, RID, 0.0, via=oid(2))), LookupReply) == []
+    assert sent(req(state, "C", LookupRequest(2, RID, 0.0, via=oid(1))), LookupReply) == []
+    out = req(state, "B", LookupRequest(3, RID, 0.0, direct=True))
+    pulls = {n: m.sender_node for n, m in sent(out, LookupReply)}
+    assert pulls == {"B": "A", "C": "B", "D": "C"}  # each from the one before it
+    # Via an object not put yet: it waits too (its owner has not entered the ring yet).
+    assert sent(req(state, "F", LookupRequest(4, RID, 0.0, via=oid(7))), LookupReply) == []
+    # Once a copy is complete, a lookup via a node holding none is as one without ``via`` (here:
+    # the chain of readers' idle end, A being busy).
+    ((_, reply),) = sent(req(state, "A", VertexDone(RID, 0, True)), LookupReply)
+    assert (reply.request_id, reply.status, reply.sender_node) == (4, "pull", "D")
+
+
+def test_a_lookup_via_a_node_that_left_waits_no_longer_than_the_first_complete_copy() -> None:
+    state = make_state()
+    _computed_at_a(state)
+    assert sent(req(state, "C", LookupRequest(1, RID, 0.0, via=oid(4))), LookupReply) == []
+    assert sent(state.handle(NodeLeft("E", 1.0)), LookupReply) == []  # A computes it: no copy
+    ((_, reply),) = sent(req(state, "A", VertexDone(RID, 0, True), now=2.0), LookupReply)
+    assert (reply.request_id, reply.sender_node, reply.sender_complete) == (1, "A", True)
+
+
+def test_a_lookup_via_a_node_still_asking_waits_for_it_when_the_result_completes() -> None:
+    state = make_state()
+    _computed_at_a(state)
+    assert sent(req(state, "D", LookupRequest(1, RID, 0.0, via=oid(2))), LookupReply) == []
+    assert sent(req(state, "C", LookupRequest(2, RID, 0.0, via=oid(1))), LookupReply) == []
+    # The result completes with D's lookup first in the queue: C (asking) is waited for, and C,
+    # whose B never asked, reads A's complete copy.
+    out = req(state, "A", VertexDone(RID, 0, True))
+    assert {n: m.sender_node for n, m in sent(out, LookupReply)} == {"C": "A", "D": "C"}

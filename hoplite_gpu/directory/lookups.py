@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .. import protocol as p
 from .records import EndedTransfer, Location, LocationState, ObjectEntry, PendingLookup, Transfer
 from .reduce import ReducePlan
-from .scheduling import choose_sender, computed_on_host, received_on_host, same_host_copy
+from .scheduling import choose_sender, computed_on_host, received_on_host, same_host_copy, via_sender
 
 if TYPE_CHECKING:
     from .state import DirectoryState
@@ -104,6 +104,7 @@ class Lookups:
             msg.device_ipc,
             msg.resume,
             msg.keep,
+            msg.via,
         )
         self.pending.setdefault(msg.object_id, deque()).append(pl)
         by_object = self.by_request.setdefault((node_id, msg.request_id), {})
@@ -126,7 +127,20 @@ class Lookups:
         entry = self.objects.get(oid)
         if not queue or entry is None:
             return
-        self.retain(oid, lambda pl: not self._try_answer(entry, pl, now))
+        answered = 0
+
+        def unanswered(pl: PendingLookup) -> bool:
+            nonlocal answered
+            done = self._try_answer(entry, pl, now)
+            answered += done
+            return not done
+
+        self.retain(oid, unanswered)
+        # A lookup via a node that an answer just gave a copy to, queued before that answer:
+        # one more pass (a ring of n readers asking in any order settles in at most n passes).
+        while answered and any(pl.via for pl in self.pending.get(oid, ())):
+            answered = 0
+            self.retain(oid, unanswered)
 
     def serve_all(self, now: float) -> None:
         """Try every waiting lookup again (a suspect node may serve again)."""
@@ -176,7 +190,17 @@ class Lookups:
             kind = "lookup_ipc" if shared.segment.startswith(p.IPC_SEGMENT_PREFIX) else "lookup_shm"
             state.record(now, kind, node=pl.node_id, object_id=entry.object_id.hex(), sender=shared.node_id)
             return True
-        sender = choose_sender(nodes, entry, pl.node_id, pl.direct)
+        routed: Location | bool = False
+        if pl.via:
+            queue = self.pending.get(entry.object_id, ())
+
+            def asking(node: str) -> bool:
+                return any(other.node_id == node and other.live for other in queue)
+
+            routed = via_sender(nodes, self.objects, entry, pl.node_id, pl.via, asking)
+        if routed is True:
+            return False  # its node is about to receive it
+        sender = routed or choose_sender(nodes, entry, pl.node_id, pl.direct)
         if sender is None:
             return False
         info = nodes[sender.node_id]

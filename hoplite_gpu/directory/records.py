@@ -64,6 +64,7 @@ class PendingLookup:
     device_ipc: bool = False  # can open a same-host device copy (see LookupRequest)
     resume: bool = False  # holds a copy from an earlier answer, perhaps empty (see LookupRequest)
     keep: bool = True  # an inline answer is kept (recorded as the requester's copy; see LookupRequest)
+    via: bytes = b""  # pull from this object's owner's copy (see LookupRequest)
     live: bool = True  # still in its queue (answered, failed and cancelled lookups are not)
 
 

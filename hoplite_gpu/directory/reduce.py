@@ -257,6 +257,10 @@ class ReducePlan:
         epoch: How many times the tree was rebuilt after a failure (part of intermediate ids).
         fan_in: The tree's degree asked for by the requester (0: :func:`choose_degree` picks it
             when the first input fixes the size; capped at ``num_objects - 1``).
+        ordered: Input ``i`` of ``inputs`` goes to the ``i``-th vertex in in-order, whenever it
+            arrives (every input is reduced): with degree 1, a chain from the first input to the
+            last, whose holder computes the result. A ring allreduce reduces each shard along
+            the ring this way (:mod:`hoplite_gpu.collective.operations`).
     """
 
     reduction_id: bytes
@@ -264,6 +268,7 @@ class ReducePlan:
     num_objects: int
     epoch: int = 0
     fan_in: int = 0
+    ordered: bool = False
     degree: int = 0
     reason: str = ""
     dtype: str = ""
@@ -278,6 +283,7 @@ class ReducePlan:
     _input_set: frozenset[bytes] = frozenset()
     _placed_ids: set[bytes] = field(default_factory=set)
     _cursor: int = 0  # vertices before this index of the tree's in-order list are all placed
+    _position: dict[bytes, int] = field(default_factory=dict)  # an ordered plan's input -> index
 
     def __post_init__(self) -> None:
         self._input_set = frozenset(self.inputs)
@@ -288,6 +294,10 @@ class ReducePlan:
             raise ValueError(f"num_objects must be in 1..{len(self.inputs)}")
         if self.fan_in < 0:
             raise ValueError("a reduce tree's degree must be >= 1 (or 0 to let the directory choose)")
+        if self.ordered:
+            if self.num_objects != len(self.inputs):
+                raise ValueError("inputs placed in the listed order must all be reduced (num_objects)")
+            self._position = {oid: i for i, oid in enumerate(self.inputs)}
 
     @property
     def full(self) -> bool:
@@ -331,7 +341,8 @@ class ReducePlan:
     ) -> Placement:
         """Place the next arriving input at the next free vertex in in-order, or at the root (vertex
         0) if ``at_root`` and it is free: the node that reads the result then computes it, and its
-        link carries the result's last hop only once.
+        link carries the result's last hop only once. An :attr:`ordered` plan places it at its
+        own position instead (``at_root`` and ``root_ok`` do not apply).
 
         ``one_host``: every node shares one host's shared memory. The first placement then makes
         the tree a star (unless the requester asked for a degree): the root maps every input from
@@ -360,7 +371,9 @@ class ReducePlan:
                 self.degree, self.reason = choose_degree(self.num_objects, size, link, chunk)
             self._tree = TreeShape(self.num_objects, self.degree)
         tree = self._tree
-        if at_root and 0 not in self.by_vertex:
+        if self.ordered:
+            vertex = tree.inorder_at(self._position[object_id])
+        elif at_root and 0 not in self.by_vertex:
             vertex = 0
         else:  # the first free vertex in order; vertices are only ever added, so never look back
             while tree.inorder_at(self._cursor) in self.by_vertex:

@@ -68,7 +68,10 @@ class Reductions:
         as_arrive = msg.num_objects == 0 and bool(msg.coding)
         try:
             op = as_op(msg.op).value
-            plan = ReducePlan(rid, inputs, len(inputs) if as_arrive else msg.num_objects, fan_in=msg.degree)
+            if msg.ordered and (as_arrive or msg.coding):
+                raise ValueError("inputs placed in the listed order cannot be chosen by their encoding")
+            count = len(inputs) if as_arrive else msg.num_objects
+            plan = ReducePlan(rid, inputs, count, fan_in=msg.degree, ordered=msg.ordered)
         except (InvalidArgumentError, ValueError) as exc:
             refuse("InvalidArgumentError", str(exc))
             return

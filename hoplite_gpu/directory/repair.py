@@ -93,6 +93,8 @@ class Repair:
         inputs, count = (
             (red.candidates, len(red.candidates)) if red.candidates else (old.inputs, old.num_objects)
         )
+        # Rebuilt in arrival order even if it was ordered: a node that may hold the replaced
+        # tree's result is kept off the root (see ReducePlan.place's root_ok).
         red.plan = ReducePlan(rid, inputs, count, epoch=old.epoch + 1, fan_in=old.fan_in)
         red.gather = combine.new_tracker(red) if red.candidates else None
         if red.coding:

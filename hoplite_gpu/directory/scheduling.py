@@ -9,7 +9,7 @@ copy is, else at another complete copy, else where it is being produced.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from .. import protocol as p
 from ..topology import LinkKind, link_between
@@ -121,6 +121,36 @@ def choose_sender(nodes: Nodes, entry: ObjectEntry, receiver: str, direct: bool 
         if best is None or _rank(loc) > _rank(best):
             best = loc
     return best
+
+
+def via_sender(
+    nodes: Nodes,
+    objects: Mapping[bytes, ObjectEntry],
+    entry: ObjectEntry,
+    receiver: str,
+    via: bytes,
+    asking: Callable[[str], bool],
+) -> Location | bool:
+    """Where a lookup ``via`` an object (see ``LookupRequest.via``) pulls from: the copy of
+    ``entry`` on ``via``'s owner, partial or complete, busy or not (never a cycle); True to wait
+    for that node to hold one (``via`` is not put yet, or its owner holds no copy yet, and no
+    copy is complete or ``asking(owner)``: it waits for a source itself); False to choose as a
+    lookup without ``via`` does (its owner is gone or suspect, or is the receiver, or another
+    copy is complete and it is not asking). Members of a ring enter a collective at different
+    times: one that asked before its predecessor put anything waits."""
+    complete = any(
+        other.state is LocationState.COMPLETE and other.node_id in nodes for other in entry.locations.values()
+    )
+    named = objects.get(via)
+    if named is None:
+        return not complete
+    holder = nodes.get(named.owner)
+    if holder is None or holder.node_id == receiver or holder.suspect_since is not None:
+        return False
+    loc = entry.locations.get(holder.node_id)
+    if loc is not None:
+        return False if depends_on(entry, loc, receiver) else loc
+    return not complete or asking(holder.node_id)
 
 
 def depends_on(entry: ObjectEntry, loc: Location, receiver: str) -> bool:

@@ -170,7 +170,10 @@ class LookupRequest(Message):
     node computing the object) even while it serves others, rather than from the chain of readers.
     ``keep``: an inline answer is kept in the requester's store, and recorded as its copy (the
     owner's delete then drops it); False: it goes to one caller only (a caller channel's ``get``),
-    and nothing is recorded.
+    and nothing is recorded. ``via``: an object whose owner's copy of this one to pull from,
+    partial or complete, busy or not; while that node holds none and no copy is complete yet,
+    the lookup waits for it (it is about to receive it: a ring of readers); else, or once that
+    node is gone, as without.
     """
 
     TYPE: ClassVar[str] = "lookup"
@@ -183,9 +186,12 @@ class LookupRequest(Message):
     device_ipc: bool = False
     resume: bool = False
     keep: bool = True
+    via: bytes = b""
 
     def check(self) -> None:
         check_id(self.TYPE, "object_id", self.object_id)
+        if self.via:
+            check_id(self.TYPE, "via", self.via)
         check_timeout(self.TYPE, self.timeout)
         if self.have_bytes < 0:
             raise ProtocolError(f"{self.TYPE}: have_bytes {self.have_bytes} is negative")
@@ -265,8 +271,10 @@ class ReduceRequest(Message):
 
     ``op`` is a :class:`~hoplite_gpu.reduce_ops.ReduceOp` value; ``timeout`` (0: none) is how long
     the directory waits for enough inputs before failing the reduction. ``degree`` is the tree's
-    fan-in (0: the directory chooses from its cost model). Repeating a request with the same id and
-    arguments is accepted (every rank of a group may issue it).
+    fan-in (0: the directory chooses from its cost model); ``ordered``: input ``i`` takes the
+    tree's ``i``-th vertex in in-order, whenever it arrives (every input is reduced; with degree
+    1 a chain from the first listed to the last, which computes the result). Repeating a request
+    with the same id and arguments is accepted (every rank of a group may issue it).
     """
 
     TYPE: ClassVar[str] = "reduce"
@@ -283,6 +291,7 @@ class ReduceRequest(Message):
     # weights once the num_objects inputs are chosen (those that make the rows sum to all ones),
     # or, with num_objects 0, once the rows that arrived can.
     coding: list[list[float]] = field(default_factory=list)
+    ordered: bool = False
 
     def check(self) -> None:
         check_timeout(self.TYPE, self.timeout)
