@@ -319,9 +319,12 @@ def _run_system(
                 for m in members:
                     m.send([op, size, warmup + repeat])
                 spans = [m.recv() for m in members]
-                times = sorted(round_times(spans, warmup, repeat))
+                every = round_times(spans, 0, warmup + repeat)
+                times = sorted(every[warmup:])
                 cpu = statistics.mean(round_cpu(spans, warmup, repeat))
                 row = {"system": system, "op": op, "size": size, "seconds": statistics.median(times)}
+                # The first round of a fresh group on fresh arrays, as a user's first call meets it.
+                row.update(first_seconds=every[0], rounds=every[warmup:])
                 if repeat >= P99_MIN_ROUNDS:  # (of fewer rounds, the 99th percentile is the slowest)
                     row["p99_seconds"] = times[min(len(times) - 1, int(0.99 * len(times)))]
                 rows.append({**row, "cpu_seconds": cpu})

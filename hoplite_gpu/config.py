@@ -58,6 +58,8 @@ UCX_DEFAULTS: dict[str, str] = {
 
 #: The values of ``Config.data_plane``.
 DATA_PLANES = ("auto", "tcp", "ucx")
+#: The values of ``Config.allreduce_schedule``.
+ALLREDUCE_SCHEDULES = ("auto", "ring", "star")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +165,12 @@ class Config:
             into place), ``ucx`` (UCX, for RDMA and CUDA transports), ``auto``: ``ucx`` where UCX
             lists RDMA transports or with ``HOPLITE_UCX_CUDA=1``, else ``tcp``
             (bench/README.md#the-tcp-data-plane); every node of a cluster must choose the same.
+        allreduce_schedule: How a group's allreduce of a large array moves its shards
+            (:func:`hoplite_gpu.collective.allreduce`): ``ring`` (each shard reduced along the
+            ring of members and its result read along it: every link carries one flow each way),
+            ``star`` (each shard reduced at its member from every other at once, the results read
+            straight from it), ``auto``: the measured better (bench/README.md#ring-allreduce).
+            Members may differ: each shard's schedule is its own member's.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -211,6 +219,7 @@ class Config:
     tls_key_file: str = ""
     tls_ca_file: str = ""
     data_plane: str = "auto"
+    allreduce_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         positive = (
@@ -247,6 +256,12 @@ class Config:
             raise InvalidArgumentError(
                 f"Config.data_plane must be one of {', '.join(DATA_PLANES)}, not {self.data_plane!r}",
                 argument="data_plane",
+            )
+        if self.allreduce_schedule not in ALLREDUCE_SCHEDULES:
+            raise InvalidArgumentError(
+                f"Config.allreduce_schedule must be one of {', '.join(ALLREDUCE_SCHEDULES)}, "
+                f"not {self.allreduce_schedule!r}",
+                argument="allreduce_schedule",
             )
         if self.min_chunk_bytes > self.max_chunk_bytes:
             raise InvalidArgumentError(

@@ -15,6 +15,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import collective as coll
+from hoplite_gpu.node.sources import Route
 from tests.procs import digest, make_array, start_workers, wait_for_events
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -279,7 +280,7 @@ def test_a_copy_received_into_the_callers_array_stays_in_the_store(owner: Any, w
     oid = hg.ObjectID.from_hex(workers[2].call("put", "float32", shape, 7, ""))
     out = np.zeros(shape, np.float32)
     received: list[Any] = []
-    got = owner._io.run(owner._fetcher.get_into(oid, 30, out, False, received))
+    got = owner._io.run(owner._fetcher.get_into(oid, 30, out, Route(), received))
     assert got is out and np.array_equal(out, make_array("float32", shape, 7))
     (copy,) = received
     assert owner._store.get(oid) is copy and copy.complete

@@ -31,6 +31,7 @@ from ..iothread import all_or_cancel
 from ..memory import LocalObject
 from ..node import Node
 from ..node.fetch import check_out, receivable
+from ..node.sources import Route
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 
@@ -468,15 +469,18 @@ class Group:
         await asyncio.gather(task, return_exceptions=True)
         raise restarted.result()
 
-    async def _get_received(self, oid: ObjectID, out: Any, received: list[LocalObject]) -> Any:
-        """``get_async(oid, out=out, direct=True)``, but a copy pulled over the data plane into a
-        C-contiguous NumPy ``out`` is received straight into it and appended to ``received``: it
-        stays in the store (served to others) until :meth:`_withdraw`, which must come before
-        ``out`` changes (a collective's results, see ``_sharded_allreduce``)."""
+    async def _get_received(
+        self, oid: ObjectID, out: Any, received: list[LocalObject], via: ObjectID | None = None
+    ) -> Any:
+        """``get_async(oid, out=out, direct=True, via=via)``, but a copy pulled over the data plane
+        into a C-contiguous NumPy ``out`` is received straight into it and appended to
+        ``received``: it stays in the store (served to others) until :meth:`_withdraw`, which
+        must come before ``out`` changes (a collective's results, see ``_sharded_allreduce``)."""
         node = self.node
         if not receivable(check_out(out)) or node._fetcher.indexed(oid) is not None:
-            return await node.get_async(oid, timeout=self.timeout, out=out, direct=True)
-        fetch = node._fetcher.get_into(oid, node._resolve_timeout(self.timeout), out, True, received)
+            return await node.get_async(oid, timeout=self.timeout, out=out, direct=True, via=via)
+        route = Route(True, b"" if via is None else via.binary())
+        fetch = node._fetcher.get_into(oid, node._resolve_timeout(self.timeout), out, route, received)
         return await node._io.run_async(fetch)
 
     async def _delete_before(self, seq: int, wait: bool = False) -> None:
@@ -528,6 +532,7 @@ class Group:
         out: Any,
         contribution: Coroutine[Any, Any, Any] | None = None,
         degree: int | None = None,
+        ordered: bool = False,
     ) -> Any:
         """Request the reduction of ``inputs`` into ``result`` and read it into ``out`` (unless
         None), after awaiting ``contribution`` (this member's put) if given: the three requests go
@@ -536,7 +541,9 @@ class Group:
         self._owned.append((seq, result))
         steps = [] if contribution is None else [contribution]
         steps.append(
-            self.node.reduce_async(inputs, op, reduction_id=result, timeout=self.timeout, degree=degree)
+            self.node.reduce_async(
+                inputs, op, reduction_id=result, timeout=self.timeout, degree=degree, ordered=ordered
+            )
         )
         if out is not None:
             steps.append(self.node.get_async(result, timeout=self.timeout, out=out))

@@ -68,15 +68,18 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
 
     A small array (under :data:`SHARD_MIN_BYTES`) is reduced once, on a tree the directory shapes,
     and the result read by every member as it is being reduced. A large C-contiguous array is cut
-    into one shard per member: member ``j`` requests the reduction of everyone's shard ``j`` as a
-    star (every other member's shard streams straight into ``j``'s vertex) and every member reads
-    every shard's result straight from the member computing it (``get(direct=True)``), while it is
-    being computed. Each member's link then carries ``2 (N-1)/N`` times the array's bytes each
-    way, the bandwidth-optimal amount, whatever the order in which members arrive; a single tree's
-    inner vertices carry twice the array, and chains of readers load their first members' links
-    more than their last's. The shards are ordinary reductions: a member that dies is repaired
-    around like in any other. The large array is read in place by the other members while the
-    call runs (not copied first): write to it only once the call has returned or raised.
+    into one shard per member, and member ``j`` requests the reduction of everyone's shard ``j``.
+    With the ring schedule (``Config.allreduce_schedule``, the default) it is a chain in ring
+    order, ``j+1 -> j+2 -> ... -> j`` (``reduce(ordered=True, degree=1)``), and its result is read
+    along the same ring, each member from the one before it (``get(via=...)``), while it is being
+    computed: every byte goes from a member to the next, so each link carries one member's
+    traffic each way, like Gloo's ring. With the star schedule every other member's shard
+    streams straight into ``j``'s vertex and every member reads ``j``'s result straight from it
+    (``get(direct=True)``). Either way each member's link carries ``2 (N-1)/N`` times the
+    array's bytes each way, the bandwidth-optimal amount, whatever the order in which members
+    arrive. The shards are ordinary reductions: a member that dies is repaired around like in
+    any other. The large array is read in place by the other members while the call runs (not
+    copied first): write to it only once the call has returned or raised.
     """
     g = _check_group(group)
     reduce_op = as_op(op)
@@ -113,13 +116,29 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     # and deletes them; if it fails, it withdraws them first. bench/README.md, "Lent shards".
     lent = [inputs[j][me] for j in range(n)]
     received: list[LocalObject] = []  # results pulled straight into the shards
+    ring = _ring_schedule(g, flat.nbytes)
+    pred = (me - 1) % n
 
     async def steps() -> None:
         mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
-        await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
-        order = [(me + 1 + i) % n for i in range(n - 1)]
+        if ring:  # shard me's chain: me+1, me+2, ..., me-1, then me, which computes the result
+            chain = [inputs[me][(me + 1 + i) % n] for i in range(n)]
+            await g._reduce_into(seq, chain, results[me], op, None, mine, degree=1, ordered=True)
+            order = [(me - 1 - i) % n for i in range(n - 1)]  # earliest in its chain first
+        else:
+            await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
+            order = [(me + 1 + i) % n for i in range(n - 1)]
         await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
-        await all_or_cancel([g._get_received(results[j], shards[j], received) for j in [*order, me]])
+        await all_or_cancel(
+            [
+                # The ring: result j travels j, j+1, ..., each member reading its predecessor's copy.
+                g._get_received(results[j], shards[j], received, inputs[j][pred] if ring else None)
+                for j in [*order, me]
+            ]
+        )
+        if ring:  # the successor reads these copies: let it finish (bounded) before withdrawing
+            stall = g.node.config.stall_timeout
+            await asyncio.gather(*(obj.wait_unserved(stall) for obj in received))
 
     try:  # a restart of the directory fails it (ObjectLostError): see Group._lending
         await g._lending(seq, lent, steps())
@@ -130,6 +149,11 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     await g._delete_now(lent)
     await g._delete_before(seq)
     return array
+
+
+def _ring_schedule(g: Group, nbytes: int) -> bool:
+    """Whether a sharded allreduce of ``nbytes`` runs as a ring (``Config.allreduce_schedule``)."""
+    return g.node.config.allreduce_schedule != "star"
 
 
 def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:

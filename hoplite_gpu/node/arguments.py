@@ -39,6 +39,7 @@ def reduce_request(
     degree: int | None = None,
     weights: Any = None,
     coding: Any = None,
+    ordered: bool = False,
 ) -> p.ReduceRequest:
     """The request of a :meth:`Node.reduce <hoplite_gpu.node.Node.reduce>` call, its arguments
     checked (``timeout`` resolved with ``default_timeout``: :func:`resolve_timeout`). Raises
@@ -65,6 +66,12 @@ def reduce_request(
     rows = _check_coding(coding, len(ids), as_op(op))
     if scales and rows:
         raise InvalidArgumentError("give weights or coding, not both", argument="coding")
+    if not isinstance(ordered, bool):
+        raise InvalidArgumentError(f"ordered must be a bool, got {ordered!r}", argument="ordered")
+    if ordered and (k != len(ids) or rows):
+        raise InvalidArgumentError(
+            "ordered reduces every input in the listed order: no num_objects or coding", argument="ordered"
+        )
     if rows and num_objects is None:
         k = 0  # decoded as soon as the rows that arrived can be
     return p.ReduceRequest(
@@ -77,6 +84,7 @@ def reduce_request(
         degree=degree or 0,
         weights=scales,
         coding=rows,
+        ordered=ordered,
     )
 
 

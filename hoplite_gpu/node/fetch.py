@@ -206,7 +206,7 @@ class Fetcher:
         )
 
     def ask_on_channel(
-        self, oid: ObjectID, timeout: float | None, direct: bool, channels: Channels
+        self, oid: ObjectID, timeout: float | None, route: sources.Route, channels: Channels
     ) -> First | None:
         """The first lookup of a ``get``, made from the caller's thread on its channel
         (:mod:`.channel`); None where it cannot be (no channel, or a copy is here): then
@@ -223,7 +223,8 @@ class Fetcher:
             object_id=oid.binary(),
             timeout=timeout or 0.0,
             shared_memory=same_host,
-            direct=direct,
+            direct=route.direct,
+            via=route.via,
             device_ipc=same_host and device_in_use(),
             keep=False,  # an inline answer goes to this caller only (see below)
         )
@@ -254,7 +255,7 @@ class Fetcher:
         oid: ObjectID,
         timeout: float | None,
         started: asyncio.Future[LocalObject] | None = None,
-        direct: bool = False,
+        route: sources.Route = sources.ANY_SOURCE,
         lend: bool = False,
         into: np.ndarray[Any, Any] | None = None,
         first: First | None = None,
@@ -274,7 +275,7 @@ class Fetcher:
         vanished = 0
         while True:
             attempt = sources.Attempt(
-                oid, timeout, deadline, started=started, lend=lend, direct=direct, into=into
+                oid, timeout, deadline, started=started, lend=lend, route=route, into=into
             )
             try:
                 return await self._fetch(attempt, first)
@@ -293,7 +294,7 @@ class Fetcher:
         oid: ObjectID,
         timeout: float | None,
         out: np.ndarray[Any, Any],
-        direct: bool,
+        route: sources.Route,
         received: list[LocalObject] | None = None,
         first: First | None = None,
     ) -> Any:
@@ -306,7 +307,7 @@ class Fetcher:
         started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
         into = None if received is None else out
         fetch = asyncio.ensure_future(
-            self.get(oid, timeout, started=started, direct=direct, into=into, first=first)
+            self.get(oid, timeout, started=started, route=route, into=into, first=first)
         )
         follower: asyncio.Future[LocalObject] | None = None
         try:
@@ -373,7 +374,7 @@ class Fetcher:
         device_ipc = same_host and device_in_use()
         # ``local`` exists only after an answer of this get, so the object was known then.
         resume = local is not None
-        reply = await self._session.lookup(oid, left, have, same_host, attempt.direct, device_ipc, resume)
+        reply = await self._session.lookup(oid, left, have, same_host, attempt.route, device_ipc, resume)
         generation = self._session.generation  # a copy finished under a later one is restored
         if local is not None and local.error is not None:
             # Dropped while we asked (lost, deleted, or reset): this answer is for void bytes.

@@ -48,6 +48,7 @@ from .diagnostics import Diagnostics
 from .fetch import Fetcher, check_out, streamable
 from .puts import Putter
 from .session import DirectorySession
+from .sources import Route
 from .vertex import VertexRunner
 from .watches import GroupWatches
 
@@ -311,7 +312,13 @@ class Node(GroupWatches, Diagnostics):
         return resolve_timeout(timeout, self.config.default_get_timeout)
 
     def get(
-        self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
+        self,
+        object_id: ObjectID,
+        timeout: float | None = None,
+        out: Any = None,
+        *,
+        direct: bool = False,
+        via: ObjectID | None = None,
     ) -> Any:
         """Return the object's array, waiting until it exists (a ``get`` before the ``put`` works).
 
@@ -331,6 +338,12 @@ class Node(GroupWatches, Diagnostics):
                 readers. For collectives whose traffic pattern leaves the owner's link room for
                 every reader, such as the gather phase of a sharded allreduce, where a chain would
                 load some links more than others. Falls back to any source if the owner is gone.
+            via: Pull from the copy held by the owner of this other object, partial or complete,
+                even while it serves other readers; while that node holds none and no copy is
+                complete, wait for it (it is about to receive the object). For readers that
+                form a ring, each reading from the one before it (a ring allreduce's results).
+                Falls back to any source (``direct`` applying) once that node is gone or another
+                copy is complete.
 
         Raises:
             HopliteTimeoutError: not available within ``timeout``.
@@ -339,34 +352,50 @@ class Node(GroupWatches, Diagnostics):
         """
         self._check_open()
         self._check_oid(object_id)
+        route = Route(direct, self._via(via))
         timeout = self._resolve_timeout(timeout)
         into = check_out(out)
         ready = self._fetcher.at_hand(object_id)
         if ready is not None:
             return ready.deliver(into)
-        first = self._fetcher.ask_on_channel(object_id, timeout, direct, self._channels)
+        first = self._fetcher.ask_on_channel(object_id, timeout, route, self._channels)
         if first is not None and first.inline is not None:
             return first.inline.deliver(into)
         if streamable(into):
-            return self._io.run(self._fetcher.get_into(object_id, timeout, out, direct, first=first))
-        fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True, first=first)
+            return self._io.run(self._fetcher.get_into(object_id, timeout, out, route, first=first))
+        fetch = self._fetcher.get(object_id, timeout, route=route, lend=True, first=first)
         return self._io.run(fetch).deliver(into)
 
     async def get_async(
-        self, object_id: ObjectID, timeout: float | None = None, out: Any = None, *, direct: bool = False
+        self,
+        object_id: ObjectID,
+        timeout: float | None = None,
+        out: Any = None,
+        *,
+        direct: bool = False,
+        via: ObjectID | None = None,
     ) -> Any:
         """Async twin of :meth:`get`."""
         self._check_open()
         self._check_oid(object_id)
+        route = Route(direct, self._via(via))
         timeout = self._resolve_timeout(timeout)
         into = check_out(out)
         ready = self._fetcher.at_hand(object_id)
         if ready is not None:
             return ready.deliver(into)
         if streamable(into):
-            return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, direct))
-        fetch = self._fetcher.get(object_id, timeout, direct=direct, lend=True)
+            return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, route))
+        fetch = self._fetcher.get(object_id, timeout, route=route, lend=True)
         return (await self._io.run_async(fetch)).deliver(into)
+
+    @staticmethod
+    def _via(via: Any) -> bytes:
+        if via is not None and not isinstance(via, ObjectID):
+            raise InvalidArgumentError(
+                f"via must be an ObjectID or None, got {type(via).__name__}", argument="via"
+            )
+        return b"" if via is None else via.binary()
 
     @staticmethod
     def _check_oid(object_id: Any) -> None:
@@ -462,6 +491,7 @@ class Node(GroupWatches, Diagnostics):
         degree: int | None = None,
         weights: Any = None,
         coding: Any = None,
+        ordered: bool = False,
     ) -> ObjectID:
         """Reduce the first ``num_objects`` of ``object_ids`` to become ready; return the result's id.
 
@@ -498,6 +528,12 @@ class Node(GroupWatches, Diagnostics):
                 ones, reduces the inputs whose weight is not 0 (the rows that added to the span
                 of those before them, in arrival order); :meth:`reduced_objects` names them. It
                 fails with :class:`NotDecodableError` when every input arrived without that.
+            ordered: Place the inputs in the tree in the listed order, whenever each arrives,
+                instead of in arrival order (every input is reduced; not with ``num_objects`` or
+                ``coding``). With ``degree=1`` the tree is a chain from the first listed input to
+                the last, whose holder computes the result: a ring allreduce reduces each shard
+                along the ring this way. A tree rebuilt after a failure places its inputs in
+                arrival order.
 
         Raises:
             InvalidArgumentError: bad ids, ``num_objects`` or op, or an unsupported dtype.
@@ -507,7 +543,7 @@ class Node(GroupWatches, Diagnostics):
         self._check_open()
         default = self.config.default_get_timeout
         msg = reduce_request(
-            object_ids, op, num_objects, reduction_id, timeout, default, degree, weights, coding
+            object_ids, op, num_objects, reduction_id, timeout, default, degree, weights, coding, ordered
         )
         return self._io.run(self._reduce(msg))
 
@@ -521,12 +557,13 @@ class Node(GroupWatches, Diagnostics):
         degree: int | None = None,
         weights: Any = None,
         coding: Any = None,
+        ordered: bool = False,
     ) -> ObjectID:
         """Async twin of :meth:`reduce`."""
         self._check_open()
         default = self.config.default_get_timeout
         msg = reduce_request(
-            object_ids, op, num_objects, reduction_id, timeout, default, degree, weights, coding
+            object_ids, op, num_objects, reduction_id, timeout, default, degree, weights, coding, ordered
         )
         return await self._io.run_async(self._reduce(msg))
 

@@ -32,6 +32,7 @@ from ..iothread import bounded
 from ..object_id import ObjectID
 from ..topology import GpuPlace
 from .control import ControlClient, within
+from .sources import ANY_SOURCE, Route
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -383,7 +384,7 @@ class DirectorySession:
         timeout: float | None,
         have: int,
         shared_memory: bool = False,
-        direct: bool = False,
+        route: Route = ANY_SOURCE,
         device_ipc: bool = False,
         resume: bool = False,
     ) -> p.LookupReply:
@@ -391,7 +392,7 @@ class DirectorySession:
         answers once a source is free, or at ``timeout``."""
         return await self.with_directory(
             lambda control, left: self._lookup_once(
-                control, oid, left, have, shared_memory, direct, device_ipc, resume
+                control, oid, left, have, shared_memory, route, device_ipc, resume
             ),
             timeout,
         )
@@ -403,7 +404,7 @@ class DirectorySession:
         timeout: float | None,
         have: int,
         shared_memory: bool,
-        direct: bool,
+        route: Route,
         device_ipc: bool,
         resume: bool,
     ) -> p.LookupReply:
@@ -414,7 +415,8 @@ class DirectorySession:
             timeout=timeout or 0.0,
             have_bytes=have,
             shared_memory=shared_memory,
-            direct=direct,
+            direct=route.direct,
+            via=route.via,
             device_ipc=device_ipc,
             resume=resume,
         )

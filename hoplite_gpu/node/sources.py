@@ -62,12 +62,25 @@ class Vanished(ObjectReset):
     in a row, then raises :class:`ObjectNotFoundError`."""
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Which copy a get asks the directory for: ``direct``, the owner's; ``via``, the copy of
+    this other object's owner (see ``LookupRequest``); neither, any (the chain of readers)."""
+
+    direct: bool = False
+    via: bytes = b""
+
+
+#: A get's route where the caller names none.
+ANY_SOURCE = Route()
+
+
 @dataclass(slots=True)
 class Attempt:
     """One ``get``: its object, its deadline, the partial copy it fills (``local``, once it has
     one) and how many pulls in a row brought nothing. ``started`` is resolved with the partial copy
     as soon as it exists; ``lend``: a same-host device copy may be returned open in place, outside
-    the store (see :meth:`DeviceIpcSource.lend`); ``direct``: pull from the owner; ``into``: a
+    the store (see :meth:`DeviceIpcSource.lend`); ``route``: which copy to ask for; ``into``: a
     caller's NumPy array a new copy is received into (where its dtype and shape are the object's).
     """
 
@@ -78,7 +91,7 @@ class Attempt:
     local: LocalObject | None = None
     started: asyncio.Future[LocalObject] | None = None
     lend: bool = False
-    direct: bool = False
+    route: Route = ANY_SOURCE
     into: np.ndarray[Any, Any] | None = None
 
     def remaining(self) -> float | None:

@@ -1,0 +1,77 @@
+"""The ring allreduce (``Config.allreduce_schedule``) on real processes over the data plane: each
+shard reduced along the ring of members and its result read along it, so that every byte goes
+from a member to the next one; exact sums; the star schedule beside it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from tests.procs import Worker, make_array, start_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUT = 60.0
+SHAPE = (1 << 20,)  # 4 MiB of float32: sharded, one shard of 1 MiB per member
+
+
+@pytest.fixture(params=["ring", "star"])
+def owner(request: Any) -> Iterator[Any]:
+    # No shared memory: every copy crosses the data plane, as between hosts.
+    node = hg.init(shared_memory=False, allreduce_schedule=request.param)
+    yield node
+    node.close()
+
+
+def _join(owner: Any, workers: list[Worker], name: str) -> hg.collective.Group:
+    n = len(workers) + 1
+    for rank, w in enumerate(workers, start=1):
+        w.send("group", name, rank, n, TIMEOUT)
+    assert [w.result() for w in workers] == list(range(1, n))
+    return hg.collective.Group(owner, 0, n, name, timeout=TIMEOUT)
+
+
+def _rank_of(events: list[dict[str, Any]], group: hg.collective.Group, seq: int, n: int) -> dict[str, int]:
+    """Node id -> rank, from who put each member's shard ``r`` of collective ``seq``."""
+    shards = {group.object_id(seq, "allreduce-shard", 0, r).hex(): r for r in range(n)}
+    return {
+        e["node"]: shards[e["object_id"]] for e in events if e["kind"] == "put" and e["object_id"] in shards
+    }
+
+
+def test_a_sharded_allreduce_sums_exactly_and_the_ring_sends_only_to_the_next_member(owner: Any) -> None:
+    n, schedule = 4, owner.config.allreduce_schedule
+    workers = start_workers(
+        owner.directory_address, owner.token, n - 1, shared_memory=False, allreduce_schedule=schedule
+    )
+    try:
+        group = _join(owner, workers, f"ring-{schedule}")
+        since = len(owner.event_log())
+        for seed in (0, 10):  # two rounds: the second on a group whose members all know each other
+            for w in workers:
+                w.send("allreduce", group.name, "float32", SHAPE, seed, "sum")
+            got = hg.collective.allreduce(make_array("float32", SHAPE, seed), group)
+            want = sum(make_array("float32", SHAPE, seed + r).astype(np.float64) for r in range(n))
+            assert np.array_equal(got, want.astype(np.float32))
+            for w in workers:
+                assert np.array_equal(w.result(), got)
+        events = owner.event_log()[since:]
+        ranks = {**_rank_of(events, group, 0, n), **_rank_of(events, group, 1, n)}
+        hops = {(ranks[e["sender"]], ranks[e["receiver"]]) for e in events if e["kind"] == "transfer_start"}
+        ring = {(r, (r + 1) % n) for r in range(n)}
+        if schedule == "ring":
+            assert hops == ring, f"transfers off the ring: {sorted(hops - ring)}"
+        else:  # each shard's root pulls from every member, and every member reads every root
+            assert hops == {(a, b) for a in range(n) for b in range(n) if a != b}
+        for w in workers:
+            w.send("destroy", group.name)
+        group.destroy()
+        for w in workers:
+            w.result()
+    finally:
+        for w in workers:
+            w.kill()
