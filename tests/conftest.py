@@ -13,6 +13,9 @@ import pytest
 # Same-host copies through shared memory would bypass the data plane that most multi-process tests
 # exercise (chains, pipelining, auth); tests/test_shm.py turns it on explicitly.
 os.environ.setdefault("HOPLITE_SHARED_MEMORY", "0")
+# Allreduces of 1 MiB and more go in shards, so that the tests' arrays of a few MiB take the
+# sharded path (by default it starts at 8 MiB: Config.allreduce_shard_bytes).
+os.environ.setdefault("HOPLITE_ALLREDUCE_SHARD_BYTES", str(1 << 20))
 # Every directory the tests start (embedded, standalone, in a Ray actor) checks its invariants
 # after each event (Config.validate_directory); see broken_invariants below.
 os.environ.setdefault("HOPLITE_VALIDATE_DIRECTORY", "1")

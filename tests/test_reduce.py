@@ -214,7 +214,7 @@ def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
     seeds = list(range(world))
     # 256 KiB: one tree; 3 MiB: one shard per member (777777 elements: the shards differ in size)
     for shape in [(64, 1024), (777, 1001)]:
-        assert (np.prod(shape) * 4 >= coll.SHARD_MIN_BYTES) == (shape[0] == 777)
+        assert (np.prod(shape) * 4 >= owner.config.allreduce_shard_bytes) == (shape[0] == 777)
         for op in ("sum", "avg", "max"):
             results = everyone("allreduce", "float32", shape, 0, op)
             want = _expected("float32", shape, seeds, op)

@@ -75,3 +75,26 @@ def test_a_sharded_allreduce_sums_exactly_and_the_ring_sends_only_to_the_next_me
     finally:
         for w in workers:
             w.kill()
+
+
+def test_an_allreduce_under_the_shard_size_is_one_reduction(owner: Any) -> None:
+    # 4 MiB under a shard size of 8 MiB (the default): one reduction, no shards put.
+    workers = start_workers(owner.directory_address, owner.token, 1, allreduce_shard_bytes=8 << 20)
+    owner.config = owner.config.replace(allreduce_shard_bytes=8 << 20)
+    try:
+        group = _join(owner, workers, "unsharded")
+        since = len(owner.event_log())
+        workers[0].send("allreduce", group.name, "float32", SHAPE, 0, "sum")
+        got = hg.collective.allreduce(make_array("float32", SHAPE, 0), group)
+        assert np.array_equal(got, make_array("float32", SHAPE, 0) + make_array("float32", SHAPE, 1))
+        assert np.array_equal(workers[0].result(), got)
+        shard = group.object_id(0, "allreduce-shard", 0, 0).hex()
+        whole = group.object_id(0, "allreduce", 0).hex()
+        puts = {e["object_id"] for e in owner.event_log()[since:] if e["kind"] == "put"}
+        assert whole in puts and shard not in puts
+        workers[0].send("destroy", group.name)
+        group.destroy()
+        workers[0].result()
+    finally:
+        for w in workers:
+            w.kill()

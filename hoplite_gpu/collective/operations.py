@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import memory
+from ..config import Config
 from ..errors import InvalidArgumentError
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
@@ -58,15 +59,17 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     return g._run(run())
 
 
-#: Arrays of at least this many bytes are allreduced in shards (see :func:`allreduce`); smaller
-#: ones, whose time is latency rather than bandwidth, as one reduce pipelined into a broadcast.
-SHARD_MIN_BYTES = 1 << 20
+#: The default of ``Config.allreduce_shard_bytes``: arrays of at least this many bytes are
+#: allreduced in shards (see :func:`allreduce`); smaller ones, whose time is latency rather than
+#: bandwidth, as one reduce pipelined into a broadcast.
+SHARD_MIN_BYTES: int = Config().allreduce_shard_bytes
 
 
 def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
     """Reduce every member's ``array`` and write the result into ``array`` everywhere (in place).
 
-    A small array (under :data:`SHARD_MIN_BYTES`) is reduced once, on a tree the directory shapes,
+    A small array (under ``Config.allreduce_shard_bytes``, :data:`SHARD_MIN_BYTES` by default)
+    is reduced once, on a tree the directory shapes,
     and the result read by every member as it is being reduced. A large C-contiguous array is cut
     into one shard per member, and member ``j`` requests the reduction of everyone's shard ``j``.
     With the ring schedule (``Config.allreduce_schedule``, the default) it is a chain in ring
@@ -86,7 +89,8 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     seq = g._next()
     flat = memory.flat_view(array)
     n = g.world_size
-    if n > 1 and flat is not None and flat.nbytes >= SHARD_MIN_BYTES and flat.size >= n:
+    sharded = flat is not None and flat.nbytes >= g.node.config.allreduce_shard_bytes
+    if n > 1 and sharded and flat.size >= n:
         return g._run(_sharded_allreduce(g, seq, array, flat, reduce_op))
     return g._run(_small_allreduce(g, seq, array, reduce_op))
 
@@ -121,14 +125,21 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
 
     async def steps() -> None:
         mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
-        if ring:  # shard me's chain: me+1, me+2, ..., me-1, then me, which computes the result
+        if ring:
+            # Shard me's chain: me+1, me+2, ..., me-1, then me, which computes the result. Each
+            # input has its place whenever it comes: the request and every put go out at once.
             chain = [inputs[me][(me + 1 + i) % n] for i in range(n)]
-            await g._reduce_into(seq, chain, results[me], op, None, mine, degree=1, ordered=True)
             order = [(me - 1 - i) % n for i in range(n - 1)]  # earliest in its chain first
+            await all_or_cancel(
+                [
+                    g._reduce_into(seq, chain, results[me], op, None, mine, degree=1, ordered=True),
+                    *(g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order),
+                ]
+            )
         else:
             await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
             order = [(me + 1 + i) % n for i in range(n - 1)]
-        await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
+            await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
         await all_or_cancel(
             [
                 # The ring: result j travels j, j+1, ..., each member reading its predecessor's copy.
