@@ -110,14 +110,16 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     shards = [flat[cuts[j] : cuts[j + 1]] for j in range(n)]
     inputs = [[g.object_id(seq, "allreduce-shard", j, r) for r in range(n)] for j in range(n)]
     results = [g.object_id(seq, "allreduce-shard-result", j) for j in range(n)]
-    # Its own shard first: the reduction it requests then has its root here (the directory places
-    # the requester's input there) and is set up while the others are put. Then the others, each
-    # member starting after its own, so that every reduction soon has inputs to stream.
+    # The star puts its own shard first: the reduction it requests then has its root here (the
+    # directory places the requester's input there) and is set up while the others are put. Then
+    # the others, each member starting after its own, so that every reduction soon has inputs.
     # The shards are lent to the store, not copied (unless same-host readers would map a copy):
-    # result j's bytes land in shard j only after its root read this member's shard j up to
-    # them; the call returns once every result is whole, when nothing reads the shards any more
-    # (a reduction rebuilt because its root died never completes: the root's own shard is gone),
-    # and deletes them; if it fails, it withdraws them first. bench/README.md, "Lent shards".
+    # result j's bytes land in shard j only after the reduction read this member's shard j up to
+    # them (the star's root, or the ring's vertex here or next); the call returns once every
+    # result is whole, when nothing reads the shards any more, and deletes them; if it fails, it
+    # withdraws them first. After a member died the call fails, even where a rebuilt tree read
+    # overwritten shards: the dead member's own shard, held by it alone, cannot be reduced again.
+    # bench/README.md, "Lent shards".
     lent = [inputs[j][me] for j in range(n)]
     received: list[LocalObject] = []  # results pulled straight into the shards
     ring = _ring_schedule(g, flat.nbytes)
