@@ -510,3 +510,22 @@ def test_a_lookup_via_a_node_still_asking_waits_for_it_when_the_result_completes
     # whose B never asked, reads A's complete copy.
     out = req(state, "A", VertexDone(RID, 0, True))
     assert {n: m.sender_node for n, m in sent(out, LookupReply)} == {"C": "A", "D": "C"}
+
+
+def test_an_ordered_reduction_without_a_degree_is_a_chain_or_one_hosts_star() -> None:
+    ids = [oid(i) for i in (1, 2, 3, 0)]
+    state = make_state()  # every node on 127.0.0.1 without a host key: not one host
+    req(state, "A", ReduceRequest(9, RID, ids, "sum", 4, ordered=True))
+    put(state, "A", 0, 64 * MiB)
+    plan = state.reductions[RID].plan
+    assert plan.degree == 1 and plan.by_vertex[0].node_id == "A"
+    # Every node on one host, the inputs in shared memory: that host's star, rooted at A.
+    state = DirectoryState(DirectoryConfig(inline_threshold_bytes=64 * 1024, lease_timeout=math.inf))
+    for i, node in enumerate("ABCD"):
+        state.handle(NodeJoined(node, "127.0.0.1", 7000 + i, 0.0, host_key="one-host"))
+    req(state, "A", ReduceRequest(9, RID, ids, "sum", 4, ordered=True))
+    for node, i in (("B", 1), ("A", 0), ("C", 2), ("D", 3)):
+        shape = [64 * MiB // 4]
+        req(state, node, PutRequest(1, oid(i), 64 * MiB, "<f4", shape, b"d" * 16, segment=f"seg-{i}"))
+    plan = state.reductions[RID].plan
+    assert plan.degree == 3 and plan.by_vertex[0].node_id == "A" and plan.full

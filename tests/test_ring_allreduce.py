@@ -98,3 +98,35 @@ def test_an_allreduce_under_the_shard_size_is_one_reduction(owner: Any) -> None:
     finally:
         for w in workers:
             w.kill()
+
+
+#: 16 MiB: shards of 4 MiB, which a borrowed put on a node that shares copies into a segment.
+BIG = (1 << 22,)
+
+
+def test_on_one_host_the_ring_schedule_reduces_each_shard_as_that_hosts_star() -> None:
+    node = hg.init(shared_memory=True, allreduce_schedule="ring")
+    workers = start_workers(
+        node.directory_address, node.token, 3, shared_memory=True, allreduce_schedule="ring"
+    )
+    try:
+        group = _join(node, workers, "one-host")
+        since = len(node.event_log())
+        for w in workers:
+            w.send("allreduce", group.name, "float32", BIG, 0, "sum")
+        got = hg.collective.allreduce(make_array("float32", BIG, 0), group)
+        want = sum(make_array("float32", BIG, r).astype(np.float64) for r in range(4)).astype(np.float32)
+        assert np.array_equal(got, want)
+        for w in workers:
+            assert np.array_equal(w.result(), want)
+        trees = [e for e in node.event_log()[since:] if e["kind"] == "reduce_tree"]
+        assert [(e["degree"], e["reason"][:20]) for e in trees] == [(3, "every node on one ho")] * 4
+        for w in workers:
+            w.send("destroy", group.name)
+        group.destroy()
+        for w in workers:
+            w.result()
+    finally:
+        for w in workers:
+            w.kill()
+        node.close()

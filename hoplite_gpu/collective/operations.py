@@ -73,7 +73,7 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     and the result read by every member as it is being reduced. A large C-contiguous array is cut
     into one shard per member, and member ``j`` requests the reduction of everyone's shard ``j``.
     With the ring schedule (``Config.allreduce_schedule``, the default) it is a chain in ring
-    order, ``j+1 -> j+2 -> ... -> j`` (``reduce(ordered=True, degree=1)``), and its result is read
+    order, ``j+1 -> j+2 -> ... -> j`` (``reduce(ordered=True)``), and its result is read
     along the same ring, each member from the one before it (``get(via=...)``), while it is being
     computed: every byte goes from a member to the next, so each link carries one member's
     traffic each way, like Gloo's ring. With the star schedule every other member's shard
@@ -134,7 +134,8 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
             order = [(me - 1 - i) % n for i in range(n - 1)]  # earliest in its chain first
             await all_or_cancel(
                 [
-                    g._reduce_into(seq, chain, results[me], op, None, mine, degree=1, ordered=True),
+                    # (A chain; on one host the directory makes it that host's star instead.)
+                    g._reduce_into(seq, chain, results[me], op, None, mine, ordered=True),
                     *(g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order),
                 ]
             )

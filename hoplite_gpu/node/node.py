@@ -530,9 +530,11 @@ class Node(GroupWatches, Diagnostics):
                 fails with :class:`NotDecodableError` when every input arrived without that.
             ordered: Place the inputs in the tree in the listed order, whenever each arrives,
                 instead of in arrival order (every input is reduced; not with ``num_objects`` or
-                ``coding``). With ``degree=1`` the tree is a chain from the first listed input to
-                the last, whose holder computes the result: a ring allreduce reduces each shard
-                along the ring this way. A tree rebuilt after a failure places its inputs in
+                ``coding``). Without ``degree`` (or with 1) the tree is a chain from the first
+                listed input to the last, whose holder computes the result: a ring allreduce
+                reduces each shard along the ring this way. Where every node shares one host and
+                no degree is given, the tree is that host's star in arrival order instead (the
+                root maps every input). A tree rebuilt after a failure places its inputs in
                 arrival order.
 
         Raises:
