@@ -35,6 +35,14 @@ def _join(owner: Any, workers: list[Worker], name: str) -> hg.collective.Group:
     return hg.collective.Group(owner, 0, n, name, timeout=TIMEOUT)
 
 
+def _destroy(group: hg.collective.Group, workers: list[Worker]) -> None:
+    for w in workers:
+        w.send("destroy", group.name)
+    group.destroy()
+    for w in workers:
+        w.result()
+
+
 def _rank_of(events: list[dict[str, Any]], group: hg.collective.Group, seq: int, n: int) -> dict[str, int]:
     """Node id -> rank, from who put each member's shard ``r`` of collective ``seq``."""
     shards = {group.object_id(seq, "allreduce-shard", 0, r).hex(): r for r in range(n)}
@@ -67,11 +75,7 @@ def test_a_sharded_allreduce_sums_exactly_and_the_ring_sends_only_to_the_next_me
             assert hops == ring, f"transfers off the ring: {sorted(hops - ring)}"
         else:  # each shard's root pulls from every member, and every member reads every root
             assert hops == {(a, b) for a in range(n) for b in range(n) if a != b}
-        for w in workers:
-            w.send("destroy", group.name)
-        group.destroy()
-        for w in workers:
-            w.result()
+        _destroy(group, workers)
     finally:
         for w in workers:
             w.kill()
@@ -92,9 +96,7 @@ def test_an_allreduce_under_the_shard_size_is_one_reduction(owner: Any) -> None:
         whole = group.object_id(0, "allreduce", 0).hex()
         puts = {e["object_id"] for e in owner.event_log()[since:] if e["kind"] == "put"}
         assert whole in puts and shard not in puts
-        workers[0].send("destroy", group.name)
-        group.destroy()
-        workers[0].result()
+        _destroy(group, workers)
     finally:
         for w in workers:
             w.kill()
@@ -121,11 +123,7 @@ def test_on_one_host_the_ring_schedule_reduces_each_shard_as_that_hosts_star() -
             assert np.array_equal(w.result(), want)
         trees = [e for e in node.event_log()[since:] if e["kind"] == "reduce_tree"]
         assert [(e["degree"], e["reason"][:20]) for e in trees] == [(3, "every node on one ho")] * 4
-        for w in workers:
-            w.send("destroy", group.name)
-        group.destroy()
-        for w in workers:
-            w.result()
+        _destroy(group, workers)
     finally:
         for w in workers:
             w.kill()
