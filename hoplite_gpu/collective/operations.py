@@ -80,8 +80,10 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     streams straight into ``j``'s vertex and every member reads ``j``'s result straight from it
     (``get(direct=True)``). Either way each member's link carries ``2 (N-1)/N`` times the
     array's bytes each way, the bandwidth-optimal amount, whatever the order in which members
-    arrive. The shards are ordinary reductions: a member that dies is repaired around like in
-    any other. The large array is read in place by the other members while the call runs (not
+    arrive. The shards are ordinary reductions (a tree that loses a vertex is rebuilt like any
+    other), but a member that dies takes its own shard with it: the call then raises a typed
+    error (:class:`~hoplite_gpu.errors.MemberLostError` at once in a watched group), never a
+    wrong sum. The large array is read in place by the other members while the call runs (not
     copied first): write to it only once the call has returned or raised.
     """
     g = _check_group(group)
@@ -122,7 +124,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     # bench/README.md, "Lent shards".
     lent = [inputs[j][me] for j in range(n)]
     received: list[LocalObject] = []  # results pulled straight into the shards
-    ring = _ring_schedule(g, flat.nbytes)
+    ring = g.node.config.allreduce_schedule != "star"  # auto: the ring (bench/README.md)
     pred = (me - 1) % n
 
     async def steps() -> None:
@@ -163,11 +165,6 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     await g._delete_now(lent)
     await g._delete_before(seq)
     return array
-
-
-def _ring_schedule(g: Group, nbytes: int) -> bool:
-    """Whether a sharded allreduce of ``nbytes`` runs as a ring (``Config.allreduce_schedule``)."""
-    return g.node.config.allreduce_schedule != "star"
 
 
 def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:

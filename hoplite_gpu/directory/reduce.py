@@ -349,8 +349,8 @@ class ReducePlan:
         ``one_host``: every node shares one host's shared memory. The first placement then makes
         the tree a star (unless the requester asked for a degree; an ordered plan is then placed
         in arrival order): the root maps every input from its holder's segment and reduces them
-        in one pass, where a chain would move each partial result between processes (a 64 MiB
-        ring allreduce of 4 processes took 1.8x the star's time on one host).
+        in one pass, where a chain would move each partial result between processes
+        (bench/README.md, "Ring allreduce": one host).
 
         ``root_ok`` False: not at the root while another vertex is free (the input's node may
         hold a complete result of the tree a repair replaced; see :mod:`.repair`).
