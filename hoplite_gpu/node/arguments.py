@@ -13,6 +13,7 @@ from .. import protocol as p
 from ..errors import InvalidArgumentError
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op
+from .sources import Route
 
 
 def resolve_timeout(timeout: float | None, default: float) -> float | None:
@@ -126,3 +127,13 @@ def _check_coding(coding: Any, count: int, op: ReduceOp) -> list[list[float]]:
     if not np.all(np.isfinite(rows)):
         raise InvalidArgumentError("coding must be finite numbers", argument="coding")
     return [[float(x) for x in row] for row in rows]
+
+
+def route_of(direct: bool, via: Any) -> Route:
+    """The source a ``get`` asks for (``direct``, ``via``: see :meth:`Node.get
+    <hoplite_gpu.node.Node.get>`), its arguments checked."""
+    if via is not None and not isinstance(via, ObjectID):
+        raise InvalidArgumentError(
+            f"via must be an ObjectID or None, got {type(via).__name__}", argument="via"
+        )
+    return Route(bool(direct), b"" if via is None else via.binary())

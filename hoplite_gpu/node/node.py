@@ -42,13 +42,12 @@ from ..iothread import IOThread
 from ..memory import LocalStore, Memory, host_key, node_place, shared_memory_available, sweep_orphans
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
-from .arguments import reduce_request, resolve_timeout
+from .arguments import reduce_request, resolve_timeout, route_of
 from .channel import Channels
 from .diagnostics import Diagnostics
 from .fetch import Fetcher, check_out, streamable
 from .puts import Putter
 from .session import DirectorySession
-from .sources import Route
 from .vertex import VertexRunner
 from .watches import GroupWatches
 
@@ -338,12 +337,9 @@ class Node(GroupWatches, Diagnostics):
                 readers. For collectives whose traffic pattern leaves the owner's link room for
                 every reader, such as the gather phase of a sharded allreduce, where a chain would
                 load some links more than others. Falls back to any source if the owner is gone.
-            via: Pull from the copy held by the owner of this other object, partial or complete,
-                even while it serves other readers; while that node holds none and no copy is
-                complete, wait for it (it is about to receive the object). For readers that
-                form a ring, each reading from the one before it (a ring allreduce's results).
-                Falls back to any source (``direct`` applying) once that node is gone or another
-                copy is complete.
+            via: Pull from the copy held by the owner of this other ObjectID, partial or not,
+                busy or not, waiting for it while no copy is complete: readers in a ring, each
+                reading from the one before it. Else, or once that node is gone, as without.
 
         Raises:
             HopliteTimeoutError: not available within ``timeout``.
@@ -352,7 +348,7 @@ class Node(GroupWatches, Diagnostics):
         """
         self._check_open()
         self._check_oid(object_id)
-        route = Route(direct, self._via(via))
+        route = route_of(direct, via)
         timeout = self._resolve_timeout(timeout)
         into = check_out(out)
         ready = self._fetcher.at_hand(object_id)
@@ -378,7 +374,7 @@ class Node(GroupWatches, Diagnostics):
         """Async twin of :meth:`get`."""
         self._check_open()
         self._check_oid(object_id)
-        route = Route(direct, self._via(via))
+        route = route_of(direct, via)
         timeout = self._resolve_timeout(timeout)
         into = check_out(out)
         ready = self._fetcher.at_hand(object_id)
@@ -388,14 +384,6 @@ class Node(GroupWatches, Diagnostics):
             return await self._io.run_async(self._fetcher.get_into(object_id, timeout, out, route))
         fetch = self._fetcher.get(object_id, timeout, route=route, lend=True)
         return (await self._io.run_async(fetch)).deliver(into)
-
-    @staticmethod
-    def _via(via: Any) -> bytes:
-        if via is not None and not isinstance(via, ObjectID):
-            raise InvalidArgumentError(
-                f"via must be an ObjectID or None, got {type(via).__name__}", argument="via"
-            )
-        return b"" if via is None else via.binary()
 
     @staticmethod
     def _check_oid(object_id: Any) -> None:
@@ -528,14 +516,10 @@ class Node(GroupWatches, Diagnostics):
                 ones, reduces the inputs whose weight is not 0 (the rows that added to the span
                 of those before them, in arrival order); :meth:`reduced_objects` names them. It
                 fails with :class:`NotDecodableError` when every input arrived without that.
-            ordered: Place the inputs in the tree in the listed order, whenever each arrives,
-                instead of in arrival order (every input is reduced; not with ``num_objects`` or
-                ``coding``). Without ``degree`` (or with 1) the tree is a chain from the first
-                listed input to the last, whose holder computes the result: a ring allreduce
-                reduces each shard along the ring this way. Where every node shares one host and
-                no degree is given, the tree is that host's star in arrival order instead (the
-                root maps every input). A tree rebuilt after a failure places its inputs in
-                arrival order.
+            ordered: Place input ``i`` at the tree's ``i``-th position whenever it arrives, not
+                in arrival order (every input reduced; no ``num_objects`` or ``coding``). Without
+                ``degree``: a chain from the first to the last, which computes the result (where
+                every node shares one host: that host's star). A rebuilt tree is unordered.
 
         Raises:
             InvalidArgumentError: bad ids, ``num_objects`` or op, or an unsupported dtype.
