@@ -131,7 +131,10 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
         mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
         if ring:
             # Shard me's chain: me+1, me+2, ..., me-1, then me, which computes the result. Each
-            # input has its place whenever it comes: the request and every put go out at once.
+            # input has its place whenever it comes, so the request, every put and every read go
+            # out at once: result j travels j, j+1, ..., each member reading its predecessor's
+            # copy, and a member's reads reach the directory before the results its puts feed
+            # can be complete (a later one would read a complete copy off the ring).
             chain = [inputs[me][(me + 1 + i) % n] for i in range(n)]
             order = [(me - 1 - i) % n for i in range(n - 1)]  # earliest in its chain first
             await all_or_cancel(
@@ -139,19 +142,17 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
                     # (A chain; on one host the directory makes it that host's star instead.)
                     g._reduce_into(seq, chain, results[me], op, None, mine, ordered=True),
                     *(g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order),
+                    *(
+                        g._get_received(results[j], shards[j], received, inputs[j][pred])
+                        for j in [*order, me]
+                    ),
                 ]
             )
         else:
             await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
             order = [(me + 1 + i) % n for i in range(n - 1)]
             await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
-        await all_or_cancel(
-            [
-                # The ring: result j travels j, j+1, ..., each member reading its predecessor's copy.
-                g._get_received(results[j], shards[j], received, inputs[j][pred] if ring else None)
-                for j in [*order, me]
-            ]
-        )
+            await all_or_cancel([g._get_received(results[j], shards[j], received) for j in [*order, me]])
         if ring:  # the successor reads these copies: let it finish (bounded) before withdrawing
             stall = g.node.config.stall_timeout
             await asyncio.gather(*(obj.wait_unserved(stall) for obj in received))
