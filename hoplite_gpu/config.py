@@ -169,7 +169,7 @@ class Config:
             (:func:`hoplite_gpu.collective.allreduce`): ``ring`` (each shard reduced along the
             ring of members and its result read along it: every link carries one flow each way),
             ``star`` (each shard reduced at its member from every other at once, the results read
-            straight from it), ``auto``: the measured better (bench/README.md#ring-allreduce).
+            straight from it), ``auto``: the ring, the better measured (bench/README.md#ring-allreduce).
             Members may differ: each shard's schedule is its own member's.
         allreduce_shard_bytes: A group's allreduce of at least this many bytes (C-contiguous)
             goes in shards, one per member; a smaller one as one reduce read as it is computed,

@@ -30,8 +30,8 @@ from ..errors import (
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
 from ..node import Node
+from ..node.arguments import route_of
 from ..node.fetch import check_out, receivable
-from ..node.sources import Route
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 
@@ -479,7 +479,7 @@ class Group:
         node = self.node
         if not receivable(check_out(out)) or node._fetcher.indexed(oid) is not None:
             return await node.get_async(oid, timeout=self.timeout, out=out, direct=True, via=via)
-        route = Route(True, b"" if via is None else via.binary())
+        route = route_of(True, via)
         fetch = node._fetcher.get_into(oid, node._resolve_timeout(self.timeout), out, route, received)
         return await node._io.run_async(fetch)
 
