@@ -40,7 +40,8 @@ class HopliteWork(dist._Work):  # type: ignore[misc]
         self._what = what
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._settled: torch.futures.Future[Any] = torch.futures.Future()
+        self._future = failing_in_cpp(self._settled)
         self.source = -1  # a recv from any source: the rank it came from
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -48,9 +49,9 @@ class HopliteWork(dist._Work):  # type: ignore[misc]
         self._error = error
         try:  # the future first: a caller past wait() reads it
             if error is None:
-                self._future.set_result(self._outputs)
+                self._settled.set_result(self._outputs)
             else:
-                self._future.set_exception(error)
+                self._settled.set_exception(error)
         finally:
             self._done.set()
 
@@ -107,6 +108,20 @@ class HopliteWork(dist._Work):  # type: ignore[misc]
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self._done.is_set() else "pending"
         return f"<hoplite_gpu.torch.HopliteWork {self._what} {state}>"
+
+
+def failing_in_cpp(settled: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+    """A future that completes as ``settled`` does, failing in C++ too when it fails.
+
+    ``Future.set_exception`` only marks the error for Python: C++ code waiting on the future
+    (DDP's reducer) reads the exception object as the value and crashes (a SIGSEGV in DDP's
+    backward when a rank died). An exception raised in a ``then`` callback fails the future in
+    C++, which raises it in Python again with its type."""
+    return settled.then(_value)
+
+
+def _value(fut: torch.futures.Future[Any]) -> Any:
+    return fut.value()
 
 
 class Lane:
