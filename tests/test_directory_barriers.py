@@ -247,3 +247,118 @@ def test_a_barrier_releases_a_reduction_its_member_requested():
     assert arrive(state, "B", 1, count=2, release=[rid]) == []  # not B's: left alone
     assert arrive(state, "A", 0, count=2, release=[rid]) != []
     assert rid not in state.reductions
+
+
+# ---------------------------------------------------------------------------- agreements
+GID = b"g" * 20
+
+
+def watch(state, node, rank, count=3, rid=None, abort=""):
+    rid = 200 + rank if rid is None else rid
+    msg = p.WatchRequest(request_id=rid, group_id=GID, rank=rank, count=count, abort=abort)
+    return [(s.node_id, s.message) for s in state.handle(Request(node, msg, 0.0))]
+
+
+def agree(state, node, rank, vote=1, count=3, now=0.0, bid=BID, timeout=0.0):
+    msg = p.BarrierRequest(
+        request_id=10 + rank, barrier_id=bid, rank=rank, count=count, timeout=timeout, group_id=GID, vote=vote
+    )
+    return sorted(((s.node_id, s.message) for s in state.handle(Request(node, msg, now))), key=lambda o: o[0])
+
+
+def replies(out):
+    return [m for _, m in out if isinstance(m, p.BarrierReply)]
+
+
+def test_an_agreement_of_members_all_alive_tells_each_the_members_and_the_least_vote():
+    state = make_state("A", "B", "C")
+    for rank, node in enumerate("ABC"):
+        assert watch(state, node, rank) == []
+    assert agree(state, "A", 0, vote=1) == []
+    assert agree(state, "B", 1, vote=0) == []
+    out = replies(agree(state, "C", 2, vote=1))
+    assert [(r.request_id, r.status, r.members, r.vote) for r in out] == [
+        (10, "ok", [0, 1, 2], 0),
+        (11, "ok", [0, 1, 2], 0),
+        (12, "ok", [0, 1, 2], 0),
+    ]
+    assert state.barriers.open == {}
+
+
+def test_an_agreement_is_decided_when_the_missing_member_is_lost_and_leaves_it_out():
+    state = make_state("A", "B", "C")
+    for rank, node in enumerate("ABC"):
+        watch(state, node, rank)
+    assert agree(state, "A", 0) == [] and agree(state, "B", 1) == []
+    out = state.handle(NodeLeft("C", 1.0))  # rank 2's node dies before it comes
+    decided = [s.message for s in out if isinstance(s.message, p.BarrierReply)]
+    assert sorted((r.request_id, r.members, r.vote) for r in decided) == [(10, [0, 1], 1), (11, [0, 1], 1)]
+    # A member lost before the agreement does not hold it up either.
+    assert agree(state, "A", 0, bid=b"c" * 20) == []
+    assert [(r.members, r.vote) for r in replies(agree(state, "B", 1, bid=b"c" * 20))] == [([0, 1], 1)] * 2
+
+
+def test_a_member_that_came_and_then_died_is_not_a_member_and_its_vote_is_not_counted():
+    state = make_state("A", "B", "C")
+    for rank, node in enumerate("ABC"):
+        watch(state, node, rank)
+    assert agree(state, "C", 2, vote=0) == []
+    state.handle(NodeLeft("C", 1.0))
+    assert agree(state, "A", 0) == []
+    assert [(r.members, r.vote) for r in replies(agree(state, "B", 1))] == [([0, 1], 1)] * 2
+
+
+def test_a_member_lost_is_left_out_and_answered_at_once_when_it_comes_later():
+    state = make_state("A", "B")
+    watch(state, "A", 0, count=2)
+    watch(state, "B", 1, count=2)
+    assert agree(state, "B", 1, count=2) == []
+    out = state.handle(
+        Request("A", p.WatchRequest(request_id=300, group_id=GID, rank=0, count=2, abort="x"), 0.0)
+    )
+    decided = [s.message for s in out if isinstance(s.message, p.BarrierReply)]
+    assert [(r.request_id, r.members) for r in decided] == [(11, [1])]  # decided with rank 0's loss
+    # Rank 0 (its node still connected) comes after: told it is no member, at once.
+    assert [(r.request_id, r.members, r.vote) for r in replies(agree(state, "A", 0, count=2))] == [
+        (10, [], 0)
+    ]
+    assert state.barriers.open == {}
+
+
+def test_an_agreement_times_out_naming_only_members_neither_come_nor_lost():
+    state = make_state("A", "B", "C")
+    for rank, node in enumerate("ABC"):
+        watch(state, node, rank)
+    state.handle(NodeLeft("C", 0.5))
+    assert agree(state, "A", 0, timeout=1.0) == []
+    [(_, reply)] = [(s.node_id, s.message) for s in state.handle(Tick(2.0))]
+    assert reply.status == "timeout" and reply.waiting == 1 and reply.missing == [1]
+
+
+def test_an_agreement_and_a_plain_barrier_of_one_id_are_refused_together():
+    state = make_state("A", "B")
+    assert agree(state, "A", 0, count=2) == []
+    [(_, reply)] = arrive(state, "B", 1, count=2)
+    assert isinstance(reply, p.ErrorReply) and "another watched group" in reply.message
+
+
+def test_an_agreement_vote_out_of_range_is_a_protocol_error():
+    with pytest.raises(ProtocolError):
+        p.BarrierRequest(request_id=1, barrier_id=BID, rank=0, count=1, timeout=0.0, vote=-1).check()
+    with pytest.raises(ProtocolError):
+        p.BarrierRequest(request_id=1, barrier_id=BID, rank=0, count=1, timeout=0.0, group_id=b"x").check()
+
+
+def test_a_second_death_after_the_watches_were_answered_still_decides_the_agreement():
+    """The first loss answers every watch (nobody watches the group any more); a member whose
+    node dies after that is lost all the same, so the agreement of the rest is decided."""
+    state = make_state("A", "B", "C", "D")
+    for rank, node in enumerate("ABCD"):
+        watch(state, node, rank, count=4)
+    state.handle(NodeLeft("A", 1.0))  # every watch answered: the group has ended
+    assert GID not in state.watches.groups and state.watches.lost_of(GID).keys() == {0}
+    assert agree(state, "B", 1, count=4) == [] and agree(state, "D", 3, count=4) == []
+    out = state.handle(NodeLeft("C", 2.0))
+    decided = [s.message for s in out if isinstance(s.message, p.BarrierReply)]
+    assert sorted((r.request_id, r.members) for r in decided) == [(11, [1, 3]), (13, [1, 3])]
+    assert state.watches.lost_of(GID).keys() == {0, 2}

@@ -14,6 +14,13 @@ A restarted directory knows no barrier: members still waiting send theirs again 
 repeats a request the lost directory did not answer). An arrival may carry objects of its node's
 to delete once every member has come (``BarrierRequest.release``): deleted then, before the
 replies, as the node's own deletes would be, with no reply of their own.
+
+An *agreement* is the barrier of a watched group (``BarrierRequest.group_id``, see
+:mod:`.watches`): a member lost there no longer counts as missing, so it is answered once every
+member has come or is lost, each with the same decision: the members that came and are not lost,
+and the least of their votes (a member already lost is answered at once, with no members).
+Elastic training decides a step's outcome and its membership this way
+(:mod:`hoplite_gpu.torch.elastic`): the directory is the one place where that is decided.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class Barrier:
     waiting: dict[int, tuple[str, int]] = field(default_factory=dict)
     named: list[int] | None = None  # the first ranks missing, once asked (None: to find again)
     release: dict[int, list[bytes]] = field(default_factory=dict)  # rank -> objects it releases
+    group: bytes = b""  # an agreement's watched group (its lost members are not waited for)
+    votes: dict[int, int] = field(default_factory=dict)  # an agreement's votes, per rank come
 
 
 class Barriers:
@@ -60,6 +69,13 @@ class Barriers:
         if barrier is not None and barrier.count != msg.count:
             self._refuse(node_id, msg, f"it has {barrier.count} members, this member said {msg.count}")
             return
+        if barrier is not None and barrier.group != msg.group_id:
+            self._refuse(node_id, msg, "its members name another watched group")
+            return
+        if msg.group_id and rank in state.watches.lost_of(msg.group_id):
+            # Lost: no agreement counts it any more (one may have been decided without it).
+            state.send(node_id, p.BarrierReply(request_id=msg.request_id, status="ok", vote=0))
+            return
         came = barrier.waiting.get(rank) if barrier is not None else None
         if came is not None and came[0] != node_id:
             self._refuse(node_id, msg, f"rank {rank} already reached it from another node")
@@ -71,7 +87,7 @@ class Barriers:
             state.send(node_id, reply)
             return
         if barrier is None:
-            barrier = self.open[bid] = Barrier(msg.count)
+            barrier = self.open[bid] = Barrier(msg.count, group=msg.group_id)
         if came is not None:  # the same member again (its node reconnected): answer the new request
             del self.by_request[(node_id, came[1])]
         else:
@@ -81,19 +97,37 @@ class Barriers:
         barrier.waiting[rank] = (node_id, msg.request_id)
         if msg.release:
             barrier.release[rank] = msg.release
+        if barrier.group:
+            barrier.votes[rank] = msg.vote
         self.by_request[(node_id, msg.request_id)] = (bid, rank)
         if msg.timeout > 0:
             heapq.heappush(self.deadlines, (now + msg.timeout, next(self._seq), node_id, msg.request_id))
         state.record(
             now, "barrier", node=node_id, barrier_id=bid.hex(), rank=rank, arrived=len(barrier.arrived)
         )
-        if len(barrier.arrived) == barrier.count:
-            del self.open[bid]
-            for r, oids in barrier.release.items():  # every member is past what they served
-                self._release(barrier.waiting[r][0], oids, now)
-            for r in list(barrier.waiting):
-                self._answer(bid, barrier, r, "ok")
-            state.record(now, "barrier_ok", barrier_id=bid.hex(), members=barrier.count)
+        self._settle(bid, barrier, now)
+
+    def _settle(self, bid: bytes, barrier: Barrier, now: float) -> None:
+        """Answer every member ``ok`` if none is missing (an agreement's lost members are not)."""
+        lost = self.state.watches.lost_of(barrier.group) if barrier.group else {}
+        gone = sum(1 for r in lost if r < barrier.count and r not in barrier.arrived)
+        if len(barrier.arrived) + gone < barrier.count:
+            return
+        del self.open[bid]
+        for r, oids in barrier.release.items():  # every member is past what they served
+            self._release(barrier.waiting[r][0], oids, now)
+        members = sorted(r for r in barrier.arrived if r not in lost) if barrier.group else []
+        vote = min((barrier.votes.get(r, 0) for r in members), default=0)
+        for r in list(barrier.waiting):
+            self._answer(bid, barrier, r, "ok", members, vote)
+        came = len(members) if barrier.group else barrier.count
+        self.state.record(now, "barrier_ok", barrier_id=bid.hex(), members=came)
+
+    def group_lost(self, group_id: bytes, now: float) -> None:
+        """Members of watched group ``group_id`` were lost: its agreements may be decided."""
+        for bid, barrier in list(self.open.items()):
+            if barrier.group == group_id:
+                self._settle(bid, barrier, now)
 
     def _release(self, node_id: str, oids: list[bytes], now: float) -> None:
         """Delete the objects of ``node_id``'s that its arrival released: what it put, or a
@@ -109,20 +143,36 @@ class Barriers:
         reply = p.ErrorReply(request_id=msg.request_id, kind="InvalidArgumentError", message=text)
         self.state.send(node_id, reply)
 
-    def _answer(self, bid: bytes, barrier: Barrier, rank: int, status: str) -> None:
-        """Answer the member of ``rank`` (``ok``, or ``timeout`` naming the ranks missing)."""
+    def _answer(
+        self,
+        bid: bytes,
+        barrier: Barrier,
+        rank: int,
+        status: str,
+        members: list[int] | None = None,
+        vote: int = 1,
+    ) -> None:
+        """Answer the member of ``rank`` (``ok``, or ``timeout`` naming the ranks missing; an
+        agreement's ``ok`` with its ``members`` and ``vote``)."""
         node_id, request_id = self._withdraw(barrier, rank)
+        lost = self.state.watches.lost_of(barrier.group) if barrier.group else {}
+        missing = (r for r in range(barrier.count) if r not in barrier.arrived and r not in lost)
         waiting = barrier.count - len(barrier.arrived)
+        if lost:
+            waiting -= sum(1 for r in lost if r < barrier.count and r not in barrier.arrived)
         if waiting and barrier.named is None:
             # Found once per change, stopping at the first MAX_MISSING_NAMED: a barrier of 65,536
             # members is answered member by member.
-            barrier.named = list(
-                itertools.islice(
-                    (r for r in range(barrier.count) if r not in barrier.arrived), p.MAX_MISSING_NAMED
-                )
-            )
+            barrier.named = list(itertools.islice(missing, p.MAX_MISSING_NAMED))
         named = barrier.named if waiting and barrier.named is not None else []
-        reply = p.BarrierReply(request_id=request_id, status=status, waiting=waiting, missing=named)
+        reply = p.BarrierReply(
+            request_id=request_id,
+            status=status,
+            waiting=waiting,
+            missing=named,
+            members=members or [],
+            vote=vote if barrier.group else 1,
+        )
         self.state.send(node_id, reply)
 
     def _withdraw(self, barrier: Barrier, rank: int) -> tuple[str, int]:
@@ -149,6 +199,7 @@ class Barriers:
         barrier = self.open[bid]
         self._withdraw(barrier, rank)
         barrier.arrived.discard(rank)
+        barrier.votes.pop(rank, None)
         barrier.named = None
         self._close_if_idle(bid, barrier)
 

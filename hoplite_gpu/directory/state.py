@@ -131,7 +131,7 @@ class DirectoryState:
         self.repair = Repair(self)
         self.recovery = Recovery(self)
         self.barriers = Barriers(self)
-        self.watches = Watches(self.send, self.record, config.max_pending_lookups)
+        self.watches = Watches(self.send, self.record, config.max_pending_lookups, self.barriers.group_lost)
         self._stimuli = itertools.count(1)
         self._event: Event | None = None  # the event being handled (or handled last)
         self._stimulus = 0  # its number

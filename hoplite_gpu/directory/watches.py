@@ -19,7 +19,7 @@ cleanly before the restart is reported too, which the group's other members, als
 collective, do not see.
 
 The room receives what it uses: the function that sends a message to a node, the one that records
-an event, and the most watches a node may hold.
+an event, the most watches a node may hold, and whom to tell that a group lost members.
 """
 
 from __future__ import annotations
@@ -53,18 +53,29 @@ class Watches:
         send: Sends a message to a node (for the event being handled).
         record: Appends an event to the event log: ``record(now, kind, **details)``.
         quota: Most watches one node may hold at once.
+        on_lost: Called with a group's id and the time once members of it were lost (the
+            group's agreements may then be decided, see :mod:`.barriers`).
     """
 
     def __init__(
-        self, send: Callable[[str, p.Message], None], record: Callable[..., None], quota: int
+        self,
+        send: Callable[[str, p.Message], None],
+        record: Callable[..., None],
+        quota: int,
+        on_lost: Callable[[bytes, float], None] | None = None,
     ) -> None:
         self._send = send
         self._record = record
+        self._on_lost = on_lost
         self.quota = quota
         self.groups: dict[bytes, WatchedGroup] = {}
         self.by_request: dict[tuple[str, int], tuple[bytes, int]] = {}  # -> (group, rank)
         self.per_node: dict[str, int] = {}  # watches held, per node
-        self.ended: OrderedDict[bytes, tuple[int, dict[int, str]]] = OrderedDict()  # -> (count, lost)
+        # Groups nobody watches any more that lost members, oldest first; a member of one whose
+        # node dies later is lost too (an agreement among the rest may wait on it), hence the
+        # index of their members' nodes.
+        self.ended: OrderedDict[bytes, WatchedGroup] = OrderedDict()
+        self._ended_nodes: dict[str, set[bytes]] = {}
 
     def request(self, node_id: str, msg: p.WatchRequest, now: float) -> None:
         """Member ``msg.rank`` of node ``node_id`` watches group ``msg.group_id``, or gives up on
@@ -108,11 +119,14 @@ class Watches:
         gid = msg.group_id
         group = self.groups.get(gid)
         if group is None:
-            count, lost = self.ended.pop(gid, (msg.count, {}))
-            group = WatchedGroup(count, lost=dict(lost))
+            ended = self.ended.get(gid)
+            if ended is not None and ended.count != msg.count:
+                self._refuse(node_id, msg, f"it has {ended.count} members, this member said {msg.count}")
+                return None
+            if ended is not None:
+                self._forget_ended(gid)
+            group = WatchedGroup(msg.count, lost=dict(ended.lost) if ended is not None else {})
         if group.count != msg.count:
-            if gid not in self.groups and group.lost:
-                self.ended[gid] = (group.count, group.lost)
             self._refuse(node_id, msg, f"it has {group.count} members, this member said {msg.count}")
             return None
         self.groups[gid] = group
@@ -135,6 +149,13 @@ class Watches:
         for rank in list(group.waiting):  # (a member that gave up too: its node is still here)
             node_id, request_id = self._withdraw(group, rank)
             self._answer(node_id, request_id, group)
+        if self._on_lost is not None:
+            self._on_lost(gid, now)
+
+    def lost_of(self, group_id: bytes) -> dict[int, str]:
+        """The members lost so far of watched group ``group_id`` (rank -> why; none if unknown)."""
+        group = self.groups.get(group_id) or self.ended.get(group_id)
+        return group.lost if group is not None else {}
 
     def _answer(self, node_id: str, request_id: int, group: WatchedGroup) -> None:
         ranks = sorted(group.lost)[: p.MAX_MISSING_NAMED]
@@ -155,9 +176,20 @@ class Watches:
             return
         del self.groups[gid]
         if group.lost:
-            self.ended[gid] = (group.count, group.lost)
+            self.ended[gid] = group
+            for node_id in set(group.members.values()):
+                self._ended_nodes.setdefault(node_id, set()).add(gid)
             while len(self.ended) > ENDED_KEPT:
-                self.ended.popitem(last=False)
+                self._forget_ended(next(iter(self.ended)))
+
+    def _forget_ended(self, gid: bytes) -> None:
+        group = self.ended.pop(gid)
+        for node_id in set(group.members.values()):
+            gids = self._ended_nodes.get(node_id)
+            if gids is not None:
+                gids.discard(gid)
+                if not gids:
+                    del self._ended_nodes[node_id]
 
     def cancel(self, node_id: str, request_id: int) -> None:
         """A member withdrew its watch (``CancelLookup``): it left the group cleanly."""
@@ -183,9 +215,14 @@ class Watches:
                 self._close_if_idle(gid, group)
 
     def forget_node(self, node_id: str, now: float, reason: str) -> None:
-        """``node_id`` left: its members of every group are lost."""
+        """``node_id`` left: its members of every group are lost (of groups nobody watches any
+        more too, which nobody is told of but their agreements)."""
+        why = "its connection closed" if reason == "left" else reason
+        for gid in sorted(self._ended_nodes.pop(node_id, ())):
+            group = self.ended[gid]
+            gone = {r: f"rank {r}'s node is gone ({why})" for r, n in group.members.items() if n == node_id}
+            self._lose(gid, group, gone, now)
         for gid, group in list(self.groups.items()):
-            why = "its connection closed" if reason == "left" else reason
             gone = {r: f"rank {r}'s node is gone ({why})" for r, n in group.members.items() if n == node_id}
             if not gone:
                 continue

@@ -551,6 +551,8 @@ MAX_BARRIER_MEMBERS = 1 << 16
 MAX_MISSING_NAMED = 64
 #: Most objects one barrier arrival may release (:attr:`BarrierRequest.release`).
 MAX_BARRIER_RELEASE = 4096
+#: Largest vote an agreement's member may cast (:attr:`BarrierRequest.vote`).
+MAX_VOTE = (1 << 31) - 1
 
 
 def _check_member(kind: str, rank: int, count: int) -> None:
@@ -569,7 +571,12 @@ class BarrierRequest(Message):
     (:func:`hoplite_gpu.collective.barrier`). ``release``: objects to delete, as a
     :class:`DeleteRequest` of this node's would (with no reply), once every member has come and
     before any is answered ``ok`` (a group's objects of its collectives before the barrier,
-    deleted with no message of their own); an arrival answered otherwise releases nothing."""
+    deleted with no message of their own); an arrival answered otherwise releases nothing.
+
+    ``group_id`` (an agreement, :meth:`hoplite_gpu.node.Node.agree`): the barrier of a watched
+    group (:class:`WatchRequest`) whose lost members no longer count as missing; it is answered
+    once every member has come or is lost, with the members that came and are not lost and the
+    least ``vote`` among theirs (the same answer to every member)."""
 
     TYPE: ClassVar[str] = "barrier"
     request_id: int
@@ -578,9 +585,15 @@ class BarrierRequest(Message):
     count: int
     timeout: float
     release: list[bytes] = field(default_factory=list)
+    group_id: bytes = b""
+    vote: int = 1
 
     def check(self) -> None:
         check_id(self.TYPE, "barrier_id", self.barrier_id)
+        if self.group_id:
+            check_id(self.TYPE, "group_id", self.group_id)
+        if not 0 <= self.vote <= MAX_VOTE:
+            raise ProtocolError(f"{self.TYPE}: vote {self.vote} is not in 0..{MAX_VOTE}")
         if len(self.release) > MAX_BARRIER_RELEASE:
             raise ProtocolError(f"{self.TYPE}: {len(self.release)} released, over {MAX_BARRIER_RELEASE}")
         for oid in self.release:
@@ -592,13 +605,17 @@ class BarrierRequest(Message):
 @dataclass(frozen=True, slots=True)
 class BarrierReply(Message):
     """Directory -> node: every member reached the barrier (``ok``), or its ``timeout`` passed
-    first (``timeout``: ``waiting`` members had not come, the first of them in ``missing``)."""
+    first (``timeout``: ``waiting`` members had not come, the first of them in ``missing``).
+    An agreement's ``ok`` (``BarrierRequest.group_id``) carries the ``members`` that came and
+    are not lost, and the least of their votes (``vote``)."""
 
     TYPE: ClassVar[str] = "barrier_reply"
     request_id: int
     status: str
     waiting: int = 0
     missing: list[int] = field(default_factory=list)
+    members: list[int] = field(default_factory=list)
+    vote: int = 1
 
 
 @dataclass(frozen=True, slots=True)
