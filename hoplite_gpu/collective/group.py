@@ -220,6 +220,12 @@ class Group:
     def _watch_id(self) -> ObjectID:
         return ObjectID.from_name(f"hoplite-group/{self.name}/watch")
 
+    @property
+    def watch_id(self) -> ObjectID:
+        """The id of the watched group the members of this group watch (``watch=True``): the
+        ``group_id`` of :meth:`Node.agree <hoplite_gpu.node.Node.agree>` among them."""
+        return self._watch_id()
+
     async def _watch(self, registered: concurrent.futures.Future[None]) -> None:
         """Watch the group until a member is lost (then break it), or until cancelled;
         ``registered`` is resolved once the directory holds the watch."""

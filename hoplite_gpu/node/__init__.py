@@ -12,5 +12,6 @@ from __future__ import annotations
 
 from ..iothread import IOThread
 from .node import Node
+from .watches import Agreement
 
-__all__ = ["IOThread", "Node"]
+__all__ = ["Agreement", "IOThread", "Node"]

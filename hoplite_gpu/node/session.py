@@ -449,11 +449,19 @@ class DirectorySession:
         return reply.summary
 
     async def barrier(
-        self, barrier_id: bytes, rank: int, count: int, timeout: float | None, release: Sequence[bytes] = ()
+        self,
+        barrier_id: bytes,
+        rank: int,
+        count: int,
+        timeout: float | None,
+        release: Sequence[bytes] = (),
+        group_id: bytes = b"",
+        vote: int = 1,
     ) -> p.BarrierReply:
         """Member ``rank`` of ``count`` reached barrier ``barrier_id``: the directory's reply
         once all have, or at ``timeout``; ``release``: objects of this node's it deletes once all
-        have (see :class:`~hoplite_gpu.protocol.BarrierRequest`)."""
+        have; ``group_id`` and ``vote``: an agreement's (see
+        :class:`~hoplite_gpu.protocol.BarrierRequest`)."""
 
         async def once(control: ControlClient, left: float | None) -> p.BarrierReply:
             rid = control.next_id()
@@ -464,6 +472,8 @@ class DirectorySession:
                 count=count,
                 timeout=left or 0.0,
                 release=list(release),
+                group_id=group_id,
+                vote=vote,
             )
             reply = await self._wait_for_reply(control, request, left, "a barrier")
             if not isinstance(reply, p.BarrierReply):

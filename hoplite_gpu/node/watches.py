@@ -1,17 +1,29 @@
 """The node's part in watched groups (:mod:`hoplite_gpu.directory.watches`): watching a group as one
-of its members, and giving up on one. :class:`hoplite_gpu.collective.Group` with ``watch=True``
-uses them; they are :class:`~hoplite_gpu.node.Node` methods."""
+of its members, giving up on one, and agreeing with the members not lost.
+:class:`hoplite_gpu.collective.Group` with ``watch=True`` and elastic training
+(:mod:`hoplite_gpu.torch.elastic`) use them; they are :class:`~hoplite_gpu.node.Node` methods."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from .. import protocol as p
-from ..errors import InvalidArgumentError
+from ..errors import HopliteTimeoutError, InvalidArgumentError
 from ..iothread import IOThread
 from ..object_id import ObjectID
 from .session import DirectorySession
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the directory decided at an agreement (:meth:`GroupWatches.agree`), the same for
+    every member: the ranks that came and are not lost (ascending), and the least of their votes
+    (0 when none is left)."""
+
+    members: tuple[int, ...]
+    vote: int
 
 
 class GroupWatches:
@@ -70,6 +82,66 @@ class GroupWatches:
             raise InvalidArgumentError("reason must be a non-empty str", argument="reason")
         reply = await self._session.watch(group_id.binary(), rank, count, abort=reason[:1000])
         return dict(zip(reply.lost, reply.reasons, strict=False))
+
+    def _resolve_timeout(self, timeout: float | None) -> float | None:  # (the node's)
+        raise NotImplementedError
+
+    def agree(
+        self,
+        group_id: ObjectID,
+        agreement_id: ObjectID,
+        rank: int,
+        count: int,
+        vote: int = 1,
+        timeout: float | None = None,
+    ) -> Agreement:
+        """Agree with the members of watched group ``group_id`` that are not lost: a barrier
+        (``agreement_id``, fresh for each decision) that waits for every member of ``count``
+        until it has come or is lost (see :meth:`watch_group_async`), and answers every member
+        with the same :class:`Agreement`: the members that came and are not lost, and the least
+        of their ``vote`` (an int in 0..2**31-1). This member is not among them if it was
+        lost meanwhile. The directory decides it once, so no two members see different outcomes
+        (elastic training decides each step's outcome and membership this way).
+
+        Raises:
+            HopliteTimeoutError: members neither came nor were lost within ``timeout`` (None:
+                ``Config.default_get_timeout``, 0 there: forever); it names them.
+            InvalidArgumentError: bad arguments, or the agreement was reached with another
+                ``count`` or ``group_id``.
+            DirectoryUnavailableError: the directory was lost and did not come back.
+        """
+        return self._io.run(self.agree_async(group_id, agreement_id, rank, count, vote, timeout))
+
+    async def agree_async(
+        self,
+        group_id: ObjectID,
+        agreement_id: ObjectID,
+        rank: int,
+        count: int,
+        vote: int = 1,
+        timeout: float | None = None,
+    ) -> Agreement:
+        """Async twin of :meth:`agree`."""
+        self._check_open()
+        self._check_member(group_id, rank, count)
+        if not isinstance(agreement_id, ObjectID):
+            raise InvalidArgumentError("agreement_id must be an ObjectID", argument="agreement_id")
+        if isinstance(vote, bool) or not isinstance(vote, int) or not 0 <= vote <= p.MAX_VOTE:
+            raise InvalidArgumentError(f"vote must be an int in 0..{p.MAX_VOTE}", argument="vote")
+        wait = self._resolve_timeout(timeout)
+        work = self._session.barrier(
+            agreement_id.binary(), rank, count, wait, group_id=group_id.binary(), vote=vote
+        )
+        reply = await self._io.run_async(work)
+        if reply.status != "ok":
+            raise HopliteTimeoutError(
+                f"agreement {agreement_id.hex()[:12]}: {reply.waiting} of {count} members neither "
+                f"came nor were lost within {wait} s",
+                operation="agree",
+                timeout=wait,
+                waiting_for_ranks=list(reply.missing),
+            )
+        return Agreement(tuple(reply.members), reply.vote)
 
     @staticmethod
     def _check_member(group_id: Any, rank: Any, count: Any) -> None:
