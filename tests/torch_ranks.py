@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.elastic_ranks import ELASTIC
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -690,6 +692,7 @@ SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
     "bad_input": bad_input,
     "cuda": cuda,
 }
+SCENARIOS.update(ELASTIC)
 
 if __name__ == "__main__":
     main()

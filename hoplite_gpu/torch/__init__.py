@@ -14,6 +14,9 @@ members: one that dies makes the others' pending and later work fail at once wit
 :class:`~hoplite_gpu.torch.errors.RankLostError`, a ``torch.distributed.DistBackendError`` naming
 it (:mod:`.backend`). docs/torch.md has the details.
 
+Elastic mode (:mod:`.elastic`): a DDP step that survives a dead rank, the survivors going on
+without a new process group.
+
 The Horovod-style helpers (:mod:`.optimizer`) take a :class:`hoplite_gpu.collective.Group` or a
 ``ray.util.collective`` group instead. torch is an optional dependency
 (``pip install hoplite_gpu[torch]``).
@@ -29,7 +32,8 @@ from .plugin import register
 
 if TYPE_CHECKING:
     from .backend import ProcessGroupHoplite
-    from .errors import BackendTimeoutError, HopliteBackendError, RankLostError
+    from .elastic import Elastic, StepReport, comm_hook
+    from .errors import BackendTimeoutError, ElasticRemovedError, HopliteBackendError, RankLostError
     from .optimizer import (
         DEFAULT_BUCKET_BYTES,
         DistributedOptimizer,
@@ -44,7 +48,11 @@ if TYPE_CHECKING:
 #: first group, not with ``import torch``, which registers it through :mod:`.plugin`).
 _LAZY = {
     "ProcessGroupHoplite": "backend",
+    "Elastic": "elastic",
+    "StepReport": "elastic",
+    "comm_hook": "elastic",
     "BackendTimeoutError": "errors",
+    "ElasticRemovedError": "errors",
     "HopliteBackendError": "errors",
     "RankLostError": "errors",
     "DEFAULT_BUCKET_BYTES": "optimizer",
@@ -61,13 +69,17 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BackendTimeoutError",
     "DistributedOptimizer",
+    "Elastic",
+    "ElasticRemovedError",
     "HopliteBackendError",
     "HopliteWork",
     "ProcessGroupHoplite",
     "RankLostError",
+    "StepReport",
     "allreduce_gradients",
     "allreduce_tensors",
     "broadcast_parameters",
+    "comm_hook",
     "register",
     "resolve_group",
 ]

@@ -32,6 +32,12 @@ class RankLostError(HopliteBackendError, MemberLostError):
     :class:`HopliteBackendError`. Create a new process group with the ranks left."""
 
 
+class ElasticRemovedError(RankLostError):
+    """This rank is no longer a member of its elastic group (:mod:`.elastic`): the others gave up
+    on it (it stalled past its lease, or its node was cut off) and went on without it.
+    ``lost_ranks`` is this rank."""
+
+
 class BackendTimeoutError(HopliteBackendError, HopliteTimeoutError):
     """A collective did not finish within the process group's timeout (or a ``Work.wait``'s);
     ``waiting_for_ranks`` names the members it waited for, where known."""

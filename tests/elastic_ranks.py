@@ -1,0 +1,108 @@
+"""Scenarios of elastic training (:mod:`hoplite_gpu.torch.elastic`), one process per rank, run by
+:func:`tests.torch_ranks.run_ranks` (registered in its ``SCENARIOS``).
+
+``arg`` is a JSON object: ``steps``; ``kill``: ``{rank: [step, seconds]}`` (that rank SIGKILLs
+itself that many seconds after that step began), ``stop``: the same with SIGSTOP; ``data``: the
+global rank whose data each rank trains on (default its own: a reference run on fewer ranks is
+fed the survivors' data); ``elastic``: false for the plain backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import Any
+
+
+def _model() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    # About 4 MiB of float32 gradients in several buckets: an allreduce long enough to die in.
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 768), nn.Tanh(), nn.Linear(768, 8))
+
+
+def _batch(step: int, source: int) -> tuple[Any, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 * step + source)
+    x = torch.randn(32, 256, generator=gen)
+    return x, torch.sin(x[:, :8] * 2.0)
+
+
+def _eval_loss(net: Any) -> float:
+    import torch
+
+    gen = torch.Generator().manual_seed(99)
+    x = torch.randn(256, 256, generator=gen)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(net(x), torch.sin(x[:, :8] * 2.0)))
+
+
+def _digest(net: Any) -> str:
+    h = hashlib.sha256()
+    for p in net.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _signal_later(plan: dict[str, Any], key: str, rank: int, step: int, sig: int) -> None:
+    """Send ``sig`` to this process when ``plan[key]`` says so for (``rank``, ``step``); a
+    third number: seconds after which another process sends SIGCONT (the stall's length)."""
+    when = plan.get(key, {}).get(str(rank))
+    if when is None or int(when[0]) != step:
+        return
+    if len(when) > 2:
+        resume = float(when[1]) + float(when[2])
+        subprocess.Popen(["sh", "-c", f"sleep {resume}; kill -CONT {os.getpid()}"])
+    threading.Timer(float(when[1]), os.kill, (os.getpid(), sig)).start()
+
+
+def elastic(rank: int, world: int, arg: str) -> dict[str, Any]:
+    """Train with DDP in elastic mode (or plain) while the plan kills or stops ranks: each
+    survivor's final parameters' digest, evaluation loss and step reports."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hoplite_gpu.torch import Elastic
+
+    plan = json.loads(arg)
+    source = int(plan.get("data", list(range(world)))[rank])
+    model = DDP(_model(), broadcast_buffers=False, bucket_cap_mb=1)
+    trainer = Elastic(model) if plan.get("elastic", True) else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    reports: list[dict[str, Any]] = []
+    begun = time.monotonic()
+    for step in range(int(plan["steps"])):
+        _signal_later(plan, "kill", rank, step, signal.SIGKILL)
+        _signal_later(plan, "stop", rank, step, signal.SIGSTOP)
+        x, y = _batch(step, source)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if trainer is not None and trainer.last_step is not None:
+            r = trainer.last_step
+            reports.append(
+                {
+                    "step": r.step,
+                    "contributors": list(r.contributors),
+                    "members": list(r.members),
+                    "lost": sorted(r.lost),
+                    "rounds": r.rounds,
+                }
+            )
+    return {
+        "digest": _digest(model.module),
+        "loss": _eval_loss(model.module),
+        "reports": reports,
+        "seconds": time.monotonic() - begun,
+    }
+
+
+ELASTIC = {"elastic": elastic}
