@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 
 def _model() -> Any:
     import torch
@@ -66,22 +68,38 @@ def _signal_later(plan: dict[str, Any], key: str, rank: int, step: int, sig: int
 
 def elastic(rank: int, world: int, arg: str) -> dict[str, Any]:
     """Train with DDP in elastic mode (or plain) while the plan kills or stops ranks: each
-    survivor's final parameters' digest, evaluation loss and step reports."""
+    survivor's final parameters' digest, evaluation loss and step reports. With ``joiner`` (a
+    process index, started with ``TEST_PG_ALONE=1``), that process joins once the others have
+    finished step ``join_after`` (rank 0 says so with an object)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from hoplite_gpu.object_id import ObjectID
     from hoplite_gpu.torch import Elastic
+    from hoplite_gpu.torch.rendezvous import PROCESS
 
     plan = json.loads(arg)
     source = int(plan.get("data", list(range(world)))[rank])
     model = DDP(_model(), broadcast_buffers=False, bucket_cap_mb=1)
-    trainer = Elastic(model) if plan.get("elastic", True) else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    name = plan.get("name", "elastic-test")
+    marker = ObjectID.from_name(f"test/{name}/joiner-may-come")
+    trainer = None
+    patience = float(plan.get("join_timeout", 60))
+    if rank == plan.get("joiner"):
+        PROCESS.node.get(marker, timeout=60)
+        if "kill_join" in plan:  # dies that many seconds into its join
+            threading.Timer(float(plan["kill_join"]), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        trainer = Elastic(model, optimizer=opt, name=name, join=True, join_timeout=patience)
+    elif plan.get("elastic", True):
+        trainer = Elastic(model, optimizer=opt, name=name, join_timeout=patience)
     reports: list[dict[str, Any]] = []
     begun = time.monotonic()
-    for step in range(int(plan["steps"])):
+    for step in range(trainer.steps if trainer is not None else 0, int(plan["steps"])):
         _signal_later(plan, "kill", rank, step, signal.SIGKILL)
         _signal_later(plan, "stop", rank, step, signal.SIGSTOP)
+        if rank == 0 and step == plan.get("join_after", -1) + 1:
+            PROCESS.node.put(np.zeros(1, np.uint8), marker)
         x, y = _batch(step, source)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -94,6 +112,7 @@ def elastic(rank: int, world: int, arg: str) -> dict[str, Any]:
                     "contributors": list(r.contributors),
                     "members": list(r.members),
                     "lost": sorted(r.lost),
+                    "joined": list(r.joined),
                     "rounds": r.rounds,
                 }
             )
@@ -102,6 +121,7 @@ def elastic(rank: int, world: int, arg: str) -> dict[str, Any]:
         "loss": _eval_loss(model.module),
         "reports": reports,
         "seconds": time.monotonic() - begun,
+        "rank": trainer.rank if trainer is not None else rank,
     }
 
 

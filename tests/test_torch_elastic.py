@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ def directory() -> Iterator[dict[str, str]]:
 
 def train(tmp: Path, env: dict[str, str], world: int = 4, **plan: Any) -> dict[int, dict[str, Any]]:
     plan.setdefault("steps", STEPS)
-    name = "-".join(f"{k}{v}" for k, v in sorted(plan.items()) if k != "steps").replace(" ", "")
+    plan.setdefault("name", f"elastic-{uuid.uuid4().hex}")  # one directory serves every run
+    name = "-".join(f"{k}{v}" for k, v in sorted(plan.items()) if k not in ("steps", "name"))
     work = tmp / "".join(c for c in name if c.isalnum() or c in "-_")[:80]
     work.mkdir()
     return run_ranks("elastic", world, work, timeout=150, arg=json.dumps(plan), env=env)
@@ -118,3 +120,48 @@ def test_without_elastic_mode_a_dead_rank_fails_the_others_with_the_typed_error(
         assert "result" not in runs[rank], runs[rank]
         assert "RankLostError" in runs[rank]["message"] or runs[rank]["error"] == "RankLostError", runs[rank]
         assert "rank 3" in runs[rank]["message"], runs[rank]
+
+
+def train_with_joiner(tmp: Path, env: dict[str, str], **plan: Any) -> dict[int, dict[str, Any]]:
+    """4 members and a joiner (process 4, a group of its own) that comes after step 2."""
+    plan = {"steps": STEPS + 2, "joiner": 4, "join_after": 2, "name": f"elastic-{uuid.uuid4().hex}", **plan}
+    work = tmp / f"join-{len(list(tmp.iterdir()))}"
+    work.mkdir()
+    env = {**env, "TEST_PG_WORLD": "4"}
+    alone = {4: {"TEST_PG_ALONE": "1"}}
+    return run_ranks("elastic", 5, work, timeout=150, arg=json.dumps(plan), env=env, rank_env=alone)
+
+
+def test_a_joiner_gets_the_state_from_the_members_and_ends_with_their_parameters(
+    tmp_path: Path, directory: dict[str, str]
+) -> None:
+    runs = train_with_joiner(tmp_path, directory)
+    found = survivors(runs, set())
+    assert len({r["digest"] for r in found.values()}) == 1, found
+    members = found[0]["reports"]
+    admitted = [s["step"] for s in members if s["joined"]]
+    assert len(admitted) == 1 and members[admitted[0]]["joined"] == [4], members
+    assert found[4]["rank"] == 4
+    joiner = found[4]["reports"]
+    assert joiner == members[admitted[0] + 1 :], (joiner, members)  # every step after its admission
+    assert all(s["contributors"] == [0, 1, 2, 3, 4] for s in joiner)
+
+
+def test_a_joiner_killed_during_its_join_leaves_the_members_consistent(
+    tmp_path: Path, directory: dict[str, str]
+) -> None:
+    """Killed at a random point of its join: before its ticket (never admitted), after its
+    admission but before it watches its place (given up on after join_timeout), or while it
+    pulls the state (lost at once)."""
+    seed = int(os.environ.get("HOPLITE_TEST_SEED", random.randrange(1 << 30)))
+    after = random.Random(seed).uniform(0.0, 0.15)
+    print(f"seed {seed}: the joiner is killed {after:.3f} s into its join")
+    runs = train_with_joiner(tmp_path, directory, kill_join=after, join_timeout=3)
+    assert "result" not in runs[4]
+    found = survivors({r: v for r, v in runs.items() if r != 4}, set())
+    assert len({r["digest"] for r in found.values()}) == 1, (seed, found)
+    steps = found[0]["reports"]
+    assert all(r["reports"] == steps for r in found.values()), seed
+    assert steps[-1]["members"] == [0, 1, 2, 3] and steps[-1]["contributors"] == [0, 1, 2, 3], (seed, steps)
+    if any(s["joined"] for s in steps):  # admitted, then lost
+        assert [r for s in steps for r in s["lost"]] == [4], (seed, steps)

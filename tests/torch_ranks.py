@@ -95,11 +95,13 @@ def main() -> None:
     import hoplite_gpu.torch  # noqa: F401  (registers the backend)
 
     seconds = float(os.environ.get("TEST_PG_TIMEOUT", "60"))
+    # A process outside the others' group (an elastic joiner) makes a group of its own.
+    alone = os.environ.get("TEST_PG_ALONE") == "1"
     dist.init_process_group(
         "hoplite",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank_i,
-        world_size=world_i,
+        init_method=f"tcp://127.0.0.1:{_free_port() if alone else port}",
+        rank=0 if alone else rank_i,
+        world_size=1 if alone else int(os.environ.get("TEST_PG_WORLD", world)),
         timeout=datetime.timedelta(seconds=seconds),
     )
     path = Path(f"{out}.{rank}.json")
@@ -112,6 +114,14 @@ def main() -> None:
     finally:
         if os.environ.get("TEST_DESTROY", "1") == "1" and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
