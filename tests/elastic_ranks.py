@@ -98,6 +98,10 @@ def elastic(rank: int, world: int, arg: str) -> dict[str, Any]:
     for step in range(trainer.steps if trainer is not None else 0, int(plan["steps"])):
         _signal_later(plan, "kill", rank, step, signal.SIGKILL)
         _signal_later(plan, "stop", rank, step, signal.SIGSTOP)
+        if plan.get("kill_serving", {}).get(str(rank)) == step:  # dies mid-allreduce, serving
+            from hoplite_gpu import faults
+
+            faults.arm("serve:*:0.5:KILL")
         if rank == 0 and step == plan.get("join_after", -1) + 1:
             PROCESS.node.put(np.zeros(1, np.uint8), marker)
         x, y = _batch(step, source)
@@ -123,6 +127,21 @@ def elastic(rank: int, world: int, arg: str) -> dict[str, Any]:
         "seconds": time.monotonic() - begun,
         "rank": trainer.rank if trainer is not None else rank,
     }
+
+
+def alone(steps: int, source: int) -> float:
+    """The evaluation loss after training alone on ``source``'s data (what ranks all fed the same
+    data reach, whoever averages with whom)."""
+    import torch
+
+    net = _model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x, y = _batch(step, source)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _eval_loss(net)
 
 
 ELASTIC = {"elastic": elastic}

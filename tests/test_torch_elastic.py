@@ -93,6 +93,23 @@ def test_a_rank_killed_at_a_random_point_of_a_random_step(tmp_path: Path, direct
     assert abs(ours - theirs) <= 0.05 * theirs, (seed, ours, theirs)
 
 
+def test_a_step_redone_after_a_death_mid_allreduce_averages_the_survivors_gradients(
+    tmp_path: Path, directory: dict[str, str]
+) -> None:
+    """Every rank fed the same data: whoever averages with whom, the result is that data's
+    gradient, so the survivors must end where one process training alone does. Rank 2 dies
+    serving a shard of step 4's allreduce: the step is redone among the survivors from their
+    kept gradients (a wrong restore would show here)."""
+    from tests.elastic_ranks import alone
+
+    runs = train(tmp_path, directory, data=[0, 0, 0, 0], kill_serving={"2": 4})
+    found = survivors(runs, {2})
+    steps = check_consistent(found, {2})
+    assert steps[4]["rounds"] == 2 and steps[4]["contributors"] == [0, 1, 3], steps
+    ours, theirs = found[0]["loss"], alone(STEPS, 0)
+    assert abs(ours - theirs) <= 1e-4 * theirs, (ours, theirs)
+
+
 def test_two_ranks_killed_in_one_step_rank_0_among_them(tmp_path: Path, directory: dict[str, str]) -> None:
     runs = train(tmp_path, directory, kill={"0": [3, 0.02], "2": [3, 0.05]})
     found = survivors(runs, {0, 2})

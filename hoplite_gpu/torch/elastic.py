@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,11 +88,11 @@ class StepReport:
 
 @dataclass(eq=False)
 class _Part:
-    """One tensor reduced in a step: its original (to reduce again), its bucket's parameters (by
-    index; None outside DDP), and the future torch waits on."""
+    """One tensor reduced in a step: how to put its original back (to reduce it again), its
+    bucket's parameters (by index; None outside DDP), and the future torch waits on."""
 
     tensor: torch.Tensor
-    original: torch.Tensor
+    restore: Callable[[], None]
     key: tuple[int, ...] | None
     settled: torch.futures.Future[torch.Tensor]  # set here; torch waits on failing_in_cpp(settled)
     ready: Callable[[], None]
@@ -113,6 +114,14 @@ class Elastic:
         timeout: Seconds a step waits for the other members (None: the process group's).
         max_rounds: Rounds a step may take before it raises.
         join_timeout: Seconds an admitted joiner has to take its place.
+
+    Attributes:
+        steps: Steps agreed so far (a joiner's first step's number once it returns).
+        last_step: The last step's :class:`StepReport` (None before the first).
+        error: What the last failed step raised (its type, which DDP's ``backward`` loses).
+        join_seconds: A joiner's: seconds from its ticket to its admission (``admitted``) and to
+            load the state after (``state``: waiting for the members to publish it,
+            ``published``; pulling its pieces, ``pulled``; loading them, ``loaded``).
 
     Raises:
         InvalidArgumentError: not a hoplite group, or a DDP model that would use its process
@@ -161,6 +170,7 @@ class Elastic:
         params = list(self._module.parameters()) if self._module is not None else []
         self._index = {id(p): i for i, p in enumerate(params)}  # a bucket's parameters, by index
         self._numels = [p.numel() for p in params]
+        self._views = bool(getattr(module, "gradient_as_bucket_view", False))
         self._parts: list[_Part] = []
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hoplite-elastic")
         self._lock = threading.Lock()
@@ -173,6 +183,7 @@ class Elastic:
         self.steps = 0
         self.last_step: StepReport | None = None
         self.error: BaseException | None = None
+        self.join_seconds: dict[str, float] = {}  # a joiner's: "admitted" (since its ticket), "state"
         self._epoch = -1
         self._agreements = 0  # agreements reached in this epoch
         if join:
@@ -216,18 +227,24 @@ class Elastic:
 
     # ------------------------------------------------------------ reducing
     def reduce_later(
-        self, tensor: torch.Tensor, last: bool, key: tuple[int, ...] | None = None
+        self,
+        tensor: torch.Tensor,
+        last: bool,
+        key: tuple[int, ...] | None = None,
+        sources: list[torch.Tensor] | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
         """Start averaging ``tensor`` (in place) among the live ranks as part of the current step;
         ``last``: it is the step's last tensor, and the step is agreed on after it; ``key``: the
-        parameters (by index) of the DDP bucket it is. The future completes with ``tensor`` once
-        the step is agreed on (every tensor of the step at once) or fails with the step's error.
-        DDP's hook (:func:`comm_hook`) calls it per bucket."""
+        parameters (by index) of the DDP bucket it is; ``sources``: tensors whose concatenation
+        is ``tensor``'s original and that stay unchanged until the future completes (a DDP
+        bucket's gradients), else it is copied, to reduce it again if a member dies. The future
+        completes with ``tensor`` once the step is agreed on (every tensor of the step at once)
+        or fails with the step's error. DDP's hook (:func:`comm_hook`) calls it per bucket."""
         t = tt.check(tensor, "tensor")
         if not (t.dtype.is_floating_point or t.dtype.is_complex):
             raise tt.argument_error(f"elastic averaging needs a floating-point tensor, got {t.dtype}")
         ready = tt.cuda_ready([t]) if t.is_cuda else _nothing
-        part = _Part(t, t.detach().clone(), key, torch.futures.Future(), ready)
+        part = _Part(t, _restorer(t, sources), key, torch.futures.Future(), ready)
         future = failing_in_cpp(part.settled)
         with self._lock:
             self._parts.append(part)
@@ -264,8 +281,8 @@ class Elastic:
         part.ok = False
         try:
             part.ready()
-            plan = tt.reduction(part.tensor, dist.ReduceOp.SUM)
-            collective.allreduce(plan.array, self._group, ReduceOp.SUM)
+            plan = tt.reduction(part.tensor, dist.ReduceOp.AVG)  # (the tree's roots divide)
+            collective.allreduce(plan.array, self._group, ReduceOp.AVG)
             plan.done()
             part.ok = True
         except HopliteError:
@@ -319,7 +336,7 @@ class Elastic:
                 return self._applied(parts, keys, members, left, lost, agreement.vote - 1, rounds)
             self._next_epoch(left)
             for part in parts:
-                part.tensor.copy_(part.original)
+                part.restore()
                 self._reduce(part)
         raise HopliteBackendError(
             f"elastic step {self.steps} of {self._name!r} was not read by every member after "
@@ -338,9 +355,7 @@ class Elastic:
         admitted: int,
         rounds: int,
     ) -> StepReport:
-        """Every member read every result: average, admit the joiners, report."""
-        for part in parts:
-            part.tensor.div_(len(members))
+        """Every member read every result (averaged over ``members``): admit the joiners, report."""
         joined = tuple(self._base + k for k in range(self._admitted, admitted))
         report = StepReport(self.steps, members, left + joined, dict(lost), joined, rounds)
         self.steps += 1
@@ -420,6 +435,7 @@ class Elastic:
         """Take a ticket, wait to be admitted, take the place given, and load the state."""
         assert self._module is not None
         node, name = self._node, self._name
+        begun = time.monotonic()
         first = 0
         while True:
             k, nonce = joins.claim_ticket(node, name, first)
@@ -435,7 +451,9 @@ class Elastic:
         self._group = self._open_epoch(self._members)  # watched from now on: a death is seen
         self.steps = int(record["step"])
         self._layout = [tuple(int(i) for i in key) for key in record["layout"]] or None
-        joins.fetch_state(node, name, self.steps, self._timeout, self._module, self._optimizer)
+        admitted = time.monotonic()
+        parts = joins.fetch_state(node, name, self.steps, self._timeout, self._module, self._optimizer)
+        self.join_seconds = {"admitted": admitted - begun, "state": time.monotonic() - admitted, **parts}
         joins.delete_all(node, [joins.ticket_id(name, k)])
 
     def _as_layout(self, parts: list[_Part]) -> list[_Part]:
@@ -448,8 +466,9 @@ class Elastic:
         where = self._by_parameter(parts)
         out = []
         for key in self._layout:
-            flat = torch.cat([where[i] for i in key])
-            out.append(_Part(flat, flat.clone(), key, torch.futures.Future(), _nothing))
+            sources = [where[i].clone() for i in key]
+            flat = torch.cat(sources)
+            out.append(_Part(flat, _restorer(flat, sources), key, torch.futures.Future(), _nothing))
         return out
 
     def _scatter(self, reduced: list[_Part], parts: list[_Part]) -> None:
@@ -506,9 +525,14 @@ def _leave(group: collective.Group) -> None:
 
 def comm_hook(state: Elastic, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """DDP's communication hook of elastic mode (``state`` is the :class:`Elastic`); registered
-    by ``Elastic(module)``."""
-    key = tuple(state._index[id(p)] for p in bucket.parameters()) if state._index else None
-    return state.reduce_later(bucket.buffer(), bucket.is_last(), key)
+    by ``Elastic(module)``. Without ``gradient_as_bucket_view`` the parameters' gradients keep
+    the bucket's original until the step's results are copied into them: no copy is made."""
+    params = bucket.parameters()
+    key = tuple(state._index[id(p)] for p in params) if state._index else None
+    grads = [p.grad for p in params]
+    views = state._views or any(g is None for g in grads)
+    sources = None if views else [g.detach().reshape(-1) for g in grads]
+    return state.reduce_later(bucket.buffer(), bucket.is_last(), key, sources)
 
 
 # DDP checks a hook's annotations as objects, not as the strings postponed annotations make them.
@@ -535,6 +559,22 @@ def _check_ddp(module: Any) -> None:
             "parameters on its process group at every step",
             argument="module",
         )
+
+
+def _restorer(tensor: torch.Tensor, sources: list[torch.Tensor] | None) -> Callable[[], None]:
+    """What puts ``tensor``'s original back: the concatenation of ``sources``, or a copy."""
+    if sources is None:
+        kept = tensor.detach().clone()
+
+        def again() -> None:
+            tensor.detach().copy_(kept)
+
+        return again
+
+    def concatenate() -> None:
+        torch.cat(sources, out=tensor.detach().view(-1))
+
+    return concatenate
 
 
 def _nothing() -> None:

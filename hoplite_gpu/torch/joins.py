@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -184,9 +185,13 @@ def publish_state(
 
 def fetch_state(
     node: Node, name: str, step: int, timeout: float | None, module: torch.nn.Module, optimizer: Any
-) -> None:
-    """Pull the state published at ``step`` (its pieces from every member at once) and load it."""
+) -> dict[str, float]:
+    """Pull the state published at ``step`` (its pieces from every member at once) and load it.
+    Returns the seconds it waited for the manifest (``published``), pulled the pieces
+    (``pulled``) and loaded them (``loaded``)."""
+    begun = time.monotonic()
     blob = node.get(manifest_id(name, step), timeout)
+    published = time.monotonic()
     # (torch.save's format with the skeleton's own class: from the group's members, authenticated)
     held = torch.load(io.BytesIO(bytes(np.asarray(blob))), weights_only=False)
     total, count = int(held["total"]), int(held["count"])
@@ -200,10 +205,12 @@ def fetch_state(
     with concurrent.futures.ThreadPoolExecutor(max(1, count)) as pool:
         for done in [pool.submit(pull, i, lo, hi) for i, (lo, hi) in enumerate(ranges)]:
             done.result()
+    pulled = time.monotonic()
     state = _restore(held["skeleton"], torch.from_numpy(flat))
     module.load_state_dict({**state["model"], **held["buffers"]})
     if optimizer is not None and state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
+    return {"published": published - begun, "pulled": pulled - published, "loaded": time.monotonic() - pulled}
 
 
 def delete_all(node: Node, oids: list[ObjectID]) -> None:
