@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
@@ -127,8 +128,13 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     ring = g.node.config.allreduce_schedule != "star"  # auto: the ring (bench/README.md)
     pred = (me - 1) % n
 
+    def mine() -> Coroutine[Any, Any, None]:  # (made where it is awaited: none left unawaited)
+        return g._put(seq, shards[me], inputs[me][me], borrow=True)
+
+    async def own_chain(chain: list[ObjectID]) -> None:
+        await g._reduce_into(seq, chain, results[me], op, None, mine(), ordered=True)
+
     async def steps() -> None:
-        mine = g._put(seq, shards[me], inputs[me][me], borrow=True)
         if ring:
             # Shard me's chain: me+1, me+2, ..., me-1, then me, which computes the result. Each
             # input has its place whenever it comes, so the request, every put and every read go
@@ -139,8 +145,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
             order = [(me - 1 - i) % n for i in range(n - 1)]  # earliest in its chain first
             await all_or_cancel(
                 [
-                    # (A chain; on one host the directory makes it that host's star instead.)
-                    g._reduce_into(seq, chain, results[me], op, None, mine, ordered=True),
+                    own_chain(chain),  # (on one host the directory makes it that host's star)
                     *(g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order),
                     *(
                         g._get_received(results[j], shards[j], received, inputs[j][pred])
@@ -149,7 +154,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
                 ]
             )
         else:
-            await g._reduce_into(seq, inputs[me], results[me], op, None, mine, degree=n - 1)
+            await g._reduce_into(seq, inputs[me], results[me], op, None, mine(), degree=n - 1)
             order = [(me + 1 + i) % n for i in range(n - 1)]
             await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
             await all_or_cancel([g._get_received(results[j], shards[j], received) for j in [*order, me]])
