@@ -31,7 +31,8 @@ its first gradients (its state transfer and one forward and backward pass). A jo
 before it joined is given up on after ``join_timeout``.
 
 DDP keeps using its process group for what the hook does not cover, so: construct it with
-``broadcast_buffers=False`` (or a module without buffers) and ``find_unused_parameters=False``;
+``forward_sync_buffers=False`` (``broadcast_buffers=False`` before torch 2.13; or a module
+without buffers) and ``find_unused_parameters=False``;
 and DDP synchronises its bucket layout once, at its second forward pass, on the process group: a
 rank lost before that fails the survivors with :class:`~.errors.RankLostError`, as without
 elastic mode. The process group's own collectives fail after a rank is lost (as always); the
@@ -549,8 +550,9 @@ def _check_ddp(module: Any) -> None:
         )
     if module.broadcast_buffers and any(True for _ in module.module.buffers()):
         raise InvalidArgumentError(
-            "elastic mode needs DistributedDataParallel(..., broadcast_buffers=False): DDP "
-            "broadcasts buffers on its process group before every forward pass",
+            "elastic mode needs DistributedDataParallel(..., forward_sync_buffers=False) "
+            "(broadcast_buffers=False before torch 2.13): DDP broadcasts buffers on its process "
+            "group before every forward pass",
             argument="module",
         )
     if module.find_unused_parameters:
