@@ -18,11 +18,23 @@ With ``--bucket`` the hoplite ranks also time a 25 MiB ``all_reduce`` through th
 ``hoplite_gpu.collective.allreduce`` of the same array on the backend's own group, alternating,
 after a barrier each: what the backend adds to a plain allreduce.
 
+With ``--elastic`` the hoplite ranks also train in elastic mode (``hoplite_gpu.torch.Elastic``,
+system ``hoplite-elastic``) for the steady step time, and ``--events`` runs elastic training
+through a kill and a join (a standalone directory on host 0, so any rank may die): the last host's
+rank SIGKILLs itself half way into step ``--kill-step``; once it is gone, a joiner starts on that
+host (a restarted rank: a process group of its own, ``Elastic(join=True)``). It reports the
+survivors' steady step, the time from the kill to their next completed step, the joiner's time
+from its start (and from its ``Elastic``) to its first step against the state's size over the
+link rate, the survivors' step while it joins, and a plot of their step times
+(``--plot``, PNG).
+
 The hoplite nodes are not told their address (rank 0's directory listens where the route to
 ``MASTER_ADDR`` leaves; the others find theirs the same way). Needs root and iproute2::
 
     python bench/ddp.py --hosts 4 --rate 100MB,1GB --steps 8 --bucket --json bench/results/ddp.json
     python bench/ddp.py --hosts 4 --rate 1GB --fsdp --steps 8 --json bench/results/fsdp.json
+    python bench/ddp.py --hosts 4 --rate 100MB,1GB --steps 8 --elastic --events \
+        --json bench/results/ddp_elastic.json --plot bench/results
 """
 
 from __future__ import annotations
@@ -31,11 +43,16 @@ import argparse
 import itertools
 import json
 import os
+import secrets
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
+
+BORN = time.monotonic()  # this process's start (a joiner's time to its first step counts from it)
 
 # The repository instead of bench/ on the path: bench/profile.py would hide the standard
 # library's profile module, which torch imports.
@@ -54,7 +71,9 @@ HOST_ENV = {
 }
 PORT = 29577
 SYSTEMS = ("hoplite", "gloo")
+ELASTIC = "hoplite-elastic"
 BUCKET_BYTES = 25 << 20
+DIRECTORY_PORT = 29599
 
 
 # ---------------------------------------------------------------------------- a rank
@@ -89,19 +108,32 @@ def _sent_bytes() -> int:
     return 0
 
 
-def member(system: str, master: str, rank: int, world: int, steps: int, fsdp: bool, bucket: bool) -> None:
-    """One rank: train ``steps`` steps, print one JSON line with its timestamps and counters."""
+def member(
+    system: str,
+    master: str,
+    rank: int,
+    world: int,
+    steps: int,
+    fsdp: bool,
+    bucket: bool,
+    plan: dict[str, Any] | None = None,
+) -> None:
+    """One rank: train ``steps`` steps, print one JSON line with its timestamps and counters.
+    ``plan`` (elastic mode): the group's ``name``; ``victim``, ``kill_step``, ``kill_after``: who
+    SIGKILLs itself when; ``joiner``: this process joins (its own address in ``own``)."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    plan = plan or {}
     torch.set_num_threads(1)
+    joiner = bool(plan.get("joiner"))
     dist.init_process_group(
-        system,
-        init_method=f"tcp://{master}:{PORT}",
-        rank=rank,
-        world_size=world,
+        "hoplite" if system == ELASTIC else system,
+        init_method=f"tcp://{plan['own'] if joiner else master}:{PORT + 1 if joiner else PORT}",
+        rank=0 if joiner else rank,
+        world_size=1 if joiner else world,
         timeout=datetime.timedelta(seconds=600),
     )
     model = _model()
@@ -113,24 +145,46 @@ def member(system: str, master: str, rank: int, world: int, steps: int, fsdp: bo
                 fully_shard(layer)
         fully_shard(model)
     else:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=system != ELASTIC)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    elastic = None
+    found: dict[str, Any] = {"rank": rank, "born": BORN}
+    if system == ELASTIC:
+        from hoplite_gpu.torch import Elastic
+
+        found["elastic_at"] = time.monotonic()
+        elastic = Elastic(model, optimizer=opt, name=plan.get("name", "ddp-bench"), join=joiner)
+        found["join_seconds"] = elastic.join_seconds
+        found["state_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-    dist.barrier()
+    if not joiner:
+        dist.barrier()
+    first = elastic.steps if elastic is not None else 0
     ends, cpu, sent = [time.monotonic()], [cpu_seconds()], [_sent_bytes()]
-    for _ in range(steps):
+    for step in range(first, steps):
+        if rank == plan.get("victim") and step == plan.get("kill_step"):
+            found["kill_at"] = time.monotonic() + float(plan.get("kill_after", 0.0))
+            print(json.dumps(found), flush=True)  # what the driver learns of a rank about to die
+            threading.Timer(
+                float(plan.get("kill_after", 0.0)), os.kill, (os.getpid(), signal.SIGKILL)
+            ).start()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         ends.append(time.monotonic())
         cpu.append(cpu_seconds())
         sent.append(_sent_bytes())
-    found: dict[str, Any] = {"rank": rank, "ends": ends, "cpu": cpu, "sent": sent}
+    found.update({"first": first, "ends": ends, "cpu": cpu, "sent": sent})
+    if elastic is not None:
+        found["reports"] = [[r.step, list(r.contributors)] for r in [elastic.last_step] if r]
     if bucket and system == "hoplite":
         found["bucket"] = _bucket_overhead()
     print(json.dumps(found), flush=True)
-    dist.destroy_process_group()
+    if elastic is not None:
+        elastic.close()
+    if not (elastic is not None and plan.get("victim") is not None):  # (its group lost a rank)
+        dist.destroy_process_group()
 
 
 def _bucket_overhead(rounds: int = 15) -> dict[str, float]:
@@ -190,7 +244,18 @@ def run_system(cluster: Any, system: str, steps: int, fsdp: bool, bucket: bool) 
     return row
 
 
-def run(hosts: int, rate: float, steps: int, fsdp: bool, bucket: bool, prefix: str) -> list[dict[str, Any]]:
+def run(
+    hosts: int,
+    rate: float,
+    steps: int,
+    fsdp: bool,
+    bucket: bool,
+    prefix: str,
+    systems: tuple[str, ...] = SYSTEMS,
+    events: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Every system in one cluster (then, with ``events``, elastic training through a kill and a
+    join: :func:`run_events`'s arguments)."""
     from bench.cluster import Cluster, link_throughput
 
     rows = []
@@ -199,17 +264,132 @@ def run(hosts: int, rate: float, steps: int, fsdp: bool, bucket: bool, prefix: s
         print(
             f"N={hosts} link: {measured / 1e6:.1f} MB/s measured ({rate / 1e6:.0f} MB/s set)", file=sys.stderr
         )
-        for system in SYSTEMS:
+        for system in systems:
             started = time.monotonic()
             row = run_system(cluster, system, steps, fsdp, bucket)
             rows.append({**row, "hosts": hosts, "rate_bytes": rate, "link_measured_bytes": measured})
             print(f"N={hosts} {system}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        if events is not None:
+            row = run_events(cluster, **events)
+            rows.append({**row, "hosts": hosts, "rate_bytes": rate, "link_measured_bytes": measured})
     base = {(r["hosts"], r["rate_bytes"]): r for r in rows if r["system"] == "gloo"}
     for r in rows:
-        gloo = base[(r["hosts"], r["rate_bytes"])]
+        gloo = base.get((r["hosts"], r["rate_bytes"]))
+        if gloo is None or r["mode"] == "events":
+            continue
         r["x_gloo"] = r["seconds"] / gloo["seconds"]
         r["cpu_x_gloo"] = r["cpu_seconds"] / gloo["cpu_seconds"]
     return rows
+
+
+def run_events(cluster: Any, steps: int, kill_step: int) -> dict[str, Any]:
+    """Elastic training on every host with a standalone directory on host 0: the last host's
+    rank dies half way into ``kill_step``, and a joiner starts on that host once it is gone."""
+    token = secrets.token_urlsafe(24)
+    where = f"{cluster.address(0)}:{DIRECTORY_PORT}"
+    directory = cluster.popen(
+        0,
+        [
+            sys.executable,
+            "-m",
+            "hoplite_gpu.cli",
+            "directory",
+            "--host",
+            cluster.address(0),
+            "--port",
+            str(DIRECTORY_PORT),
+        ],
+        env={"HOPLITE_TOKEN": token},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert directory.stdout is not None and "listening" in directory.stdout.readline()
+        env = {**HOST_ENV, "HOPLITE_DIRECTORY": where, "HOPLITE_TOKEN": token}
+        victim = cluster.hosts - 1
+        plan = {"name": f"ddp-bench-{secrets.token_hex(4)}", "victim": victim, "kill_step": kill_step}
+        plan["kill_after"] = 0.5 * _steady_guess(cluster.rate_bytes)
+        argv = [sys.executable, os.path.abspath(__file__), "--member", ELASTIC, cluster.address(0)]
+        procs = []
+        for rank in range(cluster.hosts):
+            args = [*argv, str(rank), str(cluster.hosts), str(steps), "0", "0", json.dumps(plan)]
+            procs.append(cluster.popen(rank, args, env=env, stdout=subprocess.PIPE, text=True))
+        victim_out, _ = procs[victim].communicate(timeout=1800)
+        joiner_plan = {"name": plan["name"], "joiner": True, "own": cluster.address(victim)}
+        args = [*argv, str(cluster.hosts), str(cluster.hosts), str(steps), "0", "0", json.dumps(joiner_plan)]
+        joiner = cluster.popen(victim, args, env=env, stdout=subprocess.PIPE, text=True)
+        outs = [proc.communicate(timeout=1800)[0] for proc in [*procs[:victim], joiner]]
+    finally:
+        directory.send_signal(signal.SIGTERM)
+        directory.wait(30)
+    killed = json.loads([line for line in victim_out.splitlines() if line.startswith("{")][-1])
+    found = [json.loads([line for line in out.splitlines() if line.startswith("{")][-1]) for out in outs]
+    return events_row(found[:-1], found[-1], killed["kill_at"], cluster.rate_bytes, steps)
+
+
+def _steady_guess(rate: float) -> float:
+    """About a step's seconds at ``rate`` (bench/README.md's runs), to kill half way into one."""
+    return 2.0 if rate < 500e6 else 0.9
+
+
+def events_row(
+    survivors: list[dict[str, Any]], joiner: dict[str, Any], kill_at: float, rate: float, steps: int
+) -> dict[str, Any]:
+    """The measures of an events run (see the module's docstring)."""
+    ends = [max(r["ends"][k] for r in survivors) for k in range(steps + 1)]  # step k ends at ends[k+1]
+    spans = [b - a for a, b in itertools.pairwise(ends)]
+    killed = next(k for k in range(steps) if ends[k + 1] > kill_at)
+    joined = int(joiner["first"])
+    steady = statistics.median(spans[1:killed] + spans[joined + 1 :])
+    state = float(joiner["state_bytes"])
+    first_end = joiner["ends"][1]
+    return {
+        "system": ELASTIC,
+        "mode": "events",
+        "step_seconds": spans,
+        "steady_seconds": steady,
+        "kill_step": killed,
+        "kill_to_next_step_seconds": ends[killed + 1] - kill_at,
+        "kill_step_x_steady": spans[killed] / steady,
+        "join_step": joined,
+        "join_step_x_steady": spans[joined] / steady,
+        "joiner_start_to_first_step_seconds": first_end - joiner["born"],
+        "joiner_elastic_to_first_step_seconds": first_end - joiner["elastic_at"],
+        "joiner_admitted_seconds": joiner["join_seconds"].get("admitted"),
+        "joiner_state_seconds": joiner["join_seconds"].get("state"),
+        "joiner_state_published_seconds": joiner["join_seconds"].get("published"),
+        "joiner_state_pulled_seconds": joiner["join_seconds"].get("pulled"),
+        "joiner_state_loaded_seconds": joiner["join_seconds"].get("loaded"),
+        "state_bytes": state,
+        "state_x_link_bound": joiner["join_seconds"].get("state", 0.0) / (state / rate),
+        "pulled_x_link_bound": joiner["join_seconds"].get("pulled", 0.0) / (state / rate),
+    }
+
+
+def plot_events(rows: list[dict[str, Any]], directory: str) -> list[str]:
+    """``ddp_elastic_events.png``: the survivors' step times of each events run, the kill and the
+    join marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if r["mode"] == "events"]
+    if not runs:
+        return []
+    fig, axes = plt.subplots(len(runs), 1, figsize=(7, 2.8 * len(runs)), squeeze=False)
+    for ax, r in zip(axes[:, 0], runs, strict=True):
+        ax.plot(range(len(r["step_seconds"])), r["step_seconds"], "o-", label="step (slowest survivor)")
+        ax.axvline(r["kill_step"], color="red", linestyle="--", label="rank 3 SIGKILLed")
+        ax.axvline(r["join_step"], color="green", linestyle="--", label="joiner's first step")
+        ax.set_title(f"elastic DDP, {r['hosts']} hosts, {r['rate_bytes'] / 1e6:.0f} MB/s links")
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(directory, "ddp_elastic_events.png")
+    fig.savefig(path, dpi=90)
+    return [path]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -219,6 +399,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     head += [("MB sent/step/host", "r"), ("25 MiB bucket: backend / library s", "r")]
     body = []
     for r in rows:
+        if r["mode"] == "events":
+            continue
         bucket = ""
         if "bucket_overhead" in r:
             bucket = f"{r['bucket_backend_seconds']:.3f} / {r['bucket_library_seconds']:.3f}"
@@ -245,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "--member":
         system, master, rank, world, steps, fsdp, bucket = args[1:8]
-        member(system, master, int(rank), int(world), int(steps), fsdp == "1", bucket == "1")
+        plan = json.loads(args[8]) if len(args) > 8 else None
+        member(system, master, int(rank), int(world), int(steps), fsdp == "1", bucket == "1", plan)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=4)
@@ -253,14 +436,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     ap.add_argument("--bucket", action="store_true", help="also time a 25 MiB bucket's allreduce")
+    ap.add_argument("--elastic", action="store_true", help="also train in elastic mode")
+    ap.add_argument("--events", action="store_true", help="elastic training through a kill and a join")
+    ap.add_argument("--event-steps", type=int, default=24, help="steps of the events run")
+    ap.add_argument("--kill-step", type=int, default=6)
+    ap.add_argument("--plot", help="directory for the events run's PNG")
     ap.add_argument("--prefix", default="hgd")
     ap.add_argument("--json")
     opts = ap.parse_args(args)
+    systems = (SYSTEMS[0], ELASTIC, *SYSTEMS[1:]) if opts.elastic else SYSTEMS
+    events = {"steps": opts.event_steps, "kill_step": opts.kill_step} if opts.events else None
     rows: list[dict[str, Any]] = []
     for rate in opts.rate.split(","):
-        rows += run(opts.hosts, parse_rate(rate), opts.steps, opts.fsdp, opts.bucket, opts.prefix)
+        rate_bytes = parse_rate(rate)
+        rows += run(opts.hosts, rate_bytes, opts.steps, opts.fsdp, opts.bucket, opts.prefix, systems, events)
         write_json(opts.json, {"command": " ".join(["python bench/ddp.py", *args]), "rows": rows})
     print(table(rows))
+    for r in rows:
+        if r["mode"] == "events":
+            print(json.dumps({k: v for k, v in r.items() if k != "step_seconds"}))
+    if opts.plot:
+        print(plot_events(rows, opts.plot))
     return 0
 
 

@@ -129,6 +129,48 @@ def elastic(rank: int, world: int, arg: str) -> dict[str, Any]:
     }
 
 
+def refusals(rank: int, world: int, arg: str) -> dict[str, str]:
+    """Elastic mode refuses what it cannot serve, each with InvalidArgumentError: the name of
+    each case's error and the argument it names."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hoplite_gpu.errors import InvalidArgumentError
+    from hoplite_gpu.torch import Elastic
+
+    class WithBuffer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+            self.register_buffer("seen", torch.zeros(1))
+
+        def forward(self, x: Any) -> Any:
+            return self.fc(x)
+
+    gloo = dist.new_group(backend="gloo")
+    cases = {
+        "buffers broadcast": lambda: Elastic(DDP(WithBuffer())),
+        "unused parameters": lambda: Elastic(DDP(torch.nn.Linear(2, 2), find_unused_parameters=True)),
+        "not DDP": lambda: Elastic(torch.nn.Linear(2, 2)),
+        "gloo group": lambda: Elastic(group=gloo),
+        "joiner without a name": lambda: Elastic(DDP(torch.nn.Linear(2, 2)), join=True),
+        "max_rounds 0": lambda: Elastic(max_rounds=0),
+        "join_timeout 0": lambda: Elastic(join_timeout=0),
+    }
+    found = {}
+    for what, make in cases.items():
+        try:
+            make()
+            found[what] = "accepted"
+        except InvalidArgumentError as exc:
+            found[what] = str(exc.fields.get("argument"))
+    fine = Elastic(DDP(WithBuffer(), forward_sync_buffers=False))  # buffers kept apart: accepted
+    found["forward_sync_buffers=False"] = fine.name
+    fine.close()
+    return found
+
+
 def alone(steps: int, source: int) -> float:
     """The evaluation loss after training alone on ``source``'s data (what ranks all fed the same
     data reach, whoever averages with whom)."""
@@ -144,4 +186,4 @@ def alone(steps: int, source: int) -> float:
     return _eval_loss(net)
 
 
-ELASTIC = {"elastic": elastic}
+ELASTIC = {"elastic": elastic, "elastic_refusals": refusals}

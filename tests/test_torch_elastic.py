@@ -182,3 +182,18 @@ def test_a_joiner_killed_during_its_join_leaves_the_members_consistent(
     assert steps[-1]["members"] == [0, 1, 2, 3] and steps[-1]["contributors"] == [0, 1, 2, 3], (seed, steps)
     if any(s["joined"] for s in steps):  # admitted, then lost
         assert [r for s in steps for r in s["lost"]] == [4], (seed, steps)
+
+
+def test_elastic_mode_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
+    [found] = survivors(run_ranks("elastic_refusals", 1, tmp_path, timeout=120), set()).values()
+    assert found == {
+        "buffers broadcast": "module",
+        "unused parameters": "module",
+        "not DDP": "module",
+        "gloo group": "group",
+        "joiner without a name": "join",
+        "max_rounds 0": "max_rounds",
+        "join_timeout 0": "join_timeout",
+        "forward_sync_buffers=False": found["forward_sync_buffers=False"],
+    }, found
+    assert found["forward_sync_buffers=False"].endswith("/elastic")

@@ -42,6 +42,7 @@ elastic ones go on. docs/torch.md, "Elastic training", has an example.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -156,6 +157,10 @@ class Elastic:
             raise InvalidArgumentError("max_rounds must be an int >= 1", argument="max_rounds")
         if name is not None and (not isinstance(name, str) or not name):
             raise InvalidArgumentError("name must be a non-empty str", argument="name")
+        patient = isinstance(join_timeout, int | float) and not isinstance(join_timeout, bool)
+        if not (patient and join_timeout > 0 and math.isfinite(join_timeout)):
+            text = "join_timeout must be a finite number of seconds > 0"
+            raise InvalidArgumentError(text, argument="join_timeout")
         if join and (module is None or name is None):
             raise InvalidArgumentError("a joiner needs its DDP model and the group's name", argument="join")
         if module is not None:
