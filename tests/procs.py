@@ -246,6 +246,7 @@ COLLECTIVES = (
     "destroyed",
     "abort",
     "lost",
+    "agree",
     "send",
     "recv",
     "scatter",
@@ -303,6 +304,10 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
         return coll.barrier(group)
     if cmd == "abort":
         return group.abort(args[1])
+    if cmd == "agree":  # name, agreement name, vote: the members and the vote decided
+        where = hg.ObjectID.from_name(args[1])
+        decided = node.agree(group.watch_id, where, group.rank, group.world_size, args[2])
+        return list(decided.members), decided.vote
     if cmd == "lost":  # the members lost so far, and what broke the group
         return group.lost, type(group.error).__name__ if group.error else None
     if cmd == "send":  # name, dtype, shape, seed, dst, tag

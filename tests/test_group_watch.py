@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
+from hoplite_gpu.node import Agreement
 from tests.procs import Worker, make_array, start_workers, wait_for_events
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -83,6 +84,30 @@ def test_a_member_that_gives_up_fails_the_others_with_its_reason(owner: Any) -> 
     finally:
         for w in workers:
             w.kill()
+
+
+def test_members_agree_without_one_killed_and_all_hear_the_same(owner: Any) -> None:
+    """An agreement waits for every member until it comes or is lost: rank 3, SIGKILLed, is left
+    out, the others get the same members and the least vote; a later one is decided at once."""
+    workers = start_workers(owner.directory_address, owner.token, 3)
+    try:
+        group = join(owner, workers, "agreeing")
+        workers[0].send("agree", "agreeing", "step-1", 7)
+        workers[1].send("agree", "agreeing", "step-1", 5)
+        workers[2].kill()
+        decided = owner.agree(group.watch_id, hg.ObjectID.from_name("step-1"), 0, 4, vote=9, timeout=TIMEOUT)
+        assert decided == Agreement((0, 1, 2), 5)
+        assert [w.result(timeout=TIMEOUT / 3) for w in workers[:2]] == [([0, 1, 2], 5)] * 2
+        for w in workers[:2]:
+            w.send("agree", "agreeing", "step-2", 1)
+        again = owner.agree(group.watch_id, hg.ObjectID.from_name("step-2"), 0, 4, timeout=TIMEOUT)
+        assert again == Agreement((0, 1, 2), 1)
+        assert [w.result(timeout=TIMEOUT / 3) for w in workers[:2]] == [([0, 1, 2], 1)] * 2
+        with pytest.raises(hg.InvalidArgumentError):
+            owner.agree(group.watch_id, hg.ObjectID.from_name("step-3"), 0, 4, vote=-1)
+    finally:
+        for w in workers:
+            w.stop()
 
 
 def test_members_that_destroy_their_group_leave_it_cleanly(owner: Any) -> None:
