@@ -171,15 +171,17 @@ def refusals(rank: int, world: int, arg: str) -> dict[str, str]:
     return found
 
 
-def alone(steps: int, source: int) -> float:
-    """The evaluation loss after training alone on ``source``'s data (what ranks all fed the same
-    data reach, whoever averages with whom)."""
+def alone(steps: int, sources: list[int]) -> float:
+    """The evaluation loss after one process trains on the batches of ``sources`` together:
+    what ranks fed those sources reach with gradients averaged among them (their batches have
+    one size, so the mean of their losses' gradients is the gradient of the joined batch's)."""
     import torch
 
     net = _model()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
-        x, y = _batch(step, source)
+        batches = [_batch(step, source) for source in sources]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
         opt.zero_grad()
