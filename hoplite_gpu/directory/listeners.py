@@ -1,6 +1,6 @@
 """The directory's listening sockets: TCP on its address, and a local socket for the processes
-of its own host (issue 42: a request and its reply over TCP loopback cost a caller channel about
-twice what they cost over a Unix socket, bench/README.md#local-channels).
+of its own host (a request and its reply cost a caller channel about twice as much over TCP
+loopback as over a Unix socket: bench/README.md#local-channels).
 """
 
 from __future__ import annotations

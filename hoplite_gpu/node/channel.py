@@ -1,4 +1,4 @@
-"""A caller thread's own connection to the directory, for small blocking requests (issue 42).
+"""A caller thread's own connection to the directory, for small blocking requests.
 
 Through the node's connection, a blocking ``put`` or ``get`` hops from the caller's thread to the
 node's I/O thread and its reply hops back: two of the four thread wakes on a small put + get's

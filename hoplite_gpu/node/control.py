@@ -65,7 +65,7 @@ def _expire(fut: asyncio.Future[Any]) -> None:
 async def within(fut: asyncio.Future[T], timeout: float | None) -> T:
     """``await fut``, failed with :class:`asyncio.TimeoutError` after ``timeout`` s (None: no
     limit). A timer on the future itself: ``asyncio.wait_for`` wraps it in a task and a second
-    future, which cost more than the rest of a small request (issue 42)."""
+    future, which cost more than the rest of a small request."""
     if timeout is None:
         return await fut
     timer = fut.get_loop().call_later(timeout, _expire, fut)

@@ -176,8 +176,8 @@ class Fetcher:
 
     def at_hand(self, oid: ObjectID) -> LocalObject | None:
         """What a ``get`` can deliver from the caller's thread, with no lookup and no hop to the
-        I/O thread: a complete copy this node holds (the I/O thread would hand back the same object,
-        issue 42), or one another process on this host put and indexed (:meth:`indexed`); None
+        I/O thread: a complete copy this node holds (the I/O thread would hand back the same object),
+        or one another process on this host put and indexed (:meth:`indexed`); None
         when there is neither (then ask the directory). Called from the caller's thread."""
         held = self._store.get(oid)
         if held is not None and held.complete:

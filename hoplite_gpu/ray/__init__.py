@@ -108,9 +108,9 @@ _preloaded: threading.Thread | None = None
 def _start_preload() -> None:
     """Import the node's modules, and UCX where ``Config.data_plane`` chooses the UCX plane (about
     0.5 s, most of it UCX's libraries), on a background thread, once per process. As Ray's setup
-    hook this runs when a worker starts, so an actor's first ``node()`` no longer waits for them:
-    with UCX, 0.43 s -> 0.02 s in a new actor on the 2-core machine (2026-11-26). It starts
-    nothing: no UCX context, no connection, no thread of UCX's."""
+    hook this runs when a worker starts, so an actor's first ``node()`` no longer waits for them
+    (with UCX it takes a twentieth of the time: bench/README.md, "A new actor's first node"). It
+    starts nothing: no UCX context, no connection, no thread of UCX's."""
     global _preloaded
     with _preload_lock:
         if _preloaded is None:
