@@ -279,3 +279,17 @@ def test_no_module_is_a_house_of_its_own() -> None:
         if len(path.read_text().splitlines()) > MAX_LINES and name not in LONGER
     }
     assert long == {}
+
+
+def test_comments_carry_no_issue_numbers_or_dates() -> None:
+    """Comments and docstrings say what and why; figures and their dates live in bench/README.md."""
+    import re
+
+    dated = re.compile(r"\bissue \d+|\b20\d\d-\d\d-\d\d\b", re.IGNORECASE)
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if dated.search(line)
+    ]
+    assert found == []
