@@ -41,7 +41,7 @@ elastic ones go on. docs/torch.md, "Elastic training", has an example.
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import math
 import threading
 import time
@@ -59,7 +59,7 @@ from ..reduce_ops import ReduceOp
 from . import joins
 from . import tensors as tt
 from .errors import ElasticRemovedError, HopliteBackendError
-from .work import failing_in_cpp
+from .work import Lane, failing_in_cpp
 
 #: Rounds a step may take (each after a failed one, among the members left) before it raises.
 MAX_ROUNDS = 4
@@ -178,7 +178,8 @@ class Elastic:
         self._numels = [p.numel() for p in params]
         self._views = bool(getattr(module, "gradient_as_bucket_view", False))
         self._parts: list[_Part] = []
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hoplite-elastic")
+        # One daemon thread, in order: an exit is never held up by a step waiting for others.
+        self._worker = Lane("elastic")
         self._lock = threading.Lock()
         self._on_change: list[Callable[[StepReport], None]] = []
         self._keys: list[tuple[int, ...] | None] = []  # the last step's bucket layout
@@ -255,10 +256,10 @@ class Elastic:
         with self._lock:
             self._parts.append(part)
             if self._layout is None:
-                self._worker.submit(self._reduce, part)  # at once: overlapped with the backward
+                self._worker.submit(functools.partial(self._reduce, part))  # overlaps the backward
             if last:
                 parts, self._parts = self._parts, []
-                self._worker.submit(self._commit, parts)
+                self._worker.submit(functools.partial(self._commit, parts))
         return future
 
     def allreduce(self, tensor: torch.Tensor) -> StepReport:
@@ -269,10 +270,12 @@ class Elastic:
         return self.last_step
 
     def close(self) -> None:
-        """Stop the worker (after the steps in flight) and leave the current epoch's group
-        (its objects are deleted once every member has closed, or after the timeout)."""
+        """Let the steps in flight end (at most the timeout), then leave the current epoch's
+        group (its objects are deleted once every member has closed, or after the timeout)."""
         self._door.close()
-        self._worker.shutdown(wait=True)
+        idle = threading.Event()
+        self._worker.submit(idle.set)
+        idle.wait(self._timeout)
         for timer in self._timers:
             timer.cancel()
         joins.delete_all(self._node, self._published)
