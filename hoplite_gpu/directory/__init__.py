@@ -1,4 +1,4 @@
-"""The object directory: a pure state machine (:mod:`.state`, with its rooms: see its docstring),
+"""The object directory: a pure state machine (:mod:`.state`, with its parts: see its docstring),
 its settings (:class:`DirectoryConfig`), its asyncio host (:mod:`.service`), and a standalone
 directory in a child process (:mod:`.process`)."""
 

@@ -51,7 +51,7 @@ class Barrier:
 
 
 class Barriers:
-    """The directory's open barriers (a room of :class:`~.state.DirectoryState`)."""
+    """The directory's open barriers (a part of :class:`~.state.DirectoryState`)."""
 
     def __init__(self, state: DirectoryState) -> None:
         self.state = state

@@ -31,7 +31,7 @@ DELETES_KEPT = 65_536
 
 class Catalog:
     """What happens to :attr:`~.state.DirectoryState.objects` (the table itself is the state's:
-    every room reads it)."""
+    every part reads it)."""
 
     def __init__(self, state: DirectoryState) -> None:
         self.state = state

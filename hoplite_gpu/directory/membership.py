@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 class Membership:
     """What happens to :attr:`~.state.DirectoryState.nodes` (the table itself is the state's: every
-    room reads it), and the inline bytes and reduction inputs each node holds against its quotas."""
+    part reads it), and the inline bytes and reduction inputs each node holds against its quotas."""
 
     def __init__(self, state: DirectoryState) -> None:
         self.state = state

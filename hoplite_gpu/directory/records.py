@@ -1,5 +1,5 @@
 """The directory's records: nodes, objects and their copies, waiting lookups, transfers and
-reductions. Plain mutable dataclasses; the rooms of :mod:`hoplite_gpu.directory` change them."""
+reductions. Plain mutable dataclasses; the parts of :mod:`hoplite_gpu.directory` change them."""
 
 from __future__ import annotations
 

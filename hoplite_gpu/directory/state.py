@@ -9,7 +9,7 @@ al., SIGCOMM 2021, sections 4.2 and 4.3), receiver-driven, with what it lacked o
 :class:`DirectoryState` is small: it holds the records every part reads (:attr:`~DirectoryState.nodes`,
 :attr:`~DirectoryState.objects`, :attr:`~DirectoryState.reductions`), hands each event to its
 handler (a table keyed by event and message type), and collects what the handlers produce. The
-handlers' work is done by its rooms:
+handlers' work is done by its parts:
 
 * :mod:`.events`: the events in, the instructions out, and their causes.
 * :mod:`.records`: the records (nodes, objects and copies, lookups, transfers, reductions).
@@ -119,7 +119,7 @@ class DirectoryState:
     def __init__(self, config: DirectoryConfig | None = None) -> None:
         self.config = config = config or DirectoryConfig()
         self.check_invariants = config.validate
-        # The records every room reads (each changed by the room named beside it).
+        # The records every part reads (each changed by the part named beside it).
         self.nodes: dict[str, NodeInfo] = {}  # members
         self.objects: dict[bytes, ObjectEntry] = {}  # catalog, and reducer for results
         self.reductions: dict[bytes, Reduction] = {}  # reducer and repair
@@ -138,7 +138,7 @@ class DirectoryState:
         self._cause = ""  # its cause, once asked for (most events write nothing)
         self._out: list[Instruction] = []
 
-    # ------------------------------------------------------------ tables the rooms own
+    # ------------------------------------------------------------ tables the parts own
     @property
     def pending(self) -> dict[bytes, deque[PendingLookup]]:
         """Lookups waiting, FIFO per object (:attr:`.lookups.Lookups.pending`)."""
@@ -207,7 +207,7 @@ class DirectoryState:
                 deadlines.append(deadline)
         return min(deadlines) if deadlines else None
 
-    # ------------------------------------------------------------ what the rooms produce
+    # ------------------------------------------------------------ what the parts produce
     @property
     def cause(self) -> str:
         """The cause of the event being handled, or handled last (see :mod:`.events`):

@@ -18,7 +18,7 @@ could watch again (its node's own death after that is reported as always). A mem
 cleanly before the restart is reported too, which the group's other members, also past their last
 collective, do not see.
 
-The room receives what it uses: the function that sends a message to a node, the one that records
+This part receives what it uses: the function that sends a message to a node, the one that records
 an event, the most watches a node may hold, and whom to tell that a group lost members.
 """
 
@@ -47,7 +47,7 @@ class WatchedGroup:
 
 
 class Watches:
-    """The directory's watched groups (a room of :class:`~.state.DirectoryState`).
+    """The directory's watched groups (a part of :class:`~.state.DirectoryState`).
 
     Args:
         send: Sends a message to a node (for the event being handled).

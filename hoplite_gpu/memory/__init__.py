@@ -1,11 +1,11 @@
-"""The memory wing: where an object's bytes live and how the processes of one host share them.
+"""Memory: where an object's bytes live and how the processes of one host share them.
 
-The rest of the package asks the face, :class:`Memory` (one per node: allocate, publish for
+The rest of the package asks one object, :class:`Memory` (one per node: allocate, publish for
 same-host readers, open what another process published, release), and holds what it hands out:
 :class:`Buffer` (an object's bytes and where they live), :class:`LocalObject` in the node's
 :class:`LocalStore`, and :class:`CallerArray` (a caller's array, classified once where it enters).
 
-Rooms, each a module:
+Its parts, each a module:
 
 - :mod:`.arrays`: caller arrays (NumPy, CuPy, torch, array interfaces, DLPack);
 - :mod:`.buffers`: :class:`Buffer`, its kinds, and the pool of host buffers;

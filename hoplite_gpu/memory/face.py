@@ -1,5 +1,4 @@
-"""The face of the memory wing: what the rest of the package asks of memory, through one object per
-node (:class:`Memory`).
+"""What the rest of the package asks of memory, through one object per node (:class:`Memory`).
 
 - **allocate**: a buffer for an object's bytes, in host memory (:meth:`Memory.host`, recycled by the
   pool; in a shared-memory segment where the node shares), page-locked host memory

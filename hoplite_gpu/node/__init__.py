@@ -1,10 +1,10 @@
 """The node side: one process's view of the object store.
 
-:class:`Node` (:mod:`.node`) is the public face and wires the parts together: the directory link
+:class:`Node` (:mod:`.node`) is what users call, and wires the parts together: the directory link
 (:mod:`.session` over :mod:`.control`), the get side (:mod:`.fetch`, which fills a copy from one of
 the :mod:`.sources` the directory's reply names), the put side (:mod:`.puts`), reduce-tree vertices
 (:mod:`.vertex`) and the checks of its arguments (:mod:`.arguments`). Where bytes live is the
-memory wing's (:mod:`hoplite_gpu.memory`); how they cross hosts, the data plane's
+memory package's (:mod:`hoplite_gpu.memory`); how they cross hosts, the data plane's
 (:mod:`hoplite_gpu.dataplane`).
 """
 
