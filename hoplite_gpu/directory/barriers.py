@@ -107,11 +107,17 @@ class Barriers:
         )
         self._settle(bid, barrier, now)
 
-    def _settle(self, bid: bytes, barrier: Barrier, now: float) -> None:
-        """Answer every member ``ok`` if none is missing (an agreement's lost members are not)."""
+    def _missing(self, barrier: Barrier) -> tuple[int, dict[int, str]]:
+        """How many members have not come (an agreement's lost members are not missing), and the
+        agreement's lost members (none for a plain barrier)."""
         lost = self.state.watches.lost_of(barrier.group) if barrier.group else {}
         gone = sum(1 for r in lost if r < barrier.count and r not in barrier.arrived)
-        if len(barrier.arrived) + gone < barrier.count:
+        return barrier.count - len(barrier.arrived) - gone, lost
+
+    def _settle(self, bid: bytes, barrier: Barrier, now: float) -> None:
+        """Answer every member ``ok`` if none is missing (an agreement's lost members are not)."""
+        waiting, lost = self._missing(barrier)
+        if waiting:
             return
         del self.open[bid]
         for r, oids in barrier.release.items():  # every member is past what they served
@@ -155,11 +161,8 @@ class Barriers:
         """Answer the member of ``rank`` (``ok``, or ``timeout`` naming the ranks missing; an
         agreement's ``ok`` with its ``members`` and ``vote``)."""
         node_id, request_id = self._withdraw(barrier, rank)
-        lost = self.state.watches.lost_of(barrier.group) if barrier.group else {}
+        waiting, lost = self._missing(barrier)
         missing = (r for r in range(barrier.count) if r not in barrier.arrived and r not in lost)
-        waiting = barrier.count - len(barrier.arrived)
-        if lost:
-            waiting -= sum(1 for r in lost if r < barrier.count and r not in barrier.arrived)
         if waiting and barrier.named is None:
             # Found once per change, stopping at the first MAX_MISSING_NAMED: a barrier of 65,536
             # members is answered member by member.

@@ -119,16 +119,13 @@ class Watches:
         gid = msg.group_id
         group = self.groups.get(gid)
         if group is None:
-            ended = self.ended.get(gid)
-            if ended is not None and ended.count != msg.count:
-                self._refuse(node_id, msg, f"it has {ended.count} members, this member said {msg.count}")
-                return None
-            if ended is not None:
-                self._forget_ended(gid)
-            group = WatchedGroup(msg.count, lost=dict(ended.lost) if ended is not None else {})
+            ended = self.ended.get(gid)  # (brought back with its count and its lost members)
+            group = WatchedGroup(msg.count) if ended is None else WatchedGroup(ended.count, lost=ended.lost)
         if group.count != msg.count:
             self._refuse(node_id, msg, f"it has {group.count} members, this member said {msg.count}")
             return None
+        if gid in self.ended:
+            self._forget_ended(gid)
         self.groups[gid] = group
         return group
 
@@ -218,11 +215,8 @@ class Watches:
         """``node_id`` left: its members of every group are lost (of groups nobody watches any
         more too, which nobody is told of but their agreements)."""
         why = "its connection closed" if reason == "left" else reason
-        for gid in sorted(self._ended_nodes.pop(node_id, ())):
-            group = self.ended[gid]
-            gone = {r: f"rank {r}'s node is gone ({why})" for r, n in group.members.items() if n == node_id}
-            self._lose(gid, group, gone, now)
-        for gid, group in list(self.groups.items()):
+        ended = [(gid, self.ended[gid]) for gid in sorted(self._ended_nodes.pop(node_id, ()))]
+        for gid, group in ended + list(self.groups.items()):  # (an ended one: nobody to answer)
             gone = {r: f"rank {r}'s node is gone ({why})" for r, n in group.members.items() if n == node_id}
             if not gone:
                 continue

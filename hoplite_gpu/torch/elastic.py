@@ -12,8 +12,10 @@ joiners every one of them has seen.
 - All read: every survivor holds the same sums (each shard of a result is one object that every
   member reads), averaged over the epoch's members: the step is applied everywhere.
 - Not all (a member died while results were still being read, so some survivor lacks one):
-  every survivor restores its gradients from the copy it kept and reduces them again among the
-  members left (a new epoch), then agrees again. No survivor applies the first round.
+  every survivor puts its gradients back (from its parameters' gradients, which DDP leaves as
+  they were until the results come back; from a copy with ``gradient_as_bucket_view``) and
+  reduces them again among the members left (a new epoch), then agrees again. No survivor
+  applies the first round.
 
 So a step is applied by every live rank, with the same gradients, or by none (the step raises on
 every rank: rounds exhausted, or a timeout); the decision is the directory's, taken once. A rank
@@ -286,7 +288,7 @@ class Elastic:
 
     # ------------------------------------------------------------ on the worker thread
     def _reduce(self, part: _Part) -> None:
-        """Sum ``part`` among the current epoch's members (``ok`` if this member read it all)."""
+        """Average ``part`` among the current epoch's members (``ok`` if this member read it all)."""
         part.ok = False
         try:
             part.ready()
@@ -475,7 +477,7 @@ class Elastic:
         where = self._by_parameter(parts)
         out = []
         for key in self._layout:
-            sources = [where[i].clone() for i in key]
+            sources = [where[i] for i in key]  # (this rank's buckets stay as they are until _scatter)
             flat = torch.cat(sources)
             out.append(_Part(flat, _restorer(flat, sources), key, torch.futures.Future(), _nothing))
         return out

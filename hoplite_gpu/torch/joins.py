@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import HopliteError, HopliteTimeoutError, NodeClosedError, ObjectExistsError
+from ..errors import HopliteError, HopliteTimeoutError, ObjectExistsError
 from ..node import Node
 from ..object_id import ObjectID
 
@@ -99,7 +99,7 @@ class Door:
                 found = self._node.get(ticket_id(self._name, self.seen), timeout=DOOR_POLL)
             except HopliteTimeoutError:
                 continue
-            except (NodeClosedError, HopliteError):
+            except HopliteError:  # (NodeClosedError too)
                 if self._node.closed:
                     return
                 self._closed.wait(DOOR_POLL)  # (the directory is away: its session reconnects)

@@ -116,7 +116,8 @@ def failing_in_cpp(settled: torch.futures.Future[Any]) -> torch.futures.Future[A
     ``Future.set_exception`` only marks the error for Python: C++ code waiting on the future
     (DDP's reducer) reads the exception object as the value and crashes (a SIGSEGV in DDP's
     backward when a rank died). An exception raised in a ``then`` callback fails the future in
-    C++, which raises it in Python again with its type."""
+    C++; Python then sees a ``RuntimeError`` naming the error's class, with its text (the work's
+    ``wait()`` and ``exception()`` keep the typed error)."""
     return settled.then(_value)
 
 
