@@ -108,7 +108,7 @@ def _member(
     ``ucx_cuda``: its data plane hands device chunks to UCX as they are (``HOPLITE_UCX_CUDA``).
     ``index``: it finds same-host device objects through their index links (``same_host_index``;
     without, every get asks the directory)."""
-    from hoplite_gpu.config import UCX_CUDA_ENV
+    from hoplite_gpu.dataplane.ucx.settings import UCX_CUDA_ENV
 
     os.environ[UCX_CUDA_ENV] = "1" if ucx_cuda else "0"  # read when UCX loads, at the node's start
     import cupy as cp

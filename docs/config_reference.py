@@ -1,4 +1,5 @@
-"""Generate the tables of docs/configuration.md from :mod:`hoplite_gpu.config`.
+"""Generate the tables of docs/configuration.md from :mod:`hoplite_gpu.config` and
+:mod:`hoplite_gpu.dataplane.ucx.settings`.
 
 Every field of ``Config`` (its environment variable, default and the one-line description of its
 docstring's ``Attributes`` list) and every entry of ``UCX_DEFAULTS`` (with the line its comment
@@ -26,6 +27,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from hoplite_gpu import config  # noqa: E402
+from hoplite_gpu.dataplane.ucx import settings  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
 COMMAND = "make docs (python docs/config_reference.py)"
@@ -53,7 +55,7 @@ def field_docs(cls: type = config.Config) -> dict[str, str]:
 
 def ucx_docs() -> dict[str, str]:
     """The line the comment above ``UCX_DEFAULTS`` gives each of its variables."""
-    source = inspect.getsource(config)
+    source = inspect.getsource(settings)
     block = source[: source.index("UCX_DEFAULTS: dict")].rsplit("\n\n", 1)[-1]
     found: dict[str, list[str]] = {}
     current: list[str] | None = None
@@ -125,9 +127,9 @@ def ucx_table() -> str:
     """
     docs = ucx_docs()
     rows = [_row("Variable", "Value", "What it does"), "|---|---|---|"]
-    for name, value in config.UCX_DEFAULTS.items():
+    for name, value in settings.UCX_DEFAULTS.items():
         if name not in docs:
-            raise ValueError(f"UCX_DEFAULTS[{name!r}] has no line in the comment above it in config.py")
+            raise ValueError(f"UCX_DEFAULTS[{name!r}] has no line in the comment above it in settings.py")
         rows.append(_row(f"`{name}`", f"`{value}`", markdown(docs[name])))
     return "\n".join(rows)
 

@@ -160,10 +160,14 @@ def node_report() -> dict[str, Any]:
     its GPU inventory plus ``cupy`` (installed, version, device_count, usable, error), ``ucxx``
     (installed, version), ``ucx_tls`` (the UCX transports hoplite_gpu runs UCX with: ``UCX_TLS``
     when set, else hoplite_gpu's choice for this host) with ``ucx_tls_source`` ("env" or
-    "hoplite_gpu default"), and ``ucx_choice`` (:meth:`~hoplite_gpu.ucx_choice.UcxChoice.to_dict`
-    of :func:`~hoplite_gpu.config.ucx_choice`: the UCX settings chosen for this host, and why), and
+    "hoplite_gpu default"), and ``ucx_choice``
+    (:meth:`~hoplite_gpu.dataplane.ucx.choice.UcxChoice.to_dict` of
+    :func:`~hoplite_gpu.dataplane.ucx.settings.ucx_choice`: the UCX settings chosen for this host,
+    and why), and
     ``data_plane`` (``kind``: ``tcp`` or ``ucx``, and ``why``: what a node started here runs)."""
-    from .config import Config, data_plane_choice, default_ucx_tls, ucx_choice
+    from .config import Config
+    from .dataplane.selection import data_plane_choice
+    from .dataplane.ucx.settings import default_ucx_tls, ucx_choice
     from .memory import kernels
     from .memory.placement import inventory
 

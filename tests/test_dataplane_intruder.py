@@ -279,7 +279,7 @@ def test_a_peer_speaking_uct_tcp_cannot_write_node_memory(intruder: Path, victim
 _AM_FLOOD = r"""
 import asyncio, os, sys
 import numpy as np
-from hoplite_gpu.config import apply_ucx_defaults
+from hoplite_gpu.dataplane.ucx.settings import apply_ucx_defaults
 
 apply_ucx_defaults()  # a node's UCX settings, and ucxx's own features (active messages among them)
 import ucxx

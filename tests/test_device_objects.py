@@ -19,7 +19,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
-from hoplite_gpu.config import UCX_CUDA_ENV
+from hoplite_gpu.dataplane.ucx.settings import UCX_CUDA_ENV
 from hoplite_gpu.errors import InvalidArgumentError, PinnedMemoryError, ProtocolError
 from hoplite_gpu.memory import cuda, device, kernels, sim, to_host
 from hoplite_gpu.memory.buffers import BufferKind, buffer_kind

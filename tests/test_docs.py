@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 from hoplite_gpu import config
+from hoplite_gpu.dataplane.ucx import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [
@@ -41,14 +42,14 @@ def test_the_configuration_page_lists_every_field_and_ucx_default() -> None:
     page = (ROOT / "docs" / "configuration.md").read_text()
     for f in dataclasses.fields(config.Config):
         assert f"| `{f.name}` | `HOPLITE_{f.name.upper()}` |" in page, f.name
-    for name, value in config.UCX_DEFAULTS.items():
+    for name, value in settings.UCX_DEFAULTS.items():
         assert f"| `{name}` | `{value}` |" in page, name
 
 
 def test_each_config_field_is_described_in_one_entry() -> None:
     docs = _generator().field_docs()
     assert set(docs) == {f.name for f in dataclasses.fields(config.Config)}
-    assert set(_generator().ucx_docs()) == set(config.UCX_DEFAULTS)
+    assert set(_generator().ucx_docs()) == set(settings.UCX_DEFAULTS)
 
 
 def _anchors(page: Path) -> set[str]:

@@ -552,7 +552,7 @@ def test_a_directory_served_over_tls(tmp_path: Any) -> None:
 _FLOOD = r"""
 import asyncio, os, sys
 import numpy as np
-from hoplite_gpu.dataplane.ucx import ucxx_module
+from hoplite_gpu.dataplane.ucx.loading import ucxx_module
 
 ucxx = ucxx_module()  # the same UCX settings as a node, no interface limit
 
@@ -621,13 +621,13 @@ def test_a_node_told_where_to_listen_limits_ucx_to_that_interface_only() -> None
     import subprocess
     import sys
 
-    from hoplite_gpu.config import interface_of
+    from hoplite_gpu.dataplane.ucx.interfaces import interface_of
 
     assert interface_of("127.0.0.1") == "lo" and interface_of("localhost") == "lo"
     assert interface_of("0.0.0.0") == "" and interface_of("not-an-address") == ""
     script = (
         "import os, sys, hoplite_gpu as hg\n"
-        "from hoplite_gpu.dataplane.ucx import net_devices\n"
+        "from hoplite_gpu.dataplane.ucx.loading import net_devices\n"
         "node = hg.init(**({'listen_host': sys.argv[1]} if sys.argv[1] else {}))\n"
         "print(net_devices() or '-', 'UCX_NET_DEVICES' in os.environ, flush=True)\n"
         "node.close()\n"

@@ -36,8 +36,8 @@ NODE_SIDE = (
 )
 
 #: The directory's pure rooms and the protocol (the service and the child process are not pure:
-#: they host the state over sockets), and the UCX choice with its probe (they run before ucxx
-#: loads, and where it is missing).
+#: they host the state over sockets), and the UCX choice with its probe and the settings made of
+#: them (they run before ucxx loads, and where it is missing).
 PURE = (
     "hoplite_gpu.directory.state",
     "hoplite_gpu.directory.events",
@@ -56,9 +56,15 @@ PURE = (
     "hoplite_gpu.directory.reduce",
     "hoplite_gpu.directory.watches",
     "hoplite_gpu.protocol",
-    "hoplite_gpu.ucx_choice",
-    "hoplite_gpu.ucx_probe",
+    "hoplite_gpu.dataplane.ucx.choice",
+    "hoplite_gpu.dataplane.ucx.probe",
+    "hoplite_gpu.dataplane.ucx.settings",
 )
+
+#: Packages of the node side whose own import loads nothing (their names load on first use), so
+#: that the pure modules inside them can be imported: importing ``hoplite_gpu.dataplane.ucx.choice``
+#: runs both first. Any other module under them still counts as the node side.
+LIGHT_PACKAGES = ("hoplite_gpu.dataplane", "hoplite_gpu.dataplane.ucx")
 
 
 def _loaded_after_import(module: str) -> list[str]:
@@ -68,15 +74,37 @@ def _loaded_after_import(module: str) -> list[str]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def _node_side(loaded: list[str]) -> list[str]:
-    return [m for m in loaded if any(m == bad or m.startswith(bad + ".") for bad in NODE_SIDE)]
+def _node_side(loaded: list[str], allowed: tuple[str, ...] = ()) -> list[str]:
+    """The modules of ``loaded`` on the node side, but for the names ``allowed`` and
+    :data:`LIGHT_PACKAGES` (those packages' own ``__init__``, not their other modules)."""
+    ok = {*allowed, *LIGHT_PACKAGES}
+    return [
+        m for m in loaded if m not in ok and any(m == bad or m.startswith(bad + ".") for bad in NODE_SIDE)
+    ]
 
 
 @pytest.mark.parametrize("module", PURE)
 def test_the_pure_directory_and_protocol_load_nothing_of_the_node_side(module: str) -> None:
     loaded = _loaded_after_import(module)
     assert module in loaded
-    assert _node_side(loaded) == [], f"importing {module} loads the node side"
+    assert _node_side(loaded, PURE) == [], f"importing {module} loads the node side"
+
+
+@pytest.mark.parametrize("package", LIGHT_PACKAGES)
+def test_the_light_packages_load_nothing_of_their_own(package: str) -> None:
+    """What lets the pure modules live inside them: importing the package alone loads no module
+    of the node side, not even one of its own."""
+    loaded = _loaded_after_import(package)
+    assert package in loaded
+    assert _node_side(loaded) == [], f"importing {package} loads the node side"
+
+
+def test_the_light_check_catches_a_module_of_the_node_side() -> None:
+    """The exceptions are exact names: a node-side module under a light package still counts."""
+    names = ["hoplite_gpu.dataplane", "hoplite_gpu.dataplane.ucx", "hoplite_gpu.dataplane.ucx.choice"]
+    assert _node_side(names, PURE) == []
+    assert _node_side([*names, "hoplite_gpu.dataplane.tcp"], PURE) == ["hoplite_gpu.dataplane.tcp"]
+    assert _node_side(["hoplite_gpu.dataplane.ucx.plane"], PURE) == ["hoplite_gpu.dataplane.ucx.plane"]
 
 
 # ---------------------------------------------------------------- the import graph
@@ -253,7 +281,7 @@ def test_the_rest_of_the_package_asks_the_memory_wing_through_its_face() -> None
     }
     assert reaching == set()
     users = {"hoplite_gpu.node.fetch", "hoplite_gpu.node.sources", "hoplite_gpu.node.puts"}
-    for name in users | {"hoplite_gpu.node.vertex", "hoplite_gpu.dataplane.transport"}:
+    for name in users | {"hoplite_gpu.node.vertex", "hoplite_gpu.dataplane.ucx.plane"}:
         assert _graph()[name] & {"hoplite_gpu.memory.kernels", "hoplite_gpu.memory.cuda"} == set()
 
 

@@ -94,7 +94,7 @@ class Holder:
         import sys
         import time
 
-        from hoplite_gpu.dataplane import ucx
+        from hoplite_gpu.dataplane.ucx import loading as ucx
         from hoplite_gpu.ray import directory
 
         deadline = time.monotonic() + 60
@@ -172,7 +172,8 @@ def test_arrays_unlike_the_other_members_raise_a_runtime_error(ray_session: Any)
 def test_a_worker_loads_the_node_before_its_first_collective(ray_session: Any) -> None:
     """Ray's setup hook (``register_collective_backend``) imports the node's code in the
     background, and UCX only where the data plane is UCX's (half a second), starting nothing."""
-    from hoplite_gpu.config import Config, data_plane_kind
+    from hoplite_gpu.config import Config
+    from hoplite_gpu.dataplane.selection import data_plane_kind
 
     ucx = data_plane_kind(Config.from_env()) == "ucx"
     (holder,) = _holders(ray_session, world=1)

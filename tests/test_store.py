@@ -97,11 +97,11 @@ def test_a_removed_object_is_refused_at_once() -> None:
 
 def test_chunk_size_follows_measured_throughput() -> None:
     from hoplite_gpu.config import Config, MiB
-    from hoplite_gpu.dataplane import DataPlane
+    from hoplite_gpu.dataplane import UcxDataPlane
     from hoplite_gpu.memory.store import LocalStore
 
     cfg = Config(chunk_bytes=4 * MiB, chunk_seconds=0.004, min_chunk_bytes=MiB // 4, max_chunk_bytes=16 * MiB)
-    plane = DataPlane(LocalStore(1), "token", cfg)
+    plane = UcxDataPlane(LocalStore(1), "token", cfg)
     assert plane.chunk_size("a:1") == 4 * MiB  # nothing measured yet
     plane.rates.record("a:1", 512 * 1024, 1.0)  # too small a transfer to count
     assert plane.chunk_size("a:1") == 4 * MiB
@@ -111,7 +111,7 @@ def test_chunk_size_follows_measured_throughput() -> None:
     assert plane.chunk_size("b:1") == 384 * 1024
     plane.rates.record("c:1", 10 * MiB, 10.0)  # 1 MiB/s: floored at min
     assert plane.chunk_size("c:1") == MiB // 4
-    assert DataPlane(LocalStore(1), "t", cfg.replace(adaptive_chunks=False)).chunk_size("a:1") == 4 * MiB
+    assert UcxDataPlane(LocalStore(1), "t", cfg.replace(adaptive_chunks=False)).chunk_size("a:1") == 4 * MiB
 
 
 def test_a_thread_waits_for_progress_made_on_the_loop_and_hears_failures() -> None:

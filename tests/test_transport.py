@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hoplite_gpu import protocol as p
-from hoplite_gpu.dataplane.ucx import ucxx_module
+from hoplite_gpu.dataplane.ucx.loading import ucxx_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,9 +95,9 @@ def test_ucx_cuda_adds_cuda_copy_to_the_transports_a_process_inherited(
 ) -> None:
     """With HOPLITE_UCX_CUDA=1, UCX_TLS lists cuda_copy even where a parent node set it to its default
     (ucxx refuses device buffers otherwise: found on an H100); lists that cover it stay as they are."""
-    from hoplite_gpu import config
+    from hoplite_gpu.dataplane.ucx import settings
 
-    monkeypatch.setenv(config.UCX_CUDA_ENV, "1")
+    monkeypatch.setenv(settings.UCX_CUDA_ENV, "1")
     for before, after in [
         ("tcp", "tcp,cuda_copy"),
         ("tcp,sm", "tcp,sm,cuda_copy"),
@@ -106,12 +106,12 @@ def test_ucx_cuda_adds_cuda_copy_to_the_transports_a_process_inherited(
         ("^sm", "^sm"),
     ]:
         monkeypatch.setenv("UCX_TLS", before)
-        config.apply_ucx_defaults()
-        assert config.os.environ["UCX_TLS"] == after
+        settings.apply_ucx_defaults()
+        assert settings.os.environ["UCX_TLS"] == after
     monkeypatch.delenv("UCX_TLS")
-    config.apply_ucx_defaults()
-    assert config.os.environ["UCX_TLS"] == config.default_ucx_tls() == "tcp,cuda_copy"
-    monkeypatch.setenv(config.UCX_CUDA_ENV, "0")
+    settings.apply_ucx_defaults()
+    assert settings.os.environ["UCX_TLS"] == settings.default_ucx_tls() == "tcp,cuda_copy"
+    monkeypatch.setenv(settings.UCX_CUDA_ENV, "0")
     monkeypatch.setenv("UCX_TLS", "tcp")
-    config.apply_ucx_defaults()
-    assert config.os.environ["UCX_TLS"] == "tcp" and config.default_ucx_tls() == "tcp"
+    settings.apply_ucx_defaults()
+    assert settings.os.environ["UCX_TLS"] == "tcp" and settings.default_ucx_tls() == "tcp"

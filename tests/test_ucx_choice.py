@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from hoplite_gpu import config, ucx_probe
+from hoplite_gpu.dataplane.ucx import probe as ucx_probe
+from hoplite_gpu.dataplane.ucx import settings as ucx_settings
+from hoplite_gpu.dataplane.ucx.choice import choose_ucx, enabled, parse_listing
 from hoplite_gpu.errors import InvalidArgumentError
-from hoplite_gpu.ucx_choice import choose_ucx, enabled, parse_listing
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +28,7 @@ VERBS_TLS = "rc_mlx5,dc_mlx5,ud_mlx5,rc_verbs,ud_verbs,tcp"
 
 
 def _choose(listing: str | None, **environ: str) -> dict[str, object]:
-    choice = choose_ucx(listing, environ, config.UCX_DEFAULTS, problem="test")
+    choice = choose_ucx(listing, environ, ucx_settings.UCX_DEFAULTS, problem="test")
     return choice.to_dict()
 
 
@@ -68,7 +69,7 @@ def test_a_garbled_listing_is_refused(text: str) -> None:
 
 def test_a_tcp_only_host_gets_exactly_the_measured_defaults() -> None:
     choice = _choose(TCP)
-    assert choice["case"] == "tcp" and choice["settings"] == config.UCX_DEFAULTS
+    assert choice["case"] == "tcp" and choice["settings"] == ucx_settings.UCX_DEFAULTS
     assert choice["kept"] == {} and choice["net_devices"] == []
     reasons = "\n".join(choice["reasons"])  # type: ignore[arg-type]
     assert "posix, sysv, cma listed: left out" in reasons and "seed 3, run 8" in reasons
@@ -81,7 +82,7 @@ def test_an_infiniband_host_gets_verbs_and_zero_copy_rendezvous() -> None:
     assert choice["case"] == "rdma" and isinstance(settings, dict)
     assert settings["UCX_TLS"] == VERBS_TLS and settings["UCX_RNDV_THRESH"] == "auto"
     assert {k: v for k, v in settings.items() if k not in ("UCX_TLS", "UCX_RNDV_THRESH")} == {
-        k: v for k, v in config.UCX_DEFAULTS.items() if k not in ("UCX_TLS", "UCX_RNDV_THRESH")
+        k: v for k, v in ucx_settings.UCX_DEFAULTS.items() if k not in ("UCX_TLS", "UCX_RNDV_THRESH")
     }
     assert choice["net_devices"] == ["mlx5_0:1"]
     reasons = "\n".join(choice["reasons"])  # type: ignore[arg-type]
@@ -140,22 +141,22 @@ def test_the_users_own_ucx_settings_win_and_the_reason_says_so() -> None:
         mine = _choose(IB, UCX_TLS=tls)
         assert mine["settings"]["UCX_RNDV_THRESH"] == "auto", tls  # type: ignore[index]
         assert mine["net_devices"] == ["mlx5_0:1"], tls
-    inherited = _choose(TCP, **config.UCX_DEFAULTS)
-    assert inherited["settings"] == {} and inherited["effective"] == config.UCX_DEFAULTS
+    inherited = _choose(TCP, **ucx_settings.UCX_DEFAULTS)
+    assert inherited["settings"] == {} and inherited["effective"] == ucx_settings.UCX_DEFAULTS
     assert inherited["reasons"][-1].endswith("set in the environment as chosen: kept")  # type: ignore[index]
 
 
 @pytest.mark.parametrize("listing", [None, "", "garbage\n", IB[: IB.index("rc_mlx5") + 8]])
 def test_a_missing_or_garbled_listing_gives_the_tcp_only_choice(listing: str | None) -> None:
     choice = _choose(listing)
-    assert choice["case"] == "tcp" and choice["settings"] == config.UCX_DEFAULTS
+    assert choice["case"] == "tcp" and choice["settings"] == ucx_settings.UCX_DEFAULTS
     first = choice["reasons"][0]  # type: ignore[index]
     assert first == "TCP only: no UCX listing (test)" if listing is None else "unreadable" in first
 
 
 def test_rdma_devices_that_ucx_cannot_use_are_named() -> None:
-    choice = choose_ucx(TCP, {}, config.UCX_DEFAULTS, rdma_devices=["mlx5_0", "mlx5_1"])
-    assert dict(choice.settings) == config.UCX_DEFAULTS
+    choice = choose_ucx(TCP, {}, ucx_settings.UCX_DEFAULTS, rdma_devices=["mlx5_0", "mlx5_1"])
+    assert dict(choice.settings) == ucx_settings.UCX_DEFAULTS
     assert any("mlx5_0, mlx5_1 are present but this UCX lists no verbs" in r for r in choice.reasons)
 
 
@@ -223,20 +224,20 @@ def test_a_failing_ucx_info_gives_tcp_only_and_the_reason(
     tmp_path: Path, fresh_probe: None, monkeypatch: pytest.MonkeyPatch, body: str, problem: str
 ) -> None:
     monkeypatch.setattr(ucx_probe, "PROBE_TIMEOUT", 0.5)
-    choice = config.ucx_choice(_fake_ucx_info(tmp_path, body))
-    assert choice.case == "tcp" and dict(choice.settings) == config.UCX_DEFAULTS
+    choice = ucx_settings.ucx_choice(_fake_ucx_info(tmp_path, body))
+    assert choice.case == "tcp" and dict(choice.settings) == ucx_settings.UCX_DEFAULTS
     assert problem in choice.reasons[0]
 
 
 def test_apply_on_this_tcp_host_sets_what_it_always_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [*config.UCX_DEFAULTS, config.UCX_CUDA_ENV]:
+    for name in [*ucx_settings.UCX_DEFAULTS, ucx_settings.UCX_CUDA_ENV]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64k")
-    choice = config.apply_ucx_defaults()
-    assert config.applied_ucx_choice() is choice
-    want = config.UCX_DEFAULTS | {"UCX_TCP_RX_SEG_SIZE": "64k"}
-    assert {k: os.environ[k] for k in config.UCX_DEFAULTS} == want == choice.effective()
-    assert config.default_ucx_tls() == "tcp"
+    choice = ucx_settings.apply_ucx_defaults()
+    assert ucx_settings.applied_ucx_choice() is choice
+    want = ucx_settings.UCX_DEFAULTS | {"UCX_TCP_RX_SEG_SIZE": "64k"}
+    assert {k: os.environ[k] for k in ucx_settings.UCX_DEFAULTS} == want == choice.effective()
+    assert ucx_settings.default_ucx_tls() == "tcp"
 
 
 # --- hoplite-gpu info ----------------------------------------------------------------------

@@ -1,32 +1,52 @@
 """The data plane: how an object's bytes cross from one node to another.
 
-Two implementations with one interface, chosen per node by ``Config.data_plane``
-(:func:`make_data_plane`): :class:`TcpDataPlane` (:mod:`.tcp`), authenticated sockets where the
-kernel moves each chunk into place, on hosts where UCX would use TCP anyway; and
-:class:`DataPlane` (:mod:`.transport`) over UCX, for RDMA and CUDA transports. :mod:`.ucx` starts
-``ucxx`` with the measured defaults and turns every UCX failure into a typed error; nothing else in
-the package talks to ``ucxx``.
+Two implementations of one protocol (:class:`~.base.DataPlane`), chosen per node by
+``Config.data_plane`` (:func:`~.selection.make_data_plane`): :class:`~.tcp.TcpDataPlane`,
+authenticated sockets where the kernel moves each chunk into place, on hosts where UCX would use TCP
+anyway; and :class:`~.ucx.plane.UcxDataPlane` over UCX, for RDMA and CUDA transports
+(:mod:`.ucx` holds everything of UCX's). What both share is in :mod:`.shared`.
+
+Importing this package loads none of them: its names load their module on first use, so that UCX's
+choice and probe (:mod:`.ucx.choice`, :mod:`.ucx.probe`) run without the node side.
 """
 
 from __future__ import annotations
 
-from ..config import Config, data_plane_kind
-from ..memory import LocalStore
-from .shared import ServeCallback
-from .tcp import TcpDataPlane
-from .transport import DataPlane
+import importlib
+from typing import TYPE_CHECKING, Any
 
-#: Either data plane.
-AnyDataPlane = DataPlane | TcpDataPlane
+if TYPE_CHECKING:
+    from .base import DataPlane
+    from .selection import data_plane_choice, data_plane_kind, make_data_plane
+    from .tcp import TcpDataPlane
+    from .ucx.plane import UcxDataPlane
+
+#: Each name this package offers, and the module that defines it.
+_HOMES = {
+    "DataPlane": ".base",
+    "TcpDataPlane": ".tcp",
+    "UcxDataPlane": ".ucx.plane",
+    "data_plane_choice": ".selection",
+    "data_plane_kind": ".selection",
+    "make_data_plane": ".selection",
+}
 
 
-def make_data_plane(
-    store: LocalStore, token: str, config: Config, on_served: ServeCallback | None = None
-) -> AnyDataPlane:
-    """The data plane ``config`` chooses for this host (:func:`~hoplite_gpu.config.data_plane_kind`)."""
-    if data_plane_kind(config) == "ucx":
-        return DataPlane(store, token, config, on_served)
-    return TcpDataPlane(store, token, config, on_served)
+def __getattr__(name: str) -> Any:
+    """Load the module of one of this package's names on its first use."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
 
 
-__all__ = ["AnyDataPlane", "DataPlane", "TcpDataPlane", "make_data_plane"]
+__all__ = [
+    "DataPlane",
+    "TcpDataPlane",
+    "UcxDataPlane",
+    "data_plane_choice",
+    "data_plane_kind",
+    "make_data_plane",
+]

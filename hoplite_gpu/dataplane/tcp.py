@@ -1,7 +1,7 @@
 """The TCP data plane: authenticated sockets whose bytes the kernel moves on a worker thread.
 
 Where UCX offers only TCP (every host here, and any cluster without RDMA), this plane replaces the
-UCX one of :mod:`hoplite_gpu.dataplane.transport` (``Config.data_plane``). Why: over TCP, UCX copies
+UCX one of :mod:`hoplite_gpu.dataplane.ucx.plane` (``Config.data_plane``). Why: over TCP, UCX copies
 every received segment once more in user space and ucxx costs a Python future per chunk, while a
 socket ``recv_into`` with ``MSG_WAITALL`` lands a whole chunk in the object's memory in one system
 call with the GIL released: no Python per byte and one Python step per chunk (bench/README.md,
@@ -71,7 +71,8 @@ MAX_STEP = 2 * 1024 * 1024
 
 class TcpDataPlane(PlaneBase):
     """TCP listener plus idle-connection cache of one node; same interface as
-    :class:`~hoplite_gpu.dataplane.transport.DataPlane`.
+    :class:`~hoplite_gpu.dataplane.ucx.plane.UcxDataPlane` (both implement
+    :class:`~hoplite_gpu.dataplane.base.DataPlane`).
 
     Args:
         store: The node's local store, read when serving.
@@ -421,7 +422,7 @@ class TcpDataPlane(PlaneBase):
         transfer_id: int,
         abort: asyncio.Future[None] | None = None,
     ) -> None:
-        """The contract of :meth:`hoplite_gpu.dataplane.transport.DataPlane.pull`, on a worker
+        """The contract of :meth:`hoplite_gpu.dataplane.base.DataPlane.pull`, on a worker
         thread: progress advances by steps of at most :data:`MAX_STEP`; ``abort`` failing (or the
         object failing) shuts the socket, which ends the worker's receive at once."""
         cfg = self.config

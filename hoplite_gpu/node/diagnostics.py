@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..dataplane import AnyDataPlane
+from ..dataplane.base import DataPlane
 from ..iothread import IOThread
 from ..memory import LocalStore, Memory
 from .session import DirectorySession
@@ -20,7 +20,7 @@ class Diagnostics:
     _session: DirectorySession
     _store: LocalStore
     _memory: Memory
-    _data: AnyDataPlane
+    _data: DataPlane
 
     def _check_open(self) -> None:  # (the node's)
         raise NotImplementedError
@@ -45,7 +45,7 @@ class Diagnostics:
 
     def stats(self) -> dict[str, Any]:
         """Local store figures: objects, bytes used, capacity, data-plane auth failures, the
-        unreceived messages the data plane dropped (``stale_*``: see ``DataPlane._sweep_unexpected``),
+        unreceived messages the data plane dropped (``stale_*``: see ``UcxDataPlane._sweep_unexpected``),
         the device bytes it sent and received staged through host buffers (``staged_*``; none
         with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself), and the process's
         pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import protocol as p
 from ..config import Config
-from ..dataplane import AnyDataPlane
+from ..dataplane.base import DataPlane
 from ..dtypes import dtype_from_wire
 from ..errors import (
     HopliteError,
@@ -151,7 +151,7 @@ class Fetcher:
     def __init__(
         self,
         store: LocalStore,
-        data: AnyDataPlane,
+        data: DataPlane,
         config: Config,
         session: DirectorySession,
         shared_memory: bool,

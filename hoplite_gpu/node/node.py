@@ -24,7 +24,7 @@ from typing import Any
 from .. import faults
 from .. import protocol as p
 from ..config import WILDCARD_HOSTS, Config, host_of, is_loopback
-from ..dataplane import AnyDataPlane, make_data_plane
+from ..dataplane.selection import DataPlane, make_data_plane
 from ..directory.service import DirectoryService
 from ..errors import (
     AuthenticationError,
@@ -106,7 +106,7 @@ class Node(GroupWatches, Diagnostics):
             seal=Memory.ticket_key(token),
         )
         self._store = LocalStore(self.config.store_capacity_bytes, self._memory)
-        self._data: AnyDataPlane = make_data_plane(self._store, token, self.config, on_served=self._on_served)
+        self._data: DataPlane = make_data_plane(self._store, token, self.config, on_served=self._on_served)
         self._session = DirectorySession(
             directory_address,
             token,

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import protocol as p
 from ..config import Config
-from ..dataplane import AnyDataPlane
+from ..dataplane.base import DataPlane
 from ..dtypes import dtype_from_wire
 from ..errors import (
     AuthenticationError,
@@ -157,7 +157,7 @@ class Context:
     """
 
     store: LocalStore
-    data: AnyDataPlane
+    data: DataPlane
     config: Config
     report: Callable[[p.Message], None]
     completed: Callable[[LocalObject, int, int], None]

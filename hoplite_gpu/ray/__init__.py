@@ -121,10 +121,11 @@ def _start_preload() -> None:
 def _preload() -> None:
     try:
         from .. import node as _node  # noqa: F401
-        from ..config import Config, data_plane_kind
+        from ..config import Config
+        from ..dataplane.selection import data_plane_kind
 
         if data_plane_kind(Config.from_env()) == "ucx":
-            from ..dataplane.ucx import load_ucxx
+            from ..dataplane.ucx.loading import load_ucxx
 
             load_ucxx()
     except Exception:  # only a head start: the first node() reports whatever fails here

@@ -2,14 +2,14 @@
 this host (the text of ``ucx_info -d``) and from the user's environment.
 
 Pure: it reads no file, runs nothing and imports nothing of UCX, so it is tested on recorded and
-composed listings (``tests/data/ucx_info_*.txt``). :mod:`hoplite_gpu.ucx_probe` reads the host's
-listing; :func:`hoplite_gpu.config.apply_ucx_defaults` applies the choice before ``ucxx`` loads.
+composed listings (``tests/data/ucx_info_*.txt``). :mod:`.probe` reads the host's listing;
+:func:`.settings.apply_ucx_defaults` applies the choice before ``ucxx`` loads.
 
 The cases:
 
 - **TCP only** (no verbs, no CUDA transports, or no readable listing): ``UCX_TLS=tcp`` and the eager
   protocol for every size (``UCX_RNDV_THRESH=inf``), the measured defaults of
-  ``config.UCX_DEFAULTS`` unchanged.
+  ``settings.UCX_DEFAULTS`` unchanged.
 - **RDMA** (InfiniBand or RoCE: ``rc_*``, ``dc_mlx5``, ``ud_*`` listed): those transports plus
   ``tcp``, and UCX's own rendezvous threshold (``auto``), so large messages move zero-copy.
 - **GPU** (``cuda_copy``, ``cuda_ipc`` listed): both added where device chunks go to UCX as they
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 
 #: RDMA transports in the order ``UCX_TLS`` lists them (accelerated mlx5 ones first).
 VERBS_TRANSPORTS = ("rc_mlx5", "dc_mlx5", "ud_mlx5", "rc_verbs", "ud_verbs")
@@ -192,7 +192,7 @@ def choose_ucx(
         listing: The text of ``ucx_info -d`` on this host; None where it could not be had.
         environ: The environment (``os.environ``): its ``UCX_*`` variables win over the choice,
             ``HOPLITE_UCX_CUDA=1`` adds ``cuda_copy``.
-        defaults: The TCP-only host's settings (``config.UCX_DEFAULTS``); the other cases change
+        defaults: The TCP-only host's settings (``settings.UCX_DEFAULTS``); the other cases change
             ``UCX_TLS`` and ``UCX_RNDV_THRESH`` on top of them.
         problem: Why ``listing`` is None (shown as the reason for TCP only).
         rdma_devices: RDMA devices the kernel shows (``/sys/class/infiniband``), to say when UCX

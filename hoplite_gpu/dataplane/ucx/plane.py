@@ -1,7 +1,7 @@
-"""The UCX data plane: with :mod:`hoplite_gpu.dataplane.ucx`, the only code that talks to ``ucxx``.
+"""The UCX data plane: with :mod:`.loading` and :mod:`.waits`, the only code that talks to ``ucxx``.
 
-A node runs one :class:`DataPlane`: a UCX listener that serves pulls of local objects (complete or
-still filling), and a cache of authenticated endpoints to peers for its own pulls.
+A node on UCX runs one :class:`UcxDataPlane`: a UCX listener that serves pulls of local objects
+(complete or still filling), and a cache of authenticated endpoints to peers for its own pulls.
 
 Per endpoint, the connecting side (the receiver) and the listener (the sender) first run the HMAC
 challenge-response of :mod:`hoplite_gpu.auth`; a peer that fails it is dropped before any request is
@@ -23,20 +23,22 @@ from typing import Any
 
 import numpy as np
 
-from .. import auth
-from .. import protocol as p
-from ..config import Config, ucx_cuda
-from ..errors import (
+from ... import auth
+from ... import protocol as p
+from ...config import Config
+from ...errors import (
     AuthenticationError,
     HopliteError,
     PeerLostError,
 )
-from ..faults import INJECTOR
-from ..iothread import forget
-from ..memory import LocalObject, LocalStore
-from ..object_id import ObjectID
-from .shared import PlaneBase, ServeCallback, pull_status, refusal, unreachable
-from .ucx import as_transport_error, check_features, failure_of, landed, timed, ucxx_module
+from ...faults import INJECTOR
+from ...iothread import forget
+from ...memory import LocalObject, LocalStore
+from ...object_id import ObjectID
+from ..shared import PlaneBase, ServeCallback, pull_status, refusal, unreachable
+from .loading import check_features, ucxx_module
+from .settings import ucx_cuda
+from .waits import as_transport_error, failure_of, landed, timed
 
 log = logging.getLogger("hoplite_gpu.transport")
 
@@ -54,9 +56,7 @@ class _Peer:
         self.request_lock = asyncio.Lock()
 
 
-#: Called by the sender after serving a transfer: (transfer_id, bytes_sent,
-#: bytes_sent_while_incomplete, failed).
-class DataPlane(PlaneBase):
+class UcxDataPlane(PlaneBase):
     """UCX listener plus endpoint cache of one node (arguments: :class:`~.shared.PlaneBase`)."""
 
     def __init__(
@@ -76,7 +76,7 @@ class DataPlane(PlaneBase):
 
         Args:
             host: The address this node was told to listen on ("" for none): UCX is limited to
-                its interface (see :func:`ucxx_module`), so peers arriving on other interfaces
+                its interface (see :func:`.loading.ucxx_module`), so peers arriving on other interfaces
                 are refused.
         """
         ucxx = ucxx_module(host)
@@ -550,3 +550,6 @@ class DataPlane(PlaneBase):
                 for _, fut in window:
                     fut.cancel()
                 await asyncio.gather(*(f for _, f in window), return_exceptions=True)
+
+
+__all__ = ["WARMUP_BYTES", "UcxDataPlane"]

@@ -1,18 +1,17 @@
-"""UCX as the data plane uses it: importing and starting ``ucxx`` with the measured defaults, and the
-asyncio helpers that turn every UCX failure or stall into a typed error."""
+"""Loading ``ucxx`` as the data plane uses it: this host's UCX settings applied first, its features
+limited to what the plane needs, and UCX limited to the node's interface."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
-from collections.abc import Awaitable
 from typing import Any
 
-from ..config import apply_ucx_defaults, interface_of
-from ..errors import HopliteError, PeerLostError
-from ..ucx_choice import UcxChoice
+from ...errors import HopliteError
+from .choice import UcxChoice
+from .interfaces import interface_of
+from .settings import apply_ucx_defaults
 
 log = logging.getLogger("hoplite_gpu.transport")
 
@@ -149,61 +148,4 @@ def net_devices() -> str:
     return _net_devices
 
 
-def as_transport_error(exc: BaseException, peer: str, what: str) -> HopliteError:
-    """``exc`` of a UCX operation (``what``) with ``peer`` as a typed error: itself if typed, else
-    :class:`~hoplite_gpu.errors.PeerLostError`."""
-    if isinstance(exc, HopliteError):
-        return exc
-    return PeerLostError(
-        f"{what} with {peer} failed: {type(exc).__name__}: {exc}",
-        peer=peer,
-        cause=f"{type(exc).__name__}: {exc}",
-    )
-
-
-async def timed(aw: Awaitable[Any], timeout: float, peer: str, what: str) -> Any:
-    """Await a UCX operation ``aw`` for at most ``timeout`` s; its failure or stall as a typed error."""
-    try:
-        return await asyncio.wait_for(aw, timeout)
-    except asyncio.TimeoutError:
-        raise PeerLostError(
-            f"{what} with {peer} made no progress for {timeout} s", peer=peer, cause="stalled"
-        ) from None
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        raise as_transport_error(exc, peer, what) from exc
-
-
-async def landed(
-    fut: asyncio.Future[Any], stops: list[asyncio.Future[None]], timeout: float, peer: str, what: str
-) -> None:
-    """Wait for a posted receive; give up if a ``stops`` future fails first (the object being
-    filled failed: it was lost, reset or deleted; or the directory aborted the transfer) or nothing
-    arrived for ``timeout`` s."""
-    done, _ = await asyncio.wait({fut, *stops}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    if fut in done:
-        fut.result()
-        return
-    for stop in stops:
-        if stop in done:
-            stop.result()  # raises its error
-    raise PeerLostError(f"{what} with {peer} made no progress for {timeout} s", peer=peer, cause="stalled")
-
-
-def failure_of(fut: asyncio.Future[Any]) -> asyncio.Future[None]:
-    """A future that fails with ``fut``'s error if ``fut`` fails, and never succeeds otherwise
-    (for :func:`landed`'s ``stops``); hand it to :func:`~hoplite_gpu.iothread.forget` afterwards."""
-    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def check(done: asyncio.Future[Any]) -> None:
-        if failed.done() or done.cancelled():
-            return
-        exc = done.exception()
-        if exc is not None:
-            failed.set_exception(exc)
-
-    fut.add_done_callback(check)
-    return failed
-
-
+__all__ = ["CONTEXT_OPTIONS", "FEATURES", "check_features", "load_ucxx", "net_devices", "ucxx_module"]
