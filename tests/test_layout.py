@@ -258,7 +258,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_cycle_anywhere_in_the_package() -> None:
     graph = _graph()
-    assert "hoplite_gpu.node.fetch" in graph and "hoplite_gpu.memory.face" in graph["hoplite_gpu.memory"]
+    assert "hoplite_gpu.node.fetch" in graph and "hoplite_gpu.memory.node_memory" in graph["hoplite_gpu.memory"]
     assert _cycles(graph) == []
 
 

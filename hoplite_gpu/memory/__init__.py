@@ -10,7 +10,7 @@ Its parts, each a module:
 - :mod:`.arrays`: caller arrays (NumPy, CuPy, torch, array interfaces, DLPack);
 - :mod:`.buffers`: :class:`Buffer`, its kinds, and the pool of host buffers;
 - :mod:`.store`: the node's local store of objects with progress counters;
-- :mod:`.face`: :class:`Memory`;
+- :mod:`.node_memory`: :class:`Memory`, the one object per node the rest of the package asks;
 - :mod:`.backend`, :mod:`.device`, :mod:`.cuda`, :mod:`.sim`: device memory behind one interface
   (CUDA through CuPy, or host memory posing as a device for tests), and :mod:`.kernels`, the CUDA
   reduction kernels;
@@ -26,7 +26,7 @@ from .arrays import OUT_KINDS, ArrayKind, CallerArray, copy_into, flat_view, kin
 from .backend import DeviceEvent
 from .buffers import Buffer, BufferKind, BufferPool, digest_of, through_file, write_at
 from .device import device_result
-from .face import (
+from .node_memory import (
     THREAD_COPY_BYTES,
     Memory,
     device_in_use,

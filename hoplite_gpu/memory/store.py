@@ -29,7 +29,7 @@ from ..object_id import ObjectID
 from .arrays import CallerArray
 from .buffers import Buffer, BufferKind
 from .device import device_result
-from .face import Memory
+from .node_memory import Memory
 
 #: :attr:`LocalObject.memory` of an object put from host memory (NumPy, CPU tensors).
 MEMORY_HOST = ""
