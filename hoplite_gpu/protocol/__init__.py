@@ -1,7 +1,8 @@
 """Every wire message of hoplite_gpu, and their codecs.
 
 Control plane (node <-> directory, over TCP, or a local socket on the directory's host): the
-messages are frozen dataclasses (:mod:`.messages`), their field limits and checks are in
+messages are frozen dataclasses (:mod:`.messages`: the handshake and what nodes send;
+:mod:`.replies`: what the directory sends), their field limits and checks are in
 :mod:`.fields`, and :mod:`.codec` frames, encodes, decodes and validates them (version, type,
 fields). Data plane (node <-> node, over UCX): fixed-size binary headers and tags
 (:mod:`.data_plane`).
@@ -49,44 +50,46 @@ from .messages import (
     MAX_MISSING_NAMED,
     MAX_VOTE,
     SUMMARY_PAGE,
-    AbortTransfer,
-    BarrierReply,
     BarrierRequest,
     CancelLookup,
     Challenge,
     CopyAdded,
-    DeleteReply,
     DeleteRequest,
-    DropObject,
-    ErrorReply,
-    EventLogReply,
     EventLogRequest,
-    Goodbye,
     Heartbeat,
     Hello,
-    LookupReply,
     LookupRequest,
     Message,
-    PingReply,
     PingRequest,
-    PutReply,
     PutRequest,
-    ReduceChild,
-    ReducedObjectsReply,
     ReducedObjectsRequest,
-    ReduceReply,
     ReduceRequest,
-    ReduceTask,
-    ReduceWeights,
     Restore,
     ServeDone,
-    SummaryReply,
     SummaryRequest,
     TransferDone,
     VertexDone,
-    WatchReply,
     WatchRequest,
     Welcome,
+)
+from .replies import (
+    AbortTransfer,
+    BarrierReply,
+    DeleteReply,
+    DropObject,
+    ErrorReply,
+    EventLogReply,
+    Goodbye,
+    LookupReply,
+    PingReply,
+    PutReply,
+    ReduceChild,
+    ReducedObjectsReply,
+    ReduceReply,
+    ReduceTask,
+    ReduceWeights,
+    SummaryReply,
+    WatchReply,
 )
 
 __all__ = [

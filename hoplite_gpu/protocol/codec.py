@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 
 from ..errors import ProtocolError
+from . import replies  # noqa: F401  (defining its classes registers them in _REGISTRY)
 from .fields import FIELD_LIMITS, MAX_TEXT_CHARS
 from .messages import _REGISTRY, FROM_NODES, Message
 
