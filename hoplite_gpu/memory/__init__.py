@@ -14,7 +14,8 @@ Its parts, each a module:
 - :mod:`.backend`, :mod:`.device`, :mod:`.cuda`, :mod:`.sim`: device memory behind one interface
   (CUDA through CuPy, or host memory posing as a device for tests), and :mod:`.kernels`, the CUDA
   reduction kernels;
-- :mod:`.shm`: POSIX shared-memory segments that same-host readers map;
+- :mod:`.shm`: POSIX shared-memory segments that same-host readers map, and :mod:`.shm_files`:
+  their names, opening one safely, their creators' liveness and the sweep of orphans;
 - :mod:`.tickets`, :mod:`.ipc`, :mod:`.device_pool`: device memory shared through CUDA IPC (the
   record that names it, the process's exports and mappings, the pool of exported allocations);
 - :mod:`.placement`: this node's GPUs as NVML reports them, told to the directory.

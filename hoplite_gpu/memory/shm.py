@@ -35,7 +35,7 @@ holder removes the link when it retires or unlinks the segment; links of killed 
 :func:`sweep_orphans` (the header says who created the file).
 
 Anyone may create files in ``/dev/shm``: only regular files of this process's user are read, under
-an index name or a name from the directory (:func:`_open_regular`), and what a device object's
+an index name or a name from the directory (:func:`~.shm_files.open_regular`), and what a device object's
 ticket says is trusted only with its cluster's seal (:mod:`hoplite_gpu.memory.tickets`).
 """
 
@@ -48,9 +48,7 @@ import itertools
 import logging
 import mmap
 import os
-import re
 import secrets
-import stat
 import struct
 import threading
 import weakref
@@ -58,83 +56,37 @@ from typing import Any
 
 import numpy as np
 
+# Names, identity and liveness of the files; the public ones are part of this module's API too.
+from .shm_files import (
+    CREATOR,
+    CREATOR_AT,
+    INDEX_NAME,
+    creator_alive,
+    open_regular,
+    open_segment,
+    pid_namespace,
+    unlink_if,
+    unlink_quietly,
+)
+from .shm_files import INDEX_PREFIX as INDEX_PREFIX
+from .shm_files import PREFIX as PREFIX
+from .shm_files import SHM_DIR as SHM_DIR
+from .shm_files import alive as alive
+from .shm_files import available as available
+from .shm_files import exporter_alive as exporter_alive
+from .shm_files import host_key as host_key
+from .shm_files import index_name as index_name
+from .shm_files import own_pid as own_pid
+from .shm_files import sweep_orphans as sweep_orphans
+from .shm_files import valid_name as valid_name
+
 log = logging.getLogger("hoplite_gpu")
 
-SHM_DIR = "/dev/shm"
-PREFIX = "hoplite-"
 HEADER_BYTES = 64
 _OID = slice(16, 36)
 _WORD = struct.Struct("<Q")
 _HEADER = struct.Struct("<QQ")
-_CREATOR = struct.Struct("<I")
-_CREATOR_AT = 36
-_NAME = re.compile(r"hoplite-(\d+)-(\d+)-\d+-[0-9a-f]+")
-#: What an index name starts with (see :func:`index_name`).
-INDEX_PREFIX = "hoplite-i-"
-_INDEX = re.compile(r"hoplite-i-(\d+)-[0-9a-f]{16}-[0-9a-f]{40}")
 _counter = itertools.count()
-
-
-_identity: tuple[int, int, int] | None = None  # (pid, pid namespace, effective uid): _whoami
-
-
-def _whoami() -> tuple[int, int, int]:
-    """This process's id, pid namespace (0 where it cannot be told) and effective user id, looked
-    up once per process (a forked child looks again): the same-host read paths ask for them at
-    every read, and each lookup is a system call (costly where system calls are intercepted, as
-    in gVisor). A process that changes its effective user later keeps the old one here:
-    :func:`_open_regular` then reads only the segments and index links of the user it started
-    as, and refuses its new user's (the reader pulls or asks the directory instead)."""
-    global _identity
-    if _identity is None:
-        try:
-            ns = os.stat("/proc/self/ns/pid").st_ino
-        except OSError:
-            ns = 0
-        _identity = (os.getpid(), ns, os.geteuid())
-    return _identity
-
-
-def _forget_identity() -> None:
-    global _identity
-    _identity = None
-
-
-os.register_at_fork(after_in_child=_forget_identity)
-
-
-def own_pid() -> int:
-    """This process's id (``os.getpid()`` without a system call each time)."""
-    return _whoami()[0]
-
-
-def _pid_namespace() -> int:
-    """This process's pid namespace (0 where it cannot be told)."""
-    return _whoami()[1]
-
-
-def available() -> bool:
-    """Whether this host has a writable ``/dev/shm``."""
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-
-
-def host_key() -> str:
-    """Identifies the shared-memory namespace: two processes with the same key can map each
-    other's segments (same boot, same ``/dev/shm`` mount). Empty when there is none."""
-    if not available():
-        return ""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = "?"
-    st = os.stat(SHM_DIR)
-    return f"{boot}:{st.st_dev}:{st.st_ino}"
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 class Segment(mmap.mmap):
@@ -180,17 +132,17 @@ class Segment(mmap.mmap):
         holder has the same object: readers find that one), and so is whatever this process may
         not remove (anyone can create the name first). Never raises: an index link only saves
         readers a lookup."""
-        if not _INDEX.fullmatch(name) or name in self._links:
+        if not INDEX_NAME.fullmatch(name) or name in self._links:
             return name in self._links
         path = os.path.join(SHM_DIR, name)
         for _ in range(2):
             try:
                 os.link(os.path.join(SHM_DIR, self.name), path)
             except FileExistsError:
-                if _creator_alive(name):
+                if creator_alive(name):
                     return False
                 try:
-                    _unlink(path)  # a killed holder's: replace it
+                    unlink_quietly(path)  # a killed holder's: replace it
                 except OSError as exc:
                     # Not ours to remove (another user's, in sticky /dev/shm): the name stays
                     # taken and readers ask the directory; the put itself goes on.
@@ -200,7 +152,7 @@ class Segment(mmap.mmap):
             except OSError as exc:
                 log.debug("cannot link segment %s as %s: %s", self.name, name, exc)
                 return False
-            self._links[name] = weakref.finalize(self, _unlink_if, path, self._inode)
+            self._links[name] = weakref.finalize(self, unlink_if, path, self._inode)
             return True
         return False
 
@@ -213,7 +165,7 @@ class Segment(mmap.mmap):
     def mapped_elsewhere(self) -> bool:
         """Whether a reader still maps the payload (:func:`map_view`): then it must not be reused."""
         try:
-            fd = _open_segment(self.name)
+            fd = open_segment(self.name)
         except FileNotFoundError:
             return False  # unlinked: it is never reused
         except OSError:
@@ -265,7 +217,7 @@ def create(nbytes: int, populate: bool = True) -> np.ndarray[Any, Any] | None:
     has no room (the space is reserved up front, so a full ``/dev/shm`` never turns into a SIGBUS
     on a later write).
     """
-    name = f"{PREFIX}{_pid_namespace()}-{own_pid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    name = f"{PREFIX}{pid_namespace()}-{own_pid()}-{next(_counter)}-{secrets.token_hex(4)}"
     path = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -278,17 +230,17 @@ def create(nbytes: int, populate: bool = True) -> np.ndarray[Any, Any] | None:
         seg = Segment(fd, HEADER_BYTES + nbytes, flags=flags)
         seg._inode = os.fstat(fd).st_ino
     except OSError as exc:
-        _unlink(path)
+        unlink_quietly(path)
         log.debug("no room for a %d-byte shared-memory segment: %s", nbytes, exc)
         return None
     finally:
         os.close(fd)
     seg.name = name
     seg.populated = populate
-    seg._finalizer = weakref.finalize(seg, _unlink, path)
+    seg._finalizer = weakref.finalize(seg, unlink_quietly, path)
     seg._links = {}
     _WORD.pack_into(seg, 8, nbytes)
-    _CREATOR.pack_into(seg, _CREATOR_AT, own_pid())
+    CREATOR.pack_into(seg, CREATOR_AT, own_pid())
     seg.begin_write()
     return np.ndarray((nbytes,), np.uint8, buffer=seg, offset=HEADER_BYTES)
 
@@ -297,74 +249,6 @@ def segment_of(buf: np.ndarray[Any, Any]) -> Segment | None:
     """The segment a buffer from :func:`create` lives in (None for ordinary memory)."""
     base = buf.base
     return base if isinstance(base, Segment) else None
-
-
-def _open_segment(name: str) -> int:
-    """Open a segment read-only without following a link or blocking on a FIFO (the name may come
-    off the network, and anyone on the host can create files in ``/dev/shm``)."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
-    return os.open(os.path.join(SHM_DIR, name), flags)
-
-
-def _open_regular(name: str) -> tuple[int, int, int] | None:
-    """A read-only descriptor of segment ``name`` (the caller closes it), the file's size and its
-    inode, or
-    None when the name is not one of ours, nothing is there, it is not a regular file (a FIFO or
-    device under a segment's name is never read), or it is not this user's: under an index name
-    anyone may have made it, and under a name from the directory another user may have made it
-    anew once its holder removed it (and could then truncate it under a reader's mapping: SIGBUS).
-    (A segment's size is fixed when it is created, so the size stays right while it is open.)"""
-    if not valid_name(name):
-        return None
-    try:
-        fd = _open_segment(name)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == _whoami()[2]:
-            return fd, st.st_size, st.st_ino
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
-def valid_name(name: str) -> bool:
-    """Whether ``name`` looks like one of our segments, or an index name (it comes off the
-    network)."""
-    return bool(_NAME.fullmatch(name) or _INDEX.fullmatch(name))
-
-
-def index_name(cluster: str, object_id: bytes) -> str:
-    """The name under which a holder of ``cluster`` (a key of 16 hex digits every node of one
-    cluster derives alike) indexes the segment of ``object_id``, in this pid namespace."""
-    return f"{INDEX_PREFIX}{_pid_namespace()}-{cluster}-{object_id.hex()}"
-
-
-def _unlink_if(path: str, inode: int) -> None:
-    """Unlink ``path`` if it still is the file ``inode`` (an index link, not a later holder's)."""
-    with contextlib.suppress(OSError):
-        if os.stat(path, follow_symlinks=False).st_ino == inode:
-            os.unlink(path)
-
-
-def _creator_alive(name: str) -> bool:
-    """Whether the process that created segment (or index link) ``name`` (its header says) still
-    runs (True when that cannot be read: it is left alone)."""
-    try:
-        fd = _open_segment(name)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    try:
-        raw = os.pread(fd, _CREATOR.size, _CREATOR_AT)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return len(raw) < _CREATOR.size or _alive(_CREATOR.unpack(raw)[0])
 
 
 class _Mapping:
@@ -405,7 +289,7 @@ def map_view(name: str, object_id: bytes, nbytes: int) -> np.ndarray[Any, Any] |
     holder's unlink or death (the memory stays until the last mapping goes). Once no view uses it,
     the lock is dropped and the mapping kept for the next read of the same segment (``_MAPPED``).
     """
-    opened = _open_regular(name)
+    opened = open_regular(name)
     if opened is None:
         return None
     fd, size, inode = opened
@@ -537,7 +421,7 @@ def read_locked(name: str, object_id: bytes, nbytes: int) -> Locked | None:
     payload published as ``object_id`` in segment ``name``, read with one ``pread`` under the
     segment's shared lock, which the result holds until it is closed; None as for :func:`map_view`.
     Five system calls (open, fstat, flock, pread, and the close), where a mapping takes nine."""
-    opened = _open_regular(name)
+    opened = open_regular(name)
     if opened is None:
         return None
     fd, size, _ = opened
@@ -549,7 +433,7 @@ def read_locked(name: str, object_id: bytes, nbytes: int) -> Locked | None:
     if len(raw) != HEADER_BYTES + nbytes or not _holds(raw, object_id, nbytes):
         os.close(fd)
         return None
-    return Locked(fd, _CREATOR.unpack_from(raw, _CREATOR_AT)[0], raw[HEADER_BYTES:])
+    return Locked(fd, CREATOR.unpack_from(raw, CREATOR_AT)[0], raw[HEADER_BYTES:])
 
 
 def _holds(segment: Any, object_id: bytes, nbytes: int) -> bool:
@@ -570,7 +454,7 @@ def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | N
     """A read-only view of ``nbytes`` at ``offset`` of segment ``name``'s payload, whatever its
     header says (simulated device memory, :class:`hoplite_gpu.memory.sim.SimBackend`, whose validity a
     separate published segment vouches for), or None when the segment is not there or too small."""
-    opened = _open_regular(name) if offset >= 0 and nbytes >= 0 else None
+    opened = open_regular(name) if offset >= 0 and nbytes >= 0 else None
     if opened is None:
         return None
     fd, size, _ = opened
@@ -585,63 +469,3 @@ def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | N
     view = np.ndarray((nbytes,), np.uint8, buffer=mm, offset=HEADER_BYTES + offset)
     view.flags.writeable = False
     return view
-
-
-def exporter_alive(name: str, known: dict[int, bool] | None = None) -> bool:
-    """Whether the process that created segment ``name`` still runs (True when it is of another
-    pid namespace: that cannot be told from here); ``known``: see :func:`alive`."""
-    m = _NAME.fullmatch(name)
-    if m is None:
-        return False
-    return int(m.group(1)) != _pid_namespace() or alive(int(m.group(2)), known)
-
-
-def alive(pid: int, known: dict[int, bool] | None = None) -> bool:
-    """Whether process ``pid`` (of this pid namespace) still runs. ``known``: answers already
-    found during the same read, used instead of asking again and added to (one system call per
-    process and read, however many segments of it the read checks)."""
-    if known is not None and pid in known:
-        return known[pid]
-    found = _alive(pid)
-    if known is not None:
-        known[pid] = found
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_orphans() -> int:
-    """Unlink segments left by processes of this pid namespace that no longer exist (they were
-    killed before they could clean up). Returns how many were removed."""
-    if not available():
-        return 0
-    ns, uid, removed = _pid_namespace(), os.getuid(), 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        path = os.path.join(SHM_DIR, name)
-        index = _INDEX.fullmatch(name)
-        if index is not None:  # an index link: its header names its creator
-            if int(index.group(1)) != ns or _creator_alive(name):
-                continue
-        else:
-            m = _NAME.fullmatch(name)
-            if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
-                continue
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_uid == uid:
-                os.unlink(path)
-                removed += 1
-    if removed:
-        log.info("removed %d shared-memory segments left by killed processes", removed)
-    return removed
