@@ -33,7 +33,7 @@ from . import rendezvous as rdv
 from . import tensors as tt
 from .errors import RankLostError, as_torch_error
 from .names import BACKEND
-from .work import HopliteWork, Lane
+from .work import HopliteWork, Lane, joined
 
 #: Seconds a group waits for its members when torch passes no timeout (torch's own default).
 DEFAULT_TIMEOUT = 1800.0
@@ -282,7 +282,9 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
         try:
             out = tt.single(outputs, "reduce_scatter")
-            pieces = self._list(self._one(inputs, "reduce_scatter"), "reduce_scatter input_list")
+            pieces = tt.per_member(
+                tt.one_list(inputs, "reduce_scatter"), self._size, "reduce_scatter input_list"
+            )
             return self._reduce_scatter("reduce_scatter", out, pieces, op, opts)
         except InvalidArgumentError as exc:
             return self._refused("reduce_scatter", exc)
@@ -295,7 +297,7 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
         try:
             out, src = tt.check(output, "output"), tt.check(input, "input")
-            self._check_whole("reduce_scatter_tensor", ("input", src), ("output", out))
+            tt.check_whole("reduce_scatter_tensor", ("input", src), ("output", out), self._size)
             pieces = list(src.reshape(self._size, -1).unbind(0))
             return self._reduce_scatter("reduce_scatter_tensor", out, pieces, op, opts)
         except InvalidArgumentError as exc:
@@ -353,7 +355,7 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         """``dist.all_gather``: ``outputs[0][r]`` gets member ``r``'s tensor, on every member."""
         try:
             t = tt.single(inputs, "all_gather")
-            outs = self._list(self._one(outputs, "all_gather"), "all_gather tensor_list")
+            outs = tt.per_member(tt.one_list(outputs, "all_gather"), self._size, "all_gather tensor_list")
             src, dst = tt.as_bytes(t), [tt.as_bytes(o) for o in outs]
         except InvalidArgumentError as exc:
             return self._refused("all_gather", exc)
@@ -364,7 +366,7 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         ``size`` equal chunks of ``output``."""
         try:
             out, t = tt.check(output, "output"), tt.check(input, "input")
-            self._check_whole("all_gather_into_tensor", ("output", out), ("input", t))
+            tt.check_whole("all_gather_into_tensor", ("output", out), ("input", t), self._size)
             rows = tt.as_bytes(out).reshape(self._size, -1)
             dst, src = [rows[r] for r in range(self._size)], tt.as_bytes(t)
         except InvalidArgumentError as exc:
@@ -392,7 +394,8 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
             self.allgather([[outputs[r][j] for r in range(self._size)]], [t], opts)
             for j, t in enumerate(inputs)
         ]
-        return self._join("all_gather_coalesced", works, [t for row in outputs for t in row])
+        what = f"all_gather_coalesced of process group {self._torch_name!r}"
+        return joined(works, [t for row in outputs for t in row], what)
 
     def gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -404,7 +407,7 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
             self._check_rank(root, "dst")
             outs: list[torch.Tensor] = []
             if root == self._rank:
-                outs = self._list(self._one(outputs, "gather"), "gather gather_list")
+                outs = tt.per_member(tt.one_list(outputs, "gather"), self._size, "gather gather_list")
             dst = [tt.as_bytes(o) for o in outs] if outs else None
             src = tt.as_bytes(t)
         except InvalidArgumentError as exc:
@@ -422,7 +425,8 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
             src = None
             if root == self._rank:
                 src = [
-                    tt.as_bytes(t) for t in self._list(self._one(inputs, "scatter"), "scatter scatter_list")
+                    tt.as_bytes(t)
+                    for t in tt.per_member(tt.one_list(inputs, "scatter"), self._size, "scatter scatter_list")
                 ]
             dst = tt.as_bytes(out)
         except InvalidArgumentError as exc:
@@ -435,8 +439,8 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         """``dist.all_to_all``: member ``r``'s ``inputs[j]`` lands in member ``j``'s
         ``outputs[r]``."""
         try:
-            outs = self._list(outputs, "all_to_all output_tensor_list")
-            ins = self._list(inputs, "all_to_all input_tensor_list")
+            outs = tt.per_member(outputs, self._size, "all_to_all output_tensor_list")
+            ins = tt.per_member(inputs, self._size, "all_to_all input_tensor_list")
             dst, src = [tt.as_bytes(o) for o in outs], [tt.as_bytes(t) for t in ins]
         except InvalidArgumentError as exc:
             return self._refused("all_to_all", exc)
@@ -455,8 +459,8 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         receives member ``r``'s piece in its ``r``-th part."""
         try:
             out, t = tt.check(output, "output"), tt.check(input, "input")
-            dst = self._split(out, output_split_sizes, "output")
-            src = self._split(t, input_split_sizes, "input")
+            dst = tt.split_rows(out, output_split_sizes, self._size, "output")
+            src = tt.split_rows(t, input_split_sizes, self._size, "input")
         except InvalidArgumentError as exc:
             return self._refused("all_to_all_single", exc)
         return self._run("all_to_all_single", [out], lambda: collective.alltoall(dst, src, self.group), opts)
@@ -555,46 +559,6 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         if rank == self._rank:
             raise tt.argument_error(f"{argument} rank {rank} is this process's own rank", argument)
 
-    def _check_whole(
-        self, what: str, whole: tuple[str, torch.Tensor], part: tuple[str, torch.Tensor]
-    ) -> None:
-        """``whole`` holds ``size`` parts like ``part`` (each named, for the error)."""
-        (big, w), (small, p) = whole, part
-        if w.numel() != p.numel() * self._size or w.dtype != p.dtype:
-            raise tt.argument_error(
-                f"{what}: {big} has {w.numel()} {w.dtype} elements, not "
-                f"{self._size} x the {small}'s {p.numel()} {p.dtype}"
-            )
-
-    @staticmethod
-    def _one(lists: Any, what: str) -> list[torch.Tensor]:
-        if not isinstance(lists, list | tuple) or len(lists) != 1:
-            raise tt.argument_error(f"{what}: the hoplite backend takes one tensor list per process")
-        return list(lists[0])
-
-    def _list(self, tensors: Any, what: str) -> list[torch.Tensor]:
-        if not isinstance(tensors, list | tuple) or len(tensors) != self._size:
-            count = len(tensors) if isinstance(tensors, list | tuple) else type(tensors).__name__
-            raise tt.argument_error(f"{what} must hold {self._size} tensors (the group's size), got {count}")
-        return [tt.check(t, what) for t in tensors]
-
-    def _split(self, t: torch.Tensor, sizes: list[int], what: str) -> list[Any]:
-        """``t``'s bytes cut along its first dimension into ``sizes`` rows (equal parts if
-        empty), one part per member."""
-        rows = t.shape[0] if t.dim() else 1
-        sizes = list(sizes) or ([rows // self._size] * self._size if rows % self._size == 0 else [])
-        if len(sizes) != self._size or sum(sizes) != rows:
-            raise tt.argument_error(
-                f"all_to_all_single: {what} split sizes {sizes} do not cut its {rows} rows into "
-                f"{self._size} parts"
-            )
-        flat = tt.as_bytes(t)
-        row_bytes = flat.size // rows if rows else 0
-        cuts = [0]
-        for n in sizes:
-            cuts.append(cuts[-1] + n * row_bytes)
-        return [flat[cuts[j] : cuts[j + 1]] for j in range(self._size)]
-
     def _pairwise(
         self,
         what: str,
@@ -607,26 +571,5 @@ class ProcessGroupHoplite(dist.ProcessGroup):  # type: ignore[misc]
         if len(outputs) != len(inputs):
             refused = tt.argument_error(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
             return self._refused(what, refused)
-        return self._join(
-            what, [one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)], list(outputs)
-        )
-
-    def _join(self, what: str, works: list[HopliteWork], outputs: list[torch.Tensor]) -> HopliteWork:
-        """One work completing once all of ``works`` have (with the first error)."""
-        joined = HopliteWork(outputs, f"{what} of process group {self._torch_name!r}")
-        left = [len(works)]
-        lock = threading.Lock()
-
-        def one(work: HopliteWork, _: Any) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                errors = [w.exception() for w in works if w.exception() is not None]
-                joined.finish(errors[0] if errors else None)
-
-        if not works:
-            joined.finish()
-        for work in works:
-            work.get_future().add_done_callback(functools.partial(one, work))
-        return joined
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return joined(works, list(outputs), f"{what} of process group {self._torch_name!r}")

@@ -1,5 +1,6 @@
 """Tensors as the library's arrays, for the torch.distributed backend: what a tensor may be, which
-reductions of which dtypes run natively and how the others run.
+reductions of which dtypes run natively and how the others run, and the checks of a collective's
+tensor lists against its group's size.
 
 Data that only moves (broadcast, gather, scatter, all-to-all, send) travels as its bytes, so any
 dtype goes. Reductions run natively on the library's dtypes (:data:`NATIVE`); ``int8`` and
@@ -169,3 +170,47 @@ def cuda_ready(tensors: list[torch.Tensor]) -> Callable[[], None]:
             event.synchronize()
 
     return wait
+
+
+def one_list(lists: Any, what: str) -> list[torch.Tensor]:
+    """The one tensor list of ``lists`` (torch passes a list per device; this backend takes one)."""
+    if not isinstance(lists, list | tuple) or len(lists) != 1:
+        raise argument_error(f"{what}: the hoplite backend takes one tensor list per process")
+    return list(lists[0])
+
+
+def per_member(tensors: Any, size: int, what: str) -> list[torch.Tensor]:
+    """``tensors`` checked to be one tensor for each of a group's ``size`` members."""
+    if not isinstance(tensors, list | tuple) or len(tensors) != size:
+        count = len(tensors) if isinstance(tensors, list | tuple) else type(tensors).__name__
+        raise argument_error(f"{what} must hold {size} tensors (the group's size), got {count}")
+    return [check(t, what) for t in tensors]
+
+
+def check_whole(
+    what: str, whole: tuple[str, torch.Tensor], part: tuple[str, torch.Tensor], size: int
+) -> None:
+    """Raise unless ``whole`` holds ``size`` parts like ``part`` (each named, for the error)."""
+    (big, w), (small, p) = whole, part
+    if w.numel() != p.numel() * size or w.dtype != p.dtype:
+        raise argument_error(
+            f"{what}: {big} has {w.numel()} {w.dtype} elements, not "
+            f"{size} x the {small}'s {p.numel()} {p.dtype}"
+        )
+
+
+def split_rows(t: torch.Tensor, sizes: list[int], size: int, what: str) -> list[Any]:
+    """``t``'s bytes cut along its first dimension into ``sizes`` rows (equal parts if empty),
+    one part for each of a group's ``size`` members."""
+    rows = t.shape[0] if t.dim() else 1
+    sizes = list(sizes) or ([rows // size] * size if rows % size == 0 else [])
+    if len(sizes) != size or sum(sizes) != rows:
+        raise argument_error(
+            f"all_to_all_single: {what} split sizes {sizes} do not cut its {rows} rows into {size} parts"
+        )
+    flat = as_bytes(t)
+    row_bytes = flat.size // rows if rows else 0
+    cuts = [0]
+    for n in sizes:
+        cuts.append(cuts[-1] + n * row_bytes)
+    return [flat[cuts[j] : cuts[j + 1]] for j in range(size)]

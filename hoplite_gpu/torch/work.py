@@ -121,6 +121,27 @@ def failing_in_cpp(settled: torch.futures.Future[Any]) -> torch.futures.Future[A
     return settled.then(_value)
 
 
+def joined(works: list[HopliteWork], outputs: list[torch.Tensor], what: str) -> HopliteWork:
+    """One work completing once all of ``works`` have (with the first error)."""
+    work = HopliteWork(outputs, what)
+    left = [len(works)]
+    lock = threading.Lock()
+
+    def one(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            errors = [w.exception() for w in works if w.exception() is not None]
+            work.finish(errors[0] if errors else None)
+
+    if not works:
+        work.finish()
+    for each in works:
+        each.get_future().add_done_callback(one)
+    return work
+
+
 def _value(fut: torch.futures.Future[Any]) -> Any:
     return fut.value()
 
