@@ -328,7 +328,7 @@ def run_events(cluster: Any, steps: int, kill_step: int) -> dict[str, Any]:
 
 
 def _steady_guess(rate: float) -> float:
-    """About a step's seconds at ``rate`` (bench/README.md's runs), to kill half way into one."""
+    """About a step's seconds at ``rate`` (bench/pages/ddp.md's runs), to kill half way into one."""
     return 2.0 if rate < 500e6 else 0.9
 
 

@@ -75,11 +75,7 @@ def markdown(text: str) -> str:
     """reStructuredText of a docstring as Markdown: literals, roles, links to the repository's pages."""
     text = re.sub(r":\w+:`~?([\w.]+)`", lambda m: f"`{m.group(1)}`", text)
     text = text.replace("``", "`")
-    text = re.sub(
-        r"\bbench/README\.md(#[\w-]+)?",
-        lambda m: f"[bench/README.md{m.group(1) or ''}](../bench/README.md{m.group(1) or ''})",
-        text,
-    )
+    text = re.sub(r"\bbench/((?:README|pages/[\w-]+)\.md(?:#[\w-]+)?)", r"[bench/\1](../bench/\1)", text)
     text = re.sub(r"\bdocs/([\w-]+\.md(?:#[\w-]+)?)", r"[\1](\1)", text)
     return re.sub(r"(?<![/\w])SECURITY\.md", "[SECURITY.md](../SECURITY.md)", text)
 

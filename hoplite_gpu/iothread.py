@@ -26,7 +26,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     """A new event loop of the kind ``HOPLITE_EVENT_LOOP`` names: ``uvloop``, ``asyncio`` (the
     standard library's), or ``auto`` (the default: uvloop where it is installed). uvloop's
     turns and system calls cost less: an embedded directory's put, get and delete of 1 KiB took
-    0.82x the CPU, a put and get between two processes about 0.9x the time (bench/README.md,
+    0.82x the CPU, a put and get between two processes about 0.9x the time (bench/pages/small-operations.md,
     "Small operations"). An environment variable, not a ``Config`` field: the loop is the
     process's, shared by every node and directory in it, and made before any of their configs."""
     kind = os.environ.get("HOPLITE_EVENT_LOOP", "auto").strip().lower() or "auto"

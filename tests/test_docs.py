@@ -17,6 +17,7 @@ PAGES = [
     ROOT / "README.md",
     ROOT / "SECURITY.md",
     ROOT / "bench" / "README.md",
+    *sorted((ROOT / "bench" / "pages").glob("*.md")),
     *sorted((ROOT / "docs").glob("*.md")),
 ]
 

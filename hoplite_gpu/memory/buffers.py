@@ -271,7 +271,7 @@ class BufferPool:
         if buf is None and pinned and nbytes >= COLLECT_MIN_BYTES:
             # Often the only other holder is a reference cycle, such as an exception's traceback
             # that still holds the frames of a cancelled transfer. The young generations are
-            # collected in about 1 ms, which is less than new memory costs (bench/README.md,
+            # collected in about 1 ms, which is less than new memory costs (bench/pages/defaults.md,
             # "Reduces that missed the pool").
             gc.collect(1)
             self.collections += 1

@@ -187,7 +187,7 @@ class Segment(mmap.mmap):
         """Write the contiguous ``data`` at payload ``offset`` through the file (``pwrite``), not
         the mapping: into pages this process has not mapped, that skips a write fault per page
         (a new 64 MiB segment filled in 26 ms, against about 50 ms mapped and populated first; see
-        bench/README.md "Putting into new shared memory"). False where the file is not this
+        bench/pages/defaults.md, "Putting into new shared memory"). False where the file is not this
         segment's any more (unlinked): the caller writes through the mapping."""
         try:
             fd = os.open(os.path.join(SHM_DIR, self.name), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -268,7 +268,7 @@ class _Mapping:
 #: Segments kept mapped for reading, by inode, least recently read first. A holder recycles the
 #: segments of objects it deleted for new ones, and mapping one anew costs a page fault per page
 #: (about 4 ms for 48 MiB here, as much as MAP_POPULATE): a reader that keeps its mapping reads the
-#: next object in it for an open, a lock and a look at the header (bench/README.md, "Mappings
+#: next object in it for an open, a lock and a look at the header (bench/pages/defaults.md, "Mappings
 #: kept between reads"). Unlocked while no view uses it, so the holder may reuse it.
 _MAPPED: collections.OrderedDict[int, _Mapping] = collections.OrderedDict()
 _MAPPED_LOCK = threading.RLock()  # a view's finalizer may run in a collection under it

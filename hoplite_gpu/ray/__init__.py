@@ -109,8 +109,8 @@ def _start_preload() -> None:
     """Import the node's modules, and UCX where ``Config.data_plane`` chooses the UCX plane (about
     0.5 s, most of it UCX's libraries), on a background thread, once per process. As Ray's setup
     hook this runs when a worker starts, so an actor's first ``node()`` no longer waits for them
-    (with UCX it takes a twentieth of the time: bench/README.md, "A new actor's first node"). It
-    starts nothing: no UCX context, no connection, no thread of UCX's."""
+    (with UCX it takes a twentieth of the time: bench/pages/small-operations.md, "A new actor's
+    first node"). It starts nothing: no UCX context, no connection, no thread of UCX's."""
     global _preloaded
     with _preload_lock:
         if _preloaded is None:

@@ -93,7 +93,7 @@ class WeightPublisher:
         # Published and kept, oldest first: each version, its ids and its buckets.
         self.versions: deque[tuple[int, list[ObjectID], list[np.ndarray[Any, Any]]]] = deque()
         # Retired versions' buckets, handed out again once nothing reads them: fresh memory costs
-        # a page fault per page (0.5 s for 256 MiB on a 2-core VM, bench/README.md "Weight sync").
+        # a page fault per page (0.5 s for 256 MiB on a 2-core VM, bench/pages/weight-sync.md).
         self._pool = BufferPool(max_bytes=0)
         self.closed = False
 

@@ -35,12 +35,12 @@ VERBS_TRANSPORTS = ("rc_mlx5", "dc_mlx5", "ud_mlx5", "rc_verbs", "ud_verbs")
 GPU_TRANSPORTS = ("cuda_copy", "cuda_ipc")
 #: UCX's same-host transports, left out: see :data:`SAME_HOST_REASON`.
 SAME_HOST_TRANSPORTS = ("posix", "sysv", "cma", "xpmem", "knem")
-#: Why the same-host transports stay off (the fault soak's finding, bench/README.md#ucx-defaults).
+#: Why the same-host transports stay off (the fault soak's finding, bench/pages/defaults.md#ucx-defaults).
 SAME_HOST_REASON = (
     "with UCX_TLS=tcp,sm the randomized SIGKILL soak wedged a node (seed 3, run 8: every new "
     "endpoint to it timed out for the rest of its life) where tcp alone ran 60 runs clean; "
     "same-host bytes take hoplite_gpu's own shared-memory segments and CUDA IPC instead "
-    "(bench/README.md#ucx-defaults)"
+    "(bench/pages/defaults.md#ucx-defaults)"
 )
 
 #: ``UCX_TLS`` names that stand for several transports (UCX's aliases, as its FAQ lists them).
@@ -238,7 +238,7 @@ def choose_ucx(
     elif gpu:
         reasons.append(
             f"GPU: {', '.join(gpu)} listed: left out, device chunks go through pinned host buffers, "
-            "which measured faster on an H100 (bench/README.md#gpu-benchgpupy; HOPLITE_UCX_CUDA=1 "
+            "which measured faster on an H100 (bench/pages/gpu.md#gpu-benchgpupy; HOPLITE_UCX_CUDA=1 "
             "adds them), and same-host device reads take hoplite_gpu's own CUDA IPC"
         )
     if "gdr_copy" in listed:
@@ -273,7 +273,7 @@ def choose_ucx(
         reasons.append(
             f"UCX_RNDV_THRESH={chosen['UCX_RNDV_THRESH']}: the eager protocol, as every byte between "
             "hosts crosses TCP, where rendezvous moved 0.5-1 GB/s and eager 2-5 "
-            "(bench/README.md#ucx-defaults)"
+            "(bench/pages/defaults.md#ucx-defaults)"
         )
 
     settings: dict[str, str] = {}
