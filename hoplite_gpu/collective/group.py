@@ -411,7 +411,7 @@ class Group:
         """Put ``array`` as ``oid`` (this member's, deleted once every member is past ``seq``).
         A group's ids are never put twice, so its objects carry no digest: hashing every byte on
         the I/O thread was an eighth of that thread's busy time in a 1 GB/s allreduce
-        (bench/README.md, "Group puts without a digest"). With ``borrow`` the store keeps
+        (bench/pages/defaults.md, "Group puts without a digest"). With ``borrow`` the store keeps
         ``array`` itself where it would copy it only for same-host readers (``put(copy=False)``):
         for a collective that returns once nothing reads it any more, and then deletes it
         (:meth:`_delete_now`), or withdraws it if it fails (:meth:`_withdraw`)."""
@@ -588,7 +588,8 @@ def barrier(group: Group) -> None:
     bid = _barrier_id(g, seq)
     # The objects of earlier collectives that this member put go with its arrival, deleted by the
     # directory once every member has come: no message, nor I/O-thread work, of their own to
-    # overlap the next collective (bench/README.md#barrier-releases). The rest after it, as before.
+    # overlap the next collective (bench/pages/small-operations.md#barrier-releases). The rest after
+    # it, as before.
     release = g._releasable(seq)
     # From the caller's thread, on its channel where it has one (hoplite_gpu.node.channel).
     g._call(lambda: _passed(g, seq, g.node._barrier(bid, g.rank, g.world_size, timeout, release), timeout))

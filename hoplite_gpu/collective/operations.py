@@ -122,10 +122,10 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     # result is whole, when nothing reads the shards any more, and deletes them; if it fails, it
     # withdraws them first. After a member died the call fails, even where a rebuilt tree read
     # overwritten shards: the dead member's own shard, held by it alone, cannot be reduced again.
-    # bench/README.md, "Lent shards".
+    # bench/pages/defaults.md, "Lent shards".
     lent = [inputs[j][me] for j in range(n)]
     received: list[LocalObject] = []  # results pulled straight into the shards
-    ring = g.node.config.allreduce_schedule != "star"  # auto: the ring (bench/README.md)
+    ring = g.node.config.allreduce_schedule != "star"  # auto: the ring (bench/pages/collectives.md)
     pred = (me - 1) % n
 
     def mine() -> Coroutine[Any, Any, None]:  # (made where it is awaited: none left unawaited)

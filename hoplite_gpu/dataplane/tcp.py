@@ -4,7 +4,7 @@ Where UCX offers only TCP (every host here, and any cluster without RDMA), this 
 UCX one of :mod:`hoplite_gpu.dataplane.ucx.plane` (``Config.data_plane``). Why: over TCP, UCX copies
 every received segment once more in user space and ucxx costs a Python future per chunk, while a
 socket ``recv_into`` with ``MSG_WAITALL`` lands a whole chunk in the object's memory in one system
-call with the GIL released: no Python per byte and one Python step per chunk (bench/README.md,
+call with the GIL released: no Python per byte and one Python step per chunk (bench/pages/collectives.md,
 "The TCP data plane"). It also listens only on the node's address and buffers nothing for a peer
 that has not authenticated, and no UCX worker listens at all (SECURITY.md: UCX's TCP transport
 serves a UCT put to any peer).
@@ -65,7 +65,7 @@ MAX_IDLE_PER_PEER = 8
 
 #: Most bytes a receiver lands before it advances the object's progress: readers of a partial
 #: copy (relays, reduce vertices, 1 MiB a step) wait no longer than this for the next bytes, at one
-#: wake-up of the I/O loop per step (bench/README.md#the-tcp-data-plane).
+#: wake-up of the I/O loop per step (bench/pages/collectives.md#the-tcp-data-plane).
 MAX_STEP = 2 * 1024 * 1024
 
 

@@ -2,7 +2,7 @@
 
 A group's barrier (:func:`hoplite_gpu.collective.barrier`) was an allreduce of one byte: a put,
 a reduce, the placement of its tree and a lookup per member, and the deletes after, 25 events of
-the directory's for 4 members (bench/README.md, "Small operations"). Here each member sends one
+the directory's for 4 members (bench/pages/small-operations.md). Here each member sends one
 :class:`~hoplite_gpu.protocol.BarrierRequest` and gets one reply.
 
 A member's arrival stays counted if its node leaves or its own timeout passes afterwards (it did

@@ -1,7 +1,7 @@
 """A node's byte stream cut into messages as bytes arrive: pure (bytes in, messages out), so the
 service reads whatever a connection holds at once and handles every request in it before it
 writes the replies, one write per connection (a send per reply took 45% of the directory's
-CPU with 12 requests in flight: bench/README.md, "The directory's throughput").
+CPU with 12 requests in flight: bench/pages/small-operations.md, "The directory's throughput").
 
 A frame over the control message limit that names a request the directory answers is skipped a
 piece at a time (never held whole) and refused with an ``ErrorReply``, as is a request that fails

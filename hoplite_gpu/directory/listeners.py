@@ -1,6 +1,6 @@
 """The directory's listening sockets: TCP on its address, and a local socket for the processes
 of its own host (a request and its reply cost a caller channel about twice as much over TCP
-loopback as over a Unix socket: bench/README.md#local-channels).
+loopback as over a Unix socket: bench/pages/small-operations.md#local-channels).
 """
 
 from __future__ import annotations

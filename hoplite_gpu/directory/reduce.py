@@ -350,7 +350,7 @@ class ReducePlan:
         the tree a star (unless the requester asked for a degree; an ordered plan is then placed
         in arrival order): the root maps every input from its holder's segment and reduces them
         in one pass, where a chain would move each partial result between processes
-        (bench/README.md, "Ring allreduce": one host).
+        (bench/pages/collectives.md, "Ring allreduce": one host).
 
         ``root_ok`` False: not at the root while another vertex is free (the input's node may
         hold a complete result of the tree a repair replaced; see :mod:`.repair`).

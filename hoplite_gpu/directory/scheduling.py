@@ -86,7 +86,7 @@ def received_on_host(nodes: Nodes, entry: ObjectEntry, receiver: str, device_ipc
     transfer feeds), so that ``receiver`` maps that copy once complete instead of pulling the
     object across the host's link a second time: any number of readers on a host cost its link
     one copy. Two engines per host, 256 MiB at 100 MB/s: 3.28x S/B when each pulled its own
-    (bench/README.md, "Weight sync"). Not for a device object that ``receiver`` cannot open."""
+    (bench/pages/weight-sync.md). Not for a device object that ``receiver`` cannot open."""
     if entry.memory == "device" and not device_ipc:
         return False
     return any(

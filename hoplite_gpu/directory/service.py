@@ -410,7 +410,7 @@ class DirectoryService:
         """Send what a batch held, one write per connection, the connection the batch came on
         last: the others' replies answer requests that waited (the gets of a put just handled),
         and on a host with few cores each write's reader takes a core the next one's may need
-        (bench/README.md#caller-channels)."""
+        (bench/pages/small-operations.md#caller-channels)."""
         held, self._held = self._held, []
         if len(held) > 1 and requester in held:
             held.remove(requester)

@@ -2,7 +2,7 @@
 
 Through the node's connection, a blocking ``put`` or ``get`` hops from the caller's thread to the
 node's I/O thread and its reply hops back: two of the four thread wakes on a small put + get's
-path, 30-80 us each on a 2-core machine (bench/README.md#caller-channels). On its channel, the
+path, 30-80 us each on a 2-core machine (bench/pages/small-operations.md#caller-channels). On its channel, the
 caller's thread sends the request and reads the reply itself. The directory sends on a channel
 only the replies to the requests that came on it (``Hello.channel``); everything it pushes goes
 to the node's connection.

@@ -152,7 +152,7 @@ class Putter:
         if entered.on_device:
             # Borrowed on a node that shares: copied device to device into memory same-host
             # readers open (CUDA IPC), as a host array is copied into a segment; kept, they
-            # would pull it staged through host memory at a few GB/s (bench/README.md, GPU).
+            # would pull it staged through host memory at a few GB/s (bench/pages/gpu.md).
             copy = copy or (borrow and self._memory.shares)
             return Prepared(self._device_object(entered, object_id, copy), None)
         if pinned:
