@@ -87,6 +87,30 @@ def test_links_between_pages_reach_a_file_and_a_heading() -> None:
     assert not broken, "\n".join(broken)
 
 
+#: ``bench/pages/<page>.md``, then ``#<heading>`` or ``, "<heading or phrase>"`` if there is one.
+_BENCH_PAGE = r'bench/pages/([\w-]+\.md)(?:#([\w-]+))?(?:,? "([^"]+)")?'
+
+
+def test_code_names_bench_pages_and_headings_that_exist() -> None:
+    """A comment or docstring that points at a measurement (``bench/pages/<page>.md#<heading>``, or
+    the page and a quoted heading or phrase of it) names a page, and a heading or text, that exist."""
+    broken = []
+    for path in sorted([*(ROOT / "hoplite_gpu").rglob("*.py"), *(ROOT / "bench").glob("*.py")]):
+        text = re.sub(r"\n\s*#?:?\s*", " ", path.read_text())  # comments' lines joined
+        for page, anchor, quoted in re.findall(_BENCH_PAGE, text):
+            dest = ROOT / "bench" / "pages" / page
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}: bench/pages/{page} (no such file)")
+            elif anchor and anchor not in _anchors(dest):
+                broken.append(f"{path.relative_to(ROOT)}: bench/pages/{page}#{anchor} (no such heading)")
+            elif quoted and quoted not in " ".join(dest.read_text().split()):
+                broken.append(f'{path.relative_to(ROOT)}: bench/pages/{page} "{quoted}" (not on the page)')
+        for anchor in re.findall(r"bench/README\.md#([\w-]+)", text):
+            if anchor not in _anchors(ROOT / "bench" / "README.md"):
+                broken.append(f"{path.relative_to(ROOT)}: bench/README.md#{anchor} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
 def test_the_readme_keeps_the_quick_start_and_the_gpu_check_section() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme  # the two commands; .ci/run calls make test
