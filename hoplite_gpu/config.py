@@ -33,39 +33,41 @@ class Config:
 
     Attributes:
         chunk_bytes: Chunk size of the first transfer from a peer, before its throughput is known;
-            small, as a relay forwards a chunk only once it holds all of it (bench/README.md#chunk-sizes).
+            small, as a relay forwards a chunk only once it holds all of it
+            (bench/pages/defaults.md#chunk-sizes).
         adaptive_chunks: Size later chunks from the throughput measured from each peer, about
             ``chunk_seconds`` of data each: large on fast links, small on slow ones; off: ``chunk_bytes``.
         chunk_seconds: Target transfer time of one adaptive chunk: long enough to amortise a chunk's
-            fixed cost, short enough for chains over slow links to pipeline (bench/README.md#chunk-sizes).
+            fixed cost, short enough for chains over slow links to pipeline
+            (bench/pages/defaults.md#chunk-sizes).
         min_chunk_bytes: Smallest adaptive chunk.
         max_chunk_bytes: Largest adaptive chunk.
         chunks_in_flight: Chunks a receiver posts ahead of the data (and a sender keeps in flight);
-            more gave nothing measurable (bench/README.md#chunk-sizes).
+            more gave nothing measurable (bench/pages/defaults.md#chunk-sizes).
         inline_threshold_bytes: Objects up to this size live inline in the directory and come with
             the lookup.
         max_object_bytes: Largest object ``put`` accepts.
         store_capacity_bytes: Total bytes a node's local store may hold.
         buffer_pool_bytes: Bytes of removed objects' buffers kept for new objects of the same size
-            (fewer page faults: bench/README.md#same-host-shared-memory); not counted in the
+            (fewer page faults: bench/pages/defaults.md#same-host-shared-memory); not counted in the
             capacity; 0 disables.
         device_pool_bytes: Bytes of dropped device allocations a process keeps for new device copies
             of the same size and device (no ``cudaMalloc`` per put, no device-wide ``cudaFree`` per
             delete); the largest of the process's open nodes counts; not in the capacity; 0 disables.
         shared_memory: Keep objects above ``inline_threshold_bytes`` in ``/dev/shm`` segments that
-            same-host nodes copy from directly (bench/README.md#same-host-shared-memory); off: every
+            same-host nodes copy from directly (bench/pages/defaults.md#same-host-shared-memory); off: every
             transfer goes through UCX, as network-namespace benchmarks need.
         same_host_index: With ``shared_memory``, link each device object under a name derived from
             its ObjectID, so a same-host ``get`` skips the directory
-            (bench/README.md#same-host-device-gets-without-a-lookup); off: every ``get`` asks it.
+            (bench/pages/gpu.md#same-host-device-gets-without-a-lookup); off: every ``get`` asks it.
         caller_channels: A blocking ``put`` or ``get`` of an object stored inline in the directory,
             a blocking ``delete`` of one, and a group's barrier are sent by the caller's thread on
             a connection of its own (one per thread), not through the node's I/O thread: two
-            thread hops fewer (bench/README.md#caller-channels); off: every request goes through
-            the node's connection.
+            thread hops fewer (bench/pages/small-operations.md#caller-channels); off: every request
+            goes through the node's connection.
         local_channels: A caller channel to a directory on this host (in this network namespace)
             that serves without TLS goes over the directory's abstract Unix socket, not TCP
-            loopback (bench/README.md#local-channels); off: always TCP.
+            loopback (bench/pages/small-operations.md#local-channels); off: always TCP.
         max_control_message_bytes: Largest control message accepted (a larger one closes the
             connection); 0: ``inline_threshold_bytes`` + 1 MiB.
         connect_timeout: Seconds to connect and authenticate to the directory or a peer.
@@ -118,7 +120,7 @@ class Config:
         directory_event_log_bytes: Bound of the directory's event log in estimated bytes, beside its
             bound of 100,000 events; the oldest go first.
         directory_place_slice: Present inputs a reduction places per directory event, with other
-            nodes' requests served in between (bench/README.md#reductions-placed-in-slices).
+            nodes' requests served in between (bench/pages/defaults.md#reductions-placed-in-slices).
         tls_cert_file: PEM certificate chain a directory serves its control connections with, over
             TLS (with ``tls_key_file``); "": plain TCP (SECURITY.md).
         tls_key_file: PEM private key of ``tls_cert_file`` ("" if the chain file holds it).
@@ -127,17 +129,18 @@ class Config:
         data_plane: How bytes cross between nodes: ``tcp`` (sockets; the kernel moves each chunk
             into place), ``ucx`` (UCX, for RDMA and CUDA transports), ``auto``: ``ucx`` where UCX
             lists RDMA transports or with ``HOPLITE_UCX_CUDA=1``, else ``tcp``
-            (bench/README.md#the-tcp-data-plane); every node of a cluster must choose the same.
+            (bench/pages/collectives.md#the-tcp-data-plane); every node of a cluster must choose the same.
         allreduce_schedule: How a group's allreduce of a large array moves its shards
             (:func:`hoplite_gpu.collective.allreduce`): ``ring`` (each shard reduced along the
             ring of members and its result read along it: every link carries one flow each way),
             ``star`` (each shard reduced at its member from every other at once, the results read
-            straight from it), ``auto``: the ring, the better measured (bench/README.md#ring-allreduce).
+            straight from it), ``auto``: the ring, the better measured
+            (bench/pages/collectives.md#ring-allreduce).
             Members may differ: each shard's schedule is its own member's.
         allreduce_shard_bytes: A group's allreduce of at least this many bytes (C-contiguous)
             goes in shards, one per member; a smaller one as one reduce read as it is computed,
             whose time is latency (1-4 MiB: 1.2-1.9x faster that way on 4 hosts at 100 MB/s and
-            1 GB/s; bench/README.md#ring-allreduce). Every member of a group must use the same.
+            1 GB/s; bench/pages/collectives.md#ring-allreduce). Every member of a group must use the same.
     """
 
     chunk_bytes: int = 1 * MiB

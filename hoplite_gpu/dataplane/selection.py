@@ -25,7 +25,7 @@ def data_plane_choice(config: Config, choice: UcxChoice | None = None) -> tuple[
         return "ucx", f"auto: UCX lists RDMA transports here ({case})"
     return "tcp", (
         f"auto: UCX lists no RDMA transport here ({case}), so it would use TCP: the TCP plane moves "
-        "the same bytes with the kernel's sockets (bench/README.md#the-tcp-data-plane)"
+        "the same bytes with the kernel's sockets (bench/pages/collectives.md#the-tcp-data-plane)"
     )
 
 

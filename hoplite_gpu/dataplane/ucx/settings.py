@@ -17,7 +17,7 @@ from .probe import host_listing, rdma_devices
 #: UCX settings applied before UCX is first imported, unless already set in the environment: those
 #: of a host where UCX lists only TCP. On a host where it lists RDMA or CUDA transports, :mod:`.choice`
 #: changes ``UCX_TLS`` and ``UCX_RNDV_THRESH`` on top of them. One line each below
-#: (docs/configuration.md is generated from them); why: bench/README.md#ucx-defaults.
+#: (docs/configuration.md is generated from them); why: bench/pages/defaults.md#ucx-defaults.
 #:
 #: - ``UCX_TLS``: TCP only (plus RDMA transports where UCX lists them, CUDA ones with
 #:   ``HOPLITE_UCX_CUDA=1``): UCX's shared-memory transports wedged nodes after SIGKILLs; same-host
@@ -50,7 +50,7 @@ UCX_DEFAULTS: dict[str, str] = {
 
 #: Environment variable: ``1`` hands device chunks to UCX as they are (its ``cuda_copy`` transport,
 #: added to ``UCX_TLS``) instead of staging them through pinned host buffers; read when UCX is first
-#: loaded. Off: staging was faster on an H100 (bench/README.md#gpu-benchgpupy, the ``wire`` part).
+#: loaded. Off: staging was faster on an H100 (bench/pages/gpu.md#gpu-benchgpupy, the ``wire`` part).
 UCX_CUDA_ENV = "HOPLITE_UCX_CUDA"
 
 
