@@ -55,6 +55,8 @@ PURE = (
     "hoplite_gpu.directory.recovery",
     "hoplite_gpu.directory.reduce",
     "hoplite_gpu.directory.watches",
+    "hoplite_gpu.directory.barriers",
+    "hoplite_gpu.directory.outbox",
     "hoplite_gpu.protocol",
     "hoplite_gpu.dataplane.ucx.choice",
     "hoplite_gpu.dataplane.ucx.probe",
@@ -320,3 +322,64 @@ def test_comments_carry_no_issue_numbers_or_dates() -> None:
         if dated.search(line)
     ]
     assert found == []
+
+
+# ---------------------------------------------------------------- the directory's parts
+#: Directory modules that name :class:`~hoplite_gpu.directory.state.DirectoryState`: the state
+#: itself, the package that exports it, its hosts, and the invariant checker (a function of the
+#: whole state, run after an event).
+STATE_USERS = {
+    "hoplite_gpu.directory",
+    "hoplite_gpu.directory.state",
+    "hoplite_gpu.directory.invariants",
+    "hoplite_gpu.directory.service",
+}
+
+
+def _refers_to(value: object, target: object) -> bool:
+    """Whether ``value`` is ``target``, a method bound to it, or a function closing over it."""
+    if value is target or getattr(value, "__self__", None) is target:
+        return True
+    cells = getattr(value, "__closure__", None) or ()
+    return any(cell.cell_contents is target for cell in cells)
+
+
+def test_no_part_of_the_directory_holds_the_whole_state() -> None:
+    """Each part of :class:`DirectoryState` is handed its records, the outbox and the parts it
+    calls, never the state: nothing a part holds (attributes and slots) is the state, a method of
+    it, or a function closing over it."""
+    from hoplite_gpu.directory.state import DirectoryState
+
+    state = DirectoryState()
+    parts = {
+        name: part
+        for name, part in vars(state).items()
+        if type(part).__module__.startswith("hoplite_gpu.directory.")
+    }
+    assert {"members", "catalog", "lookups", "reducer", "repair", "recovery", "barriers", "watches"} <= set(
+        parts
+    )
+    holding = []
+    for name, part in parts.items():
+        held = dict(vars(part)) if hasattr(part, "__dict__") else {}
+        for cls in type(part).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if hasattr(part, slot):
+                    held[slot] = getattr(part, slot)
+        holding += [f"{name}.{attr}" for attr, value in held.items() if _refers_to(value, state)]
+    assert holding == []
+
+
+def test_only_the_state_and_its_hosts_name_the_directory_state() -> None:
+    """The parts of the directory do not name :class:`DirectoryState` at all (type hints
+    included): what a part may reach is what its constructor and ``connect`` list."""
+    naming = set()
+    for name, path in _modules().items():
+        if not name.startswith("hoplite_gpu.directory") or name in STATE_USERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Name) and node.id == "DirectoryState") or (
+                isinstance(node, ast.ImportFrom) and any(a.name == "DirectoryState" for a in node.names)
+            ):
+                naming.add(name)
+    assert naming == set()

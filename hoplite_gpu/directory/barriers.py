@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING
 from .. import protocol as p
 
 if TYPE_CHECKING:
-    from .state import DirectoryState
+    from .catalog import Catalog
+    from .config import DirectoryConfig
+    from .lookups import Lookups
+    from .outbox import Outbox
+    from .records import Reduction
+    from .watches import Watches
 
 
 @dataclass(slots=True)
@@ -51,19 +56,46 @@ class Barrier:
 
 
 class Barriers:
-    """The directory's open barriers (a part of :class:`~.state.DirectoryState`)."""
+    """The directory's open barriers.
 
-    def __init__(self, state: DirectoryState) -> None:
-        self.state = state
+    Args:
+        config: The directory's settings.
+        reductions: The reductions by id (read: an arrival may release one).
+        outbox: Where its messages and the events it records go.
+        catalog: Deletes the objects an arrival releases.
+        lookups: Its waiting lookups count against the same quota as arrivals.
+
+    The watched groups (:class:`~.watches.Watches`, made after it) come through :meth:`connect`.
+    """
+
+    watches: Watches
+
+    def __init__(
+        self,
+        *,
+        config: DirectoryConfig,
+        reductions: dict[bytes, Reduction],
+        outbox: Outbox,
+        catalog: Catalog,
+        lookups: Lookups,
+    ) -> None:
+        self.config = config
+        self.reductions = reductions
+        self.outbox = outbox
+        self.catalog = catalog
+        self.lookups = lookups
         self.open: dict[bytes, Barrier] = {}
         self.by_request: dict[tuple[str, int], tuple[bytes, int]] = {}  # -> (barrier, rank) waiting
         self.per_node: dict[str, int] = {}  # members waiting, per node
         self.deadlines: list[tuple[float, int, str, int]] = []  # (deadline, seq, node, request id)
         self._seq = itertools.count()
 
+    def connect(self, *, watches: Watches) -> None:
+        """Hand it the watched groups, whose lost members an agreement does not wait for."""
+        self.watches = watches
+
     def request(self, node_id: str, msg: p.BarrierRequest, now: float) -> None:
         """Member ``msg.rank`` of node ``node_id`` reached barrier ``msg.barrier_id``."""
-        state = self.state
         bid, rank = msg.barrier_id, msg.rank
         barrier = self.open.get(bid)
         if barrier is not None and barrier.count != msg.count:
@@ -72,19 +104,19 @@ class Barriers:
         if barrier is not None and barrier.group != msg.group_id:
             self._refuse(node_id, msg, "its members name another watched group")
             return
-        if msg.group_id and rank in state.watches.lost_of(msg.group_id):
+        if msg.group_id and rank in self.watches.lost_of(msg.group_id):
             # Lost: no agreement counts it any more (one may have been decided without it).
-            state.send(node_id, p.BarrierReply(request_id=msg.request_id, status="ok", vote=0))
+            self.outbox.send(node_id, p.BarrierReply(request_id=msg.request_id, status="ok", vote=0))
             return
         came = barrier.waiting.get(rank) if barrier is not None else None
         if came is not None and came[0] != node_id:
             self._refuse(node_id, msg, f"rank {rank} already reached it from another node")
             return
-        quota = state.config.max_pending_lookups
-        if came is None and self.per_node.get(node_id, 0) + state.lookups.per_node.get(node_id, 0) >= quota:
+        quota = self.config.max_pending_lookups
+        if came is None and self.per_node.get(node_id, 0) + self.lookups.per_node.get(node_id, 0) >= quota:
             text = f"node has {quota} lookups and barriers waiting, the directory's quota"
             reply = p.ErrorReply(request_id=msg.request_id, kind="QuotaExceededError", message=text)
-            state.send(node_id, reply)
+            self.outbox.send(node_id, reply)
             return
         if barrier is None:
             barrier = self.open[bid] = Barrier(msg.count, group=msg.group_id)
@@ -102,7 +134,7 @@ class Barriers:
         self.by_request[(node_id, msg.request_id)] = (bid, rank)
         if msg.timeout > 0:
             heapq.heappush(self.deadlines, (now + msg.timeout, next(self._seq), node_id, msg.request_id))
-        state.record(
+        self.outbox.record(
             now, "barrier", node=node_id, barrier_id=bid.hex(), rank=rank, arrived=len(barrier.arrived)
         )
         self._settle(bid, barrier, now)
@@ -110,7 +142,7 @@ class Barriers:
     def _missing(self, barrier: Barrier) -> tuple[int, dict[int, str]]:
         """How many members have not come (an agreement's lost members are not missing), and the
         agreement's lost members (none for a plain barrier)."""
-        lost = self.state.watches.lost_of(barrier.group) if barrier.group else {}
+        lost = self.watches.lost_of(barrier.group) if barrier.group else {}
         gone = sum(1 for r in lost if r < barrier.count and r not in barrier.arrived)
         return barrier.count - len(barrier.arrived) - gone, lost
 
@@ -127,7 +159,7 @@ class Barriers:
         for r in list(barrier.waiting):
             self._answer(bid, barrier, r, "ok", members, vote)
         came = len(members) if barrier.group else barrier.count
-        self.state.record(now, "barrier_ok", barrier_id=bid.hex(), members=came)
+        self.outbox.record(now, "barrier_ok", barrier_id=bid.hex(), members=came)
 
     def group_lost(self, group_id: bytes, now: float) -> None:
         """Members of watched group ``group_id`` were lost: its agreements may be decided."""
@@ -138,16 +170,15 @@ class Barriers:
     def _release(self, node_id: str, oids: list[bytes], now: float) -> None:
         """Delete the objects of ``node_id``'s that its arrival released: what it put, or a
         reduction it requested (others it names are left alone)."""
-        state = self.state
         for oid in oids:
-            entry, red = state.catalog.objects.get(oid), state.reductions.get(oid)
+            entry, red = self.catalog.objects.get(oid), self.reductions.get(oid)
             if (entry and entry.owner == node_id) or (red and red.requester == node_id):
-                state.catalog.delete(node_id, p.DeleteRequest(request_id=0, object_id=oid), now, reply=False)
+                self.catalog.delete(node_id, p.DeleteRequest(request_id=0, object_id=oid), now, reply=False)
 
     def _refuse(self, node_id: str, msg: p.BarrierRequest, why: str) -> None:
         text = f"barrier {msg.barrier_id.hex()[:12]}: {why}"
         reply = p.ErrorReply(request_id=msg.request_id, kind="InvalidArgumentError", message=text)
-        self.state.send(node_id, reply)
+        self.outbox.send(node_id, reply)
 
     def _answer(
         self,
@@ -176,7 +207,7 @@ class Barriers:
             members=members or [],
             vote=vote if barrier.group else 1,
         )
-        self.state.send(node_id, reply)
+        self.outbox.send(node_id, reply)
 
     def _withdraw(self, barrier: Barrier, rank: int) -> tuple[str, int]:
         node_id, request_id = barrier.waiting.pop(rank)
@@ -232,5 +263,5 @@ class Barriers:
             bid, rank = found
             barrier = self.open[bid]
             self._answer(bid, barrier, rank, "timeout")
-            self.state.record(now, "barrier_timeout", node=node_id, barrier_id=bid.hex(), rank=rank)
+            self.outbox.record(now, "barrier_timeout", node=node_id, barrier_id=bid.hex(), rank=rank)
             self._close_if_idle(bid, barrier)

@@ -20,34 +20,69 @@ from typing import TYPE_CHECKING
 
 from .. import protocol as p
 from .lookups import deleted_lookup, lost_lookup
-from .records import Location, LocationState, ObjectEntry
+from .records import Location, LocationState, NodeInfo, ObjectEntry, Reduction
 
 if TYPE_CHECKING:
-    from .state import DirectoryState
+    from .config import DirectoryConfig
+    from .lookups import Lookups
+    from .membership import Membership
+    from .outbox import Outbox
+    from .reductions import Reductions
 
 #: Deleted ObjectIDs the directory remembers, the latest (about 100 bytes each).
 DELETES_KEPT = 65_536
 
 
 class Catalog:
-    """What happens to :attr:`~.state.DirectoryState.objects` (the table itself is the state's:
-    every part reads it)."""
+    """What happens to the objects (the table ``objects`` is shared: every part reads it).
 
-    def __init__(self, state: DirectoryState) -> None:
-        self.state = state
-        self.config = state.config
-        self.nodes = state.nodes
-        self.objects = state.objects
+    Args:
+        config: The directory's settings.
+        nodes: The joined nodes (read).
+        objects: The objects by id (this part adds and removes them).
+        reductions: The reductions by id (read: a reduction's result is no object to put).
+        outbox: Where its messages and the events it records go.
+        members: Charged and released for the bytes of inline objects.
+
+    Its collaborators made after it come through :meth:`connect`.
+    """
+
+    lookups: Lookups
+    reducer: Reductions
+
+    def __init__(
+        self,
+        *,
+        config: DirectoryConfig,
+        nodes: dict[str, NodeInfo],
+        objects: dict[bytes, ObjectEntry],
+        reductions: dict[bytes, Reduction],
+        outbox: Outbox,
+        members: Membership,
+    ) -> None:
+        self.config = config
+        self.nodes = nodes
+        self.objects = objects
+        self.reductions = reductions
+        self.outbox = outbox
+        self.members = members
         self.deleted: OrderedDict[bytes, None] = OrderedDict()  # the latest deletes, oldest first
         self.lost: OrderedDict[bytes, float] = OrderedDict()  # recent losses and when, oldest first
+
+    def connect(self, *, lookups: Lookups, reducer: Reductions) -> None:
+        """Hand it the parts it tells that an object is ready or gone: the lookups waiting for
+        objects, and the reductions waiting for inputs (which may fail, or be forgotten, on a
+        delete)."""
+        self.lookups = lookups
+        self.reducer = reducer
 
     # ------------------------------------------------------------ requests
     def put(self, node_id: str, msg: p.PutRequest, now: float) -> None:
         """A node put an object: register its complete copy (or keep its bytes inline)."""
-        state, oid = self.state, msg.object_id
+        oid = msg.object_id
 
         def refuse(kind: str, text: str) -> None:
-            state.send(node_id, p.PutReply(request_id=msg.request_id, error=text, error_kind=kind))
+            self.outbox.send(node_id, p.PutReply(request_id=msg.request_id, error=text, error_kind=kind))
 
         if msg.size < 0 or len(oid) != 20:
             refuse("ProtocolError", "invalid put")
@@ -57,7 +92,7 @@ class Catalog:
         ):
             refuse("ProtocolError", "inline data does not match the announced size or exceeds the threshold")
             return
-        if oid in state.reductions and oid not in self.objects:
+        if oid in self.reductions and oid not in self.objects:
             refuse(
                 "ObjectExistsError", f"object {oid.hex()} is the result of a reduction; use another ObjectID"
             )
@@ -71,7 +106,7 @@ class Catalog:
                 and entry.digest == msg.digest
             )
             if not same:
-                state.record(now, "put_conflict", node=node_id, object_id=oid.hex())
+                self.outbox.record(now, "put_conflict", node=node_id, object_id=oid.hex())
                 refuse(
                     "ObjectExistsError",
                     f"object {oid.hex()} already exists with different content "
@@ -81,18 +116,18 @@ class Catalog:
                 return
             if entry.inline is None:
                 self.add_complete(entry, node_id, msg.segment, copying=msg.copying)
-            state.send(node_id, p.PutReply(request_id=msg.request_id))
-            state.record(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, again=True)
+            self.outbox.send(node_id, p.PutReply(request_id=msg.request_id))
+            self.outbox.record(now, "put", node=node_id, object_id=oid.hex(), size=msg.size, again=True)
             self.ready(oid, now)
             return
-        members = state.members
+        members = self.members
         if msg.inline is not None and not members.inline_fits(node_id, msg.size):
             text = (
                 f"the objects this node stored inline in the directory hold {members.inline_bytes[node_id]} "
                 f"bytes, and {msg.size} more pass its quota of {self.config.max_inline_bytes} "
                 "(Config.directory_max_inline_bytes); delete some"
             )
-            state.record(now, "quota_exceeded", node=node_id, quota="inline_bytes")
+            self.outbox.record(now, "quota_exceeded", node=node_id, quota="inline_bytes")
             refuse("QuotaExceededError", text)
             return
         entry = ObjectEntry(
@@ -112,8 +147,8 @@ class Catalog:
         self.objects[oid] = entry
         self.deleted.pop(oid, None)  # put again: a lookup waits for it as for any put
         self.lost.pop(oid, None)
-        state.send(node_id, p.PutReply(request_id=msg.request_id))
-        state.record(
+        self.outbox.send(node_id, p.PutReply(request_id=msg.request_id))
+        self.outbox.record(
             now, "put", node=node_id, object_id=oid.hex(), size=msg.size, inline=msg.inline is not None
         )
         self.ready(oid, now)
@@ -124,30 +159,31 @@ class Catalog:
         if entry is None or entry.inline is not None:
             # Deleted while the node copied it: the node was not on record as a holder when the
             # owner's delete went out, so tell it now.
-            self.state.send(node_id, p.DropObject(object_id=msg.object_id))
+            self.outbox.send(node_id, p.DropObject(object_id=msg.object_id))
             return
         self.add_complete(entry, node_id, msg.segment)
-        self.state.record(now, "copy_added", node=node_id, object_id=msg.object_id.hex())
+        self.outbox.record(now, "copy_added", node=node_id, object_id=msg.object_id.hex())
         self.ready(msg.object_id, now)
 
     def delete(self, node_id: str, msg: p.DeleteRequest, now: float, reply: bool = True) -> None:
         """The owner deletes an object everywhere; another node drops its own copy. Without
         ``reply``, no ``DeleteReply`` (a barrier's release: the node learns from its ``ok``)."""
-        state, oid = self.state, msg.object_id
+        oid = msg.object_id
 
         def answer(deleted: bool, kept: bool = False) -> None:
             if reply:
-                state.send(node_id, p.DeleteReply(request_id=msg.request_id, deleted=deleted, kept=kept))
+                done = p.DeleteReply(request_id=msg.request_id, deleted=deleted, kept=kept)
+                self.outbox.send(node_id, done)
 
-        red = state.reductions.get(oid)
+        red = self.reductions.get(oid)
         if red is not None and red.requester == node_id:
             text = f"reduction {oid.hex()} was deleted"
-            state.reducer.fail(red, "ObjectDeletedError", text, now, drop="deleted")
-            state.reducer.forget(oid)
+            self.reducer.fail(red, "ObjectDeletedError", text, now, drop="deleted")
+            self.reducer.forget(oid)
             if oid not in self.objects:  # the result was never placed, or dropped above
                 self.remember_delete(oid)
                 answer(True)
-                state.record(now, "delete", node=node_id, object_id=oid.hex())
+                self.outbox.record(now, "delete", node=node_id, object_id=oid.hex())
                 return
         entry = self.objects.get(oid)
         if entry is None:
@@ -159,25 +195,25 @@ class Catalog:
                 # E.g. a reduction's result on the node that computed it, owned by the node that
                 # asked for it: dropping it would lose it; it goes when its owner deletes it.
                 answer(False, kept=True)
-                state.record(now, "delete_kept", node=node_id, object_id=oid.hex())
+                self.outbox.record(now, "delete_kept", node=node_id, object_id=oid.hex())
                 return
             # Even while it serves a transfer: that transfer goes on from the array it holds, but
             # nobody may be sent to (or told to use) the dropped copy any more.
             entry.locations.pop(node_id, None)
             answer(False)
-            state.record(now, "delete_local", node=node_id, object_id=oid.hex())
+            self.outbox.record(now, "delete_local", node=node_id, object_id=oid.hex())
             return
         self.remove(oid, now, skip=node_id)
         self.remember_delete(oid)
         answer(True)
-        state.record(now, "delete", node=node_id, object_id=oid.hex())
+        self.outbox.record(now, "delete", node=node_id, object_id=oid.hex())
 
     # ------------------------------------------------------------ copies
     def ready(self, oid: bytes, now: float) -> None:
         """``oid`` has a new complete copy (or a new source): answer waiting lookups, then offer it
         to the reductions waiting for it."""
-        self.state.lookups.serve(oid, now)
-        self.state.reducer.object_ready(oid, now)
+        self.lookups.serve(oid, now)
+        self.reducer.object_ready(oid, now)
 
     def add_complete(self, entry: ObjectEntry, node_id: str, segment: str, copying: bool = False) -> None:
         """Record ``node_id``'s copy of ``entry`` as complete (in ``segment``, if any)."""
@@ -222,12 +258,12 @@ class Catalog:
         entry = self.objects.pop(oid, None)
         if entry is None:
             return
-        self.state.members.release_inline(entry)
-        self.state.lookups.drop_transfers(oid)
+        self.members.release_inline(entry)
+        self.lookups.drop_transfers(oid)
         for holder in entry.locations:
             if holder != skip and holder in self.nodes:
                 drop = p.DropObject(object_id=oid, reason=reason, error_kind=kind, error=message)
-                self.state.send(holder, drop)
+                self.outbox.send(holder, drop)
 
     def remember_delete(self, oid: bytes) -> None:
         """Its owner deleted ``oid``: lookups waiting for it, and later ones (among the latest
@@ -237,17 +273,17 @@ class Catalog:
         deleted.move_to_end(oid)
         while len(deleted) > DELETES_KEPT:
             deleted.popitem(last=False)
-        self.state.lookups.fail(oid, lambda pl: deleted_lookup(pl.request_id, oid))
+        self.lookups.fail(oid, lambda pl: deleted_lookup(pl.request_id, oid))
 
     def lose(self, oid: bytes, now: float) -> None:
         """No live complete copy of ``oid`` is left and nobody computes it: partial holders drop
         it and waiting lookups fail. A later put of the same id makes it available again."""
-        state = self.state
-        state.record(now, "object_lost", object_id=oid.hex(), partial_copies=len(self.objects[oid].locations))
+        partial = len(self.objects[oid].locations)
+        self.outbox.record(now, "object_lost", object_id=oid.hex(), partial_copies=partial)
         self.remove(oid, now, reason="lost")
         self._remember_loss(oid, now)
-        state.lookups.fail(oid, lambda pl: lost_lookup(pl.request_id, oid))
-        red = state.reductions.get(oid)
+        self.lookups.fail(oid, lambda pl: lost_lookup(pl.request_id, oid))
+        red = self.reductions.get(oid)
         if red is not None and red.done:  # a finished result cannot be put again: fail its readers
             red.error = ("ObjectLostError", f"the result of reduction {oid.hex()} was lost", oid)
 
@@ -287,4 +323,4 @@ class Catalog:
             ):
                 self.lose(oid, now)
             else:
-                self.state.lookups.serve(oid, now)
+                self.lookups.serve(oid, now)

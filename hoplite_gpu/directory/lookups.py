@@ -17,12 +17,27 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol as p
-from .records import EndedTransfer, Location, LocationState, ObjectEntry, PendingLookup, Transfer
+from .records import (
+    EndedTransfer,
+    Location,
+    LocationState,
+    NodeInfo,
+    ObjectEntry,
+    PendingLookup,
+    Reduction,
+    Transfer,
+)
 from .reduce import ReducePlan
 from .scheduling import choose_sender, computed_on_host, received_on_host, same_host_copy, via_sender
 
 if TYPE_CHECKING:
-    from .state import DirectoryState
+    from .catalog import Catalog
+    from .config import DirectoryConfig
+    from .membership import Membership
+    from .outbox import Outbox
+    from .recovery import Recovery
+    from .reductions import Reductions
+    from .repair import Repair
 
 #: Transfers of reduction results the directory ended before their receiver reported that it
 #: remembers, the latest (a receiver reports within a round trip; see :class:`EndedTransfer`).
@@ -31,13 +46,42 @@ ENDED_KEPT = 4096
 
 class Lookups:
     """The waiting lookups (:attr:`pending`, FIFO per object, with indexes) and the transfers
-    under way (:attr:`transfers`)."""
+    under way (:attr:`transfers`).
 
-    def __init__(self, state: DirectoryState) -> None:
-        self.state = state
-        self.config = state.config
-        self.nodes = state.nodes
-        self.objects = state.objects
+    Args:
+        config: The directory's settings.
+        nodes: The joined nodes (read).
+        objects: The objects and their copies (this part adds partial copies and ends transfers).
+        reductions: The reductions by id (read: a lookup of a failed result fails).
+        outbox: Where its messages and the events it records go.
+        members: Told of a sender a receiver reported as failed.
+        catalog: The deletes and losses it answers lookups with, and copies completed.
+
+    Its collaborators made after it come through :meth:`connect`.
+    """
+
+    reducer: Reductions
+    repair: Repair
+    recovery: Recovery
+
+    def __init__(
+        self,
+        *,
+        config: DirectoryConfig,
+        nodes: dict[str, NodeInfo],
+        objects: dict[bytes, ObjectEntry],
+        reductions: dict[bytes, Reduction],
+        outbox: Outbox,
+        members: Membership,
+        catalog: Catalog,
+    ) -> None:
+        self.config = config
+        self.nodes = nodes
+        self.objects = objects
+        self.reductions = reductions
+        self.outbox = outbox
+        self.members = members
+        self.catalog = catalog
         self.pending: dict[bytes, deque[PendingLookup]] = {}
         # Indexes of ``pending`` so that no event walks every pending lookup: the deadlines (a
         # heap; entries of lookups no longer live are dropped when they reach the top), the
@@ -51,34 +95,41 @@ class Lookups:
         self._transfer_ids = itertools.count(1)
         self.ended: OrderedDict[int, EndedTransfer] = OrderedDict()  # by transfer id, oldest first
 
+    def connect(self, *, reducer: Reductions, repair: Repair, recovery: Recovery) -> None:
+        """Hand it the parts a transfer's end concerns: the reductions (a copy ready, the link
+        estimate), their repair (a result of a replaced tree received whole), and the recovery
+        after a restart (whether copies may still be restored)."""
+        self.reducer = reducer
+        self.repair = repair
+        self.recovery = recovery
+
     # ------------------------------------------------------------ requests
     def request(self, node_id: str, msg: p.LookupRequest, now: float) -> None:
         """A node asks for an object: answer it now or queue it."""
-        state = self.state
-        red = state.reductions.get(msg.object_id)
+        red = self.reductions.get(msg.object_id)
         if red is not None and red.error is not None:
-            state.send(node_id, failed_lookup(msg.request_id, msg.object_id, red.error))
+            self.outbox.send(node_id, failed_lookup(msg.request_id, msg.object_id, red.error))
             return
-        if red is None and msg.object_id in state.catalog.deleted and msg.object_id not in self.objects:
-            state.send(node_id, deleted_lookup(msg.request_id, msg.object_id))  # it will not come
+        if red is None and msg.object_id in self.catalog.deleted and msg.object_id not in self.objects:
+            self.outbox.send(node_id, deleted_lookup(msg.request_id, msg.object_id))  # it will not come
             return
         gone = msg.object_id not in self.objects and (red is None or not red.active)
-        if gone and state.catalog.lost_recently(msg.object_id, now):
+        if gone and self.catalog.lost_recently(msg.object_id, now):
             # Lost an instant ago: this lookup raced the holder's death (tests/test_soak.py found
             # a get that then waited its whole timeout for a put that never came).
-            state.send(node_id, lost_lookup(msg.request_id, msg.object_id))
+            self.outbox.send(node_id, lost_lookup(msg.request_id, msg.object_id))
             return
         if (
             (msg.have_bytes > 0 or msg.resume)
             and msg.object_id not in self.objects
             and (red is None or not red.active)
-            and not state.recovery.recovering
+            and not self.recovery.recovering
         ):
             # It was receiving an object that has since been lost (or deleted): it cannot complete.
             # (While copies are being restored, it waits: its source may not have rejoined yet.)
             # A receiver whose sender died before any byte arrived asks with have_bytes 0 and
             # ``resume``: its empty copy was no location to drop (tests/test_soak.py found it).
-            state.send(node_id, lost_lookup(msg.request_id, msg.object_id))
+            self.outbox.send(node_id, lost_lookup(msg.request_id, msg.object_id))
             return
         quota = self.config.max_pending_lookups
         if self.per_node.get(node_id, 0) >= quota:
@@ -90,7 +141,7 @@ class Lookups:
                 error=text,
                 error_kind="QuotaExceededError",
             )
-            state.send(node_id, reply)
+            self.outbox.send(node_id, reply)
             return
         deadline = now + msg.timeout if msg.timeout > 0 else None
         pl = PendingLookup(
@@ -112,7 +163,9 @@ class Lookups:
         self.per_node[node_id] = self.per_node.get(node_id, 0) + 1
         if deadline is not None:
             heapq.heappush(self.deadlines, (deadline, next(self._deadline_seq), pl))
-        state.record(now, "lookup", node=node_id, object_id=msg.object_id.hex(), request_id=msg.request_id)
+        self.outbox.record(
+            now, "lookup", node=node_id, object_id=msg.object_id.hex(), request_id=msg.request_id
+        )
         self.serve(msg.object_id, now)
 
     def cancel(self, node_id: str, request_id: int) -> None:
@@ -148,7 +201,6 @@ class Lookups:
             self.serve(oid, now)
 
     def _try_answer(self, entry: ObjectEntry, pl: PendingLookup, now: float) -> bool:
-        state = self.state
         meta: dict[str, Any] = dict(
             request_id=pl.request_id,
             object_id=entry.object_id,
@@ -165,14 +217,14 @@ class Lookups:
             if pl.keep:
                 held = Location(pl.node_id, LocationState.COMPLETE, entry.size)
                 entry.locations.setdefault(pl.node_id, held)
-            state.send(pl.node_id, p.LookupReply(status="inline", inline=entry.inline, **meta))
-            state.record(now, "lookup_inline", node=pl.node_id, object_id=entry.object_id.hex())
+            self.outbox.send(pl.node_id, p.LookupReply(status="inline", inline=entry.inline, **meta))
+            self.outbox.record(now, "lookup_inline", node=pl.node_id, object_id=entry.object_id.hex())
             return True
         own = entry.locations.get(pl.node_id)
         if own is not None and (own.state is LocationState.COMPLETE or own.producing):
             # The requester already holds it (e.g. a re-put), or a reduce vertex placed on it
             # computes it (after the lookup was sent): nothing to transfer.
-            state.send(pl.node_id, p.LookupReply(status="local", **meta))
+            self.outbox.send(pl.node_id, p.LookupReply(status="local", **meta))
             return True
         nodes = self.nodes
         shared = same_host_copy(nodes, entry, pl.node_id, pl.device_ipc) if pl.shared_memory else None
@@ -183,12 +235,14 @@ class Lookups:
         if shared is None and pl.shared_memory and received_on_host(nodes, entry, pl.node_id, pl.device_ipc):
             return False  # and for a copy another node of this host is receiving
         if shared is not None:
-            state.send(
+            self.outbox.send(
                 pl.node_id,
                 p.LookupReply(status="shm", sender_node=shared.node_id, segment=shared.segment, **meta),
             )
             kind = "lookup_ipc" if shared.segment.startswith(p.IPC_SEGMENT_PREFIX) else "lookup_shm"
-            state.record(now, kind, node=pl.node_id, object_id=entry.object_id.hex(), sender=shared.node_id)
+            self.outbox.record(
+                now, kind, node=pl.node_id, object_id=entry.object_id.hex(), sender=shared.node_id
+            )
             return True
         routed: Location | bool = False
         if pl.via:
@@ -213,7 +267,7 @@ class Lookups:
             entry.locations[pl.node_id] = own
         own.upstream = sender.node_id
         own.progress = max(own.progress, have)
-        state.send(
+        self.outbox.send(
             pl.node_id,
             p.LookupReply(
                 status="pull",
@@ -225,7 +279,7 @@ class Lookups:
                 **meta,
             ),
         )
-        state.record(
+        self.outbox.record(
             now,
             "transfer_start",
             object_id=entry.object_id.hex(),
@@ -269,7 +323,7 @@ class Lookups:
         """Answer every lookup waiting for ``oid`` with ``reply(lookup)`` (an error)."""
 
         def answer(pl: PendingLookup) -> bool:
-            self.state.send(pl.node_id, reply(pl))
+            self.outbox.send(pl.node_id, reply(pl))
             return False
 
         self.retain(oid, answer)
@@ -277,19 +331,18 @@ class Lookups:
     # ------------------------------------------------------------ transfers
     def transfer_done(self, node_id: str, msg: p.TransferDone, now: float) -> None:
         """A receiver reports a transfer ended (complete, or failed with ``progress`` bytes)."""
-        state = self.state
         transfer = self.transfers.get(msg.transfer_id)
         if transfer is None:
             ended = self.ended.pop(msg.transfer_id, None)
             if ended is not None and ended.receiver == node_id and msg.ok:
                 # A reduction's result, received whole just before its tree was repaired.
-                state.repair.stale_copy(ended.object_id, ended.epoch, node_id, msg.segment, now)
+                self.repair.stale_copy(ended.object_id, ended.epoch, node_id, msg.segment, now)
             return
         if transfer.receiver != node_id:
             return  # unknown, finished, or not this node's transfer: nothing to change
         del self.transfers[msg.transfer_id]
         entry = self.objects.get(transfer.object_id)
-        state.record(
+        self.outbox.record(
             now,
             "transfer_done",
             object_id=transfer.object_id.hex(),
@@ -306,19 +359,19 @@ class Lookups:
         if sender is not None:
             sender.busy = False
         if msg.sender_failed and not msg.ok:
-            state.members.suspect(transfer.sender, now, node_id, msg.reason)
+            self.members.suspect(transfer.sender, now, node_id, msg.reason)
         if msg.sender_lacks and not msg.ok and sender is not None and not sender.producing:
             self._lacks(entry, sender, now)
             if transfer.object_id not in self.objects:
                 return  # that was its last copy: lost (the receiver was told)
         own = entry.locations.get(node_id)
         if msg.ok:
-            reducer = state.reducer
+            reducer = self.reducer
             reducer.link = reducer.link.with_transfer(entry.size, now - transfer.started)
         if own is not None:
             if msg.ok:
-                state.catalog.add_complete(entry, node_id, msg.segment)
-                state.reducer.object_ready(transfer.object_id, now)
+                self.catalog.add_complete(entry, node_id, msg.segment)
+                self.reducer.object_ready(transfer.object_id, now)
             else:
                 # The receiver will look up again with what it holds; keep its bytes on record
                 # (no more than the object has: found by tests/test_fuzz.py).
@@ -339,8 +392,8 @@ class Lookups:
         the caller's memory without telling the directory): it is not offered again, and with no
         other complete copy and nobody computing it, the object is lost."""
         del entry.locations[sender.node_id]
-        self.state.record(now, "copy_gone", object_id=entry.object_id.hex(), node=sender.node_id)
-        self.state.catalog.settle({entry.object_id}, now)
+        self.outbox.record(now, "copy_gone", object_id=entry.object_id.hex(), node=sender.node_id)
+        self.catalog.settle({entry.object_id}, now)
 
     def serve_failed(self, node_id: str, transfer_id: int, now: float) -> None:
         """The sender gave up on a transfer (its receiver stalled, e.g. a stopped process): it is
@@ -363,7 +416,7 @@ class Lookups:
         """The directory ends transfer ``tr`` before its receiver reported. One of an active
         reduction's result is remembered (:attr:`ended`): its receiver may have every byte already,
         and keeps them (a reset keeps a complete copy), so its report still counts."""
-        red = self.state.reductions.get(tr.object_id)
+        red = self.reductions.get(tr.object_id)
         if red is None or not red.active or tr.receiver not in self.nodes:
             return
         ended = self.ended
@@ -383,7 +436,7 @@ class Lookups:
                 self._end(tr)
                 entry = self.objects.get(tr.object_id)
                 if tr.sender == node_id and tr.receiver in self.nodes:
-                    self.state.send(tr.receiver, p.AbortTransfer(tid, f"sender {node_id[:8]} {reason}"))
+                    self.outbox.send(tr.receiver, p.AbortTransfer(tid, f"sender {node_id[:8]} {reason}"))
                 if entry is not None:
                     peer = entry.locations.get(tr.sender if tr.receiver == node_id else tr.receiver)
                     if peer is not None and tr.receiver == node_id:
@@ -413,8 +466,8 @@ class Lookups:
                 object_id=pl.object_id,
                 error=self.diagnose(pl.object_id),
             )
-            self.state.send(pl.node_id, reply)
-            self.state.record(now, "lookup_timeout", node=pl.node_id, object_id=pl.object_id.hex())
+            self.outbox.send(pl.node_id, reply)
+            self.outbox.record(now, "lookup_timeout", node=pl.node_id, object_id=pl.object_id.hex())
             return False
 
         due = set()  # only the queues of lookups whose deadline passed (the heap knows them)
@@ -430,7 +483,7 @@ class Lookups:
         """Why a lookup of ``object_id`` is still waiting, naming the nodes concerned (for the
         error of a get that timed out: which member is missing or slow)."""
         entry = self.objects.get(object_id)
-        red = self.state.reductions.get(object_id)
+        red = self.reductions.get(object_id)
         if red is not None and red.active and not red.plan.full:
             plan = red.plan
             return (
@@ -438,7 +491,7 @@ class Lookups:
                 f"inputs ready; {not_ready(plan)}"
             )
         if entry is None:
-            if self.state.recovery.recovering:
+            if self.recovery.recovering:
                 return "the directory restarted and no node has restored it yet"
             return "no node has put it"
 

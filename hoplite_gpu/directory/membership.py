@@ -18,17 +18,24 @@ from .events import NodeJoined
 from .records import NodeInfo, ObjectEntry, Reduction
 
 if TYPE_CHECKING:
-    from .state import DirectoryState
+    from .config import DirectoryConfig
+    from .outbox import Outbox
 
 
 class Membership:
-    """What happens to :attr:`~.state.DirectoryState.nodes` (the table itself is the state's: every
-    part reads it), and the inline bytes and reduction inputs each node holds against its quotas."""
+    """What happens to the joined nodes (the table ``nodes`` is shared: every part reads it), and
+    the inline bytes and reduction inputs each node holds against its quotas.
 
-    def __init__(self, state: DirectoryState) -> None:
-        self.state = state
-        self.config = state.config
-        self.nodes = state.nodes
+    Args:
+        config: The directory's settings.
+        nodes: The joined nodes by id (this part adds and removes them).
+        outbox: Where the events it records go.
+    """
+
+    def __init__(self, *, config: DirectoryConfig, nodes: dict[str, NodeInfo], outbox: Outbox) -> None:
+        self.config = config
+        self.nodes = nodes
+        self.outbox = outbox
         # What each node's inline objects hold now (Config.directory_max_inline_bytes); no zeros.
         self.inline_bytes: dict[str, int] = {}
         # The inputs of the reductions each node requested that are held here, finished ones
@@ -55,7 +62,7 @@ class Membership:
         )
         if self._oldest is not None:
             self._oldest = min(self._oldest, ev.now)
-        self.state.record(ev.now, "node_joined", node=ev.node_id, rejoin=ev.rejoin, gpu=ev.gpu)
+        self.outbox.record(ev.now, "node_joined", node=ev.node_id, rejoin=ev.rejoin, gpu=ev.gpu)
 
     def leave(self, node_id: str) -> bool:
         """Forget a node; False if it was not joined."""
@@ -76,7 +83,7 @@ class Membership:
         if lag > self.config.lease_timeout / 4:
             for info in self.nodes.values():
                 info.last_seen = max(info.last_seen, now)
-            self.state.record(now, "directory_stalled", lag=round(lag, 3))
+            self.outbox.record(now, "directory_stalled", lag=round(lag, 3))
 
     def expired(self, now: float) -> list[NodeInfo]:
         """The nodes silent for a whole lease at ``now``."""
@@ -99,7 +106,7 @@ class Membership:
         info = self.nodes.get(node_id)
         if info is not None and info.suspect_since is None:
             info.suspect_since = now
-            self.state.record(now, "node_suspect", node=node_id, reporter=reporter, reason=reason)
+            self.outbox.record(now, "node_suspect", node=node_id, reporter=reporter, reason=reason)
 
     def trust(self, node_id: str, now: float) -> bool:
         """A heartbeat from ``node_id``: if it was suspect long enough ago (one sent just before
@@ -108,7 +115,7 @@ class Membership:
         if info is None or info.suspect_since is None or now - info.suspect_since < SUSPECT_GRACE:
             return False
         info.suspect_since = None
-        self.state.record(now, "node_trusted", node=node_id)
+        self.outbox.record(now, "node_trusted", node=node_id)
         return True
 
     # ------------------------------------------------------------ inline quota

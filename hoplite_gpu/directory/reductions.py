@@ -23,24 +23,58 @@ from . import combine
 from .config import REDUCTIONS_KEPT
 from .lookups import failed_lookup, not_ready
 from .membership import reduction_cost
-from .records import Location, LocationState, ObjectEntry, PendingQuery, Reduction
+from .records import Location, LocationState, NodeInfo, ObjectEntry, PendingQuery, Reduction
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
 from .scheduling import computes_at, in_segment, input_holder, one_host
 
 if TYPE_CHECKING:
-    from .state import DirectoryState
+    from .catalog import Catalog
+    from .config import DirectoryConfig
+    from .lookups import Lookups
+    from .membership import Membership
+    from .outbox import Outbox
+    from .repair import Repair
 
 
 class Reductions:
-    """What happens to :attr:`~.state.DirectoryState.reductions`; which inputs they wait for
-    (:attr:`awaiting`) and the link estimate their trees are shaped by (:attr:`link`)."""
+    """What happens to the reductions; which inputs they wait for (:attr:`awaiting`) and the link
+    estimate their trees are shaped by (:attr:`link`).
 
-    def __init__(self, state: DirectoryState) -> None:
-        self.state = state
-        self.config = state.config
-        self.nodes = state.nodes
-        self.objects = state.objects
-        self.reductions = state.reductions
+    Args:
+        config: The directory's settings.
+        nodes: The joined nodes (read).
+        objects: The objects (read; the vertices' outputs and inline results are added here).
+        reductions: The reductions by id (this part adds and forgets them).
+        outbox: Where its messages and the events it records go.
+        members: Charged and released for the inputs of each node's reductions.
+        catalog: Told of vertices' outputs ready or dropped.
+        lookups: The lookups of a result that failed.
+
+    Its repair (:class:`~.repair.Repair`, made after it) comes through :meth:`connect`.
+    """
+
+    repair: Repair
+
+    def __init__(
+        self,
+        *,
+        config: DirectoryConfig,
+        nodes: dict[str, NodeInfo],
+        objects: dict[bytes, ObjectEntry],
+        reductions: dict[bytes, Reduction],
+        outbox: Outbox,
+        members: Membership,
+        catalog: Catalog,
+        lookups: Lookups,
+    ) -> None:
+        self.config = config
+        self.nodes = nodes
+        self.objects = objects
+        self.reductions = reductions
+        self.outbox = outbox
+        self.members = members
+        self.catalog = catalog
+        self.lookups = lookups
         self.awaiting: dict[bytes, set[bytes]] = {}  # input ObjectID -> reductions waiting for it
         # The reductions that may wait with a deadline: for inputs (until their plan is full) or
         # with a query. The service asks for the earliest after every event, which must not walk
@@ -48,17 +82,21 @@ class Reductions:
         self.timed: set[bytes] = set()
         self.link = LinkEstimate()
 
+    def connect(self, *, repair: Repair) -> None:
+        """Hand it the repair it calls when a vertex lost a source, or a root reported a result
+        of a tree a repair replaced."""
+        self.repair = repair
+
     # ------------------------------------------------------------ requests
     def request(self, node_id: str, msg: p.ReduceRequest, now: float) -> None:
         """A node asks for a reduction (every rank of a group may ask for the same one)."""
-        state = self.state
         rid, inputs = msg.reduction_id, tuple(msg.object_ids)
 
         def refuse(kind: str, text: str, culprit: bytes = b"") -> None:
             reply = p.ReduceReply(
                 request_id=msg.request_id, error=text, error_kind=kind, error_object_id=culprit
             )
-            state.send(node_id, reply)
+            self.outbox.send(node_id, reply)
 
         if len(rid) != 20 or not inputs or any(len(o) != 20 for o in inputs) or rid in inputs:
             refuse(
@@ -91,7 +129,7 @@ class Reductions:
                 )
                 return
             if not self._make_room(node_id, cost):
-                held = self.state.members.reduce_inputs.get(node_id, 0)
+                held = self.members.reduce_inputs.get(node_id, 0)
                 refuse(
                     "QuotaExceededError",
                     f"node's reductions hold {held} inputs here and this one counts {cost} "
@@ -108,7 +146,7 @@ class Reductions:
                 op,
                 coding,
             ) and (coding or existing.weights == weights):
-                state.send(node_id, p.ReduceReply(request_id=msg.request_id))  # every rank may ask
+                self.outbox.send(node_id, p.ReduceReply(request_id=msg.request_id))  # every rank may ask
             else:
                 refuse("ObjectExistsError", f"reduction {rid.hex()} already exists with other inputs or op")
             return
@@ -117,12 +155,12 @@ class Reductions:
             red = Reduction(plan, op, node_id, None, msg.timeout, done=True, restored=True)
             red.candidates = inputs if as_arrive else ()
             self.reductions[rid] = red
-            self.state.members.charge_reduction(red, cost)
+            self.members.charge_reduction(red, cost)
             result = self.objects[rid]
             result.reduction = b""
             result.owner = node_id  # the requester deletes it, as one computed here
-            state.send(node_id, p.ReduceReply(request_id=msg.request_id))
-            state.record(now, "reduce_restored", node=node_id, object_id=rid.hex())
+            self.outbox.send(node_id, p.ReduceReply(request_id=msg.request_id))
+            self.outbox.record(now, "reduce_restored", node=node_id, object_id=rid.hex())
             return
         if rid in self.objects:
             refuse("ObjectExistsError", f"object {rid.hex()} already exists; use another reduction id")
@@ -149,10 +187,10 @@ class Reductions:
             red.gather = combine.new_tracker(red)
         self.reductions[rid] = red
         self.mark_timed(red)
-        self.state.members.charge_reduction(red, cost)
+        self.members.charge_reduction(red, cost)
         self._forget_old()
-        state.send(node_id, p.ReduceReply(request_id=msg.request_id))
-        state.record(
+        self.outbox.send(node_id, p.ReduceReply(request_id=msg.request_id))
+        self.outbox.record(
             now, "reduce", node=node_id, object_id=rid.hex(), inputs=len(inputs), k=msg.num_objects, op=op
         )
         awaiting = self.awaiting
@@ -172,7 +210,7 @@ class Reductions:
         else:
             red.backlog.extend(entry.object_id for entry in present)
         if len(red.backlog) > self.config.place_slice:
-            state.resume(rid)  # this event did the O(inputs) part; placing comes next
+            self.outbox.resume(rid)  # this event did the O(inputs) part; placing comes next
         else:
             self.place_backlog(red, now)
 
@@ -187,7 +225,7 @@ class Reductions:
         if not red.active:
             red.backlog.clear()
         elif red.backlog:
-            self.state.resume(red.plan.reduction_id)
+            self.outbox.resume(red.plan.reduction_id)
 
     # ------------------------------------------------------------ placing inputs
     def object_ready(self, oid: bytes, now: float) -> None:
@@ -199,7 +237,7 @@ class Reductions:
 
     def offer(self, red: Reduction, oid: bytes, now: float) -> None:
         """Place input ``oid`` of ``red`` in its tree if it is wanted and has a usable copy."""
-        state, plan = self.state, red.plan
+        plan = red.plan
         entry = self.objects.get(oid)
         if not red.active or entry is None or not plan.wants(oid):
             return
@@ -241,10 +279,10 @@ class Reductions:
             return
         self.unawait(oid, plan.reduction_id)
         if len(plan.placed) == 1:
-            state.record(
+            self.outbox.record(
                 now, "reduce_tree", object_id=plan.reduction_id.hex(), degree=plan.degree, reason=plan.reason
             )
-        state.record(
+        self.outbox.record(
             now,
             "reduce_place",
             object_id=plan.reduction_id.hex(),
@@ -269,7 +307,7 @@ class Reductions:
         """An input of a reduction that decodes as inputs arrive is ready: add its row, and once
         the rows that arrived decode, place the inputs the decoding uses (all present) as the
         tree, with their weights known from the start."""
-        state, plan, tracker, oid = self.state, red.plan, red.gather, entry.object_id
+        plan, tracker, oid = red.plan, red.gather, entry.object_id
         assert tracker is not None
         if plan.size < 0:  # later inputs are checked against the first (see input_problem)
             plan.size, plan.dtype, plan.shape = entry.size, entry.dtype, tuple(entry.shape)
@@ -277,7 +315,7 @@ class Reductions:
         decodable = tracker.add(oid, red.coding[oid])
         if tracker.seen == before:
             return  # offered again (another copy completed): counted already
-        state.record(
+        self.outbox.record(
             now, "reduce_arrival", object_id=plan.reduction_id.hex(), input=oid.hex(), decodable=decodable
         )
         if not decodable:
@@ -300,7 +338,7 @@ class Reductions:
         red.plan = ReducePlan(plan.reduction_id, tuple(used), len(used), epoch=plan.epoch, fan_in=plan.fan_in)
         self.mark_timed(red)
         red.weights = dict(zip(used, weights, strict=True))
-        state.record(
+        self.outbox.record(
             now,
             "reduce_decodable",
             object_id=plan.reduction_id.hex(),
@@ -314,7 +352,7 @@ class Reductions:
     def _start_vertex(self, red: Reduction, pl: Placement, now: float) -> None:
         """Give the vertex's node its task (registering the output it will produce) and tell an
         already placed parent where this vertex's output is."""
-        state, plan = self.state, red.plan
+        plan = red.plan
         if pl.runs_task:
             root = pl.parent is None
             self.objects[pl.output_id] = ObjectEntry(
@@ -345,8 +383,8 @@ class Reductions:
                 await_weights=bool(red.coding) and not red.weights,
                 memory=red.memory or "",
             )
-            state.send(pl.node_id, task)
-            state.catalog.ready(pl.output_id, now)
+            self.outbox.send(pl.node_id, task)
+            self.catalog.ready(pl.output_id, now)
         parent = plan.by_vertex.get(pl.parent) if pl.parent is not None else None
         if parent is not None:
             child = p.ReduceChild(
@@ -357,7 +395,7 @@ class Reductions:
                 epoch=plan.epoch,
                 weight=combine.stream_weight(red, pl),
             )
-            state.send(parent.node_id, child)
+            self.outbox.send(parent.node_id, child)
 
     def _choose_weights(self, red: Reduction, now: float) -> bool:
         """A decoded reduction just chose its inputs: the weights whose sum of their encoding
@@ -375,10 +413,10 @@ class Reductions:
             )
             return False
         red.weights = weights
-        self.state.record(now, "reduce_weights", object_id=plan.reduction_id.hex(), epoch=plan.epoch)
+        self.outbox.record(now, "reduce_weights", object_id=plan.reduction_id.hex(), epoch=plan.epoch)
         for pl in plan.placed:
             if pl.runs_task:
-                self.state.send(pl.node_id, combine.weights_message(red, pl))
+                self.outbox.send(pl.node_id, combine.weights_message(red, pl))
         return True
 
     def _reduce_inline(self, red: Reduction, now: float) -> None:
@@ -393,8 +431,8 @@ class Reductions:
         red.inline = []
         red.inline_ids = []
         self._answer_queries(red)
-        self.state.record(now, "reduce_done", object_id=rid.hex(), inline=True)
-        self.state.catalog.ready(rid, now)
+        self.outbox.record(now, "reduce_done", object_id=rid.hex(), inline=True)
+        self.catalog.ready(rid, now)
 
     # ------------------------------------------------------------ vertices, results, failures
     def vertex_done(self, node_id: str, msg: p.VertexDone, now: float) -> None:
@@ -403,7 +441,7 @@ class Reductions:
         if red is not None and msg.ok and msg.vertex == 0 and (msg.epoch != red.plan.epoch or not red.active):
             # A root that finished just before a repair replaced its tree, or the reduction was
             # done without it (see Repair.stale_copy).
-            self.state.repair.stale_copy(msg.reduction_id, msg.epoch, node_id, msg.segment, now)
+            self.repair.stale_copy(msg.reduction_id, msg.epoch, node_id, msg.segment, now)
             return
         pl = red.plan.by_vertex.get(msg.vertex) if red is not None else None
         if (
@@ -417,7 +455,7 @@ class Reductions:
         if not msg.ok and msg.retry:
             # A source died or was reset under it: rebuild (the dead node's own report may follow).
             why = f"vertex {msg.vertex} on node {node_id[:8]} lost a source: {msg.reason}"
-            self.state.repair.rebuild(red, now, why)
+            self.repair.rebuild(red, now, why)
             return
         if not msg.ok:
             self.fail(
@@ -430,13 +468,13 @@ class Reductions:
             return
         entry = self.objects.get(pl.output_id)
         if entry is not None:
-            self.state.catalog.add_complete(entry, node_id, msg.segment)
-        self.state.record(
+            self.catalog.add_complete(entry, node_id, msg.segment)
+        self.outbox.record(
             now, "vertex_done", object_id=msg.reduction_id.hex(), vertex=msg.vertex, node=node_id
         )
         if pl.parent is None:
             self.finish(red, now)
-        self.state.catalog.ready(pl.output_id, now)
+        self.catalog.ready(pl.output_id, now)
 
     def finish(self, red: Reduction, now: float) -> None:
         """The root's output is complete: the reduction is done."""
@@ -446,12 +484,12 @@ class Reductions:
         for oid in red.plan.inputs:  # finished early (restored, or just before a repair)
             self.unawait(oid, red.plan.reduction_id)
         for inner in red.plan.intermediates():  # their parents hold everything they need
-            self.state.catalog.remove(inner.output_id, now)
+            self.catalog.remove(inner.output_id, now)
         result = self.objects.get(red.plan.reduction_id)
         if result is not None:
             result.reduction = b""  # final: a copy of it survives a directory restart
         self._answer_queries(red)
-        self.state.record(now, "reduce_done", object_id=red.plan.reduction_id.hex(), repairs=red.repairs)
+        self.outbox.record(now, "reduce_done", object_id=red.plan.reduction_id.hex(), repairs=red.repairs)
 
     def fail(
         self, red: Reduction, kind: str, message: str, now: float, culprit: bytes = b"", drop: str = "failed"
@@ -466,15 +504,15 @@ class Reductions:
         red.shun = frozenset()
         red.inline = []
         red.inline_ids = []
-        self.state.record(
+        self.outbox.record(
             now, "reduce_failed", object_id=plan.reduction_id.hex(), error_kind=kind, reason=message
         )
         for oid in plan.inputs:
             self.unawait(oid, plan.reduction_id)
         for pl in plan.placed:
             if pl.runs_task:  # a get waiting on a copy of its output raises the error
-                self.state.catalog.remove(pl.output_id, now, reason=drop, error=(kind, message))
-        self.state.lookups.fail(
+                self.catalog.remove(pl.output_id, now, reason=drop, error=(kind, message))
+        self.lookups.fail(
             plan.reduction_id, lambda pl: failed_lookup(pl.request_id, plan.reduction_id, error)
         )
         self._answer_queries(red)
@@ -501,9 +539,9 @@ class Reductions:
                 error=f"no reduction {msg.reduction_id.hex()} is known (never requested, or deleted)",
                 error_kind="ObjectNotFoundError",
             )
-            self.state.send(node_id, reply)
+            self.outbox.send(node_id, reply)
         elif red.error is not None or red.done:
-            self.state.send(node_id, reduced_reply(msg.request_id, red))
+            self.outbox.send(node_id, reduced_reply(msg.request_id, red))
         else:
             deadline = now + msg.timeout if msg.timeout > 0 else None
             red.queries.append(PendingQuery(node_id, msg.request_id, deadline))
@@ -513,7 +551,7 @@ class Reductions:
     def _answer_queries(self, red: Reduction) -> None:
         """Answer every waiting ``reduced_objects`` query (the reduction failed or finished)."""
         for q in red.queries:
-            self.state.send(q.node_id, reduced_reply(q.request_id, red))
+            self.outbox.send(q.node_id, reduced_reply(q.request_id, red))
         red.queries.clear()
 
     # ------------------------------------------------------------ bookkeeping
@@ -530,7 +568,7 @@ class Reductions:
         against its requester's quota."""
         red = self.reductions.pop(rid, None)
         if red is not None:
-            self.state.members.release_reduction(red)
+            self.members.release_reduction(red)
 
     def _forget_old(self) -> None:
         """Keep at most :data:`~.config.REDUCTIONS_KEPT` finished or failed reductions (oldest go
@@ -545,7 +583,7 @@ class Reductions:
         """Whether a new reduction of ``cost`` inputs (:func:`~.membership.reduction_cost`) fits
         ``node_id``'s quota of inputs, after forgetting as many of its finished or failed
         reductions as that takes (oldest first); unfinished ones are never forgotten."""
-        members = self.state.members
+        members = self.members
         if members.reduce_inputs_fit(node_id, cost):
             return True
         if cost > self.config.max_reduce_inputs:
@@ -604,7 +642,7 @@ class Reductions:
                     error=f"reduction {red.plan.reduction_id.hex()} did not choose its inputs in time",
                     error_kind="HopliteTimeoutError",
                 )
-                self.state.send(q.node_id, reply)
+                self.outbox.send(q.node_id, reply)
 
 
 def reduced_reply(request_id: int, red: Reduction) -> p.ReducedObjectsReply:

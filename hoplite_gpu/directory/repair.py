@@ -24,26 +24,49 @@ from typing import TYPE_CHECKING
 from .. import protocol as p
 from . import combine
 from .config import MAX_REPAIRS
-from .records import LocationState, ObjectEntry, PastTree, Reduction
+from .records import LocationState, NodeInfo, ObjectEntry, PastTree, Reduction
 from .reduce import ReducePlan
 from .scheduling import input_holder
 
 if TYPE_CHECKING:
-    from .state import DirectoryState
+    from .catalog import Catalog
+    from .outbox import Outbox
+    from .reductions import Reductions
 
 
 class Repair:
-    """Rebuilding the trees of :attr:`~.state.DirectoryState.reductions` after failures."""
+    """Rebuilding the trees of the reductions after failures.
 
-    def __init__(self, state: DirectoryState) -> None:
-        self.state = state
-        self.nodes = state.nodes
-        self.objects = state.objects
+    Args:
+        nodes: The joined nodes (read).
+        objects: The objects (read; an adopted result is added).
+        reductions: The reductions by id (read).
+        outbox: Where its messages and the events it records go.
+        catalog: The copies of the old trees' outputs, dropped or recorded.
+        reducer: The reductions' part, which places the inputs again, finishes or fails them.
+    """
+
+    def __init__(
+        self,
+        *,
+        nodes: dict[str, NodeInfo],
+        objects: dict[bytes, ObjectEntry],
+        reductions: dict[bytes, Reduction],
+        outbox: Outbox,
+        catalog: Catalog,
+        reducer: Reductions,
+    ) -> None:
+        self.nodes = nodes
+        self.objects = objects
+        self.reductions = reductions
+        self.outbox = outbox
+        self.catalog = catalog
+        self.reducer = reducer
 
     def node_left(self, node_id: str, now: float, reason: str) -> None:
         """``node_id`` left: rebuild every active reduction it held a vertex of, and count again
         the arrivals of those decoding as inputs arrive that lost one."""
-        for red in list(self.state.reductions.values()):
+        for red in list(self.reductions.values()):
             hit = [pl for pl in red.plan.placed if pl.node_id == node_id]
             if hit and red.active:
                 self.rebuild(red, now, f"node {node_id[:8]} holding vertex {hit[0].vertex} {reason}")
@@ -63,7 +86,7 @@ class Repair:
         have a live copy, in their arrival order, then the next ready inputs."""
         if not red.active:
             return
-        state, reducer, catalog = self.state, self.state.reducer, self.state.catalog
+        reducer, catalog = self.reducer, self.catalog
         old = red.plan
         rid = old.reduction_id
         result = self.objects.get(rid)
@@ -79,7 +102,7 @@ class Repair:
             text = f"reduction {rid.hex()} failed {MAX_REPAIRS} times; last: {why}"
             reducer.fail(red, "ReductionFailedError", text, now)
             return
-        state.record(now, "reduce_repair", object_id=rid.hex(), epoch=old.epoch + 1, reason=why)
+        self.outbox.record(now, "reduce_repair", object_id=rid.hex(), epoch=old.epoch + 1, reason=why)
         if old.full and result is not None and result.locations:
             # A live node computed or read its result: that copy may be complete (see stale_copy).
             red.past[old.epoch] = PastTree(old, dict(red.weights))
@@ -112,12 +135,12 @@ class Repair:
     def regather(self, red: Reduction, now: float) -> None:
         """An input that a reduction decoding as inputs arrive counted on lost its last copy
         before the decoding was complete: count again over the inputs that are still present."""
-        self.state.record(now, "reduce_regather", object_id=red.plan.reduction_id.hex())
+        self.outbox.record(now, "reduce_regather", object_id=red.plan.reduction_id.hex())
         red.gather = combine.new_tracker(red)
         red.plan.size = -1
         for oid in red.candidates:
             if red.active and red.gather is not None and oid in self.objects:
-                self.state.reducer.offer(red, oid, now)
+                self.reducer.offer(red, oid, now)
 
     def stale_copy(self, rid: bytes, epoch: int, node_id: str, segment: str, now: float) -> None:
         """``node_id`` holds a complete copy of reduction ``rid``'s result computed by its tree of
@@ -127,8 +150,8 @@ class Repair:
         node computes the new tree's root, whose task replaced the copy there, or a copy of the
         new tree's result is complete already); else the node drops the copy, of a tree nobody
         uses."""
-        state, catalog = self.state, self.state.catalog
-        red = state.reductions.get(rid)
+        catalog = self.catalog
+        red = self.reductions.get(rid)
         entry = self.objects.get(rid)
         if red is not None and red.error is None and epoch == red.plan.epoch:
             if entry is not None and entry.inline is None:
@@ -145,17 +168,17 @@ class Repair:
         if red is not None and tree is not None and not computes and not won:
             self._adopt(red, tree, node_id, segment, now)
             return
-        state.record(now, "reduce_stale_copy", object_id=rid.hex(), node=node_id, epoch=epoch)
+        self.outbox.record(now, "reduce_stale_copy", object_id=rid.hex(), node=node_id, epoch=epoch)
         if not computes and (entry is None or node_id not in entry.locations):
-            state.send(node_id, p.DropObject(object_id=rid, reason="deleted"))
+            self.outbox.send(node_id, p.DropObject(object_id=rid, reason="deleted"))
 
     def _adopt(self, red: Reduction, past: PastTree, node_id: str, segment: str, now: float) -> None:
         """Finish ``red`` with the tree ``past`` whose result ``node_id`` holds complete: cancel
         the tree that replaced it, and record that copy as the result."""
-        state, catalog, reducer = self.state, self.state.catalog, self.state.reducer
+        catalog, reducer = self.catalog, self.reducer
         current = red.plan
         rid = current.reduction_id
-        state.record(
+        self.outbox.record(
             now,
             "reduce_adopted",
             object_id=rid.hex(),

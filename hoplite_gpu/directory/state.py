@@ -31,7 +31,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from .. import protocol as p
 from .barriers import Barriers
@@ -54,6 +54,7 @@ from .events import (
 from .invariants import InvariantError, problems
 from .lookups import Lookups
 from .membership import Membership
+from .outbox import Outbox
 from .records import LocationState, NodeInfo, ObjectEntry, PendingLookup, Reduction, Transfer
 from .recovery import Recovery
 from .reductions import Reductions
@@ -109,6 +110,15 @@ def on_request(kind: type[p.Message]) -> Callable[[_Handler], _Handler]:
     return _handles(_REQUEST_HANDLERS, kind)
 
 
+class _Tables(TypedDict):
+    """The settings and the records most parts are handed (by keyword)."""
+
+    config: DirectoryConfig
+    nodes: dict[str, NodeInfo]
+    objects: dict[bytes, ObjectEntry]
+    reductions: dict[bytes, Reduction]
+
+
 class DirectoryState:
     """The directory's state and transition logic (pure, synchronous).
 
@@ -124,19 +134,46 @@ class DirectoryState:
         self.objects: dict[bytes, ObjectEntry] = {}  # catalog, and reducer for results
         self.reductions: dict[bytes, Reduction] = {}  # reducer and repair
         self.eventlog = EventLog(config.event_log_bytes)
-        self.members = Membership(self)
-        self.lookups = Lookups(self)
-        self.catalog = Catalog(self)
-        self.reducer = Reductions(self)
-        self.repair = Repair(self)
-        self.recovery = Recovery(self)
-        self.barriers = Barriers(self)
-        self.watches = Watches(self.send, self.record, config.max_pending_lookups, self.barriers.group_lost)
-        self._stimuli = itertools.count(1)
-        self._event: Event | None = None  # the event being handled (or handled last)
-        self._stimulus = 0  # its number
-        self._cause = ""  # its cause, once asked for (most events write nothing)
-        self._out: list[Instruction] = []
+        self.outbox = outbox = Outbox(self.eventlog)
+        # The parts, each handed its records, the outbox and the parts it calls; those it calls
+        # that are made after it come through its connect().
+        nodes, objects, reductions = self.nodes, self.objects, self.reductions
+        tables: _Tables = {"config": config, "nodes": nodes, "objects": objects, "reductions": reductions}
+        self.members = members = Membership(config=config, nodes=nodes, outbox=outbox)
+        self.catalog = catalog = Catalog(**tables, outbox=outbox, members=members)
+        self.lookups = lookups = Lookups(**tables, outbox=outbox, members=members, catalog=catalog)
+        self.reducer = reducer = Reductions(
+            **tables, outbox=outbox, members=members, catalog=catalog, lookups=lookups
+        )
+        # A reduction's tree is rebuilt by the repair, which places its inputs again through the
+        # reducer: each is handed the other.
+        self.repair = repair = Repair(
+            nodes=nodes,
+            objects=objects,
+            reductions=reductions,
+            outbox=outbox,
+            catalog=catalog,
+            reducer=reducer,
+        )
+        reducer.connect(repair=repair)
+        self.barriers = barriers = Barriers(
+            config=config, reductions=reductions, outbox=outbox, catalog=catalog, lookups=lookups
+        )
+        self.watches = watches = Watches(
+            outbox.send, outbox.record, config.max_pending_lookups, barriers.group_lost
+        )
+        barriers.connect(watches=watches)
+        self.recovery = recovery = Recovery(
+            **tables,
+            outbox=outbox,
+            members=members,
+            catalog=catalog,
+            reducer=reducer,
+            lookups=lookups,
+            watches=watches,
+        )
+        catalog.connect(lookups=lookups, reducer=reducer)
+        lookups.connect(reducer=reducer, repair=repair, recovery=recovery)
 
     # ------------------------------------------------------------ tables the parts own
     @property
@@ -172,8 +209,7 @@ class DirectoryState:
         event, never the directory: it is logged (and recorded as a ``handler_failed`` event), the
         instructions produced before it still go out, and a request gets an ``ErrorReply``.
         """
-        self._out = []
-        self._event, self._stimulus, self._cause = event, next(self._stimuli), ""
+        self.outbox.begin(event)
         try:
             name = _EVENT_HANDLERS.get(type(event))
             if name is None:  # pragma: no cover - every Event type has a handler
@@ -189,7 +225,7 @@ class DirectoryState:
                     what = f"the directory failed to handle this {event.message.TYPE} request: {text[:500]}"
                     reply = p.ErrorReply(request_id=request_id, kind="HopliteError", message=what)
                     self.send(event.node_id, reply)
-        out, self._out = self._out, []
+        out = self.outbox.take()
         if self.check_invariants:
             self.validate()
         return out
@@ -212,26 +248,20 @@ class DirectoryState:
     def cause(self) -> str:
         """The cause of the event being handled, or handled last (see :mod:`.events`):
         ``"<kind>#<number>"``, e.g. ``"lookup#17"``; "" before the first."""
-        if not self._cause and self._event is not None:
-            self._cause = f"{self._event.kind}#{self._stimulus}"
-        return self._cause
+        return self.outbox.cause
 
     def send(self, node_id: str, message: p.Message) -> None:
         """Send ``message`` to node ``node_id``, for the event being handled."""
-        self._out.append(Send(node_id, message, self.cause))
+        self.outbox.send(node_id, message)
 
     def disconnect(self, node_id: str, reason: str) -> None:
         """Close ``node_id``'s connection: it was declared dead."""
-        self._out.append(Disconnect(node_id, reason, self.cause))
-
-    def resume(self, reduction_id: bytes) -> None:
-        """Ask the host for a :class:`ContinueReduce` once the events waiting now are handled."""
-        self._out.append(Resume(reduction_id, self.cause))
+        self.outbox.disconnect(node_id, reason)
 
     def record(self, now: float, kind: str, **details: Any) -> None:
         """Append an event of ``kind`` to the event log, with the cause of the event being handled
         (also for the hosting service's own events)."""
-        self.eventlog.append(now, kind, self.cause, details)
+        self.outbox.record(now, kind, **details)
 
     # ------------------------------------------------------------ invariants
     def problems(self) -> list[str]:

@@ -47,7 +47,7 @@ class WatchedGroup:
 
 
 class Watches:
-    """The directory's watched groups (a part of :class:`~.state.DirectoryState`).
+    """The directory's watched groups.
 
     Args:
         send: Sends a message to a node (for the event being handled).
