@@ -57,6 +57,7 @@ PURE = (
     "hoplite_gpu.directory.watches",
     "hoplite_gpu.directory.barriers",
     "hoplite_gpu.directory.outbox",
+    "hoplite_gpu.directory.reduce_request",
     "hoplite_gpu.protocol",
     "hoplite_gpu.dataplane.ucx.choice",
     "hoplite_gpu.dataplane.ucx.probe",

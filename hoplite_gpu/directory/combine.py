@@ -1,6 +1,7 @@
 """How a reduction combines its inputs: which inputs can be reduced together, their weights
-(given, or decoded from a code's encoding rows), and the directory-side reduce of inline inputs.
-Pure functions over a :class:`~.records.Reduction`; NumPy only."""
+(given, or decoded from a code's encoding rows), what each vertex is sent, and the
+directory-side reduce of inline inputs. Pure functions over a :class:`~.records.Reduction`;
+NumPy only."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..coding.decoding import DecodeTracker, solve_decoding
 from ..dtypes import dtype_from_wire
 from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op, check_dtype, reduce_chunk, weighted_sum_chunk
-from .records import ObjectEntry, Reduction
+from .records import Location, LocationState, ObjectEntry, Reduction
 from .reduce import Placement, ReducePlan
 
 
@@ -100,6 +101,58 @@ def weights_message(red: Reduction, pl: Placement) -> p.ReduceWeights:
     plan = red.plan
     return p.ReduceWeights(
         reduction_id=plan.reduction_id, vertex=pl.vertex, epoch=plan.epoch, weights=vertex_weights(red, pl)
+    )
+
+
+def vertex_output(red: Reduction, pl: Placement) -> ObjectEntry:
+    """The object vertex ``pl`` produces, a partial copy on its node from the start (the root's
+    belongs to the requester, who deletes it)."""
+    plan = red.plan
+    return ObjectEntry(
+        object_id=pl.output_id,
+        size=plan.size,
+        dtype=plan.dtype,
+        shape=list(plan.shape),
+        digest=b"",
+        owner=red.requester if pl.parent is None else pl.node_id,
+        inline=None,
+        memory=red.memory or "",
+        locations={pl.node_id: Location(pl.node_id, LocationState.PARTIAL, 0, producing=True)},
+        reduction=plan.reduction_id,
+    )
+
+
+def vertex_task(red: Reduction, pl: Placement) -> p.ReduceTask:
+    """The task of vertex ``pl``, for its node."""
+    plan = red.plan
+    return p.ReduceTask(
+        reduction_id=plan.reduction_id,
+        vertex=pl.vertex,
+        input_id=pl.object_id,
+        output_id=pl.output_id,
+        children=plan.child_sources(pl.vertex),
+        op=red.op,
+        count=plan.num_objects if pl.parent is None else 0,
+        size=plan.size,
+        dtype=plan.dtype,
+        shape=list(plan.shape),
+        epoch=plan.epoch,
+        weights=vertex_weights(red, pl),
+        await_weights=bool(red.coding) and not red.weights,
+        memory=red.memory or "",
+    )
+
+
+def child_message(red: Reduction, pl: Placement, parent: Placement) -> p.ReduceChild:
+    """What tells vertex ``parent``'s node where its child ``pl``'s output is."""
+    plan = red.plan
+    return p.ReduceChild(
+        reduction_id=plan.reduction_id,
+        vertex=parent.vertex,
+        index=parent.children.index(pl.vertex),
+        object_id=pl.output_id,
+        epoch=plan.epoch,
+        weight=stream_weight(red, pl),
     )
 
 

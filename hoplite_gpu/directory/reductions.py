@@ -17,14 +17,22 @@ from typing import TYPE_CHECKING
 
 from .. import protocol as p
 from ..coding.decoding import DECODE_TOLERANCE
-from ..errors import InvalidArgumentError
-from ..reduce_ops import as_op
 from . import combine
 from .config import REDUCTIONS_KEPT
 from .lookups import failed_lookup, not_ready
-from .membership import reduction_cost
-from .records import Location, LocationState, NodeInfo, ObjectEntry, PendingQuery, Reduction
+from .records import NodeInfo, ObjectEntry, PendingQuery, Reduction
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
+from .reduce_request import (
+    Asked,
+    Refusal,
+    asks_the_same,
+    inputs_problem,
+    late_reply,
+    read_request,
+    reduced_reply,
+    refusal_reply,
+    unknown_reply,
+)
 from .scheduling import computes_at, in_segment, input_holder, one_host
 
 if TYPE_CHECKING:
@@ -90,119 +98,112 @@ class Reductions:
     # ------------------------------------------------------------ requests
     def request(self, node_id: str, msg: p.ReduceRequest, now: float) -> None:
         """A node asks for a reduction (every rank of a group may ask for the same one)."""
-        rid, inputs = msg.reduction_id, tuple(msg.object_ids)
-
-        def refuse(kind: str, text: str, culprit: bytes = b"") -> None:
-            reply = p.ReduceReply(
-                request_id=msg.request_id, error=text, error_kind=kind, error_object_id=culprit
-            )
-            self.outbox.send(node_id, reply)
-
-        if len(rid) != 20 or not inputs or any(len(o) != 20 for o in inputs) or rid in inputs:
-            refuse(
-                "InvalidArgumentError", "a reduction needs 20-byte ObjectIDs and an id not among its inputs"
-            )
+        asked = read_request(msg)
+        if isinstance(asked, tuple):
+            self.outbox.send(node_id, refusal_reply(msg.request_id, asked))
             return
-        as_arrive = msg.num_objects == 0 and bool(msg.coding)
-        try:
-            op = as_op(msg.op).value
-            if msg.ordered and (as_arrive or msg.coding):
-                raise ValueError("inputs placed in the listed order cannot be chosen by their encoding")
-            count = len(inputs) if as_arrive else msg.num_objects
-            plan = ReducePlan(rid, inputs, count, fan_in=msg.degree, ordered=msg.ordered)
-        except (InvalidArgumentError, ValueError) as exc:
-            refuse("InvalidArgumentError", str(exc))
-            return
-        if (msg.weights or msg.coding) and op != "sum":
-            refuse("InvalidArgumentError", f"weights need the SUM op, not {op.upper()}")
-            return
-        weights = dict(zip(inputs, msg.weights, strict=True)) if msg.weights else {}
-        coding = dict(zip(inputs, msg.coding, strict=True)) if msg.coding else {}
+        rid = msg.reduction_id
         existing = self.reductions.get(rid)
-        cost = reduction_cost(msg)
-        if existing is None:  # (bounded: the directory keeps at most REDUCTIONS_KEPT of them)
-            active = sum(1 for red in self.reductions.values() if red.requester == node_id and red.active)
-            quota = self.config.max_reductions
-            if active >= quota:
-                refuse(
-                    "QuotaExceededError", f"node has {quota} reductions not finished, the directory's quota"
-                )
-                return
-            if not self._make_room(node_id, cost):
-                held = self.members.reduce_inputs.get(node_id, 0)
-                refuse(
-                    "QuotaExceededError",
-                    f"node's reductions hold {held} inputs here and this one counts {cost} "
-                    "(weights and encoding numbers included): that exceeds the directory's quota of "
-                    f"{self.config.max_reduce_inputs} (Config.directory_max_reduce_inputs)",
-                )
-                return
         if existing is not None:
-            old = existing.plan
-            asked = (existing.candidates, 0) if existing.candidates else (old.inputs, old.num_objects)
-            if (*asked, existing.op, existing.coding) == (
-                inputs,
-                msg.num_objects,
-                op,
-                coding,
-            ) and (coding or existing.weights == weights):
-                self.outbox.send(node_id, p.ReduceReply(request_id=msg.request_id))  # every rank may ask
-            else:
-                refuse("ObjectExistsError", f"reduction {rid.hex()} already exists with other inputs or op")
+            self._asked_again(node_id, msg, existing, asked)
             return
-        if rid in self.objects and msg.rejoin:
-            # Re-sent to this restarted directory, and a node restored the finished result.
-            red = Reduction(plan, op, node_id, None, msg.timeout, done=True, restored=True)
-            red.candidates = inputs if as_arrive else ()
-            self.reductions[rid] = red
-            self.members.charge_reduction(red, cost)
-            result = self.objects[rid]
-            result.reduction = b""
-            result.owner = node_id  # the requester deletes it, as one computed here
+        refused = self._quota_problem(node_id, asked.cost)
+        if refused is None and rid in self.objects and msg.rejoin:
+            self._restored(node_id, msg, asked, now)
+            return
+        if refused is None and rid in self.objects:
+            refused = "ObjectExistsError", f"object {rid.hex()} already exists; use another reduction id", b""
+        present = [self.objects[o] for o in asked.plan.inputs if o in self.objects]
+        if refused is None:  # refuse what is already known to be wrong: nothing gets reduced
+            refused = inputs_problem(asked, present)
+        if refused is not None:
+            self.outbox.send(node_id, refusal_reply(msg.request_id, refused))
+            return
+        red = self._start(node_id, msg, asked, now)
+        self._queue_present(red, present, now)
+
+    def _asked_again(self, node_id: str, msg: p.ReduceRequest, existing: Reduction, asked: Asked) -> None:
+        """Reduction ``msg.reduction_id`` exists: answered as requested if ``msg`` asks for the same
+        one, else refused."""
+        if asks_the_same(existing, asked, msg.num_objects):
             self.outbox.send(node_id, p.ReduceReply(request_id=msg.request_id))
-            self.outbox.record(now, "reduce_restored", node=node_id, object_id=rid.hex())
             return
-        if rid in self.objects:
-            refuse("ObjectExistsError", f"object {rid.hex()} already exists; use another reduction id")
-            return
-        objects = self.objects
-        present = [objects[o] for o in inputs if o in objects]
-        if present:  # refuse what is already known to be wrong: nothing gets reduced
-            first = present[0]
-            for entry in present:
-                same_kind = (entry.size, entry.dtype, entry.shape) == (first.size, first.dtype, first.shape)
-                if entry is not first and same_kind:
-                    continue  # the first had the full check
-                problem = combine.input_problem(plan, entry, first, bool(weights or coding))
-                if problem is None and entry is first and weights:
-                    problem = combine.weights_problem(weights.values(), entry.dtype)
-                if problem is not None:
-                    refuse(problem[0], problem[1], entry.object_id)
-                    return
-        red = Reduction(plan, op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
-        red.weights = weights
-        red.coding = coding
-        if as_arrive:
-            red.candidates = inputs
+        text = f"reduction {msg.reduction_id.hex()} already exists with other inputs or op"
+        self.outbox.send(node_id, refusal_reply(msg.request_id, ("ObjectExistsError", text, b"")))
+
+    def _quota_problem(self, node_id: str, cost: int) -> Refusal | None:
+        """Why ``node_id`` may not request one more reduction of ``cost`` inputs (its unfinished
+        reductions, or the inputs its reductions hold), or None; room is made by forgetting its
+        finished ones (see :meth:`_make_room`). The directory keeps at most REDUCTIONS_KEPT."""
+        active = sum(1 for red in self.reductions.values() if red.requester == node_id and red.active)
+        quota = self.config.max_reductions
+        if active >= quota:
+            return (
+                "QuotaExceededError",
+                f"node has {quota} reductions not finished, the directory's quota",
+                b"",
+            )
+        if self._make_room(node_id, cost):
+            return None
+        held = self.members.reduce_inputs.get(node_id, 0)
+        text = (
+            f"node's reductions hold {held} inputs here and this one counts {cost} "
+            "(weights and encoding numbers included): that exceeds the directory's quota of "
+            f"{self.config.max_reduce_inputs} (Config.directory_max_reduce_inputs)"
+        )
+        return "QuotaExceededError", text, b""
+
+    def _restored(self, node_id: str, msg: p.ReduceRequest, asked: Asked, now: float) -> None:
+        """Re-sent to this restarted directory, and a node restored the finished result: the
+        reduction is done."""
+        rid, plan = msg.reduction_id, asked.plan
+        red = Reduction(plan, asked.op, node_id, None, msg.timeout, done=True, restored=True)
+        red.candidates = plan.inputs if asked.as_arrive else ()
+        self.reductions[rid] = red
+        self.members.charge_reduction(red, asked.cost)
+        result = self.objects[rid]
+        result.reduction = b""
+        result.owner = node_id  # the requester deletes it, as one computed here
+        self.outbox.send(node_id, p.ReduceReply(request_id=msg.request_id))
+        self.outbox.record(now, "reduce_restored", node=node_id, object_id=rid.hex())
+
+    def _start(self, node_id: str, msg: p.ReduceRequest, asked: Asked, now: float) -> Reduction:
+        """Keep the reduction ``asked`` for, answer its requester, and wait for its inputs."""
+        plan, rid = asked.plan, msg.reduction_id
+        red = Reduction(plan, asked.op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
+        red.weights = asked.weights
+        red.coding = asked.coding
+        if asked.as_arrive:
+            red.candidates = plan.inputs
             red.gather = combine.new_tracker(red)
         self.reductions[rid] = red
         self.mark_timed(red)
-        self.members.charge_reduction(red, cost)
+        self.members.charge_reduction(red, asked.cost)
         self._forget_old()
         self.outbox.send(node_id, p.ReduceReply(request_id=msg.request_id))
         self.outbox.record(
-            now, "reduce", node=node_id, object_id=rid.hex(), inputs=len(inputs), k=msg.num_objects, op=op
+            now,
+            "reduce",
+            node=node_id,
+            object_id=rid.hex(),
+            inputs=len(plan.inputs),
+            k=msg.num_objects,
+            op=asked.op,
         )
         awaiting = self.awaiting
-        for oid in inputs:
+        for oid in plan.inputs:
             waiting = awaiting.get(oid)
             if waiting is None:
                 awaiting[oid] = {rid}
             else:
                 waiting.add(rid)
-        # The requester's own inputs first: one of them computes the root (see offer), whatever
-        # the others' position in the list.
-        mine = [entry.object_id for entry in present if computes_at(self.nodes, entry, node_id)]
+        return red
+
+    def _queue_present(self, red: Reduction, present: list[ObjectEntry], now: float) -> None:
+        """Queue the inputs ``present`` at the request for placing (:meth:`place_backlog`), the
+        requester's own first: one of them computes the root (see :meth:`offer`), whatever the
+        others' position in the list. Many are placed over later events."""
+        mine = [entry.object_id for entry in present if computes_at(self.nodes, entry, red.requester)]
         red.backlog.extend(mine)
         if mine:
             chosen = set(mine)
@@ -210,7 +211,7 @@ class Reductions:
         else:
             red.backlog.extend(entry.object_id for entry in present)
         if len(red.backlog) > self.config.place_slice:
-            self.outbox.resume(rid)  # this event did the O(inputs) part; placing comes next
+            self.outbox.resume(red.plan.reduction_id)  # this event did the O(inputs) part
         else:
             self.place_backlog(red, now)
 
@@ -352,50 +353,13 @@ class Reductions:
     def _start_vertex(self, red: Reduction, pl: Placement, now: float) -> None:
         """Give the vertex's node its task (registering the output it will produce) and tell an
         already placed parent where this vertex's output is."""
-        plan = red.plan
         if pl.runs_task:
-            root = pl.parent is None
-            self.objects[pl.output_id] = ObjectEntry(
-                object_id=pl.output_id,
-                size=plan.size,
-                dtype=plan.dtype,
-                shape=list(plan.shape),
-                digest=b"",
-                owner=red.requester if root else pl.node_id,
-                inline=None,
-                memory=red.memory or "",
-                locations={pl.node_id: Location(pl.node_id, LocationState.PARTIAL, 0, producing=True)},
-                reduction=plan.reduction_id,
-            )
-            task = p.ReduceTask(
-                reduction_id=plan.reduction_id,
-                vertex=pl.vertex,
-                input_id=pl.object_id,
-                output_id=pl.output_id,
-                children=plan.child_sources(pl.vertex),
-                op=red.op,
-                count=plan.num_objects if root else 0,
-                size=plan.size,
-                dtype=plan.dtype,
-                shape=list(plan.shape),
-                epoch=plan.epoch,
-                weights=combine.vertex_weights(red, pl),
-                await_weights=bool(red.coding) and not red.weights,
-                memory=red.memory or "",
-            )
-            self.outbox.send(pl.node_id, task)
+            self.objects[pl.output_id] = combine.vertex_output(red, pl)
+            self.outbox.send(pl.node_id, combine.vertex_task(red, pl))
             self.catalog.ready(pl.output_id, now)
-        parent = plan.by_vertex.get(pl.parent) if pl.parent is not None else None
+        parent = red.plan.by_vertex.get(pl.parent) if pl.parent is not None else None
         if parent is not None:
-            child = p.ReduceChild(
-                reduction_id=plan.reduction_id,
-                vertex=parent.vertex,
-                index=parent.children.index(pl.vertex),
-                object_id=pl.output_id,
-                epoch=plan.epoch,
-                weight=combine.stream_weight(red, pl),
-            )
-            self.outbox.send(parent.node_id, child)
+            self.outbox.send(parent.node_id, combine.child_message(red, pl, parent))
 
     def _choose_weights(self, red: Reduction, now: float) -> bool:
         """A decoded reduction just chose its inputs: the weights whose sum of their encoding
@@ -534,12 +498,7 @@ class Reductions:
         """Which inputs a reduction uses: answered now if it finished or failed, else once it does."""
         red = self.reductions.get(msg.reduction_id)
         if red is None:
-            reply = p.ReducedObjectsReply(
-                request_id=msg.request_id,
-                error=f"no reduction {msg.reduction_id.hex()} is known (never requested, or deleted)",
-                error_kind="ObjectNotFoundError",
-            )
-            self.outbox.send(node_id, reply)
+            self.outbox.send(node_id, unknown_reply(msg.request_id, msg.reduction_id))
         elif red.error is not None or red.done:
             self.outbox.send(node_id, reduced_reply(msg.request_id, red))
         else:
@@ -637,33 +596,4 @@ class Reductions:
             expired = [q for q in red.queries if q.deadline is not None and q.deadline <= now]
             for q in expired:
                 red.queries.remove(q)
-                reply = p.ReducedObjectsReply(
-                    request_id=q.request_id,
-                    error=f"reduction {red.plan.reduction_id.hex()} did not choose its inputs in time",
-                    error_kind="HopliteTimeoutError",
-                )
-                self.outbox.send(q.node_id, reply)
-
-
-def reduced_reply(request_id: int, red: Reduction) -> p.ReducedObjectsReply:
-    """The answer to a ``reduced_objects`` query of a failed or finished reduction. A finished
-    one whose result was lost since still names its inputs: a reader may hold the whole result
-    (its last bytes arrived as the root died)."""
-    if red.error is not None and not red.done:
-        kind, message, culprit = red.error
-        return p.ReducedObjectsReply(
-            request_id=request_id, error=message, error_kind=kind, error_object_id=culprit
-        )
-    plan = red.plan
-    if red.restored and red.chooses:
-        return p.ReducedObjectsReply(
-            request_id=request_id,
-            error=(
-                f"reduction {plan.reduction_id.hex()} finished before the directory restarted; "
-                f"which of its {len(red.candidates or plan.inputs)} inputs it reduced is not known"
-            ),
-            error_kind="ObjectNotFoundError",
-        )
-    if red.restored:
-        return p.ReducedObjectsReply(request_id=request_id, object_ids=list(plan.inputs))
-    return p.ReducedObjectsReply(request_id=request_id, object_ids=plan.reduced_objects())
+                self.outbox.send(q.node_id, late_reply(q.request_id, red))
