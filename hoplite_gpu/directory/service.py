@@ -5,6 +5,8 @@ the state machine with the current monotonic time, and writes the resulting inst
 right connections. A request that is too large or fails its checks is answered with an
 ``ErrorReply`` (``InvalidArgumentError``); a connection that fails authentication, or sends another
 malformed or oversized frame, is closed and logged; everyone else keeps being served.
+Admitting and authenticating a connection is :mod:`.handshake`'s; the connections and the caller
+channels a reply goes back on are :mod:`.channels`'.
 """
 
 from __future__ import annotations
@@ -15,25 +17,22 @@ import dataclasses
 import logging
 import math
 import os
-import resource
 import socket
 import ssl
 import time
 import uuid
 from typing import Any
 
-from .. import auth
 from .. import protocol as p
 from ..config import Config
 from ..errors import HopliteError, ProtocolError
-from ..topology import Inventory
+from .channels import Channels, Conn
 from .config import DirectoryConfig
 from .events import (
     AuthFailed,
     ContinueReduce,
     Disconnect,
     Event,
-    NodeJoined,
     NodeLeft,
     Request,
     Resume,
@@ -41,19 +40,15 @@ from .events import (
     Tick,
 )
 from .frames import FrameReader, Refusal
+from .handshake import HANDSHAKE_TIMEOUT, Admission, Greeter
 from .listeners import connection_host, listen_local, listen_tcp
 from .state import DirectoryState
 
 log = logging.getLogger("hoplite_gpu.directory")
 
-#: Seconds a connection has, from its accept, to finish TLS (if served) and authenticate.
-HANDSHAKE_TIMEOUT = 10.0
 #: First and longest pauses before accepting again after an accept failed for want of descriptors
 #: or memory (the connections wait in the kernel's backlog meanwhile).
 ACCEPT_BACKOFF = (0.01, 1.0)
-#: The caps of connections still authenticating take at most 1/this of the descriptors the
-#: process may open, so that they never leave none for the nodes that authenticated.
-HANDSHAKE_SHARE_OF_FILES = 2
 
 
 async def _closed(writer: asyncio.StreamWriter) -> None:
@@ -70,46 +65,6 @@ HELD_BYTES = 1 << 20
 #: Caller channels a node may hold open (:mod:`hoplite_gpu.node.channel`); one more is refused
 #: and its thread goes through the node's own connection.
 MAX_CHANNELS_PER_NODE = 64
-
-
-def _handshake_caps(config: DirectoryConfig) -> tuple[int, int]:
-    """The caps of connections still authenticating, in all and per address: the configured
-    ones, within :data:`HANDSHAKE_SHARE_OF_FILES` of the descriptors this process may open."""
-    most, per_address = config.max_handshakes, config.max_handshakes_per_address
-    try:
-        files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (OSError, ValueError):
-        files = resource.RLIM_INFINITY
-    if files != resource.RLIM_INFINITY and most > max(1, files // HANDSHAKE_SHARE_OF_FILES):
-        most = max(1, files // HANDSHAKE_SHARE_OF_FILES)
-        log.warning(
-            "at most %d connections may authenticate at once (Config.directory_max_handshakes is %d): "
-            "this process may open %d files",
-            most,
-            config.max_handshakes,
-            files,
-        )
-    return most, min(per_address, most)
-
-
-class _Conn:
-    __slots__ = ("channel", "held", "node_id", "out", "peer", "waiting", "writer")
-
-    def __init__(self, node_id: str, writer: asyncio.StreamWriter, peer: str, channel: bool = False) -> None:
-        self.node_id = node_id
-        self.writer = writer
-        self.peer = peer
-        self.out: list[bytes] = []  # frames held while a batch of requests is handled
-        self.held = 0  # their bytes
-        # A caller channel of the node (Hello.channel): the request it waits on (0: none), whose
-        # reply goes back on it.
-        self.channel = channel
-        self.waiting = 0
-
-    def take(self) -> bytes:
-        """The frames held for this connection, joined; it holds none after."""
-        frames, self.out, self.held = self.out, [], 0
-        return b"".join(frames)
 
 
 class DirectoryService:
@@ -144,19 +99,18 @@ class DirectoryService:
         self.state = DirectoryState(dataclasses.replace(config, validate=False))
         self.tls = tls
         self.dropped_unread = 0
-        self.handshaking = 0
-        self._handshaking_from: dict[str, int] = {}  # peer address -> connections authenticating
-        self.refused_handshakes = 0
         self.refused_requests = 0  # refused with an ErrorReply (too large, or failing checks)
         self._warned: dict[str, tuple[float, int]] = {}  # warning kind -> (last logged, suppressed)
         self.violations = 0
         self.directory_id = uuid.uuid4().hex
-        self.auth_failures = 0
-        self._conns: dict[str, _Conn] = {}
-        self._channels: dict[str, list[_Conn]] = {}  # node id -> its caller channels
-        self._routes: dict[tuple[str, int], _Conn] = {}  # (node, request id) -> channel it came on
+        self.admission = Admission(config)
+        self.greeter = Greeter(
+            token, self.directory_id, config.inline_threshold_bytes, self._warn, self._auth_failed
+        )
+        self._conns: dict[str, Conn] = {}
+        self.channels = Channels()
+        self._channels = self.channels.by_node  # node id -> its caller channels
         self.accept_errors = 0
-        self._max_handshakes, self._max_handshakes_per_address = _handshake_caps(config)
         self._listeners: list[socket.socket] = []
         self._accepting: list[asyncio.Task[None]] = []
         self._ticker: asyncio.Task[None] | None = None
@@ -164,7 +118,7 @@ class DirectoryService:
         self._wake = asyncio.Event()
         self._armed = math.inf  # the deadline the timer waits for (inf: none)
         self._batching = False  # a batch of a node's requests is being handled (see _serve)
-        self._held: list[_Conn] = []  # connections with frames held until the batch ends
+        self._held: list[Conn] = []  # connections with frames held until the batch ends
         self._handlers: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -174,6 +128,21 @@ class DirectoryService:
         return cls(
             token, host=host, port=port, config=DirectoryConfig.from_config(config), tls=config.server_tls()
         )
+
+    @property
+    def handshaking(self) -> int:
+        """Connections still authenticating."""
+        return self.admission.handshaking
+
+    @property
+    def refused_handshakes(self) -> int:
+        """Connections closed at once: they passed a cap of those still authenticating."""
+        return self.admission.refused
+
+    @property
+    def auth_failures(self) -> int:
+        """Connections that failed authentication."""
+        return self.greeter.failures
 
     @property
     def address(self) -> str:
@@ -186,7 +155,7 @@ class DirectoryService:
         Connections are accepted as plain TCP and counted against the caps of connections still
         authenticating (``Config.directory_max_handshakes``, ``..._per_address``) before any
         TLS: one beyond a cap is closed at once, and TLS must then finish within
-        :data:`HANDSHAKE_TIMEOUT` with the rest of the handshake. (Served by asyncio with TLS,
+        :data:`~.handshake.HANDSHAKE_TIMEOUT` with the rest of the handshake. (Served by asyncio with TLS,
         a connection was counted only after its TLS handshake, whose timeout is 60 s: idle ones
         used up the descriptors and no node could join.)
         """
@@ -214,7 +183,7 @@ class DirectoryService:
         if self._ticker is not None:
             self._ticker.cancel()
         closing = []
-        for conn in [c for chans in self._channels.values() for c in chans]:
+        for conn in self.channels.every():
             conn.writer.close()
             closing.append(asyncio.ensure_future(_closed(conn.writer)))
         for conn in list(self._conns.values()):
@@ -259,35 +228,22 @@ class DirectoryService:
         """Count a connection just accepted against the caps of those still authenticating
         (closed at once beyond one), and start its handshake."""
         host = connection_host(address)
-        from_address = self._handshaking_from.get(host, 0)
-        if self.handshaking >= self._max_handshakes or from_address >= self._max_handshakes_per_address:
-            self.refused_handshakes += 1
+        if not self.admission.admit(host):
             self._warn(
                 "handshakes",
                 "closing connections at once: %d are still authenticating, %d of them from %s",
-                self.handshaking,
-                from_address,
+                self.admission.handshaking,
+                self.admission.waiting_from(host),
                 host,
             )
             sock.close()
             return
-        self.handshaking += 1
-        self._handshaking_from[host] = from_address + 1
         task = asyncio.create_task(self._on_connection(sock, address))
         self._handlers.add(task)
 
-    def _handshake_done(self, host: str) -> None:
-        """A connection counted by :meth:`_admit` authenticated, failed or closed."""
-        self.handshaking -= 1
-        left = self._handshaking_from[host] - 1
-        if left:
-            self._handshaking_from[host] = left
-        else:
-            del self._handshaking_from[host]
-
     async def _open(self, sock: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Streams over an accepted socket, after a TLS handshake of at most
-        :data:`HANDSHAKE_TIMEOUT` if the service has TLS."""
+        :data:`~.handshake.HANDSHAKE_TIMEOUT` if the service has TLS."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         protocol = asyncio.StreamReaderProtocol(reader)
@@ -305,13 +261,13 @@ class DirectoryService:
         peer = ":".join(str(x) for x in address[:2]) if isinstance(address, tuple) else host
         node_id: str | None = None
         writer: asyncio.StreamWriter | None = None
-        conn: _Conn | None = None
+        conn: Conn | None = None
         try:
             try:
                 reader, writer = await self._open(sock)
                 conn = await self._handshake(reader, writer, peer, deadline)
             finally:
-                self._handshake_done(host)
+                self.admission.done(host)
             if conn is None:
                 return
             node_id = conn.node_id
@@ -330,19 +286,19 @@ class DirectoryService:
                 self._channel_closed(conn)
             elif node_id is not None and self._conns.get(node_id) is conn:
                 del self._conns[node_id]
-                self._close_channels(node_id)
+                self.channels.close_all(node_id)
                 self._apply(NodeLeft(node_id, time.monotonic()))
             if writer is not None:
                 writer.close()
             else:
                 sock.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, conn: Conn) -> None:
         """Handle an authenticated node's requests until its connection ends: what arrived is
         read at once and handled in order (:class:`~.frames.FrameReader`), and the replies of the
         batch go out after it, one write per connection. Raises :class:`ProtocolError` for what
         cannot be answered (the connection is then closed). A reply to a request that came on a
-        caller channel goes back on it (:meth:`_route`)."""
+        caller channel goes back on it (:meth:`.channels.Channels.route`)."""
         frames = FrameReader(self.config.max_message_bytes)
         node_id = conn.node_id
         while True:
@@ -357,7 +313,7 @@ class DirectoryService:
                         self._refuse(conn, item)
                         continue
                     if conn.channel:
-                        self._route(conn, getattr(item, "request_id", 0))
+                        self.channels.route(conn, getattr(item, "request_id", 0))
                     self._apply(Request(node_id, item, time.monotonic()))
             finally:
                 self._batching = False
@@ -365,34 +321,14 @@ class DirectoryService:
             if error is not None:
                 raise error
 
-    def _route(self, conn: _Conn, request_id: int) -> None:
-        """The reply to ``request_id`` goes back on the caller channel ``conn`` (one request at a
-        time: its caller waits; a reply it gave up on goes to the node's connection, which drops
-        it)."""
-        if conn.waiting:
-            self._routes.pop((conn.node_id, conn.waiting), None)
-        conn.waiting = request_id
-        if request_id:
-            self._routes[(conn.node_id, request_id)] = conn
-
-    def _channel_closed(self, conn: _Conn) -> None:
+    def _channel_closed(self, conn: Conn) -> None:
         """A caller channel closed: forget it, and withdraw what it waited on (a lookup, a barrier
         arrival)."""
-        chans = self._channels.get(conn.node_id, [])
-        if conn in chans:
-            chans.remove(conn)
-            if not chans:
-                del self._channels[conn.node_id]
-        rid, conn.waiting = conn.waiting, 0
-        if rid and self._routes.pop((conn.node_id, rid), None) is conn and conn.node_id in self._conns:
+        rid = self.channels.closed(conn)
+        if rid and conn.node_id in self._conns:
             self._apply(Request(conn.node_id, p.CancelLookup(request_id=rid), time.monotonic()))
 
-    def _close_channels(self, node_id: str) -> None:
-        """The node left: close its caller channels."""
-        for conn in self._channels.get(node_id, []):
-            conn.writer.close()
-
-    def _write(self, conn: _Conn, frame: bytes) -> None:
+    def _write(self, conn: Conn, frame: bytes) -> None:
         """Send ``frame`` to ``conn``'s node: at once, or after the batch being handled (at once
         too once the batch holds :data:`HELD_BYTES` for it: a node whose small requests ask for
         large replies must meet the bound on unread replies as it did)."""
@@ -406,7 +342,7 @@ class DirectoryService:
             return
         self._written(conn, frame)
 
-    def _flush(self, requester: _Conn) -> None:
+    def _flush(self, requester: Conn) -> None:
         """Send what a batch held, one write per connection, the connection the batch came on
         last: the others' replies answer requests that waited (the gets of a put just handled),
         and on a host with few cores each write's reader takes a core the next one's may need
@@ -420,7 +356,7 @@ class DirectoryService:
             if data and not conn.writer.is_closing():
                 self._written(conn, data)
 
-    def _written(self, conn: _Conn, data: bytes) -> None:
+    def _written(self, conn: Conn, data: bytes) -> None:
         conn.writer.write(data)
         unread = conn.writer.transport.get_write_buffer_size()
         if unread > self.config.max_unread_bytes:
@@ -430,7 +366,7 @@ class DirectoryService:
             self.dropped_unread += 1
             conn.writer.transport.abort()
 
-    def _refuse(self, conn: _Conn, refusal: Refusal) -> None:
+    def _refuse(self, conn: Conn, refusal: Refusal) -> None:
         """Answer a request the directory will not handle with an ``InvalidArgumentError``."""
         kind, why, node_id = refusal.kind, refusal.why, conn.node_id
         self.refused_requests += 1
@@ -456,79 +392,39 @@ class DirectoryService:
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, deadline: float
-    ) -> _Conn | None:
-        """Authenticate a connection: the node's (it joins), or one of its caller channels
-        (``Hello.channel``: only while the node itself is connected, up to
-        :data:`MAX_CHANNELS_PER_NODE`); None if refused."""
-        nonce = auth.new_nonce()
-        writer.write(p.encode(p.Challenge(nonce=nonce)))
-        await writer.drain()
-        try:
-            left = max(0.0, deadline - time.monotonic())
-            hello = await asyncio.wait_for(p.read_frame(reader, p.MAX_HELLO_BYTES), left)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                self.auth_failures += 1
-                self._warn("hello", "dropping %s: no valid hello (%s)", peer, type(exc).__name__)
-                self._apply(AuthFailed(peer, time.monotonic()))
-            else:  # closed after the challenge without a byte: a probe (hoplite-gpu health)
-                log.debug("%s closed the connection after the challenge", peer)
+    ) -> Conn | None:
+        """Authenticate a connection (:class:`~.handshake.Greeter`): the node's (it joins), or
+        one of its caller channels (``Hello.channel``: only while the node itself is connected,
+        up to :data:`MAX_CHANNELS_PER_NODE`); None if refused."""
+        greeted = await self.greeter.hello(reader, writer, peer, deadline)
+        if greeted is None:
             return None
-        except (asyncio.TimeoutError, ProtocolError) as exc:
-            self.auth_failures += 1
-            self._warn("hello", "dropping %s: no valid hello (%s)", peer, type(exc).__name__)
-            self._apply(AuthFailed(peer, time.monotonic()))
-            return None
-        if not isinstance(hello, p.Hello) or not auth.verify(
-            self.token, b"client", nonce, hello.nonce, hello.proof
-        ):
-            self.auth_failures += 1
-            self._warn("auth", "dropping %s: authentication failed (wrong token?)", peer)
-            self._apply(AuthFailed(peer, time.monotonic()))
-            return None
+        hello, nonce = greeted
         if hello.channel:
             if not self._channel_fits(hello.node_id, peer):
                 return None
         elif hello.node_id in self._conns:
             log.warning("dropping %s: node id %s already connected", peer, hello.node_id)
             return None
-        writer.write(
-            p.encode(
-                p.Welcome(
-                    proof=auth.mac(self.token, b"server", nonce, hello.nonce),
-                    directory_id=self.directory_id,
-                    inline_threshold_bytes=self.config.inline_threshold_bytes,
-                )
-            )
-        )
-        await writer.drain()
+        await self.greeter.welcome(writer, hello, nonce)
         if hello.channel:
             if not self._channel_fits(hello.node_id, peer):  # (again: others came meanwhile)
                 return None
-            conn = _Conn(hello.node_id, writer, peer, channel=True)
-            self._channels.setdefault(hello.node_id, []).append(conn)
+            conn = Conn(hello.node_id, writer, peer, channel=True)
+            self.channels.add(conn)
             return conn
-        conn = _Conn(hello.node_id, writer, peer)
+        conn = Conn(hello.node_id, writer, peer)
         self._conns[hello.node_id] = conn
-        self._apply(
-            NodeJoined(
-                hello.node_id,
-                hello.data_host,
-                hello.data_port,
-                time.monotonic(),
-                hello.host_key,
-                # A restart of this directory, not a node it declared dead coming back.
-                rejoin=bool(hello.previous_directory) and hello.previous_directory != self.directory_id,
-                gpu=hello.gpu,
-                gpus=Inventory.from_dict(hello.gpus) if hello.gpu else None,  # checked by Hello
-            )
-        )
+        self._apply(self.greeter.joined(hello))
         return conn
+
+    def _auth_failed(self, peer: str) -> None:
+        self._apply(AuthFailed(peer, time.monotonic()))
 
     def _channel_fits(self, node_id: str, peer: str) -> bool:
         """Whether ``node_id`` may open one more caller channel: it is connected, with fewer than
         :data:`MAX_CHANNELS_PER_NODE`."""
-        if node_id in self._conns and len(self._channels.get(node_id, ())) < MAX_CHANNELS_PER_NODE:
+        if node_id in self._conns and self.channels.fits(node_id, MAX_CHANNELS_PER_NODE):
             return True
         log.debug("refusing a channel of node %s from %s", node_id[:8], peer)
         return False
@@ -548,12 +444,9 @@ class DirectoryService:
             if conn is None or conn.writer.is_closing():
                 continue
             if isinstance(instr, Send):
-                if self._routes:  # a reply to a request a caller channel waits on goes there
-                    key = (instr.node_id, getattr(instr.message, "request_id", 0))
-                    routed = self._routes.pop(key, None)
-                    if routed is not None:
-                        routed.waiting = 0
-                        conn = routed if not routed.writer.is_closing() else conn
+                if self.channels.routes:  # a reply to a request a caller channel waits on goes there
+                    request_id = getattr(instr.message, "request_id", 0)
+                    conn = self.channels.reply_on(instr.node_id, request_id) or conn
                 try:
                     frame = p.encode(instr.message)
                 except Exception:  # a bug; the node's other messages still go (it times out this one)
@@ -564,7 +457,7 @@ class DirectoryService:
             elif isinstance(instr, Disconnect):
                 log.warning("declaring node %s dead: %s", instr.node_id[:8], instr.reason)
                 del self._conns[instr.node_id]
-                self._close_channels(instr.node_id)
+                self.channels.close_all(instr.node_id)
                 if conn.out:  # what the batch held for it goes first, as it would have
                     conn.writer.write(conn.take())
                 conn.writer.close()
