@@ -11,18 +11,24 @@ al., SIGCOMM 2021, sections 4.2 and 4.3), receiver-driven, with what it lacked o
 handler (a table keyed by event and message type), and collects what the handlers produce. The
 handlers' work is done by its parts:
 
-* :mod:`.events`: the events in, the instructions out, and their causes.
+* :mod:`.events`: the events in, the instructions out, and their causes; :mod:`.outbox`
+  collects the instructions and event-log entries of the event being handled.
 * :mod:`.records`: the records (nodes, objects and copies, lookups, transfers, reductions).
 * :mod:`.membership`: joined nodes, leases, suspects, inline-bytes quotas.
 * :mod:`.catalog`: puts, copies, deletes, lost objects.
 * :mod:`.lookups` and :mod:`.scheduling`: waiting lookups, transfers, and which copy serves whom
   (same-host segments ranked by GPU link, idle complete copies, partial copies without cycles).
-* :mod:`.reductions`, :mod:`.combine` and :mod:`.repair`: reduce trees (the pure plan is
-  :mod:`.reduce`), their weights and decoding, the inline reduce, and repair after failures.
+* :mod:`.reductions`, :mod:`.reduce_request`, :mod:`.combine` and :mod:`.repair`: reduce trees
+  (the pure plan is :mod:`.reduce`), their requests, weights and decoding, the inline reduce,
+  and repair after failures.
 * :mod:`.recovery`: restoring copies after this directory restarted.
 * :mod:`.barriers`: barriers, one message per member.
 * :mod:`.watches`: watched groups, whose members hear at once that one of them is gone.
 * :mod:`.eventlog` and :mod:`.invariants`: the event log and the invariant checker.
+
+Each part is handed, by keyword, what it uses: the settings, the tables it reads or changes, the
+outbox, and the parts it calls; a part it calls that is made after it comes through its
+``connect``. None holds the state (tests/test_layout.py checks it).
 """
 
 from __future__ import annotations
