@@ -384,3 +384,66 @@ def test_only_the_state_and_its_hosts_name_the_directory_state() -> None:
             ):
                 naming.add(name)
     assert naming == set()
+
+
+# ---------------------------------------------------------------- the node's seam
+NODE = PACKAGE / "node"
+
+
+def _node_private_names() -> set[str]:
+    """The private names of :class:`~hoplite_gpu.node.Node`: the methods and class-level names
+    of it and of its parts (its base classes defined in :mod:`hoplite_gpu.node`), and every
+    ``self._x`` they assign or read."""
+    classes = {
+        cls.name: cls
+        for path in NODE.glob("*.py")
+        for cls in ast.walk(ast.parse(path.read_text()))
+        if isinstance(cls, ast.ClassDef)
+    }
+    names: set[str] = set()
+    todo, seen = ["Node"], set()
+    while todo:
+        cls = classes[todo.pop()]
+        seen.add(cls.name)
+        todo += [b.id for b in cls.bases if isinstance(b, ast.Name) and b.id in classes and b.id not in seen]
+        for item in cls.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(item.name)
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names.add(item.target.id)
+        for found in ast.walk(cls):
+            if isinstance(found, ast.Attribute) and ast.unparse(found.value) == "self":
+                names.add(found.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_uses(path: Path, private: set[str]) -> list[str]:
+    """``expr._name`` in ``path`` for a ``_name`` of ``private`` and an ``expr`` other than
+    ``self`` or ``cls`` (a module's own objects reach their own private names through those)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute) or node.attr not in private:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        found.append((node.lineno, f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}"))
+    return [use for _, use in sorted(found)]
+
+
+def test_the_node_private_names_are_found() -> None:
+    private = _node_private_names()
+    assert {"_io", "_store", "_session", "_check_open", "_check_member", "_data"} <= private
+    assert "put" not in private and "__init__" not in private
+
+
+def test_nothing_outside_the_node_package_uses_a_private_name_of_the_node() -> None:
+    """Applications built on the node (collective groups, weights, coding, Ray, torch), the
+    benchmarks and the examples call its public methods only: a private name of
+    :class:`~hoplite_gpu.node.Node` (or one spelled like it) used on anything but ``self`` or
+    ``cls`` outside :mod:`hoplite_gpu.node` is reported."""
+    private = _node_private_names()
+    root = PACKAGE.parent
+    files = [p for p in PACKAGE.rglob("*.py") if NODE not in p.parents]
+    files += [*(root / "bench").rglob("*.py"), *(root / "examples").rglob("*.py")]
+    found = [use for path in sorted(files) for use in _private_uses(path, private)]
+    assert found == []

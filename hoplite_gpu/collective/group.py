@@ -23,15 +23,12 @@ from ..errors import (
     InvalidArgumentError,
     MemberLostError,
     NodeClosedError,
-    ObjectDeletedError,
     ObjectLostError,
     ReduceMismatchError,
 )
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
 from ..node import Node
-from ..node.arguments import route_of
-from ..node.fetch import check_out, receivable
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 
@@ -110,7 +107,7 @@ class Group:
             # Returns once the directory holds the watch (or the watch ended: refused, or the
             # directory gone): a member that dies after its group was made is always reported.
             registered: concurrent.futures.Future[None] = concurrent.futures.Future()
-            self._watching = node._io.submit(self._watch(registered))
+            self._watching = node.io.submit(self._watch(registered))
             bound = node.config.reconnect_timeout + node.config.request_timeout
             concurrent.futures.wait([registered, self._watching], bound, concurrent.futures.FIRST_COMPLETED)
 
@@ -206,7 +203,7 @@ class Group:
         if not isinstance(reason, str) or not reason:
             raise InvalidArgumentError("reason must be a non-empty str", argument="reason")
         mine = {self.rank: f"rank {self.rank} gave up on the group: {reason}"}
-        io = self.node._io
+        io = self.node.io
         if not self.node.closed:
             with contextlib.suppress(HopliteError):
                 work = self.node.abort_group_async(self._watch_id(), self.rank, self.world_size, reason)
@@ -338,14 +335,14 @@ class Group:
             return None
         self.destroyed = True
         seconds = self.timeout if self.timeout else DESTROY_WAIT
-        return self.node._io.submit(self._destroy_later(seconds))
+        return self.node.io.submit(self._destroy_later(seconds))
 
     def _leave_broken(self) -> None:
         """Destroy a group the others will not come to a barrier of: delete this member's objects
         now and stop watching."""
         self.destroyed = True
         self._stop_watching()
-        self._call(lambda: self.node._io.run(self._clean_up()))
+        self._call(lambda: self.node.io.run(self._clean_up()))
 
     def _stop_watching(self) -> None:
         """Withdraw the watch: this member leaves the group cleanly (not reported as lost)."""
@@ -379,8 +376,8 @@ class Group:
             if self._error is not None:
                 coro.close()
                 self._raise_if_broken()
-            return self._call(lambda: self.node._io.run(self._guarded(coro)))
-        return self._call(lambda: self.node._io.run(coro))
+            return self._call(lambda: self.node.io.run(self._guarded(coro)))
+        return self._call(lambda: self.node.io.run(coro))
 
     def _call(self, work: Callable[[], T]) -> T:
         """``work()``, a blocking call of the node's, its errors told as this member's."""
@@ -407,7 +404,7 @@ class Group:
         whose = f"rank {producer}'s " if producer is not None else "the "
         return f"{whose}{what} ({hex_id[:12]})"
 
-    async def _put(self, seq: int, array: Any, oid: ObjectID, borrow: bool = False) -> None:
+    async def _put_own(self, seq: int, array: Any, oid: ObjectID, borrow: bool = False) -> None:
         """Put ``array`` as ``oid`` (this member's, deleted once every member is past ``seq``).
         A group's ids are never put twice, so its objects carry no digest: hashing every byte on
         the I/O thread was an eighth of that thread's busy time in a 1 GB/s allreduce
@@ -416,7 +413,7 @@ class Group:
         for a collective that returns once nothing reads it any more, and then deletes it
         (:meth:`_delete_now`), or withdraws it if it fails (:meth:`_withdraw`)."""
         self._owned.append((seq, oid))
-        await self.node._put_async(array, oid, copy=not borrow, digest=False, borrow=borrow)
+        await self.node.put_async(array, oid, copy=not borrow, digest=False, borrow=borrow)
 
     def _withdraw(self, oids: list[ObjectID], copies: Sequence[LocalObject] = ()) -> asyncio.Future[Any]:
         """Stop serving the caller's memory now: these objects of this member's (then deleted)
@@ -424,13 +421,7 @@ class Group:
         gone from the next reader they are offered to). For a collective that lent the caller's
         array, before it returns. Pulls of them stop at their next chunk; the future is done once
         they did (or after ``stall_timeout``)."""
-        store = self.node._store
-        held = [obj for obj in map(store.get, oids) if obj is not None] + list(copies)
-        for obj in held:
-            oid = obj.object_id
-            obj.fail(ObjectDeletedError(f"object {oid} was withdrawn", object_id=oid.hex()))
-            if store.get(oid) is obj:
-                store.remove(oid)
+        held = self.node.withdraw(oids, copies)
         stall = self.node.config.stall_timeout
         return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), self._delete_now(oids))
 
@@ -440,7 +431,6 @@ class Group:
         node restores its copies (results received in place may have overwritten their bytes, and
         the restarted directory would rebuild the unfinished reductions from them: the soak saw
         wrong sums), and this raises :class:`ObjectLostError`."""
-        store = self.node._store
         restarted: asyncio.Future[ObjectLostError] = asyncio.get_running_loop().create_future()
 
         def rejoined() -> None:
@@ -452,15 +442,11 @@ class Group:
                 f"them); call it again [{self._who()}]",
                 object_id=lent[0].hex(),
             )
-            for oid in lent:
-                obj = store.get(oid)
-                if obj is not None:
-                    obj.fail(error)
-                    store.remove(oid)
+            self.node.withdraw(lent, error=error)
             restarted.set_result(error)
 
         task: asyncio.Future[Any] = asyncio.ensure_future(steps)
-        self.node._rejoin_callbacks.add(rejoined)
+        self.node.add_rejoin_callback(rejoined)
         try:
             await asyncio.wait([task, restarted], return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
@@ -468,7 +454,7 @@ class Group:
             await asyncio.gather(task, return_exceptions=True)
             raise
         finally:
-            self.node._rejoin_callbacks.discard(rejoined)
+            self.node.remove_rejoin_callback(rejoined)
         if task.done():
             return task.result()
         task.cancel()
@@ -480,14 +466,10 @@ class Group:
     ) -> Any:
         """``get_async(oid, out=out, direct=True, via=via)``, but a copy pulled over the data plane
         into a C-contiguous NumPy ``out`` is received straight into it and appended to
-        ``received``: it stays in the store (served to others) until :meth:`_withdraw`, which
-        must come before ``out`` changes (a collective's results, see ``_sharded_allreduce``)."""
-        node = self.node
-        if not receivable(check_out(out)) or node._fetcher.indexed(oid) is not None:
-            return await node.get_async(oid, timeout=self.timeout, out=out, direct=True, via=via)
-        route = route_of(True, via)
-        fetch = node._fetcher.get_into(oid, node._resolve_timeout(self.timeout), out, route, received)
-        return await node._io.run_async(fetch)
+        ``received`` (:meth:`Node.receive_into_async <hoplite_gpu.node.Node.receive_into_async>`):
+        it stays in the store (served to others) until :meth:`_withdraw`, which must come before
+        ``out`` changes (a collective's results, see ``_sharded_allreduce``)."""
+        return await self.node.receive_into_async(oid, out, received, self.timeout, direct=True, via=via)
 
     async def _delete_before(self, seq: int, wait: bool = False) -> None:
         """Delete this member's objects of collectives before ``seq`` (every member is past them),
@@ -500,27 +482,26 @@ class Group:
             return
         gone = set(oids)
         self._owned = [(s, oid) for s, oid in self._owned if oid not in gone]
-        await self._delete(oids, wait)
+        await self._delete_all(oids, wait)
 
-    def _releasable(self, seq: int) -> list[bytes]:
+    def _releasable(self, seq: int) -> list[ObjectID]:
         """The objects of this member's collectives before ``seq`` that a barrier's arrival can
         release (``BarrierRequest.release``): those it put, not the reductions it requested
         (their records on the node go on the I/O thread, with :meth:`_release_before`)."""
-        session = self.node._session
-        oids = [oid.binary() for s, oid in self._owned if s < seq]
-        return [oid for oid in oids if not session.requested(oid)][: p.MAX_BARRIER_RELEASE]
+        oids = [oid for s, oid in self._owned if s < seq]
+        return [oid for oid in oids if not self.node.requested_reduction(oid)][: p.MAX_BARRIER_RELEASE]
 
-    def _release_before(self, seq: int, released: Sequence[bytes] = ()) -> None:
+    def _release_before(self, seq: int, released: Sequence[ObjectID] = ()) -> None:
         """:meth:`_delete_before` from the caller's thread, without waiting: the I/O thread only
         deletes (``_owned`` changes on the caller's thread, as collectives put from there).
         ``released``: those the directory deleted already (a barrier's, :meth:`_releasable`)."""
         gone = set(released)
-        oids = [oid for s, oid in self._owned if s < seq and oid.binary() not in gone]
+        oids = [oid for s, oid in self._owned if s < seq and oid not in gone]
         self._owned = [(s, oid) for s, oid in self._owned if s >= seq]
         if oids:
-            self.node._io.submit(self._delete(oids))
+            self.node.io.submit(self._delete_all(oids))
 
-    async def _delete(self, oids: list[ObjectID], wait: bool = False) -> None:
+    async def _delete_all(self, oids: list[ObjectID], wait: bool = False) -> None:
         """Delete these objects (in the background unless ``wait``)."""
         deleting = asyncio.gather(*(self.node.delete_async(oid) for oid in oids), return_exceptions=True)
         if wait:
@@ -584,41 +565,47 @@ def barrier(group: Group) -> None:
     if g._watching is not None:  # on the I/O thread, where it can be cancelled
         g._run(_barrier(g, seq))
         return
-    timeout = g.node._resolve_timeout(g.timeout)
-    bid = _barrier_id(g, seq)
     # The objects of earlier collectives that this member put go with its arrival, deleted by the
     # directory once every member has come: no message, nor I/O-thread work, of their own to
     # overlap the next collective (bench/pages/small-operations.md#barrier-releases). The rest after
     # it, as before.
     release = g._releasable(seq)
     # From the caller's thread, on its channel where it has one (hoplite_gpu.node.channel).
-    g._call(lambda: _passed(g, seq, g.node._barrier(bid, g.rank, g.world_size, timeout, release), timeout))
+    g._call(lambda: _arrive(g, seq, release))
     g._release_before(seq, release)
 
 
 async def _barrier(g: Group, seq: int) -> None:
     """Collective ``seq``: a barrier of the directory's (:mod:`hoplite_gpu.directory.barriers`)."""
-    timeout = g.node._resolve_timeout(g.timeout)
-    reply = await g.node._session.barrier(_barrier_id(g, seq), g.rank, g.world_size, timeout)
-    _passed(g, seq, reply, timeout)
+    try:
+        await g.node.barrier_async(_barrier_id(g, seq), g.rank, g.world_size, g.timeout)
+    except HopliteTimeoutError as exc:
+        raise _late(g, seq, exc) from None
     await g._delete_before(seq)
 
 
-def _barrier_id(g: Group, seq: int) -> bytes:
-    return ObjectID.from_name(f"hoplite-group/{g.name}/{seq}/barrier").binary()
+def _barrier_id(g: Group, seq: int) -> ObjectID:
+    return ObjectID.from_name(f"hoplite-group/{g.name}/{seq}/barrier")
 
 
-def _passed(g: Group, seq: int, reply: Any, timeout: float | None) -> None:
-    """Raise unless the directory's ``reply`` to barrier ``seq`` says every member came."""
-    if reply.status != "ok":
-        named = f" (the first {len(reply.missing)} named)" if reply.waiting > len(reply.missing) else ""
-        raise HopliteTimeoutError(
-            f"barrier #{seq}: {reply.waiting} of {g.world_size} members did not come "
-            f"within {timeout} s{named}",
-            operation="barrier",
-            timeout=timeout,
-            waiting_for_ranks=list(reply.missing),
-        )
+def _arrive(g: Group, seq: int, release: list[ObjectID]) -> None:
+    """Barrier ``seq`` from the caller's thread, releasing ``release`` once every member came."""
+    try:
+        g.node.barrier(_barrier_id(g, seq), g.rank, g.world_size, g.timeout, release)
+    except HopliteTimeoutError as exc:
+        raise _late(g, seq, exc) from None
+
+
+def _late(g: Group, seq: int, exc: HopliteTimeoutError) -> HopliteTimeoutError:
+    """The node's timeout ``exc`` at barrier ``seq``, told with the group's number for it."""
+    missing, waiting, timeout = exc.fields["waiting_for_ranks"], exc.fields["waiting"], exc.fields["timeout"]
+    named = f" (the first {len(missing)} named)" if waiting > len(missing) else ""
+    return HopliteTimeoutError(
+        f"barrier #{seq}: {waiting} of {g.world_size} members did not come within {timeout} s{named}",
+        operation="barrier",
+        timeout=timeout,
+        waiting_for_ranks=missing,
+    )
 
 
 def _again(error: HopliteError) -> HopliteError:

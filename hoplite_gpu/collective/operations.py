@@ -29,9 +29,9 @@ def broadcast(array: Any, src_rank: int, group: Group) -> Any:
 
     if g.rank == src_rank:
         g._raise_if_broken()
-        g._owned.append((seq, oid))  # a group's ids are never put twice: no digest (see _put)
+        g._owned.append((seq, oid))  # a group's ids are never put twice: no digest (see _put_own)
         # From the caller's thread: a small array goes on its channel (hoplite_gpu.node.channel).
-        g._call(lambda: g.node._put(array, oid, copy=True, digest=False))
+        g._call(lambda: g.node.put(array, oid, copy=True, digest=False))
         return array
     if g._watching is not None:  # on the I/O thread, where it can be cancelled
         return g._run(g.node.get_async(oid, timeout=g.timeout, out=array))
@@ -50,7 +50,7 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
 
     async def run() -> Any:
-        mine = g._put(seq, array, inputs[g.rank])
+        mine = g._put_own(seq, array, inputs[g.rank])
         if g.rank != dst_rank:
             await mine
         else:  # the one requester: the directory computes the root on its node
@@ -101,7 +101,7 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
 async def _small_allreduce(g: Group, seq: int, array: Any, op: ReduceOp = ReduceOp.SUM) -> Any:
     """Collective ``seq``: reduce every member's ``array`` on one tree, read into ``array``."""
     inputs = [g.object_id(seq, "allreduce", r) for r in range(g.world_size)]
-    mine = g._put(seq, array, inputs[g.rank])
+    mine = g._put_own(seq, array, inputs[g.rank])
     await g._reduce_into(seq, inputs, g.object_id(seq, "allreduce-result"), op, array, mine)
     await g._delete_before(seq)
     return array
@@ -129,7 +129,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     pred = (me - 1) % n
 
     def mine() -> Coroutine[Any, Any, None]:  # (made where it is awaited: none left unawaited)
-        return g._put(seq, shards[me], inputs[me][me], borrow=True)
+        return g._put_own(seq, shards[me], inputs[me][me], borrow=True)
 
     async def own_chain(chain: list[ObjectID]) -> None:
         await g._reduce_into(seq, chain, results[me], op, None, mine(), ordered=True)
@@ -146,7 +146,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
             await all_or_cancel(
                 [
                     own_chain(chain),  # (on one host the directory makes it that host's star)
-                    *(g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order),
+                    *(g._put_own(seq, shards[j], inputs[j][me], borrow=True) for j in order),
                     *(
                         g._get_received(results[j], shards[j], received, inputs[j][pred])
                         for j in [*order, me]
@@ -156,7 +156,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
         else:
             await g._reduce_into(seq, inputs[me], results[me], op, None, mine(), degree=n - 1)
             order = [(me + 1 + i) % n for i in range(n - 1)]
-            await all_or_cancel([g._put(seq, shards[j], inputs[j][me], borrow=True) for j in order])
+            await all_or_cancel([g._put_own(seq, shards[j], inputs[j][me], borrow=True) for j in order])
             await all_or_cancel([g._get_received(results[j], shards[j], received) for j in [*order, me]])
         if ring:  # the successor reads these copies: let it finish (bounded) before withdrawing
             stall = g.node.config.stall_timeout
@@ -188,7 +188,7 @@ def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
     async def run() -> list[Any]:
         others = [(g.rank + 1 + i) % g.world_size for i in range(g.world_size - 1)]
         gets = [g.node.get_async(ids[r], timeout=g.timeout, out=list_out[r], direct=True) for r in others]
-        await all_or_cancel([g._put(seq, array, ids[g.rank]), *gets])
+        await all_or_cancel([g._put_own(seq, array, ids[g.rank]), *gets])
         _copy(list_out[g.rank], array)
         await g._delete_before(seq)
         return list_out
@@ -210,7 +210,7 @@ def gather(list_out: list[Any] | None, array: Any, dst_rank: int, group: Group) 
     ids = [g.object_id(seq, "gather", r) for r in range(g.world_size)]
 
     async def run() -> list[Any] | None:
-        mine = g._put(seq, array, ids[g.rank])
+        mine = g._put_own(seq, array, ids[g.rank])
         if g.rank != dst_rank or list_out is None:
             await mine
             return list_out
@@ -243,7 +243,7 @@ def scatter(array: Any, list_in: list[Any] | None, src_rank: int, group: Group) 
             return await g.node.get_async(ids[g.rank], timeout=g.timeout, out=array, direct=True)
         assert list_in is not None
         others = [r for r in range(g.world_size) if r != g.rank]
-        await all_or_cancel([g._put(seq, list_in[r], ids[r]) for r in others])
+        await all_or_cancel([g._put_own(seq, list_in[r], ids[r]) for r in others])
         _copy(array, list_in[g.rank])
         return array
 
@@ -266,7 +266,7 @@ def alltoall(list_out: list[Any], list_in: list[Any], group: Group) -> list[Any]
 
     async def run() -> list[Any]:
         others = [(me + 1 + i) % n for i in range(n - 1)]
-        puts = [g._put(seq, list_in[dst], piece(me, dst)) for dst in others]
+        puts = [g._put_own(seq, list_in[dst], piece(me, dst)) for dst in others]
         gets = [
             g.node.get_async(piece(src, me), timeout=g.timeout, out=list_out[src], direct=True)
             for src in reversed(others)
@@ -295,7 +295,8 @@ def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str
         ids = [g.object_id(seq, "reducescatter", dst, g.rank) for dst in range(g.world_size)]
 
         async def contribute() -> None:  # the puts begin here: none is left unawaited if cancelled
-            await all_or_cancel([g._put(seq, piece, oid) for piece, oid in zip(list_in, ids, strict=True)])
+            puts = [g._put_own(seq, piece, oid) for piece, oid in zip(list_in, ids, strict=True)]
+            await all_or_cancel(puts)
 
         inputs = [g.object_id(seq, "reducescatter", g.rank, src) for src in range(g.world_size)]
         result = g.object_id(seq, "reducescatter-result", g.rank)
@@ -402,7 +403,7 @@ async def _acknowledge(g: Group, src: int, tag: int, n: int) -> None:
         await g.node.put_async(np.zeros(1, np.uint8), ack)
     except BaseException:
         if previous is not None:
-            await g._delete([previous])  # in the background
+            await g._delete_all([previous])  # in the background
         raise
     if previous is not None:
         await g.node.delete_async(previous)

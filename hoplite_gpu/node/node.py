@@ -5,9 +5,10 @@ The public methods are synchronous and thread-safe; each has an ``*_async`` twin
 (:class:`~hoplite_gpu.iothread.IOThread`), shared by every node and embedded directory of that process.
 
 The node wires its parts together: the directory link (:mod:`.session`), the get side
-(:mod:`.fetch`, with :mod:`.sources`), reduce vertices (:mod:`.vertex`), watched groups
-(:mod:`.watches`), the store and the data plane; what stays here is the public API and put
-(what the directory pushes is handled in :mod:`.pushes`).
+(:mod:`.fetch`, with :mod:`.sources`), reduce vertices (:mod:`.vertex`), the store and the data
+plane. Its methods come in parts: the object API here (put, get, reduce, delete), watched groups
+(:mod:`.watches`), what libraries built on the node use (:mod:`.primitives`), diagnostics
+(:mod:`.diagnostics`), and the handlers of what the directory pushes (:mod:`.pushes`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .. import faults
@@ -35,6 +36,7 @@ from .arguments import reduce_request, resolve_timeout, route_of
 from .channel import Channels
 from .diagnostics import Diagnostics
 from .fetch import Fetcher, check_out, streamable
+from .primitives import Primitives
 from .pushes import DirectoryPushes
 from .puts import Putter
 from .session import DirectorySession
@@ -46,7 +48,7 @@ __all__ = ["IOThread", "Node"]
 log = logging.getLogger("hoplite_gpu")
 
 
-class Node(GroupWatches, Diagnostics, DirectoryPushes):
+class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
     """A process's handle on the object store. Create it with :func:`hoplite_gpu.init` or
     :func:`hoplite_gpu.connect`.
 
@@ -127,8 +129,7 @@ class Node(GroupWatches, Diagnostics, DirectoryPushes):
             self.config.reduce_chunk_bytes,
             self.config.device_reduce_chunk_bytes,
         )
-        # Called when the node rejoins a restarted directory, before it restores its copies (a
-        # collective that lent the caller's memory: collective.Group._lending).
+        # Called when the node rejoins a restarted directory (see add_rejoin_callback).
         self._rejoin_callbacks: set[Callable[[], None]] = set()
         self._putter = Putter(self._store, self.config, self._session, self._delete, self._in_background)
         # The caller threads' own directory connections, for small puts and gets (see .channel).
@@ -225,7 +226,14 @@ class Node(GroupWatches, Diagnostics, DirectoryPushes):
 
     # ------------------------------------------------------------ put
     def put(
-        self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True, pinned: bool = False
+        self,
+        array: Any,
+        object_id: ObjectID | None = None,
+        *,
+        copy: bool = True,
+        pinned: bool = False,
+        digest: bool = True,
+        borrow: bool = False,
     ) -> ObjectID:
         """Store ``array`` under ``object_id`` (a new random id if None) and return the id.
 
@@ -244,6 +252,12 @@ class Node(GroupWatches, Diagnostics, DirectoryPushes):
         a ``get(out=cupy_array)``, then run at the link's full rate. The copy is always made
         (``copy`` is ignored). It has no effect on device arrays.
 
+        ``digest=False`` stores no digest of the content: a later put of the same id with other
+        content is then not refused (for ids never put twice, such as a collective group's; it
+        saves hashing every byte). ``borrow=True`` (with ``copy=False``) never copies the array
+        after ``put`` returns (where same-host readers would map a copy, it is made before): the
+        caller may take its memory back once it withdrew the object (:meth:`withdraw`).
+
         Raises:
             ObjectExistsError: the id exists with different content, dtype or shape.
             ObjectTooLargeError: larger than ``Config.max_object_bytes``.
@@ -252,46 +266,21 @@ class Node(GroupWatches, Diagnostics, DirectoryPushes):
             PinnedMemoryError: ``pinned``, and CUDA could not page-lock the copy.
         """
         self._check_open()
-        return self._put(array, object_id, copy, pinned)
-
-    def _put(
-        self, array: Any, object_id: ObjectID | None, copy: bool, pinned: bool = False, digest: bool = True
-    ) -> ObjectID:
-        """:meth:`put` (from a caller's thread); without ``digest`` the object carries none."""
-        prepared = self._putter.prepare(array, object_id, copy, pinned, digest)
+        prepared = self._putter.prepare(array, object_id, copy, pinned, digest, borrow)
         put = self._putter.put_on_channel(prepared, self._channels, self._io)
         return put if put is not None else self._io.run(self._putter.put(prepared))
 
-    def _barrier(
-        self, bid: bytes, rank: int, count: int, timeout: float | None, release: Sequence[bytes] = ()
-    ) -> p.BarrierReply:
-        """Member ``rank`` of ``count`` reached barrier ``bid`` (from a caller's thread): the
-        directory's reply (see :meth:`DirectorySession.barrier`), asked on the caller's channel
-        where it has one; ``release`` (ids this node put) deleted once it is ``ok``."""
-        reply = self._channels.barrier(bid, rank, count, timeout, release)
-        reply = reply or self._io.run(self._session.barrier(bid, rank, count, timeout, release))
-        if reply.status == "ok" and release:
-            self._putter.drop_released(release, self._io)
-        return reply
-
     async def put_async(
-        self, array: Any, object_id: ObjectID | None = None, *, copy: bool = True, pinned: bool = False
-    ) -> ObjectID:
-        """Async twin of :meth:`put`."""
-        return await self._put_async(array, object_id, copy, pinned)
-
-    async def _put_async(
         self,
         array: Any,
-        object_id: ObjectID | None,
-        copy: bool,
+        object_id: ObjectID | None = None,
+        *,
+        copy: bool = True,
         pinned: bool = False,
         digest: bool = True,
         borrow: bool = False,
     ) -> ObjectID:
-        """:meth:`put_async`; without ``digest`` the object carries none, with ``borrow`` it is
-        never copied after the put returns (a group's objects, see
-        :meth:`Putter.prepare <hoplite_gpu.node.puts.Putter.prepare>`)."""
+        """Async twin of :meth:`put`."""
         self._check_open()
         prepared = self._putter.prepare(array, object_id, copy, pinned, digest, borrow)
         return await self._io.run_async(self._putter.put(prepared))

@@ -195,10 +195,10 @@ class WeightPublisher:
 
     def _put(self, array: np.ndarray[Any, Any], oid: ObjectID, digest: bool = True) -> Any:
         """Start putting ``array`` (kept as it is) on the I/O thread; a future of the put."""
-        return self.node._io.submit(self.node._put_async(array, oid, copy=False, digest=digest))
+        return self.node.io.submit(self.node.put_async(array, oid, copy=False, digest=digest))
 
     def _run(self, coro: Any) -> Any:
-        return self.node._io.run(asyncio.wait_for(coro, self.timeout))
+        return self.node.io.run(asyncio.wait_for(coro, self.timeout))
 
     async def _announce(self, version: int, oids: list[ObjectID], buckets: list[Any]) -> None:
         """The version is all there: move the head to it (rank 0), and retire the oldest."""
@@ -208,10 +208,10 @@ class WeightPublisher:
         if self.rank == 0:
             if previous is not None:
                 link = np.array([version], np.int64).view(np.uint8)
-                await node._put_async(link, object_id(self.name, "after", previous), copy=False)
+                await node.put_async(link, object_id(self.name, "after", previous), copy=False)
             head = object_id(self.name, "head")
             await node.delete_async(head)  # a reader between the two retries (see WeightSubscriber)
-            await node._put_async(head_bytes(version, self.world_size), head, copy=False)
+            await node.put_async(head_bytes(version, self.world_size), head, copy=False)
         while len(self.versions) > self.keep:
             old, old_oids, old_buckets = self.versions.popleft()
             self._pool.max_bytes = 2 * sum(b.nbytes for b in buckets)  # about two versions

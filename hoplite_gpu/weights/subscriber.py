@@ -68,7 +68,7 @@ class WeightSubscriber:
         if self.node.closed:
             coro.close()
             raise InvalidArgumentError("the subscriber's node is closed", argument="node")
-        return self.node._io.run(coro)
+        return self.node.io.run(coro)
 
     # ------------------------------------------------------------ versions
     def latest(self, timeout: float = 30.0, newer_than: int | None = None) -> int:

@@ -1,0 +1,187 @@
+"""What the libraries built on the node need below its object API: the process's I/O thread, a
+barrier that deletes objects as it passes, receiving into the caller's array while serving it,
+withdrawing objects served from memory the caller takes back, and a hook on a directory restart.
+:mod:`hoplite_gpu.collective` and :mod:`hoplite_gpu.weights` use them; they are
+:class:`~hoplite_gpu.node.Node` methods."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import protocol as p
+from ..config import Config
+from ..errors import HopliteError, HopliteTimeoutError, InvalidArgumentError, ObjectDeletedError
+from ..iothread import IOThread
+from ..memory import LocalObject, LocalStore
+from ..object_id import ObjectID
+from .arguments import route_of
+from .channel import Channels
+from .fetch import Fetcher, check_out, receivable
+from .puts import Putter
+from .session import DirectorySession
+
+
+class Primitives:
+    """The methods of :class:`~hoplite_gpu.node.Node` for libraries built on it (a part of it)."""
+
+    config: Config
+    _io: IOThread
+    _session: DirectorySession
+    _store: LocalStore
+    _fetcher: Fetcher
+    _putter: Putter
+    _channels: Channels
+    _rejoin_callbacks: set[Callable[[], None]]
+
+    def _check_open(self) -> None:  # (the node's)
+        raise NotImplementedError
+
+    def _resolve_timeout(self, timeout: float | None) -> float | None:  # (the node's)
+        raise NotImplementedError
+
+    async def get_async(
+        self,
+        object_id: ObjectID,
+        timeout: float | None = None,
+        out: Any = None,
+        *,
+        direct: bool = False,
+        via: ObjectID | None = None,
+    ) -> Any:  # (the node's)
+        raise NotImplementedError
+
+    @property
+    def io(self) -> IOThread:
+        """The process's I/O thread, which runs all of this node's network work: ``io.run(coro)``
+        runs a coroutine there and waits for it (from any other thread), ``io.submit(coro)``
+        schedules it (a :class:`concurrent.futures.Future`), ``await io.run_async(coro)`` awaits it
+        from another event loop; ``io.in_thread()`` tells whether the caller runs there. The
+        ``*_async`` methods may be awaited there, as a library's own coroutines that use them."""
+        return self._io
+
+    def barrier(
+        self,
+        barrier_id: ObjectID,
+        rank: int,
+        count: int,
+        timeout: float | None = None,
+        release: Sequence[ObjectID] = (),
+    ) -> None:
+        """Member ``rank`` of ``count`` reached barrier ``barrier_id`` (fresh for each barrier, the
+        same on every member): returns once all ``count`` have. One message per member, on the
+        calling thread's own directory connection where it has one. ``release``: objects this node
+        put (not reductions it requested, see :meth:`requested_reduction`) that the directory
+        deletes once every member has come, and this node's copies with them: a group's objects
+        that every member is past, deleted with no message of their own.
+
+        Raises:
+            HopliteTimeoutError: members did not come within ``timeout`` (None:
+                ``Config.default_get_timeout``, 0 there: forever); ``waiting_for_ranks`` names the
+                first of them, ``waiting`` counts them all. Nothing is released.
+        """
+        self._check_open()
+        bid, wait, freed = _barrier_arguments(barrier_id, timeout, release, self._resolve_timeout)
+        reply = self._channels.barrier(bid, rank, count, wait, freed)
+        reply = reply or self._io.run(self._session.barrier(bid, rank, count, wait, freed))
+        _passed(barrier_id, count, reply, wait)
+        if freed:
+            self._putter.drop_released(freed, self._io)
+
+    async def barrier_async(
+        self,
+        barrier_id: ObjectID,
+        rank: int,
+        count: int,
+        timeout: float | None = None,
+        release: Sequence[ObjectID] = (),
+    ) -> None:
+        """Async twin of :meth:`barrier`."""
+        self._check_open()
+        bid, wait, freed = _barrier_arguments(barrier_id, timeout, release, self._resolve_timeout)
+        reply = await self._io.run_async(self._session.barrier(bid, rank, count, wait, freed))
+        _passed(barrier_id, count, reply, wait)
+        if freed:
+            self._putter.drop_released(freed, self._io)
+
+    def requested_reduction(self, reduction_id: ObjectID) -> bool:
+        """Whether this node requested the reduction ``reduction_id`` and keeps its request (to
+        send it again to a restarted directory) until it deletes it with :meth:`delete`."""
+        return self._session.requested(reduction_id.binary())
+
+    async def receive_into_async(
+        self,
+        object_id: ObjectID,
+        out: Any,
+        received: list[LocalObject],
+        timeout: float | None = None,
+        *,
+        direct: bool = False,
+        via: ObjectID | None = None,
+    ) -> Any:
+        """``get_async(object_id, timeout, out, direct=direct, via=via)``, except that a copy
+        pulled over the data plane into a C-contiguous NumPy ``out`` is received straight into it
+        and appended to ``received``: it stays in this node's store, served to other readers from
+        ``out``'s memory, until :meth:`withdraw`, which must come before ``out`` changes (the
+        results of a sharded allreduce, read along a ring while being received)."""
+        self._check_open()
+        if not receivable(check_out(out)) or self._fetcher.indexed(object_id) is not None:
+            return await self.get_async(object_id, timeout=timeout, out=out, direct=direct, via=via)
+        wait = self._resolve_timeout(timeout)
+        fetch = self._fetcher.get_into(object_id, wait, out, route_of(direct, via), received)
+        return await self._io.run_async(fetch)
+
+    def withdraw(
+        self,
+        object_ids: Sequence[ObjectID],
+        copies: Sequence[LocalObject] = (),
+        error: HopliteError | None = None,
+    ) -> list[LocalObject]:
+        """Stop serving memory the caller takes back, now: this node's copies of ``object_ids``
+        and ``copies`` (received in place, :meth:`receive_into_async`) fail with ``error`` (None:
+        :class:`~hoplite_gpu.errors.ObjectDeletedError`) and leave the local store. Pulls of them
+        stop at their next chunk; the directory learns they are gone from the next reader they are
+        offered to (delete those this node put, too). Call it on the I/O thread (:attr:`io`).
+        Returns the objects withdrawn: ``await obj.wait_unserved(seconds)`` waits for their pulls."""
+        held = [obj for obj in map(self._store.get, object_ids) if obj is not None] + list(copies)
+        for obj in held:
+            oid = obj.object_id
+            obj.fail(error or ObjectDeletedError(f"object {oid} was withdrawn", object_id=oid.hex()))
+            if self._store.get(oid) is obj:
+                self._store.remove(oid)
+        return held
+
+    def add_rejoin_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever this node rejoins a restarted directory, on the I/O thread
+        (it must not block), before the node tells the directory which copies it holds: a
+        library withdraws there what the restarted directory must not rebuild from."""
+        self._rejoin_callbacks.add(callback)
+
+    def remove_rejoin_callback(self, callback: Callable[[], None]) -> None:
+        """Stop calling ``callback`` (see :meth:`add_rejoin_callback`); no-op if it is not there."""
+        self._rejoin_callbacks.discard(callback)
+
+
+def _barrier_arguments(
+    barrier_id: Any,
+    timeout: float | None,
+    release: Sequence[ObjectID],
+    resolve: Callable[[float | None], float | None],
+) -> tuple[bytes, float | None, list[bytes]]:
+    if not isinstance(barrier_id, ObjectID):
+        raise InvalidArgumentError("barrier_id must be an ObjectID", argument="barrier_id")
+    return barrier_id.binary(), resolve(timeout), [oid.binary() for oid in release]
+
+
+def _passed(barrier_id: ObjectID, count: int, reply: p.BarrierReply, timeout: float | None) -> None:
+    """Raise unless the directory's ``reply`` says every member came."""
+    if reply.status != "ok":
+        named = f" (the first {len(reply.missing)} named)" if reply.waiting > len(reply.missing) else ""
+        raise HopliteTimeoutError(
+            f"barrier {barrier_id.hex()[:12]}: {reply.waiting} of {count} members did not come "
+            f"within {timeout} s{named}",
+            operation="barrier",
+            timeout=timeout,
+            waiting_for_ranks=list(reply.missing),
+            waiting=reply.waiting,
+        )
