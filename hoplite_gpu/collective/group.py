@@ -2,7 +2,8 @@
 
 See :mod:`hoplite_gpu.collective` for how the collectives use it: the objects of the ``n``-th
 collective of a group have ObjectIDs derived from (group name, ``n``, rank); a member deletes what
-it put once every member is past it; a watched group breaks at once when a member is lost.
+it put once every member is past it; a watched group breaks at once when a member is lost
+(:mod:`.watching`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from ..errors import (
     HopliteError,
     HopliteTimeoutError,
     InvalidArgumentError,
-    MemberLostError,
-    NodeClosedError,
     ObjectLostError,
     ReduceMismatchError,
 )
@@ -31,6 +30,7 @@ from ..memory import LocalObject
 from ..node import Node
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
+from .watching import Watching
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ DESTROY_WAIT = 300.0
 _HEX_ID = re.compile(r"\b[0-9a-f]{40}\b")
 
 
-class Group:
+class Group(Watching):
     """A fixed set of ``world_size`` processes that run collectives together.
 
     Args:
@@ -170,130 +170,6 @@ class Group:
         }
         return HopliteTimeoutError(text, **fields)
 
-    # ------------------------------------------------------------ watching the members
-    @property
-    def watching(self) -> bool:
-        """Whether this member watches the others (``watch=True``) and has not left."""
-        return self._watching is not None and not self._watching.done()
-
-    @property
-    def error(self) -> HopliteError | None:
-        """What broke the group on this member (a :class:`~hoplite_gpu.errors.MemberLostError`,
-        or the error that ended its watch), or None while it works."""
-        return self._error
-
-    @property
-    def lost(self) -> dict[int, str]:
-        """The members lost so far (rank -> why), as far as this member knows."""
-        return dict(self._lost)
-
-    def add_lost_callback(self, callback: Callable[[HopliteError], None]) -> None:
-        """Call ``callback(error)`` once the group breaks (see :attr:`error`), on the node's I/O
-        thread (it must not block); at once if it is broken already."""
-        self._on_lost.append(callback)
-        if self._error is not None:
-            callback(self._error)
-
-    def abort(self, reason: str) -> None:
-        """Give up on the group, for ``reason``: this member's collectives in flight and later
-        ones raise :class:`~hoplite_gpu.errors.MemberLostError`, and so do the other members'
-        once they hear of it (at once where they watch). For a member whose collective failed in
-        a way the others cannot see (a timeout, an argument refused before anything was sent).
-        Idempotent."""
-        if not isinstance(reason, str) or not reason:
-            raise InvalidArgumentError("reason must be a non-empty str", argument="reason")
-        mine = {self.rank: f"rank {self.rank} gave up on the group: {reason}"}
-        io = self.node.io
-        if not self.node.closed:
-            with contextlib.suppress(HopliteError):
-                work = self.node.abort_group_async(self._watch_id(), self.rank, self.world_size, reason)
-                lost = io.run(work, timeout=self.node.config.request_timeout + 1.0)
-                mine = {**lost, **mine}
-        if io.in_thread():
-            self._fail(mine)
-        else:
-            io.loop.call_soon_threadsafe(self._fail, mine)
-
-    def _watch_id(self) -> ObjectID:
-        return ObjectID.from_name(f"hoplite-group/{self.name}/watch")
-
-    @property
-    def watch_id(self) -> ObjectID:
-        """The id of the watched group the members of this group watch (``watch=True``): the
-        ``group_id`` of :meth:`Node.agree <hoplite_gpu.node.Node.agree>` among them."""
-        return self._watch_id()
-
-    async def _watch(self, registered: concurrent.futures.Future[None]) -> None:
-        """Watch the group until a member is lost (then break it), or until cancelled;
-        ``registered`` is resolved once the directory holds the watch."""
-        held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def tell(_: asyncio.Future[None]) -> None:
-            if not registered.done():
-                registered.set_result(None)
-
-        held.add_done_callback(tell)
-        try:
-            lost = await self.node.watch_group_async(self._watch_id(), self.rank, self.world_size, held)
-        except NodeClosedError:
-            return
-        except HopliteError as exc:  # the directory is gone, or refused the watch
-            if not (self.destroyed or self.node.closed):
-                self._fail({}, exc)
-            return
-        self._fail(lost)
-
-    def _fail(self, lost: dict[int, str], error: HopliteError | None = None) -> None:
-        """The group broke (members ``lost``, or ``error``): on the I/O thread, cancel the
-        collectives in flight here and tell the callbacks; later collectives raise at once."""
-        self._lost.update(lost)
-        if self._error is not None:
-            return
-        if error is None:
-            ranks = sorted(self._lost)
-            text = "; ".join(self._lost[r] for r in ranks)
-            members = f"member{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-            error = MemberLostError(
-                f"{self._who()}: {members} lost: {text}",
-                group=self.name,
-                rank=self.rank,
-                lost_ranks=ranks,
-                reasons=dict(self._lost),
-            )
-        self._error = error
-        for task in list(self._tasks):
-            task.cancel()
-        for callback in self._on_lost:
-            try:
-                callback(error)
-            except Exception:  # a callback's own failure must not stop the others
-                import logging
-
-                logging.getLogger("hoplite_gpu").exception("a lost-member callback failed")
-
-    def _raise_if_broken(self) -> None:
-        error = self._error
-        if error is not None:
-            raise _again(error)
-
-    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
-        """``await coro`` as a collective of a watched group: cancelled once the group breaks,
-        which then raises its error."""
-        task = asyncio.current_task()
-        if self._error is not None or task is None:
-            coro.close()
-            self._raise_if_broken()
-            raise HopliteError("a watched group's collective must run on the node's I/O thread")
-        self._tasks.add(task)
-        try:
-            return await coro
-        except asyncio.CancelledError:
-            if self._error is not None:
-                raise _again(self._error) from None
-            raise
-        finally:
-            self._tasks.discard(task)
-
     def destroy(self, wait: bool = True) -> concurrent.futures.Future[None] | None:
         """Delete the objects this member created, once every member is past them; later
         collectives on this member's group raise :class:`InvalidArgumentError` (again: no-op).
@@ -343,11 +219,6 @@ class Group:
         self.destroyed = True
         self._stop_watching()
         self._call(lambda: self.node.io.run(self._clean_up()))
-
-    def _stop_watching(self) -> None:
-        """Withdraw the watch: this member leaves the group cleanly (not reported as lost)."""
-        if self._watching is not None:
-            self._watching.cancel()
 
     async def _destroy_later(self, seconds: float) -> None:
         try:
@@ -606,9 +477,3 @@ def _late(g: Group, seq: int, exc: HopliteTimeoutError) -> HopliteTimeoutError:
         timeout=timeout,
         waiting_for_ranks=missing,
     )
-
-
-def _again(error: HopliteError) -> HopliteError:
-    """A fresh copy of ``error`` to raise (one instance raised from many calls would pile up
-    their tracebacks)."""
-    return type(error)(error.message, **error.fields)
