@@ -230,3 +230,39 @@ def test_event_log_longer_than_a_page_arrives_whole(owner: Any) -> None:
     events = owner.event_log(start)
     assert len(events) > EVENT_LOG_PAGE
     assert [e["seq"] for e in events] == list(range(start, start + len(events)))
+
+
+def test_the_methods_for_libraries_built_on_the_node(owner: Any) -> None:
+    """The node's methods below its object API (:mod:`hoplite_gpu.node.primitives`), in one process."""
+    lent = owner.put(np.arange(4.0), copy=False, borrow=True, digest=False)
+    owner.barrier(hg.ObjectID.from_name("api/barrier/1"), 0, 1, release=[lent])
+    assert owner.delete(lent) is False  # the directory deleted it as every member came
+    with pytest.raises(hg.HopliteTimeoutError) as raised:
+        owner.barrier(hg.ObjectID.from_name("api/barrier/2"), 0, 2, timeout=0.2)
+    assert raised.value.waiting == 1 and raised.value.waiting_for_ranks == [1]
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.barrier(hg.ObjectID.from_name("api/barrier/3"), 2, 2)
+    with pytest.raises(hg.InvalidArgumentError):
+        owner.barrier(b"not an id", 0, 1)
+
+    a, b = owner.put(np.ones(4)), owner.put(np.ones(4))
+    rid = owner.reduce([a, b])
+    assert owner.requested_reduction(rid) and not owner.requested_reduction(a)
+    np.testing.assert_array_equal(owner.get(rid, timeout=10), np.full(4, 2.0))
+
+    async def withdraw() -> list[Any]:
+        return owner.withdraw([a, hg.ObjectID.random()])
+
+    [withdrawn] = owner.io.run(withdraw())
+    assert isinstance(withdrawn.error, hg.ObjectDeletedError) and not owner.contains(a)
+    for oid in (rid, a, b):
+        owner.delete(oid)
+    calls: list[int] = []
+
+    def rejoined() -> None:
+        calls.append(1)
+
+    owner.add_rejoin_callback(rejoined)  # (not called: the directory does not restart here)
+    owner.remove_rejoin_callback(rejoined)
+    owner.remove_rejoin_callback(rejoined)  # no-op
+    assert calls == []

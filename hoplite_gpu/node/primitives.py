@@ -56,8 +56,8 @@ class Primitives:
         """The process's I/O thread, which runs all of this node's network work: ``io.run(coro)``
         runs a coroutine there and waits for it (from any other thread), ``io.submit(coro)``
         schedules it (a :class:`concurrent.futures.Future`), ``await io.run_async(coro)`` awaits it
-        from another event loop; ``io.in_thread()`` tells whether the caller runs there. The
-        ``*_async`` methods may be awaited there, as a library's own coroutines that use them."""
+        from another event loop; ``io.in_thread()`` tells whether the caller runs there. A
+        library's own coroutines run there may await the node's ``*_async`` methods."""
         return self._io
 
     def barrier(
@@ -71,17 +71,20 @@ class Primitives:
         """Member ``rank`` of ``count`` reached barrier ``barrier_id`` (fresh for each barrier, the
         same on every member): returns once all ``count`` have. One message per member, on the
         calling thread's own directory connection where it has one. ``release``: objects this node
-        put (not reductions it requested, see :meth:`requested_reduction`) that the directory
-        deletes once every member has come, and this node's copies with them: a group's objects
-        that every member is past, deleted with no message of their own.
+        put (not reductions it requested, see :meth:`requested_reduction`; at most
+        :data:`~hoplite_gpu.protocol.MAX_BARRIER_RELEASE`) that the directory deletes once every
+        member has come, and this node's copies with them: a group's objects that every member is
+        past, deleted with no message of their own.
 
         Raises:
+            InvalidArgumentError: bad arguments.
             HopliteTimeoutError: members did not come within ``timeout`` (None:
                 ``Config.default_get_timeout``, 0 there: forever); ``waiting_for_ranks`` names the
                 first of them, ``waiting`` counts them all. Nothing is released.
         """
         self._check_open()
-        bid, wait, freed = _barrier_arguments(barrier_id, timeout, release, self._resolve_timeout)
+        bid, freed = _barrier_arguments(barrier_id, rank, count, release)
+        wait = self._resolve_timeout(timeout)
         reply = self._channels.barrier(bid, rank, count, wait, freed)
         reply = reply or self._io.run(self._session.barrier(bid, rank, count, wait, freed))
         _passed(barrier_id, count, reply, wait)
@@ -98,7 +101,8 @@ class Primitives:
     ) -> None:
         """Async twin of :meth:`barrier`."""
         self._check_open()
-        bid, wait, freed = _barrier_arguments(barrier_id, timeout, release, self._resolve_timeout)
+        bid, freed = _barrier_arguments(barrier_id, rank, count, release)
+        wait = self._resolve_timeout(timeout)
         reply = await self._io.run_async(self._session.barrier(bid, rank, count, wait, freed))
         _passed(barrier_id, count, reply, wait)
         if freed:
@@ -164,13 +168,19 @@ class Primitives:
 
 def _barrier_arguments(
     barrier_id: Any,
-    timeout: float | None,
+    rank: Any,
+    count: Any,
     release: Sequence[ObjectID],
-    resolve: Callable[[float | None], float | None],
-) -> tuple[bytes, float | None, list[bytes]]:
+) -> tuple[bytes, list[bytes]]:
     if not isinstance(barrier_id, ObjectID):
         raise InvalidArgumentError("barrier_id must be an ObjectID", argument="barrier_id")
-    return barrier_id.binary(), resolve(timeout), [oid.binary() for oid in release]
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= p.MAX_BARRIER_MEMBERS:
+        raise InvalidArgumentError(f"count must be an int in 1..{p.MAX_BARRIER_MEMBERS}", argument="count")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < count:
+        raise InvalidArgumentError(f"rank must be an int in 0..{count - 1}", argument="rank")
+    if len(release) > p.MAX_BARRIER_RELEASE:
+        raise InvalidArgumentError(f"at most {p.MAX_BARRIER_RELEASE} ids to release", argument="release")
+    return barrier_id.binary(), [oid.binary() for oid in release]
 
 
 def _passed(barrier_id: ObjectID, count: int, reply: p.BarrierReply, timeout: float | None) -> None:
