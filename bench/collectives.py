@@ -38,6 +38,8 @@ from bench.common import (
     format_size,
     markdown_table,
     parse_size,
+    round_counters,
+    round_counters_since,
     start_workers,
     stop_workers,
     write_json,
@@ -90,9 +92,10 @@ def group_op(op: str, arr: Any, group: Any, outs: Any = None, piece: Any = None)
 def _member(
     address: str, token: str, rank: int, world: int, shared: bool, conn: Any, cpu_pids: Sequence[int] = ()
 ) -> None:
-    """One member: for each ``(op, size, rounds)`` it reads, answers ``(start, end, CPU seconds)`` of
-    every round: the CPU of this process and of the processes ``cpu_pids`` from its start until
-    every member has left the op (a barrier after it: a member that returned may still serve)."""
+    """One member: for each ``(op, size, rounds)`` it reads, answers ``(start, end, CPU seconds,
+    counters)`` of every round: the CPU of this process and of the processes ``cpu_pids`` from its
+    start until every member has left the op (a barrier after it: a member that returned may still
+    serve), and the :func:`~bench.common.round_counters` of the same window."""
     import hoplite_gpu as hg
     from hoplite_gpu import collective as coll
 
@@ -125,7 +128,7 @@ def _member(
                 for oid in sent:  # every member is past the barrier: the receiver has it
                     node.delete(oid)
                 sent.clear()
-                cpu = cpu_seconds(cpu_pids)
+                cpu, counted = cpu_seconds(cpu_pids), round_counters()
                 start = time.monotonic()
                 if op == "p2p":  # member 0 puts, member 1 gets; the others idle
                     oid = hg.ObjectID.from_name(f"{group.name}/p2p/{group.seq}")
@@ -137,7 +140,7 @@ def _member(
                     group_op(op, arr, group, outs, piece)
                 end = time.monotonic()
                 coll.barrier(group)  # every member has left the op: what it served after returning counts
-                spans.append((start, end, cpu_seconds(cpu_pids) - cpu))
+                spans.append((start, end, cpu_seconds(cpu_pids) - cpu, round_counters_since(counted)))
                 check_result(op, rank, world, arr, outs)
             coll.barrier(group)
             for oid in sent:
@@ -153,6 +156,15 @@ def round_times(spans: list[list[Any]], warmup: int, repeat: int) -> list[float]
     left the barrier, so its release skew does not count) to the last member leaving it.
     ``spans[member][round]`` is that member's (start, end)."""
     return [max(s[i][1] for s in spans) - max(s[i][0] for s in spans) for i in range(warmup, warmup + repeat)]
+
+
+def round_counts(spans: list[list[Any]], warmup: int, repeat: int) -> list[dict[str, int]]:
+    """:func:`~bench.common.round_counters` of each timed round, summed over the members (the TCP
+    ones: each host's, where each member has a network namespace of its own, as in netbench.py)."""
+    return [
+        {name: sum(s[i][3][name] for s in spans) for name in spans[0][i][3]}
+        for i in range(warmup, warmup + repeat)
+    ]
 
 
 def round_cpu(spans: list[list[Any]], warmup: int, repeat: int) -> list[float]:

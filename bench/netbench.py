@@ -60,7 +60,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable, link_throughput
-from bench.collectives import check_result, round_cpu, round_times
+from bench.collectives import check_result, round_counts, round_cpu, round_times
 from bench.common import (
     CPU_PIDS_VAR,
     cpu_per_gib,
@@ -70,6 +70,8 @@ from bench.common import (
     markdown_table,
     parse_rate,
     parse_size,
+    round_counters,
+    round_counters_since,
 )
 
 #: ``barrier`` runs at the smallest size only (its size is not used), where the peer has one.
@@ -126,7 +128,7 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
             for _ in range(rounds):
                 t.fill_(rank + 1)
                 dist.barrier()
-                cpu = cpu_seconds()
+                cpu, counted = cpu_seconds(), round_counters()
                 start = time.monotonic()
                 if op == "broadcast":
                     dist.broadcast(t, src=0)
@@ -144,7 +146,7 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
                     raise ValueError(op)
                 end = time.monotonic()
                 dist.barrier()  # CPU until every member has left the op, as the other systems
-                spans.append((start, end, cpu_seconds() - cpu))
+                spans.append((start, end, cpu_seconds() - cpu, round_counters_since(counted)))
                 check_result(op, rank, world, t.numpy(), [o.numpy() for o in outs])
             conn.send(spans)
     finally:
@@ -325,6 +327,9 @@ def _run_system(
                 row = {"system": system, "op": op, "size": size, "seconds": statistics.median(times)}
                 # The first round of a fresh group on fresh arrays, as a user's first call meets it.
                 row.update(first_seconds=every[0], rounds=every[warmup:])
+                # What may make a round slower than the others: the shaped links' retransmissions
+                # (a timeout stalls a flow for 200 ms), page faults, garbage collections.
+                row["rounds_counted"] = round_counts(spans, warmup, repeat)
                 if repeat >= P99_MIN_ROUNDS:  # (of fewer rounds, the 99th percentile is the slowest)
                     row["p99_seconds"] = times[min(len(times) - 1, int(0.99 * len(times)))]
                 rows.append({**row, "cpu_seconds": cpu})
