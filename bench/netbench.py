@@ -330,6 +330,8 @@ def _run_system(
                 # What may make a round slower than the others: the shaped links' retransmissions
                 # (a timeout stalls a flow for 200 ms), page faults, garbage collections.
                 row["rounds_counted"] = round_counts(spans, warmup, repeat)
+                timed = range(warmup, warmup + repeat)
+                row["rounds_faults_by_member"] = [[s[i][3]["MinorFaults"] for s in spans] for i in timed]
                 if repeat >= P99_MIN_ROUNDS:  # (of fewer rounds, the 99th percentile is the slowest)
                     row["p99_seconds"] = times[min(len(times) - 1, int(0.99 * len(times)))]
                 rows.append({**row, "cpu_seconds": cpu})
