@@ -176,6 +176,12 @@ def test_the_config_chooses_the_plane_a_node_builds() -> None:
     store = LocalStore(1 << 20)
     assert isinstance(make_data_plane(store, TOKEN, Config(data_plane="tcp")), TcpDataPlane)
     assert isinstance(make_data_plane(store, TOKEN, Config(data_plane="ucx")), UcxDataPlane)
+    for kind in ("tcp", "ucx"):
+        assert isinstance(make_data_plane(store, TOKEN, Config(data_plane=kind)), DataPlane)
+    assert not isinstance(store, DataPlane)
+    from hoplite_gpu.dataplane import ucx
+
+    assert ucx.UcxDataPlane is UcxDataPlane  # where the UCX plane's package offers it
 
 
 # ---------------------------------------------------------------- pulls

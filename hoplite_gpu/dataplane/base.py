@@ -8,12 +8,13 @@ name only it. ``tests/test_dataplane_contract.py`` runs one suite of tests again
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..memory import LocalObject
 
 
+@runtime_checkable
 class DataPlane(Protocol):
     """One node's data plane: a listener that serves pulls of the objects of the node's local store
     (complete or still filling) to authenticated peers, and the pulls this node makes from theirs.
@@ -21,7 +22,7 @@ class DataPlane(Protocol):
     A plane is built with the node's store, the cluster's token, the node's ``Config`` and a
     callback after each served transfer (:data:`~hoplite_gpu.dataplane.shared.ServeCallback`);
     :func:`~hoplite_gpu.dataplane.selection.make_data_plane` builds the one ``Config.data_plane``
-    chooses.
+    chooses. ``isinstance(plane, DataPlane)`` checks that the members are there (not their types).
     """
 
     #: The port the listener took (0 before :meth:`start`): the node advertises it to the directory.
