@@ -96,7 +96,7 @@ class Consumer:
     def take_from_list(self, refs: list[Any], seed: int, n: int) -> bool:
         import ray
 
-        return _same(ray.get(refs[0], timeout=60), _tensors(seed, n))
+        return _same(ray.get(refs[0], timeout=TRANSFER_WAIT), _tensors(seed, n))
 
     def take_one(self, value: Any) -> float:
         return float(value.sum())
@@ -107,6 +107,17 @@ def rdt_ray(ray_session: Any) -> Any:
     """The session's Ray with the transport registered (at import, before this module's actors exist)."""
     assert hgray.register_tensor_transport(timeout=20) == "HOPLITE"  # again: a no-op
     return ray_session
+
+
+#: How long a test waits for a transfer: past Ray's RDT fetch timeout (60 s) and ours (20 s), so
+#: that a transfer that failed shows as their error, not as this wait running out first.
+TRANSFER_WAIT = 90
+
+
+def _started(ray: Any, *actors: Any) -> None:
+    """Wait (bounded) until the actors run: starting one (a process importing torch) on a busy
+    machine is not part of what a transfer's wait measures."""
+    ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)
 
 
 def _remote(ray: Any, cls: type) -> Any:
@@ -142,8 +153,9 @@ def test_many_objects_and_same_host_shared_memory(rdt_ray: Any) -> None:
     ray = rdt_ray
     producer = _remote(ray, Producer).remote()
     consumer = _remote(ray, Consumer).remote()
+    _started(ray, producer, consumer)
     refs = [producer.make_one.remote(1000 + i) for i in range(10)]
-    sums = ray.get([consumer.take_one.remote(r) for r in refs], timeout=60)
+    sums = ray.get([consumer.take_one.remote(r) for r in refs], timeout=TRANSFER_WAIT)
     assert sums == [float(sum(range(1000 + i))) for i in range(10)]
 
 
@@ -151,8 +163,9 @@ def test_ray_put_in_an_actor_and_get_elsewhere(rdt_ray: Any) -> None:
     ray = rdt_ray
     producer = _remote(ray, Producer).remote()
     consumer = _remote(ray, Consumer).remote()
+    _started(ray, producer, consumer)
     box = ray.get(producer.put.remote(5, 1000), timeout=60)
-    assert ray.get(consumer.take_from_list.remote(box, 5, 1000), timeout=60) is True
+    assert ray.get(consumer.take_from_list.remote(box, 5, 1000), timeout=TRANSFER_WAIT) is True
     assert _same(ray.get(box[0], timeout=60), _tensors(5, 1000))
 
 
@@ -160,8 +173,9 @@ def test_freeing_deletes_the_hoplite_objects(rdt_ray: Any) -> None:
     ray = rdt_ray
     producer = _remote(ray, Producer).remote()
     consumer = _remote(ray, Consumer).remote()
+    _started(ray, producer, consumer)
     ref = producer.make.remote(7, 5000)
-    assert ray.get(consumer.take.remote(ref, 7, 5000), timeout=60)
+    assert ray.get(consumer.take.remote(ref, 7, 5000), timeout=TRANSFER_WAIT)
     ids = [rdt.object_id_for(ref.hex(), i).hex() for i in range(4)]
     assert ray.get(producer.holds.remote(ids), timeout=60) == [True] * 4
     # An object the actor put itself: once Ray freed it, its hoplite objects are gone.
