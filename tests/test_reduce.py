@@ -246,9 +246,10 @@ def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
 
 def test_an_allreduce_lends_its_shards_and_deletes_them_when_it_returns(owner: Any, workers: Any) -> None:
     """The sharded allreduce puts the caller's array without a copy: while it waits for the other
-    member, the store's copies of this member's shards are the caller's memory; once it returns
-    they are gone (deleted at once, not at the group's next collective), and so is the copy of
-    the other member's result it received into the array (its own result stays, for others)."""
+    member, the store serves this member's shards from the caller's memory (as the shards, or as
+    the outputs its ring vertices wrote over them); once it returns they are gone (deleted at
+    once, not at the group's next collective), and so is every copy in the array: the other
+    member's result it received, and its own, which the other member read from it."""
     name = hg.ObjectID.random().hex()
     w = workers[0]
     w.send("group", name, 1, 2)
@@ -259,18 +260,24 @@ def test_an_allreduce_lends_its_shards_and_deletes_them_when_it_returns(owner: A
     lent = [group.object_id(0, "allreduce-shard", j, 0) for j in range(2)]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(coll.allreduce, arr, group)
-        _eventually(lambda: all(owner._store.get(oid) is not None for oid in lent))
-        assert all(np.shares_memory(owner._store.get(oid).buffer.array, arr) for oid in lent)
+        _eventually(lambda: len(_in(owner, arr)) == 2)
         w.send("allreduce", name, "float32", shape, 0, "sum")
         got = running.result(timeout=60)
     want = _expected("float32", shape, [0, 1])
     assert np.array_equal(got, want) and np.array_equal(w.result(), want)
     assert [owner._store.get(oid) for oid in lent] == [None, None]
+    assert _in(owner, arr) == []
     results = [group.object_id(0, "allreduce-shard-result", j) for j in range(2)]
-    assert owner._store.get(results[0]) is not None and owner._store.get(results[1]) is None
+    assert owner._store.get(results[1]) is None
     w.send("destroy", name)
     group.destroy()
     w.result()
+
+
+def _in(node: Any, arr: Any) -> list[Any]:
+    """The objects of ``node``'s store whose bytes are ``arr``'s memory."""
+    held = [obj.buffer.array for obj in node._store.objects()]
+    return [a for a in held if isinstance(a, np.ndarray) and np.shares_memory(a, arr)]
 
 
 def test_a_copy_received_into_the_callers_array_stays_in_the_store(owner: Any, workers: Any) -> None:
@@ -302,9 +309,42 @@ def test_an_allreduce_that_fails_withdraws_the_shards_it_lent(owner: Any, worker
         coll.allreduce(arr, group)
     lent = [group.object_id(0, "allreduce-shard", j, 0) for j in range(2)]
     assert [owner._store.get(oid) for oid in lent] == [None, None]
+    assert _in(owner, arr) == []  # nor the outputs written over them
     w.send("get", lent[1].hex(), 2)  # the shard the other member would have reduced
     with pytest.raises(RuntimeError):
         w.result()
+
+
+def test_an_allreduce_that_fails_withdraws_the_outputs_written_over_its_shards(owner: Any) -> None:
+    """Three members; rank 1 puts its shards and is stopped (SIGSTOP) before its root reduces
+    shard 1. The ring vertex here for shard 1 (rank 2's shard, then this member's) completes its
+    output over this member's shard 1, which no result copy covers. When the call times out, that
+    output leaves the store with the shards: nothing serves the caller's array any more."""
+    import os
+    import signal
+
+    name = hg.ObjectID.random().hex()
+    b, c = start_workers(owner.directory_address, owner.token, 2, lease_timeout=60.0)
+    try:
+        for rank, w in ((1, b), (2, c)):
+            w.send("group", name, rank, 3, 4)
+        assert [b.result(), c.result()] == [1, 2]
+        group = coll.Group(owner, 0, 3, name, timeout=4)
+        shape = (768, 1024)  # 3 MiB of float32: a shard of 1 MiB per member
+        shards = {group.object_id(0, "allreduce-shard", j, 1).hex() for j in range(3)}
+        b.send("allreduce", name, "float32", shape, 1, "sum")
+        wait_for_events(owner, lambda evs: shards <= {e.get("object_id") for e in evs if e["kind"] == "put"})
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        c.send("allreduce", name, "float32", shape, 2, "sum")
+        arr = make_array("float32", shape, 0)
+        with pytest.raises(hg.HopliteError):
+            coll.allreduce(arr, group)
+        assert owner.stats()["outputs_over_inputs"] > 0
+        assert _in(owner, arr) == []
+    finally:
+        for w in (b, c):
+            os.kill(w.proc.pid, signal.SIGCONT)
+            w.kill()
 
 
 def test_a_member_destroys_its_group_without_the_others(workers: Any) -> None:

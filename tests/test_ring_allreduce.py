@@ -71,10 +71,14 @@ def test_a_sharded_allreduce_sums_exactly_and_the_ring_sends_only_to_the_next_me
         ranks = {**_rank_of(events, group, 0, n), **_rank_of(events, group, 1, n)}
         hops = {(ranks[e["sender"]], ranks[e["receiver"]]) for e in events if e["kind"] == "transfer_start"}
         ring = {(r, (r + 1) % n) for r in range(n)}
+        over = owner.stats()["outputs_over_inputs"]
         if schedule == "ring":
             assert hops == ring, f"transfers off the ring: {sorted(hops - ring)}"
+            # each member's vertices (n - 1 a round) wrote their outputs over its shards
+            assert over >= 2 * (n - 1), over
         else:  # each shard's root pulls from every member, and every member reads every root
             assert hops == {(a, b) for a in range(n) for b in range(n) if a != b}
+            assert over == 0  # its root's output is a buffer of the store's, copied to the caller
         _destroy(group, workers)
     finally:
         for w in workers:

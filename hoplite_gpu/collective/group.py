@@ -275,16 +275,21 @@ class Group(Watching):
         whose = f"rank {producer}'s " if producer is not None else "the "
         return f"{whose}{what} ({hex_id[:12]})"
 
-    async def _put_own(self, seq: int, array: Any, oid: ObjectID, borrow: bool = False) -> None:
+    async def _put_own(
+        self, seq: int, array: Any, oid: ObjectID, borrow: bool = False, consumable: bool = False
+    ) -> None:
         """Put ``array`` as ``oid`` (this member's, deleted once every member is past ``seq``).
         A group's ids are never put twice, so its objects carry no digest: hashing every byte on
         the I/O thread was an eighth of that thread's busy time in a 1 GB/s allreduce
         (bench/pages/defaults.md, "Group puts without a digest"). With ``borrow`` the store keeps
         ``array`` itself where it would copy it only for same-host readers (``put(copy=False)``):
         for a collective that returns once nothing reads it any more, and then deletes it
-        (:meth:`_delete_now`), or withdraws it if it fails (:meth:`_withdraw`)."""
+        (:meth:`_delete_now`), or withdraws it if it fails (:meth:`_withdraw`); ``consumable``:
+        the reduction reading it may write its output over it (``put(consumable=True)``)."""
         self._owned.append((seq, oid))
-        await self.node.put_async(array, oid, copy=not borrow, digest=False, borrow=borrow)
+        await self.node.put_async(
+            array, oid, copy=not borrow, digest=False, borrow=borrow, consumable=consumable
+        )
 
     def _withdraw(self, oids: list[ObjectID], copies: Sequence[LocalObject] = ()) -> asyncio.Future[Any]:
         """Stop serving the caller's memory now: these objects of this member's (then deleted)

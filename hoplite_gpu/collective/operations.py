@@ -129,7 +129,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     pred = (me - 1) % n
 
     def mine() -> Coroutine[Any, Any, None]:  # (made where it is awaited: none left unawaited)
-        return g._put_own(seq, shards[me], inputs[me][me], borrow=True)
+        return g._put_own(seq, shards[me], inputs[me][me], borrow=True, consumable=ring)
 
     async def own_chain(chain: list[ObjectID]) -> None:
         await g._reduce_into(seq, chain, results[me], op, None, mine(), ordered=True)
@@ -146,7 +146,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
             await all_or_cancel(
                 [
                     own_chain(chain),  # (on one host the directory makes it that host's star)
-                    *(g._put_own(seq, shards[j], inputs[j][me], borrow=True) for j in order),
+                    *(g._put_own(seq, shards[j], inputs[j][me], True, True) for j in order),
                     *(
                         g._get_received(results[j], shards[j], received, inputs[j][pred])
                         for j in [*order, me]
@@ -167,8 +167,14 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     except BaseException:
         await asyncio.shield(g._withdraw(lent, received))  # before the caller may write to its array
         raise
-    await asyncio.shield(g._withdraw([], received))
-    await g._delete_now(lent)
+    # On the ring each vertex wrote its output over this member's shard (put consumable), the
+    # result of shard me included. A result copy here that the successor, which reads it from
+    # here, has not read whole moves to the store's memory and stays; the rest is withdrawn.
+    succ = (me + 1) % n
+    unread = {results[j] for j in range(n) if j != succ}
+    unread_here = [o for o in received if ring and o.object_id in unread and not o.served_whole]
+    kept = g.node.keep_served(unread_here)
+    await asyncio.shield(g._withdraw(lent, [o for o in received if o not in kept]))
     await g._delete_before(seq)
     return array
 

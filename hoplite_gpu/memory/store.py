@@ -57,12 +57,17 @@ class LocalObject:
     # copy's buffer is: a reader's get returns that kind (a device object received into host
     # memory is copied to the reader's device when read).
     memory: str = MEMORY_HOST
+    # A reduce vertex on this node that takes the object as its input may write its output over
+    # the object's memory (it then holds the bytes, and the object leaves the store): for inputs
+    # that one reduction alone reads (put(consumable=True)).
+    consumable: bool = False
     _waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
     # Threads in wait_progress_from_thread, and what wakes them (advance and fail, on the loop).
     _thread_waits: int = 0
     _woken: threading.Condition = field(default_factory=threading.Condition)
     # Pulls this node serves from the object right now, and who waits for them to end.
     serving: int = 0
+    served_whole: int = 0  # pulls served from it up to its end
     _unserved: list[asyncio.Future[None]] = field(default_factory=list)
 
     @property
@@ -171,6 +176,7 @@ class LocalObject:
         self.serving += 1
         try:
             yield
+            self.served_whole += 1
         finally:
             self.serving -= 1
             if not self.serving:
@@ -362,6 +368,17 @@ class LocalStore:
         if not obj.complete or obj._waiters:
             obj.fail(error or ObjectDeletedError(f"object {oid} was deleted", object_id=oid.hex()))
         self.memory.release(obj.buffer)
+        return obj
+
+    def hand_over(self, oid: ObjectID) -> LocalObject | None:
+        """Remove a complete object whose buffer another object takes over (a reduce vertex's
+        output written over its input): its memory is neither released nor pooled again here."""
+        with self._lock:
+            obj = self._objects.get(oid)
+            if obj is None or not obj.complete or obj._waiters or obj.serving:
+                return None
+            del self._objects[oid]
+            self._forget(obj)
         return obj
 
     async def wait_for(self, oid: ObjectID, timeout: float, coming: bool = False) -> LocalObject | None:

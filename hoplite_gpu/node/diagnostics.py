@@ -10,6 +10,7 @@ from ..dataplane.base import DataPlane
 from ..iothread import IOThread
 from ..memory import LocalStore, Memory
 from .session import DirectorySession
+from .vertex import VertexRunner
 
 
 class Diagnostics:
@@ -21,6 +22,7 @@ class Diagnostics:
     _store: LocalStore
     _memory: Memory
     _data: DataPlane
+    _vertices: VertexRunner
 
     def _check_open(self) -> None:  # (the node's)
         raise NotImplementedError
@@ -51,7 +53,8 @@ class Diagnostics:
         pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)
         and its reads of same-host processes' device memory (``device_ipc_*``: mappings opened,
         reads from a mapping kept open, gets that found the memory through an index link with no
-        lookup, mappings kept now; see :mod:`hoplite_gpu.memory.ipc`)."""
+        lookup, mappings kept now; see :mod:`hoplite_gpu.memory.ipc`), and how many reduce
+        vertices here wrote their output over a consumable input (``outputs_over_inputs``)."""
         return {
             "node_id": self.node_id,
             "objects": len(self._store),
@@ -62,6 +65,7 @@ class Diagnostics:
             "stale_bytes_dropped": self._data.stale_bytes,
             "staged_bytes_sent": self._data.staged_sent,
             "staged_bytes_received": self._data.staged_received,
+            "outputs_over_inputs": self._vertices.taken_over,
             **self._memory.stats(),
             "pid": os.getpid(),
         }

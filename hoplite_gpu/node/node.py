@@ -234,6 +234,7 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
         pinned: bool = False,
         digest: bool = True,
         borrow: bool = False,
+        consumable: bool = False,
     ) -> ObjectID:
         """Store ``array`` under ``object_id`` (a new random id if None) and return the id.
 
@@ -257,6 +258,11 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
         saves hashing every byte). ``borrow=True`` (with ``copy=False``) never copies the array
         after ``put`` returns (where same-host readers would map a copy, it is made before): the
         caller may take its memory back once it withdrew the object (:meth:`withdraw`).
+        ``consumable=True`` lets a reduction that takes the object as an input write its partial
+        result over the object's memory on this node (host memory; the object then leaves this
+        node, and a tree rebuilt without it fails rather than read changed bytes): for an input
+        that reduction alone reads, such as a collective's shard. :meth:`withdraw` of the object
+        withdraws that result too.
 
         Raises:
             ObjectExistsError: the id exists with different content, dtype or shape.
@@ -266,7 +272,7 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
             PinnedMemoryError: ``pinned``, and CUDA could not page-lock the copy.
         """
         self._check_open()
-        prepared = self._putter.prepare(array, object_id, copy, pinned, digest, borrow)
+        prepared = self._putter.prepare(array, object_id, copy, pinned, digest, borrow, consumable)
         put = self._putter.put_on_channel(prepared, self._channels, self._io)
         return put if put is not None else self._io.run(self._putter.put(prepared))
 
@@ -279,10 +285,11 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
         pinned: bool = False,
         digest: bool = True,
         borrow: bool = False,
+        consumable: bool = False,
     ) -> ObjectID:
         """Async twin of :meth:`put`."""
         self._check_open()
-        prepared = self._putter.prepare(array, object_id, copy, pinned, digest, borrow)
+        prepared = self._putter.prepare(array, object_id, copy, pinned, digest, borrow, consumable)
         return await self._io.run_async(self._putter.put(prepared))
 
     # ------------------------------------------------------------ get

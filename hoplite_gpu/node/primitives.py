@@ -13,13 +13,14 @@ from .. import protocol as p
 from ..config import Config
 from ..errors import HopliteError, HopliteTimeoutError, InvalidArgumentError, ObjectDeletedError
 from ..iothread import IOThread
-from ..memory import LocalObject, LocalStore
+from ..memory import LocalObject, LocalStore, write_at
 from ..object_id import ObjectID
 from .arguments import route_of
 from .channel import Channels
 from .fetch import Fetcher, check_out, receivable
 from .puts import Putter
 from .session import DirectorySession
+from .vertex import VertexRunner
 
 
 class Primitives:
@@ -33,6 +34,7 @@ class Primitives:
     _putter: Putter
     _channels: Channels
     _rejoin_callbacks: set[Callable[[], None]]
+    _vertices: VertexRunner
 
     def _check_open(self) -> None:  # (the node's)
         raise NotImplementedError
@@ -145,15 +147,34 @@ class Primitives:
         and ``copies`` (received in place, :meth:`receive_into_async`) fail with ``error`` (None:
         :class:`~hoplite_gpu.errors.ObjectDeletedError`) and leave the local store. Pulls of them
         stop at their next chunk; the directory learns they are gone from the next reader they are
-        offered to (delete those this node put, too). Call it on the I/O thread (:attr:`io`).
+        offered to (delete those this node put, too), and so do the results reduce vertices here
+        wrote over ``object_ids`` put ``consumable``. Call it on the I/O thread (:attr:`io`).
         Returns the objects withdrawn: ``await obj.wait_unserved(seconds)`` waits for their pulls."""
         held = [obj for obj in map(self._store.get, object_ids) if obj is not None] + list(copies)
+        held += [obj for obj in self._vertices.outputs_over(list(object_ids)) if obj not in held]
         for obj in held:
             oid = obj.object_id
             obj.fail(error or ObjectDeletedError(f"object {oid} was withdrawn", object_id=oid.hex()))
             if self._store.get(oid) is obj:
                 self._store.remove(oid)
         return held
+
+    def keep_served(self, copies: Sequence[LocalObject]) -> list[LocalObject]:
+        """Move these copies (received or computed in place, in memory the caller takes back)
+        into the store's own memory, where they stay and are served to readers that still need
+        them; returns those moved: one served right now is not (withdraw it). Call it on the I/O
+        thread (:attr:`io`)."""
+        kept = []
+        for obj in copies:
+            if obj.serving or obj.error is not None or self._store.get(obj.object_id) is not obj:
+                continue
+            memory = self._store.memory
+            buffer = memory.host(obj.size, populate=False)
+            write_at(buffer.host, 0, obj.buffer.host)
+            old, obj.buffer = obj.buffer, buffer
+            memory.release(old)
+            kept.append(obj)
+        return kept
 
     def add_rejoin_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` whenever this node rejoins a restarted directory, on the I/O thread

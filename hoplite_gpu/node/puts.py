@@ -126,6 +126,7 @@ class Putter:
         pinned: bool = False,
         digest: bool = True,
         borrow: bool = False,
+        consumable: bool = False,
     ) -> Prepared:
         """The local object for a put, and the bytes still to copy into it.
 
@@ -141,6 +142,8 @@ class Putter:
         ``borrow`` (with ``copy`` False) keeps a contiguous array itself or copies it before the
         put returns, never after: nothing reads the caller's array once the object is withdrawn
         but the pulls being served (a collective's inputs, see ``collective.operations._sharded_allreduce``).
+        ``consumable`` marks a host object a reduce vertex here may write its output over
+        (:attr:`LocalObject.consumable <hoplite_gpu.memory.LocalObject.consumable>`).
         """
         if object_id is not None and not isinstance(object_id, ObjectID):
             raise InvalidArgumentError(
@@ -148,6 +151,10 @@ class Putter:
             )
         if not isinstance(pinned, bool):
             raise InvalidArgumentError(f"pinned must be a bool, got {pinned!r}", argument="pinned")
+        if not isinstance(consumable, bool):
+            raise InvalidArgumentError(
+                f"consumable must be a bool, got {consumable!r}", argument="consumable"
+            )
         entered = CallerArray.of(array)
         if entered.on_device:
             # Borrowed on a node that shares: copied device to device into memory same-host
@@ -193,6 +200,7 @@ class Putter:
             buffer=buffer,
             progress=nbytes if pending is None else 0,
             owner=True,
+            consumable=consumable,
         )
         return Prepared(obj, pending, detached)
 

@@ -32,7 +32,7 @@ from ..errors import (
 )
 from ..faults import INJECTOR
 from ..iothread import bounded, forget
-from ..memory import Buffer, DeviceEvent, LocalObject, LocalStore, through_file, write_at
+from ..memory import Buffer, BufferKind, DeviceEvent, LocalObject, LocalStore, through_file, write_at
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
 
@@ -79,6 +79,9 @@ class VertexRunner:
         self._runs: dict[tuple[bytes, int, int], VertexRun] = {}
         # Copies fetched only for reduce vertices, with how many running vertices use each.
         self._fetched: dict[ObjectID, Fetch] = {}
+        # Outputs written over consumable inputs, and that memory, by input (see :meth:`_take_over`).
+        self._over: dict[ObjectID, tuple[LocalObject, Buffer]] = {}
+        self.taken_over = 0  # vertices that did (diagnostics)
 
     def start(self, task: p.ReduceTask) -> None:
         """Run the vertex ``task`` describes."""
@@ -132,11 +135,14 @@ class VertexRunner:
                 stale = self.store.get(run.output_id)
                 if stale is not None and stale.complete and not stale.owner:
                     self.store.remove(run.output_id)  # the result of a tree rebuilt since
-                self.store.reserve(task.size)
                 buffer: Buffer
-                if own.buffer.on_device:  # reduced where the input is, by the device's kernels
+                if self._take_over(own, task):  # written over the input, which left the store
+                    buffer = own.buffer
+                elif own.buffer.on_device:  # reduced where the input is, by the device's kernels
+                    self.store.reserve(task.size)
                     buffer = memory.device(task.size, like=own.buffer)
                 else:
+                    self.store.reserve(task.size)
                     buffer = await memory.host_async(task.size, populate=False)  # see reduce_stream
                 out = LocalObject(
                     run.output_id,
@@ -149,6 +155,8 @@ class VertexRunner:
                     memory=task.memory,
                 )
                 self.store.add(out)
+                if buffer is own.buffer:
+                    self._over[own.object_id] = (out, buffer)
                 children = await streams
                 if task.await_weights:
                     # Chosen once the reduction has all its inputs; the children stream meanwhile.
@@ -216,6 +224,31 @@ class VertexRunner:
         fetch.users += 1
         run.fetches.append(oid)
         return await fetch.local()
+
+    def _take_over(self, own: LocalObject, task: p.ReduceTask) -> bool:
+        """Whether the vertex writes its output over its input: one put ``consumable``, in this
+        process's host memory, as large as the output. The input then leaves the store, so a
+        tree rebuilt after this vertex fails (it finds the input gone) and never reads its
+        overwritten bytes. Saves the output's buffer and, at the root of a collective's shard,
+        the copy of the result into the caller's array (bench/pages/collectives.md, "Outputs
+        over inputs")."""
+        if not own.consumable or own.buffer.kind is not BufferKind.PRIVATE or own.size != task.size:
+            return False
+        if self.store.hand_over(own.object_id) is None:  # still filling, awaited or served
+            return False
+        self._over = {k: v for k, v in self._over.items() if self.store.get(v[0].object_id) is v[0]}
+        self.taken_over += 1
+        return True
+
+    def outputs_over(self, inputs: list[ObjectID]) -> list[LocalObject]:
+        """The outputs held here that vertices wrote over these inputs' memory and that are
+        still in it (forgotten now): whoever takes that memory back withdraws them too."""
+        found = [self._over.pop(oid, None) for oid in inputs]
+        return [
+            out
+            for out, buffer in filter(None, found)
+            if out.buffer is buffer and self.store.get(out.object_id) is out
+        ]
 
     def _release_fetched(self, run: VertexRun) -> None:
         """A vertex stopped using the copies it fetched: drop (or stop fetching) those no other
