@@ -58,8 +58,9 @@ vllm-e2e:
 demo: $(STAMP)
 	$(VENV)/bin/hoplite-gpu demo
 
+# The slowest tests are listed at the end: the suite should stay under about 20 minutes here.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not multiprocess"
