@@ -3,6 +3,8 @@ collectives at once (not at their timeout); scatter, alltoall and tagged point-t
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -196,3 +198,27 @@ def test_scatter_alltoall_and_tagged_messages(owner: Any) -> None:
     finally:
         for w in workers:
             w.kill()
+
+
+def test_a_loss_raised_before_the_watch_reports_it_names_the_member(owner: Any) -> None:
+    """A collective of a watched group may learn that a member's object is lost (every copy died
+    with the member) a moment before the directory's word that the member is gone: it raises the
+    group's MemberLostError all the same (the soak saw a torch all_gather raise the loss)."""
+    (worker,) = start_workers(owner.directory_address, owner.token, 1)
+    try:
+        group = join(owner, [worker], "lost-first")
+        oid = group.object_id(0, "allgather", 1)
+
+        async def collective() -> None:
+            # the member dies, and the loss is raised before the loop can hear of the death
+            os.kill(worker.proc.pid, signal.SIGKILL)
+            raise hg.ObjectLostError(f"object {oid} was lost: every complete copy died", object_id=oid.hex())
+
+        start = time.monotonic()
+        with pytest.raises(hg.MemberLostError) as err:
+            owner.io.run(group._guarded(collective()))
+        assert err.value.lost_ranks == [1]
+        assert isinstance(err.value.__cause__, hg.ObjectLostError)
+        assert time.monotonic() - start < owner.config.lease_timeout + 2 * owner.config.heartbeat_interval
+    finally:
+        worker.kill()

@@ -10,7 +10,13 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from ..errors import HopliteError, InvalidArgumentError, MemberLostError, NodeClosedError
+from ..errors import (
+    HopliteError,
+    InvalidArgumentError,
+    MemberLostError,
+    NodeClosedError,
+    ObjectLostError,
+)
 from ..node import Node
 from ..object_id import ObjectID
 
@@ -154,8 +160,26 @@ class Watching:
             if self._error is not None:
                 raise _again(self._error) from None
             raise
+        except ObjectLostError as exc:
+            # Every copy of a member's object died: that member almost surely did, and the
+            # directory's word of it may come a moment after the loss (the soak saw a torch
+            # allgather raise the loss, not RankLostError). Wait for it, up to a lease.
+            await self._member_loss(exc)
+            raise
         finally:
             self._tasks.discard(task)
+
+    async def _member_loss(self, lost: ObjectLostError) -> None:
+        """After ``lost``: raise the group's :class:`MemberLostError` if the watch reports a
+        member lost within a lease (it cancels this wait), else return."""
+        if self._error is None:
+            try:
+                await asyncio.sleep(self.node.config.lease_timeout + self.node.config.heartbeat_interval)
+            except asyncio.CancelledError:
+                if self._error is None:
+                    raise
+        if self._error is not None:
+            raise _again(self._error) from lost
 
     def _stop_watching(self) -> None:
         """Withdraw the watch: this member leaves the group cleanly (not reported as lost)."""
