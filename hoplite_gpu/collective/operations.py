@@ -146,7 +146,10 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
             await all_or_cancel(
                 [
                     own_chain(chain),  # (on one host the directory makes it that host's star)
-                    *(g._put_own(seq, shards[j], inputs[j][me], True, True) for j in order),
+                    *(
+                        g._put_own(seq, shards[j], inputs[j][me], borrow=True, consumable=True)
+                        for j in order
+                    ),
                     *(
                         g._get_received(results[j], shards[j], received, inputs[j][pred])
                         for j in [*order, me]
@@ -172,8 +175,8 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     # here, has not read whole moves to the store's memory and stays; the rest is withdrawn.
     succ = (me + 1) % n
     unread = {results[j] for j in range(n) if j != succ}
-    unread_here = [o for o in received if ring and o.object_id in unread and not o.served_whole]
-    kept = g.node.keep_served(unread_here)
+    unread_here = [o for o in received if o.object_id in unread and not o.served_whole]
+    kept = g.node.keep_served(unread_here) if ring else []
     await asyncio.shield(g._withdraw(lent, [o for o in received if o not in kept]))
     await g._delete_before(seq)
     return array

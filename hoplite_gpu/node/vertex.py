@@ -138,12 +138,12 @@ class VertexRunner:
                 buffer: Buffer
                 if self._take_over(own, task):  # written over the input, which left the store
                     buffer = own.buffer
-                elif own.buffer.on_device:  # reduced where the input is, by the device's kernels
-                    self.store.reserve(task.size)
-                    buffer = memory.device(task.size, like=own.buffer)
                 else:
                     self.store.reserve(task.size)
-                    buffer = await memory.host_async(task.size, populate=False)  # see reduce_stream
+                    if own.buffer.on_device:  # reduced where the input is, by the device's kernels
+                        buffer = memory.device(task.size, like=own.buffer)
+                    else:
+                        buffer = await memory.host_async(task.size, populate=False)  # see reduce_stream
                 out = LocalObject(
                     run.output_id,
                     task.size,
