@@ -442,6 +442,30 @@ def test_a_segment_made_without_its_pages_is_filled_through_its_file() -> None:
     pool.clear()
 
 
+def test_a_reused_segment_is_written_in_place_and_readers_see_the_new_bytes() -> None:
+    pool = BufferPool(8 << 20, shared_min_bytes=4096)
+    buf = pool.allocate(3 << 20, populate=False)
+    seg = shm.segment_of(buf)
+    assert seg is not None and through_file(buf)
+    first = (np.arange(3 << 20) % 251).astype(np.uint8)
+    write_at(buf, 0, first)
+    seg.publish(OID)
+    assert np.array_equal(shm.map_view(seg.name, OID, 3 << 20), first)
+    pool.release(buf)
+    del buf
+    again = pool.allocate(3 << 20, populate=False)  # the same segment, its pages mapped now
+    assert shm.segment_of(again) is seg and pool.reused == 1
+    assert seg.populated and not through_file(again)
+    second = first[::-1].copy()
+    for pos in range(0, 3 << 20, 1 << 20):
+        write_at(again, pos, second[pos : pos + (1 << 20)])
+    other = b"p" * 20
+    seg.publish(other)
+    assert np.array_equal(shm.map_view(seg.name, other, 3 << 20), second)  # the file holds them too
+    pool.release(again)
+    pool.clear()
+
+
 def test_a_write_after_the_file_went_goes_through_the_mapping_never_to_the_name() -> None:
     buf = shm.create(8192, populate=False)
     assert buf is not None

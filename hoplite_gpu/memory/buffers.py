@@ -265,7 +265,8 @@ class BufferPool:
     def allocate(self, nbytes: int, populate: bool = True) -> np.ndarray[Any, Any]:
         """A flat uint8 buffer of ``nbytes`` (recycled when an unreferenced one fits exactly).
         ``populate=False``: a new segment's pages are not mapped yet, for a caller that fills it
-        whole with :func:`write_at`."""
+        whole with :func:`write_at`; a recycled segment's are mapped as it is handed out, and
+        :func:`write_at` then writes in place (:meth:`hoplite_gpu.memory.shm.Segment.populate`)."""
         shared = self.shares(nbytes)
         buf, pinned = self._take(nbytes, shared)
         if buf is None and pinned and nbytes >= COLLECT_MIN_BYTES:
@@ -277,6 +278,9 @@ class BufferPool:
             self.collections += 1
             buf, _ = self._take(nbytes, shared)
         if buf is not None:
+            seg = shm.segment_of(buf)
+            if seg is not None:
+                seg.populate()  # (its pages exist: written in place from now on)
             return buf
         created = shm.create(nbytes, populate) if shared else None
         return created if created is not None else np.empty(nbytes, np.uint8)
