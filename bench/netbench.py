@@ -6,7 +6,8 @@ Systems, each with one process per host talking only over the cluster's links:
 
 * ``hoplite_gpu``: one directory on host 0, one node per host, UCX on TCP (``UCX_TLS=tcp``,
   ``HOPLITE_SHARED_MEMORY=0``: namespaces share ``/dev/shm``, and a real cluster has no shared
-  memory between hosts);
+  memory between hosts; with ``--shared-memory`` each node keeps its shared memory, as on a real
+  host, and a host tag per namespace, ``Config.host_tag``, keeps the others from mapping it);
 * ``mpi``: Open MPI + mpi4py, ``--mca btl tcp,self`` (:mod:`bench.peers.mpi`);
 * ``gloo``: ``torch.distributed`` with the gloo backend;
 * ``ray``: a Ray node per host, object-store put/get as the Hoplite paper's Ray baseline
@@ -171,6 +172,7 @@ class Member:
         self, cluster: Cluster, system: str, rank: int, address: str, token: str, cpu_pids: Sequence[int] = ()
     ) -> None:
         env = {**HOST_ENV, "HOPLITE_LISTEN_HOST": cluster.address(rank), "HOPLITE_TOKEN": token}
+        env["HOPLITE_HOST_TAG"] = f"host{rank}"  # (with --shared-memory: each namespace its own host)
         env[CPU_PIDS_VAR] = ",".join(str(p) for p in cpu_pids)  # other processes it counts the CPU of
         argv = [sys.executable, os.path.abspath(__file__), "--member", system, address]
         argv += [str(rank), str(cluster.hosts)]
@@ -387,9 +389,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
     ap.add_argument("--prefix", default="hgb", help="namespace prefix of the emulated cluster")
+    ap.add_argument(
+        "--shared-memory",
+        action="store_true",
+        help="hoplite nodes keep shared memory (Config.shared_memory, on by default on real hosts), "
+        "each namespace tagged as its own host",
+    )
     ap.add_argument("--json", help="also write the results to this file (and the table beside it, .md)")
     ap.add_argument("--plots", help="also draw one PNG per (N, op) into this directory (bench/plot.py)")
     args = ap.parse_args(argv)
+    if args.shared_memory:
+        HOST_ENV["HOPLITE_SHARED_MEMORY"] = "1"
     rate = parse_rate(args.rate)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     systems, ops = args.systems.split(","), args.ops.split(",")

@@ -57,6 +57,11 @@ class Config:
         shared_memory: Keep objects above ``inline_threshold_bytes`` in ``/dev/shm`` segments that
             same-host nodes copy from directly (bench/pages/defaults.md#same-host-shared-memory); off: every
             transfer goes through UCX, as network-namespace benchmarks need.
+        host_tag: Set apart this node's host: nodes that see one ``/dev/shm`` but carry different
+            tags treat each other as on different hosts (each keeps its shared memory to itself,
+            and they never map each other's segments), as network namespaces that emulate hosts
+            need (``bench/netbench.py --shared-memory``); "" (the default): nodes are on one host
+            exactly when they share ``/dev/shm``. Up to 64 printable characters, no spaces.
         same_host_index: With ``shared_memory``, link each device object under a name derived from
             its ObjectID, so a same-host ``get`` skips the directory
             (bench/pages/gpu.md#same-host-device-gets-without-a-lookup); off: every ``get`` asks it.
@@ -155,6 +160,7 @@ class Config:
     buffer_pool_bytes: int = 1 * GiB
     device_pool_bytes: int = 1 * GiB
     shared_memory: bool = True
+    host_tag: str = ""
     same_host_index: bool = True
     caller_channels: bool = True
     local_channels: bool = True
@@ -234,6 +240,11 @@ class Config:
                 f"Config.allreduce_schedule must be one of {', '.join(ALLREDUCE_SCHEDULES)}, "
                 f"not {self.allreduce_schedule!r}",
                 argument="allreduce_schedule",
+            )
+        tag = self.host_tag
+        if not isinstance(tag, str) or len(tag) > 64 or not tag.isprintable() or " " in tag:
+            raise InvalidArgumentError(
+                "Config.host_tag must be up to 64 printable characters without spaces", argument="host_tag"
             )
         if self.min_chunk_bytes > self.max_chunk_bytes:
             raise InvalidArgumentError(

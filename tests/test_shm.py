@@ -558,6 +558,28 @@ def test_a_put_without_a_copy_is_copied_into_a_segment_that_same_host_readers_ma
     shm_owner.delete(last)
 
 
+def test_nodes_with_other_host_tags_never_map_each_others_segments() -> None:
+    node = hg.init(shared_memory=True, host_tag="emulated-a")
+    workers: list[Worker] = []
+    try:
+        tag = "emulated-b"
+        workers = start_workers(node.directory_address, node.token, 2, shared_memory=True, host_tag=tag)
+        arr = make_array("float32", (1024, 1024), seed=24)  # 4 MiB
+        start = node.event_log()[-1]["seq"]
+        oid = node.put(arr)
+        assert shm.segment_of(node._store.get(oid).buffer.array) is not None  # it still shares
+        assert [w.call("get", oid.hex(), 60) for w in workers] == [digest(arr)] * 2
+        # Node's copy is pulled by one of them (another host), which the other maps (its host).
+        kinds = _kinds(node.event_log(), oid, start)
+        assert kinds.count("transfer_start") == 1 and kinds.count("lookup_shm") == 1
+    finally:
+        for w in workers:
+            w.stop()
+        node.close()
+    with pytest.raises(hg.InvalidArgumentError, match="host_tag"):
+        hg.Config(host_tag="two words")
+
+
 def test_a_mapped_object_stays_intact_while_its_holder_deletes_reuses_and_dies(
     shm_owner: Any, shm_workers: list[Worker]
 ) -> None:

@@ -36,9 +36,9 @@ def shared_memory_available() -> bool:
     return shm.available()
 
 
-def host_key() -> str:
+def host_key(tag: str = "") -> str:
     """Identifies this host's shared-memory namespace (see :func:`hoplite_gpu.memory.shm.host_key`)."""
-    return shm.host_key()
+    return shm.host_key(tag)
 
 
 def sweep_orphans() -> int:

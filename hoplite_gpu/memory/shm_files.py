@@ -72,9 +72,10 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
-def host_key() -> str:
+def host_key(tag: str = "") -> str:
     """Identifies the shared-memory namespace: two processes with the same key can map each
-    other's segments (same boot, same ``/dev/shm`` mount). Empty when there is none."""
+    other's segments (same boot, same ``/dev/shm`` mount). Empty when there is none. A ``tag``
+    (``Config.host_tag``) sets the key apart from those of the same namespace with other tags."""
     if not available():
         return ""
     try:
@@ -83,7 +84,7 @@ def host_key() -> str:
     except OSError:
         boot = "?"
     st = os.stat(SHM_DIR)
-    return f"{boot}:{st.st_dev}:{st.st_ino}"
+    return f"{boot}:{st.st_dev}:{st.st_ino}" + (f"/{tag}" if tag else "")
 
 
 def unlink_quietly(path: str) -> None:

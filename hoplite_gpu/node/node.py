@@ -106,7 +106,7 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
             self._data_host,
             0,  # set once the data plane listens (_start)
             self.config,
-            host_key() if self._shm else "",
+            host_key(self.config.host_tag) if self._shm else "",
             self._on_push,
             self._on_lost,
             self._on_rejoined,
