@@ -15,11 +15,14 @@ one clock for every process of the host, :func:`bench.collectives.round_times`).
   before the round (timed on member 0 alone; its events per op count that put too).
 
 hoplite_gpu: an embedded directory in this process, one node per worker, the library's defaults
-(same-host copies through shared memory). Gloo: ``torch.distributed`` over loopback. Every result
-is checked (the barrier's has none). With ``--breakdown``, every control message is stamped as it
-is encoded and decoded (:func:`stamp_messages`), and put+get's round is cut into its steps: the
-putter's call to its request leaving, the wire and wake to the directory, the directory's event,
-the reply's way to the getter, and the getter's way out to its caller (:func:`put_get_steps`).
+(same-host copies through shared memory; with ``--apart`` each node is tagged its own host,
+``Config.host_tag``, so bytes cross loopback TCP as on a cluster, shared memory still on, and the
+CPU a cross-host operation costs shows without link emulation). Gloo: ``torch.distributed`` over
+loopback. Every result is checked (the barrier's has none). With ``--breakdown``, every control
+message is stamped as it is encoded and decoded (:func:`stamp_messages`), and put+get's round is
+cut into its steps: the putter's call to its request leaving, the wire and wake to the directory,
+the directory's event, the reply's way to the getter, and the getter's way out to its caller
+(:func:`put_get_steps`).
 
 Besides the median and the 99th percentile of each, the table gives the directory's events per
 operation: its event log over the rounds (requests, replies it sent and what it decided; by kind in
@@ -89,7 +92,9 @@ def stamp_messages(log: list[tuple[float, str, str]]) -> None:
     codec.decode = wire.decode = stamped_decode  # type: ignore[assignment]
 
 
-def _member(system: str, address: str, token: str, rank: int, world: int, stamps: bool, conn: Any) -> None:
+def _member(
+    system: str, address: str, token: str, rank: int, world: int, stamps: bool, apart: bool, conn: Any
+) -> None:
     """A worker: runs ``(op, size, rounds)`` commands and answers each with its (start, end) spans
     and, with ``stamps``, the control messages it sent and received meanwhile (see
     :func:`stamp_messages`)."""
@@ -109,7 +114,7 @@ def _member(system: str, address: str, token: str, rank: int, world: int, stamps
         import hoplite_gpu as hg
         from hoplite_gpu import collective as coll
 
-        node = hg.connect(address, token=token)
+        node = hg.connect(address, token=token, host_tag=f"member{rank}" if apart else "")
         group = coll.Group(node, rank, world, f"latency-{address}", timeout=60)
         coll.barrier(group)  # every member has joined
     conn.send("ready")
@@ -203,11 +208,19 @@ def _check(op: str, rank: int, world: int, got: np.ndarray, round_: int, pieces:
 
 
 def run(
-    system: str, workers: int, size: int, rounds: int, warmup: int, ops: list[str], breakdown: bool = False
+    system: str,
+    workers: int,
+    size: int,
+    rounds: int,
+    warmup: int,
+    ops: list[str],
+    breakdown: bool = False,
+    apart: bool = False,
 ) -> list[dict[str, Any]]:
     """Every op of ``ops`` with ``system``: a row each (median and p99 microseconds, and for
     hoplite_gpu the directory's events per op, by kind; with ``breakdown``, put+get's round cut
-    into the steps of :func:`put_get_steps`)."""
+    into the steps of :func:`put_get_steps`; with ``apart``, each hoplite member tagged its own host,
+    ``Config.host_tag``)."""
     import hoplite_gpu as hg
 
     stamps = breakdown and system == "hoplite_gpu"
@@ -216,7 +229,7 @@ def run(
         stamp_messages(directory_log)  # the embedded directory below lives in this process
     owner = hg.init() if system == "hoplite_gpu" else None
     address, token = (owner.directory_address, owner.token) if owner is not None else ("", "")
-    args = [(system, address, token, r, workers, stamps) for r in range(workers)]
+    args = [(system, address, token, r, workers, stamps, apart) for r in range(workers)]
     pipes, procs = start_workers(_member, args)
     rows = []
     try:
@@ -385,15 +398,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--breakdown", action="store_true", help="also cut put+get into its steps (stamping every message)"
     )
+    ap.add_argument(
+        "--apart",
+        action="store_true",
+        help="each hoplite member its own host (Config.host_tag): the cross-host path over loopback",
+    )
     args = ap.parse_args(argv)
     ops = chosen_ops(ap, args, OPS)
     size = parse_size(args.size)
     rows = [
         r
         for s in args.systems.split(",")
-        for r in run(s, args.workers, size, args.rounds, args.warmup, ops, args.breakdown)
+        for r in run(s, args.workers, size, args.rounds, args.warmup, ops, args.breakdown, args.apart)
     ]
     what = f"{args.workers} processes on one host, {format_size(size)} float32"
+    what += ", each hoplite member its own host (--apart)" if args.apart else ""
     print(f"{what}, median / p99 of {args.rounds} rounds")
     print(table(rows))
     for r in rows:
