@@ -15,7 +15,7 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import protocol as p
 from hoplite_gpu.directory.config import DirectoryConfig
-from hoplite_gpu.directory.state import DirectoryState, NodeJoined, Request, Send
+from hoplite_gpu.directory.state import DirectoryState, NodeJoined, NodeLeft, Request, Send
 from hoplite_gpu.memory import shm
 from hoplite_gpu.memory.buffers import BufferPool, through_file, write_at
 from tests.procs import Worker, digest, make_array, start_workers, wait_for_events
@@ -321,6 +321,21 @@ def test_otherwise_the_requester_pulls(hosts: dict[str, str], segment: str, shar
     assert _lookup(state, "B", shared).status == "pull"
 
 
+def test_each_node_is_told_how_many_others_share_its_host() -> None:
+    state = DirectoryState(DirectoryConfig(lease_timeout=math.inf, validate=True))
+
+    def join(node: str, key: str) -> list[Any]:
+        return state.handle(NodeJoined(node, "127.0.0.1", 7000, 0.0, key))
+
+    assert join("A", "h1") == [Send("A", p.HostPeers(peers=0), "node_joined#1")]
+    out = join("B", "h1")
+    assert sorted((s.node_id, s.message.peers) for s in out) == [("A", 1), ("B", 1)]
+    assert [(s.node_id, s.message.peers) for s in join("C", "h2")] == [("C", 0)]
+    assert join("D", "") == []  # no shared memory: nothing to tell
+    out = state.handle(NodeLeft("B", 1.0))
+    assert [(s.node_id, s.message) for s in out if isinstance(s, Send)] == [("A", p.HostPeers(peers=0))]
+
+
 def test_a_same_host_reader_waits_for_a_segment_still_being_copied_and_others_pull() -> None:
     state = _state(A="h1", B="h1", C="h2")
     put = p.PutRequest(1, OID, 1 << 20, "|u1", [1 << 20], b"d", None, "hoplite-1-2-3-ab", copying=True)
@@ -556,6 +571,37 @@ def test_a_put_without_a_copy_is_copied_into_a_segment_that_same_host_readers_ma
     last = shm_owner.put(make_array("float32", (2048, 1024), seed=20), copy=False)
     assert shm_workers[0].call("get", last.hex(), 60) == digest(make_array("float32", (2048, 1024), seed=20))
     shm_owner.delete(last)
+
+
+def test_a_node_alone_on_its_host_keeps_what_it_lends_until_another_joins() -> None:
+    node = hg.init(shared_memory=True)
+    workers: list[Worker] = []
+    try:
+        # The directory tells a node how many others share its host once it joined, before it
+        # answers anything the node asks later: after this put's reply the node knows.
+        arrays = [make_array("float32", (2048, 1024), seed=s) for s in (21, 22, 23)]  # 8 MiB
+        first = node.put(arrays[0], copy=False)
+        assert node._memory.host_peers == 0
+        alone = node.put(arrays[1], copy=False)  # nobody here would map a copy: none made
+        held = node._store.get(alone).buffer.array
+        assert shm.segment_of(held) is None and np.shares_memory(held, arrays[1])
+        workers = start_workers(node.directory_address, node.token, 1, shared_memory=True)
+        node.delete(first)  # (a request after the worker joined: the node knows it now)
+        assert node._memory.host_peers == 1
+        start = node.event_log()[-1]["seq"]
+        shared = node.put(arrays[2], copy=False)
+        held = node._store.get(shared).buffer.array
+        assert shm.segment_of(held) is not None and not np.shares_memory(held, arrays[2])
+        wait_for_events(node, lambda evs: "copy_added" in _kinds(evs, shared, start), timeout=30)
+        (w,) = workers
+        assert w.call("get", alone.hex(), 60) == digest(arrays[1])  # pulled over the data plane
+        assert w.call("get", shared.hex(), 60) == digest(arrays[2])  # mapped
+        kinds = _kinds(node.event_log(), alone, start) + _kinds(node.event_log(), shared, start)
+        assert kinds.count("transfer_start") == 1 and kinds.count("lookup_shm") == 1
+    finally:
+        for w in workers:
+            w.stop()
+        node.close()
 
 
 def test_nodes_with_other_host_tags_never_map_each_others_segments() -> None:

@@ -63,10 +63,23 @@ class Membership:
         if self._oldest is not None:
             self._oldest = min(self._oldest, ev.now)
         self.outbox.record(ev.now, "node_joined", node=ev.node_id, rejoin=ev.rejoin, gpu=ev.gpu)
+        self._tell_host(ev.host_key)
 
     def leave(self, node_id: str) -> bool:
         """Forget a node; False if it was not joined."""
-        return self.nodes.pop(node_id, None) is not None
+        info = self.nodes.pop(node_id, None)
+        if info is None:
+            return False
+        self._tell_host(info.host_key)
+        return True
+
+    def _tell_host(self, host_key: str) -> None:
+        """Tell each node of host ``host_key`` how many others share it (:class:`protocol.HostPeers`:
+        one alone keeps what it lends in its own memory)."""
+        if host_key:
+            same = [info.node_id for info in self.nodes.values() if info.host_key == host_key]
+            for node_id in same:
+                self.outbox.send(node_id, p.HostPeers(peers=len(same) - 1))
 
     def seen(self, node_id: str, now: float) -> NodeInfo | None:
         """A message from ``node_id`` arrived: renew its lease. None if it is not joined (not

@@ -74,6 +74,9 @@ class Memory:
         self.pool = BufferPool(pool_bytes, shared_min_bytes)
         self.index_key = index
         self.seal_key = seal
+        # Other nodes on this host, as the directory last said (protocol.HostPeers); None: not
+        # told yet (a directory that does not say: as if there were some).
+        self.host_peers: int | None = None
 
     @staticmethod
     def cluster_key(token: str, directory_id: str) -> str:
@@ -104,6 +107,13 @@ class Memory:
         """Whether processes on this host read this node's copies in place (shared-memory segments,
         device memory tickets)."""
         return self.pool.shared_min_bytes > 0
+
+    @property
+    def shared_with_others(self) -> bool:
+        """Whether another node on this host may read this node's copies in place: it
+        :attr:`shares` and the directory did not say it is alone on its host. A lent array is
+        copied into shared memory only then (:meth:`Puts.prepare <hoplite_gpu.node.puts.Puts.prepare>`)."""
+        return self.shares and self.host_peers != 0
 
     # ------------------------------------------------------------ allocate
     def host(self, nbytes: int, populate: bool = True) -> Buffer:

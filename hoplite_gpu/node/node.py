@@ -241,10 +241,11 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
         The bytes are copied (``copy=False`` stores a C-contiguous NumPy array without copying: the
         caller must then never modify it; on a node with shared memory a large one is still copied
         into a shared-memory segment, after ``put`` returned, so processes on this host map it
-        instead of pulling it). Non-contiguous arrays are always copied. GPU arrays (CuPy, CUDA
-        torch tensors, ``__cuda_array_interface__``, DLPack on a CUDA device) stay in device
-        memory: copied device to device (``copy=False``: kept as they are), and read back as device
-        arrays (see :meth:`get`).
+        instead of pulling it, unless the directory said no other node is on this host).
+        Non-contiguous arrays are always copied. GPU arrays (CuPy, CUDA torch tensors,
+        ``__cuda_array_interface__``, DLPack on a CUDA device) stay in device memory: copied
+        device to device (``copy=False``: kept as they are), and read back as device arrays (see
+        :meth:`get`).
 
         ``pinned=True`` (host arrays; needs CuPy and a CUDA device in this process) keeps the
         store's copy in page-locked host memory until the object is deleted: a large one in its
@@ -256,7 +257,7 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
         ``digest=False`` stores no digest of the content: a later put of the same id with other
         content is then not refused (for ids never put twice, such as a collective group's; it
         saves hashing every byte). ``borrow=True`` (with ``copy=False``) never copies the array
-        after ``put`` returns (where same-host readers would map a copy, it is made before): the
+        after ``put`` returns (where same-host nodes would map a copy, it is made before): the
         caller may take its memory back once it withdrew the object (:meth:`withdraw`).
         ``consumable=True`` lets a reduction that takes the object as an input write its partial
         result over the object's memory on this node (host memory; the object then leaves this

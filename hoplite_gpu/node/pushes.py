@@ -1,6 +1,6 @@
 """What the directory tells a node unasked: the messages it pushes (reduce tasks, dropped copies,
-aborted transfers), the loss of its connection, and the node's rejoining a restarted directory.
-They are :class:`~hoplite_gpu.node.Node` methods."""
+aborted transfers, how many nodes share its host), the loss of its connection, and the node's
+rejoining a restarted directory. They are :class:`~hoplite_gpu.node.Node` methods."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ class DirectoryPushes:
             self._drop(ObjectID(msg.object_id), msg.reason, msg.error_kind, msg.error)
         elif isinstance(msg, p.AbortTransfer):
             self._fetcher.abort(msg.transfer_id, PeerLostError(msg.reason, peer="", cause="sender died"))
+        elif isinstance(msg, p.HostPeers):
+            self._memory.host_peers = msg.peers
 
     def _drop(self, oid: ObjectID, reason: str, kind: str = "", message: str = "") -> None:
         """The directory dropped this node's copy of ``oid`` (see :class:`protocol.DropObject`)."""

@@ -135,8 +135,10 @@ class Putter:
         ``copy``, on a node with shared memory, a large contiguous array is copied into a segment
         all the same, after ``put`` returned (:attr:`Prepared.detached`): processes on this host
         then map it instead of pulling it over the data plane (async SGD's gradients, read by a
-        parameter server on the same machine). With ``pinned``, a host array's copy (always made)
-        is in page-locked memory (:meth:`Memory.page_locked <hoplite_gpu.memory.Memory.page_locked>`).
+        parameter server on the same machine); not where the directory said no other node is on
+        this host (:attr:`Memory.shared_with_others <hoplite_gpu.memory.Memory.shared_with_others>`).
+        With ``pinned``, a host array's copy (always made) is in page-locked memory
+        (:meth:`Memory.page_locked <hoplite_gpu.memory.Memory.page_locked>`).
         Without ``digest`` the object carries none (as device objects do): for ids that are never
         put twice, such as a group's, where hashing every byte on the I/O thread buys nothing.
         ``borrow`` (with ``copy`` False) keeps a contiguous array itself or copies it before the
@@ -160,7 +162,7 @@ class Putter:
             # Borrowed on a node that shares: copied device to device into memory same-host
             # readers open (CUDA IPC), as a host array is copied into a segment; kept, they
             # would pull it staged through host memory at a few GB/s (bench/pages/gpu.md).
-            copy = copy or (borrow and self._memory.shares)
+            copy = copy or (borrow and self._memory.shared_with_others)
             return Prepared(self._device_object(entered, object_id, copy), None)
         if pinned:
             self._memory.check_page_locking()
@@ -172,6 +174,8 @@ class Putter:
         contiguous = host.flags.c_contiguous
         shared = self._memory.pool.shared_min_bytes
         detached = not copy and contiguous and shared > 0 and nbytes >= max(shared, 2 * PUT_COPY_BYTES)
+        # Alone on its host (protocol.HostPeers), the node has nobody to map a copy: keep the array.
+        detached = detached and self._memory.shared_with_others
         if detached and borrow:
             copy, detached = True, False
         flat: Any = host.reshape(-1).view(np.uint8) if contiguous else None

@@ -108,6 +108,17 @@ class Goodbye(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class HostPeers(Message):
+    """Directory -> node (push): how many other joined nodes share this node's host (the same
+    non-empty ``host_key``), sent once it joined and whenever that number changes. A node told it
+    is alone lends arrays (``put(borrow=True)``) and keeps ``copy=False`` puts in its own memory,
+    without copying them into shared memory for same-host readers that do not exist."""
+
+    TYPE: ClassVar[str] = "host_peers"
+    peers: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReduceReply(Message):
     """Directory -> node: the reduction was accepted (``error`` empty) or refused."""
 
