@@ -87,6 +87,32 @@ def test_flat_view_only_of_contiguous_arrays() -> None:
 
 
 @pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
+def test_a_private_pool_makes_private_buffers_and_reuses_either_kind() -> None:
+    pool = BufferPool(1 << 20, shared_min_bytes=4096)
+    segment = pool.allocate(8192)
+    assert buffers.buffer_kind(segment) is BufferKind.SEGMENT
+    pool.private = True  # its node is alone on its host
+    fresh = pool.allocate(8192)
+    assert buffers.buffer_kind(fresh) is BufferKind.PRIVATE and not pool.shares(8192)
+    big = pool.allocate(2 << 20)  # anonymous pages of its own (buffers.private_pages)
+    assert buffers.buffer_kind(big) is BufferKind.PRIVATE and big.flags.writeable
+    big[-1] = 7
+    assert big[-1] == 7 and shm.segment_of(big) is None
+    seg_id = id(segment)
+    pool.release(segment)
+    del segment
+    again = pool.allocate(8192)  # the free segment, reused as it is
+    assert id(again) == seg_id and buffers.buffer_kind(again) is BufferKind.SEGMENT
+    pool.release(fresh)
+    del fresh
+    pool.private = False  # another node joined the host: a free private buffer is not taken
+    assert buffers.buffer_kind(pool.allocate(8192)) is BufferKind.SEGMENT
+    pool.release(again)
+    del again
+    pool.clear()
+
+
+@pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 def test_buffer_kinds() -> None:
     pool = BufferPool(1 << 20, shared_min_bytes=4096)
     private, shared = pool.allocate(100), pool.allocate(8192)

@@ -585,6 +585,8 @@ def test_a_node_alone_on_its_host_keeps_what_it_lends_until_another_joins() -> N
         alone = node.put(arrays[1], copy=False)  # nobody here would map a copy: none made
         held = node._store.get(alone).buffer.array
         assert shm.segment_of(held) is None and np.shares_memory(held, arrays[1])
+        copied = node.put(arrays[0])  # a copy: into private memory (cheaper new) when alone
+        assert shm.segment_of(node._store.get(copied).buffer.array) is None
         workers = start_workers(node.directory_address, node.token, 1, shared_memory=True)
         node.delete(first)  # (a request after the worker joined: the node knows it now)
         assert node._memory.host_peers == 1
@@ -592,6 +594,7 @@ def test_a_node_alone_on_its_host_keeps_what_it_lends_until_another_joins() -> N
         shared = node.put(arrays[2], copy=False)
         held = node._store.get(shared).buffer.array
         assert shm.segment_of(held) is not None and not np.shares_memory(held, arrays[2])
+        assert shm.segment_of(node._store.get(node.put(arrays[2])).buffer.array) is not None
         wait_for_events(node, lambda evs: "copy_added" in _kinds(evs, shared, start), timeout=30)
         (w,) = workers
         assert w.call("get", alone.hex(), 60) == digest(arrays[1])  # pulled over the data plane
@@ -613,7 +616,7 @@ def test_nodes_with_other_host_tags_never_map_each_others_segments() -> None:
         arr = make_array("float32", (1024, 1024), seed=24)  # 4 MiB
         start = node.event_log()[-1]["seq"]
         oid = node.put(arr)
-        assert shm.segment_of(node._store.get(oid).buffer.array) is not None  # it still shares
+        assert shm.segment_of(node._store.get(oid).buffer.array) is None  # alone on its host: private
         assert [w.call("get", oid.hex(), 60) for w in workers] == [digest(arr)] * 2
         # Node's copy is pulled by one of them (another host), which the other maps (its host).
         kinds = _kinds(node.event_log(), oid, start)

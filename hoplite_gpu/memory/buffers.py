@@ -224,6 +224,24 @@ def _baseline_refcount() -> int:
 _UNSHARED_REFS = _baseline_refcount()
 
 
+#: Smallest buffer :func:`private_pages` maps itself.
+PRIVATE_PAGES_MIN_BYTES = 1 << 20
+
+
+def private_pages(nbytes: int) -> np.ndarray[Any, Any]:
+    """New private memory of ``nbytes`` for the pool of a node alone on its host (in place of a
+    segment). A large one is anonymous pages nobody asked to be huge: NumPy asks
+    (``madvise(MADV_HUGEPAGE)``) for every large array, and where the kernel's THP defrag is
+    ``madvise`` (a common default) a fault then compacts memory in place, which stalled
+    first-round reduces of 64 MiB among 4 processes at 0.8-1.0 s against 0.22-0.37 s
+    (bench/pages/defaults.md, "New buffers of a node alone on its host"). The kernel still backs
+    them with huge pages where its policy is ``always``."""
+    if nbytes < PRIVATE_PAGES_MIN_BYTES:
+        return np.empty(nbytes, np.uint8)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (default: shared)
+    return np.frombuffer(memoryview(pages), np.uint8)  # (through a view: not a MAPPED buffer)
+
+
 #: Smallest allocation for which a pool holding a buffer of that size that something still refers
 #: to runs the garbage collector's young generations before it allocates new memory.
 COLLECT_MIN_BYTES = 8 << 20
@@ -246,11 +264,15 @@ class BufferPool:
     segments (:mod:`hoplite_gpu.memory.shm`) that processes on the same host copy from directly; a
     segment is retired (readers reject it) as soon as it is released, reused only once no other
     process maps it (:func:`hoplite_gpu.memory.shm.map_view`), and unlinked when the pool lets go of it.
+    With :attr:`private` set (its node is alone on its host) new buffers are private memory
+    (:func:`private_pages`), cheaper to fault in than a new segment, and a free buffer of either
+    kind is reused.
     """
 
     def __init__(self, max_bytes: int, shared_min_bytes: int = 0) -> None:
         self.max_bytes = max_bytes
         self.shared_min_bytes = shared_min_bytes
+        self.private = False  # see the class docstring
         self.held_bytes = 0
         self.reused = 0
         self.collections = 0
@@ -259,8 +281,8 @@ class BufferPool:
 
     def shares(self, nbytes: int) -> bool:
         """Whether a buffer of ``nbytes`` goes in a shared-memory segment (where ``/dev/shm`` has
-        room)."""
-        return 0 < self.shared_min_bytes <= nbytes
+        room) when it is new."""
+        return 0 < self.shared_min_bytes <= nbytes and not self.private
 
     def allocate(self, nbytes: int, populate: bool = True) -> np.ndarray[Any, Any]:
         """A flat uint8 buffer of ``nbytes`` (recycled when an unreferenced one fits exactly).
@@ -268,7 +290,7 @@ class BufferPool:
         whole with :func:`write_at`; a recycled segment's are mapped as it is handed out, and
         :func:`write_at` then writes in place (:meth:`hoplite_gpu.memory.shm.Segment.populate`)."""
         shared = self.shares(nbytes)
-        buf, pinned = self._take(nbytes, shared)
+        buf, pinned = self._take(nbytes, None if self.private else shared)
         if buf is None and pinned and nbytes >= COLLECT_MIN_BYTES:
             # Often the only other holder is a reference cycle, such as an exception's traceback
             # that still holds the frames of a cancelled transfer. The young generations are
@@ -276,25 +298,28 @@ class BufferPool:
             # "Reduces that missed the pool").
             gc.collect(1)
             self.collections += 1
-            buf, _ = self._take(nbytes, shared)
+            buf, _ = self._take(nbytes, None if self.private else shared)
         if buf is not None:
             seg = shm.segment_of(buf)
             if seg is not None:
                 seg.populate()  # (its pages exist: written in place from now on)
             return buf
         created = shm.create(nbytes, populate) if shared else None
-        return created if created is not None else np.empty(nbytes, np.uint8)
+        if created is not None:
+            return created
+        return private_pages(nbytes) if self.private else np.empty(nbytes, np.uint8)
 
-    def _take(self, nbytes: int, shared: bool) -> tuple[np.ndarray[Any, Any] | None, bool]:
-        """A free buffer of ``nbytes`` nothing else refers to, removed from the pool (or None),
-        and whether one of that size is held but still referred to."""
+    def _take(self, nbytes: int, shared: bool | None) -> tuple[np.ndarray[Any, Any] | None, bool]:
+        """A free buffer of ``nbytes`` nothing else refers to (a segment or not as ``shared``
+        says, None: either), removed from the pool (or None), and whether one of that size is
+        held but still referred to."""
         pinned = False
         with self._lock:
             for i, buf in enumerate(self._free):
                 if buf.nbytes != nbytes:
                     continue
                 seg = shm.segment_of(buf)
-                if (seg is not None) != shared:
+                if shared is not None and (seg is not None) != shared:
                     continue
                 if sys.getrefcount(buf) > _UNSHARED_REFS:
                     pinned = True

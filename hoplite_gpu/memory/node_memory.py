@@ -74,9 +74,7 @@ class Memory:
         self.pool = BufferPool(pool_bytes, shared_min_bytes)
         self.index_key = index
         self.seal_key = seal
-        # Other nodes on this host, as the directory last said (protocol.HostPeers); None: not
-        # told yet (a directory that does not say: as if there were some).
-        self.host_peers: int | None = None
+        self._host_peers: int | None = None
 
     @staticmethod
     def cluster_key(token: str, directory_id: str) -> str:
@@ -107,6 +105,19 @@ class Memory:
         """Whether processes on this host read this node's copies in place (shared-memory segments,
         device memory tickets)."""
         return self.pool.shared_min_bytes > 0
+
+    @property
+    def host_peers(self) -> int | None:
+        """Other nodes on this host, as the directory last said (:class:`protocol.HostPeers
+        <hoplite_gpu.protocol.HostPeers>`); None: not told yet (as if there were some). Told
+        none, a node that shares puts its new host buffers in private memory
+        (:attr:`BufferPool.private <hoplite_gpu.memory.buffers.BufferPool.private>`)."""
+        return self._host_peers
+
+    @host_peers.setter
+    def host_peers(self, peers: int | None) -> None:
+        self._host_peers = peers
+        self.pool.private = peers == 0
 
     @property
     def shared_with_others(self) -> bool:
