@@ -132,3 +132,34 @@ def test_on_one_host_the_ring_schedule_reduces_each_shard_as_that_hosts_star() -
         for w in workers:
             w.kill()
         node.close()
+
+
+def test_members_alone_on_their_hosts_lend_shards_in_place_with_shared_memory_on() -> None:
+    # Each member its own host (Config.host_tag), shared memory on as on real hosts: told it is
+    # alone (protocol.HostPeers), a member keeps its 4 MiB shards where they are instead of copying
+    # them into segments, so its vertices write their outputs over them.
+    n = 4
+    node = hg.init(shared_memory=True, allreduce_schedule="ring", host_tag="member0")
+    workers = [
+        Worker(node.directory_address, node.token, shared_memory=True, host_tag=f"member{r}")
+        for r in (1, 2, 3)
+    ]
+    try:
+        for w in workers:
+            w.wait_ready()
+        group = _join(node, workers, "apart")
+        for seed in (0, 10):
+            for w in workers:
+                w.send("allreduce", group.name, "float32", BIG, seed, "sum")
+            got = hg.collective.allreduce(make_array("float32", BIG, seed), group)
+            want = sum(make_array("float32", BIG, seed + r).astype(np.float64) for r in range(n))
+            assert np.array_equal(got, want.astype(np.float32))
+            for w in workers:
+                assert np.array_equal(w.result(), got)
+        assert node._memory.host_peers == 0
+        assert node.stats()["outputs_over_inputs"] >= 2 * (n - 1)
+        _destroy(group, workers)
+    finally:
+        for w in workers:
+            w.kill()
+        node.close()
