@@ -43,6 +43,19 @@ def _destroy(group: hg.collective.Group, workers: list[Worker]) -> None:
         w.result()
 
 
+def _two_exact_rounds(group: hg.collective.Group, workers: list[Worker], shape: tuple[int, ...]) -> None:
+    """Two allreduces of every member (the second on a group whose members all know each other),
+    each summed exactly on every member."""
+    for seed in (0, 10):
+        for w in workers:
+            w.send("allreduce", group.name, "float32", shape, seed, "sum")
+        got = hg.collective.allreduce(make_array("float32", shape, seed), group)
+        want = sum(make_array("float32", shape, seed + r).astype(np.float64) for r in range(group.world_size))
+        assert np.array_equal(got, want.astype(np.float32))
+        for w in workers:
+            assert np.array_equal(w.result(), got)
+
+
 def _rank_of(events: list[dict[str, Any]], group: hg.collective.Group, seq: int, n: int) -> dict[str, int]:
     """Node id -> rank, from who put each member's shard ``r`` of collective ``seq``."""
     shards = {group.object_id(seq, "allreduce-shard", 0, r).hex(): r for r in range(n)}
@@ -59,14 +72,7 @@ def test_a_sharded_allreduce_sums_exactly_and_the_ring_sends_only_to_the_next_me
     try:
         group = _join(owner, workers, f"ring-{schedule}")
         since = len(owner.event_log())
-        for seed in (0, 10):  # two rounds: the second on a group whose members all know each other
-            for w in workers:
-                w.send("allreduce", group.name, "float32", SHAPE, seed, "sum")
-            got = hg.collective.allreduce(make_array("float32", SHAPE, seed), group)
-            want = sum(make_array("float32", SHAPE, seed + r).astype(np.float64) for r in range(n))
-            assert np.array_equal(got, want.astype(np.float32))
-            for w in workers:
-                assert np.array_equal(w.result(), got)
+        _two_exact_rounds(group, workers, SHAPE)
         events = owner.event_log()[since:]
         ranks = {**_rank_of(events, group, 0, n), **_rank_of(events, group, 1, n)}
         hops = {(ranks[e["sender"]], ranks[e["receiver"]]) for e in events if e["kind"] == "transfer_start"}
@@ -148,14 +154,7 @@ def test_members_alone_on_their_hosts_lend_shards_in_place_with_shared_memory_on
         for w in workers:
             w.wait_ready()
         group = _join(node, workers, "apart")
-        for seed in (0, 10):
-            for w in workers:
-                w.send("allreduce", group.name, "float32", BIG, seed, "sum")
-            got = hg.collective.allreduce(make_array("float32", BIG, seed), group)
-            want = sum(make_array("float32", BIG, seed + r).astype(np.float64) for r in range(n))
-            assert np.array_equal(got, want.astype(np.float32))
-            for w in workers:
-                assert np.array_equal(w.result(), got)
+        _two_exact_rounds(group, workers, BIG)
         assert node._memory.host_peers == 0
         assert node.stats()["outputs_over_inputs"] >= 2 * (n - 1)
         _destroy(group, workers)
