@@ -290,7 +290,8 @@ class BufferPool:
         whole with :func:`write_at`; a recycled segment's are mapped as it is handed out, and
         :func:`write_at` then writes in place (:meth:`hoplite_gpu.memory.shm.Segment.populate`)."""
         shared = self.shares(nbytes)
-        buf, pinned = self._take(nbytes, None if self.private else shared)
+        kind = None if self.private else shared  # (alone on its host: a free buffer of either kind)
+        buf, pinned = self._take(nbytes, kind)
         if buf is None and pinned and nbytes >= COLLECT_MIN_BYTES:
             # Often the only other holder is a reference cycle, such as an exception's traceback
             # that still holds the frames of a cancelled transfer. The young generations are
@@ -298,7 +299,7 @@ class BufferPool:
             # "Reduces that missed the pool").
             gc.collect(1)
             self.collections += 1
-            buf, _ = self._take(nbytes, None if self.private else shared)
+            buf, _ = self._take(nbytes, kind)
         if buf is not None:
             seg = shm.segment_of(buf)
             if seg is not None:

@@ -173,9 +173,9 @@ class Putter:
         self._check_size(nbytes)
         contiguous = host.flags.c_contiguous
         shared = self._memory.pool.shared_min_bytes
-        detached = not copy and contiguous and shared > 0 and nbytes >= max(shared, 2 * PUT_COPY_BYTES)
-        # Alone on its host (protocol.HostPeers), the node has nobody to map a copy: keep the array.
-        detached = detached and self._memory.shared_with_others
+        # (Alone on its host, protocol.HostPeers, the node has nobody to map a copy: none made.)
+        others = self._memory.shared_with_others
+        detached = not copy and contiguous and others and nbytes >= max(shared, 2 * PUT_COPY_BYTES)
         if detached and borrow:
             copy, detached = True, False
         flat: Any = host.reshape(-1).view(np.uint8) if contiguous else None
