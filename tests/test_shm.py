@@ -334,6 +334,16 @@ def test_each_node_is_told_how_many_others_share_its_host() -> None:
     assert join("D", "") == []  # no shared memory: nothing to tell
     out = state.handle(NodeLeft("B", 1.0))
     assert [(s.node_id, s.message) for s in out if isinstance(s, Send)] == [("A", p.HostPeers(peers=0))]
+    assert sorted((s.node_id, s.message.peers) for s in join("F", "h1")) == [("A", 1), ("F", 1)]
+    # A node that joins again under another host key counts there only, and its old host's
+    # nodes are told it left them.
+    out = join("A", "h2")
+    assert sorted((s.node_id, s.message.peers) for s in out if isinstance(s, Send)) == [
+        ("A", 1),
+        ("C", 1),
+        ("F", 0),
+    ]
+    assert sorted((s.node_id, s.message.peers) for s in join("E", "h1")) == [("E", 1), ("F", 1)]
 
 
 def test_a_same_host_reader_waits_for_a_segment_still_being_copied_and_others_pull() -> None:

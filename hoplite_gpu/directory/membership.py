@@ -46,10 +46,17 @@ class Membership:
         # raise last_seen, so it stays a lower bound (an expiry found early costs a Tick) until
         # the Tick that checks the leases recomputes it.
         self._oldest: float | None = None
+        # The joined nodes of each host key (none for ""), so that a join or a leave tells that
+        # host's nodes without walking every node.
+        self._by_host: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------ joining and leaving
     def join(self, ev: NodeJoined) -> None:
         """Record a node that authenticated."""
+        before = self.nodes.get(ev.node_id)
+        if before is not None and before.host_key != ev.host_key:
+            self._unindex(ev.node_id, before.host_key)  # joined again from another host
+            self._tell_host(before.host_key)
         self.nodes[ev.node_id] = NodeInfo(
             ev.node_id,
             ev.data_host,
@@ -63,6 +70,8 @@ class Membership:
         if self._oldest is not None:
             self._oldest = min(self._oldest, ev.now)
         self.outbox.record(ev.now, "node_joined", node=ev.node_id, rejoin=ev.rejoin, gpu=ev.gpu)
+        if ev.host_key:
+            self._by_host.setdefault(ev.host_key, set()).add(ev.node_id)
         self._tell_host(ev.host_key)
 
     def leave(self, node_id: str) -> bool:
@@ -70,16 +79,27 @@ class Membership:
         info = self.nodes.pop(node_id, None)
         if info is None:
             return False
+        self._unindex(node_id, info.host_key)
         self._tell_host(info.host_key)
         return True
+
+    def _unindex(self, node_id: str, host_key: str) -> None:
+        same = self._by_host.get(host_key)
+        if same is not None:
+            same.discard(node_id)
+            if not same:
+                del self._by_host[host_key]
+
+    def host_nodes(self, host_key: str) -> set[str]:
+        """The joined nodes of host ``host_key`` (empty for "": a node that shares no memory)."""
+        return self._by_host.get(host_key, set()) if host_key else set()
 
     def _tell_host(self, host_key: str) -> None:
         """Tell each node of host ``host_key`` how many others share it (:class:`protocol.HostPeers`:
         one alone keeps what it lends in its own memory)."""
-        if host_key:
-            same = [info.node_id for info in self.nodes.values() if info.host_key == host_key]
-            for node_id in same:
-                self.outbox.send(node_id, p.HostPeers(peers=len(same) - 1))
+        same = self.host_nodes(host_key)
+        for node_id in sorted(same):
+            self.outbox.send(node_id, p.HostPeers(peers=len(same) - 1))
 
     def seen(self, node_id: str, now: float) -> NodeInfo | None:
         """A message from ``node_id`` arrived: renew its lease. None if it is not joined (not
