@@ -191,7 +191,6 @@ class RolloutWorker:
         self._last_grad = grad_id
         return self._info(iteration, advantage, start, fetched, time.time())
 
-
     def _receive(self, node: Any, name: str, version: int) -> np.ndarray:
         """Version ``version`` of the weights published as ``name``, received into this worker's
         own array (allocated at the first version, as a model's parameters are)."""

@@ -146,10 +146,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
             await all_or_cancel(
                 [
                     own_chain(chain),  # (on one host the directory makes it that host's star)
-                    *(
-                        g._put_own(seq, shards[j], inputs[j][me], borrow=True, consumable=True)
-                        for j in order
-                    ),
+                    *(g._put_own(seq, shards[j], inputs[j][me], borrow=True, consumable=True) for j in order),
                     *(
                         g._get_received(results[j], shards[j], received, inputs[j][pred])
                         for j in [*order, me]
