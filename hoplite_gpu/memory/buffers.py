@@ -231,11 +231,11 @@ PRIVATE_PAGES_MIN_BYTES = 1 << 20
 def private_pages(nbytes: int) -> np.ndarray[Any, Any]:
     """New private memory of ``nbytes`` for the pool of a node alone on its host (in place of a
     segment). A large one is anonymous pages nobody asked to be huge: NumPy asks
-    (``madvise(MADV_HUGEPAGE)``) for every large array, and where the kernel's THP defrag is
-    ``madvise`` (a common default) a fault then compacts memory in place, which stalled
-    first-round reduces of 64 MiB among 4 processes at 0.8-1.0 s against 0.22-0.37 s
-    (bench/pages/defaults.md, "New buffers of a node alone on its host"). The kernel still backs
-    them with huge pages where its policy is ``always``."""
+    (``madvise(MADV_HUGEPAGE)``) for every large array, and with that memory first-round
+    reduces of 64 MiB among 4 processes stalled at 0.8-1.0 s against 0.22-0.37 s (later runs
+    of the same kind saw no compaction: the cause is open; bench/pages/defaults.md, "New buffers
+    of a node alone on its host"). The kernel still backs them with huge pages where its policy is
+    ``always``."""
     if nbytes < PRIVATE_PAGES_MIN_BYTES:
         return np.empty(nbytes, np.uint8)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (default: shared)
