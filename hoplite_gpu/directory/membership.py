@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .. import protocol as p
 from .config import SUSPECT_GRACE
 from .events import NodeJoined
-from .records import NodeInfo, ObjectEntry, Reduction
+from .records import NodeInfo, ObjectEntry, Reduction, unindex
 
 if TYPE_CHECKING:
     from .config import DirectoryConfig
@@ -55,7 +55,7 @@ class Membership:
         """Record a node that authenticated."""
         before = self.nodes.get(ev.node_id)
         if before is not None and before.host_key != ev.host_key:
-            self._unindex(ev.node_id, before.host_key)  # joined again from another host
+            unindex(self._by_host, before.host_key, ev.node_id)  # joined again from another host
             self._tell_host(before.host_key)
         self.nodes[ev.node_id] = NodeInfo(
             ev.node_id,
@@ -79,16 +79,9 @@ class Membership:
         info = self.nodes.pop(node_id, None)
         if info is None:
             return False
-        self._unindex(node_id, info.host_key)
+        unindex(self._by_host, info.host_key, node_id)
         self._tell_host(info.host_key)
         return True
-
-    def _unindex(self, node_id: str, host_key: str) -> None:
-        same = self._by_host.get(host_key)
-        if same is not None:
-            same.discard(node_id)
-            if not same:
-                del self._by_host[host_key]
 
     def host_nodes(self, host_key: str) -> set[str]:
         """The joined nodes of host ``host_key`` (empty for "": a node that shares no memory)."""

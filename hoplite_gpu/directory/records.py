@@ -6,10 +6,24 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..coding.decoding import DecodeTracker
 from ..topology import Inventory
 from .reduce import ReducePlan
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def unindex(index: dict[K, set[V]], key: K, item: V) -> None:
+    """Remove ``item`` from ``index[key]``, and ``key`` once its set is empty (an index that keeps
+    no empty sets)."""
+    items = index.get(key)
+    if items is not None:
+        items.discard(item)
+        if not items:
+            del index[key]
 
 
 class LocationState(enum.Enum):

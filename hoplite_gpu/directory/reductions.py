@@ -20,7 +20,7 @@ from ..coding.decoding import DECODE_TOLERANCE
 from . import combine
 from .config import REDUCTIONS_KEPT
 from .lookups import failed_lookup, not_ready
-from .records import NodeInfo, ObjectEntry, PendingQuery, Reduction
+from .records import NodeInfo, ObjectEntry, PendingQuery, Reduction, unindex
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
 from .reduce_request import (
     Asked,
@@ -516,11 +516,7 @@ class Reductions:
     # ------------------------------------------------------------ bookkeeping
     def unawait(self, oid: bytes, rid: bytes) -> None:
         """Reduction ``rid`` no longer waits for input ``oid``."""
-        waiting = self.awaiting.get(oid)
-        if waiting is not None:
-            waiting.discard(rid)
-            if not waiting:
-                del self.awaiting[oid]
+        unindex(self.awaiting, oid, rid)
 
     def forget(self, rid: bytes) -> None:
         """Forget reduction ``rid`` (deleted, or finished long ago): its inputs no longer count

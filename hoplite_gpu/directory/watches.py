@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import protocol as p
+from .records import unindex
 
 #: Ended groups (no member watching, some lost) whose lost members are remembered.
 ENDED_KEPT = 4096
@@ -182,11 +183,7 @@ class Watches:
     def _forget_ended(self, gid: bytes) -> None:
         group = self.ended.pop(gid)
         for node_id in set(group.members.values()):
-            gids = self._ended_nodes.get(node_id)
-            if gids is not None:
-                gids.discard(gid)
-                if not gids:
-                    del self._ended_nodes[node_id]
+            unindex(self._ended_nodes, node_id, gid)
 
     def cancel(self, node_id: str, request_id: int) -> None:
         """A member withdrew its watch (``CancelLookup``): it left the group cleanly."""
