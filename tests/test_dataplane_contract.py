@@ -150,7 +150,7 @@ def test_the_protocol_names_what_the_node_uses() -> None:
     attributes, methods = _members()
     assert set(methods) == {"start", "close", "pull"}
     assert {"port", "auth_failures", "stale_messages", "stale_bytes"} <= attributes
-    assert {"staged_sent", "staged_received"} <= attributes
+    assert {"staged_sent", "staged_received", "connections_opened"} <= attributes
 
 
 @pytest.mark.parametrize("cls", [TcpDataPlane, UcxDataPlane], ids=["tcp", "ucx"])

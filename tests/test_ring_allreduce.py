@@ -91,6 +91,44 @@ def test_a_sharded_allreduce_sums_exactly_and_the_ring_sends_only_to_the_next_me
             w.kill()
 
 
+def test_repeated_allreduces_reuse_the_data_planes_connections(owner: Any) -> None:
+    """A vertex is done once every byte of its child is here, and stops its fetch while the pull
+    is still acknowledging them: the pull keeps its connection for the next one. Cut instead,
+    each member opened and authenticated a new connection for each of its vertices, every round
+    (three a round with four members on the ring)."""
+    n, rounds = 4, 10
+    schedule = owner.config.allreduce_schedule
+    workers = start_workers(
+        owner.directory_address, owner.token, n - 1, shared_memory=False, allreduce_schedule=schedule
+    )
+
+    def opened() -> list[int]:
+        for w in workers:
+            w.send("stats")
+        return [
+            owner.stats()["data_connections_opened"],
+            *(w.result()["data_connections_opened"] for w in workers),
+        ]
+
+    try:
+        group = _join(owner, workers, f"reuse-{schedule}")
+        _two_exact_rounds(group, workers, SHAPE)  # every member has pulled from its peers
+        before = opened()
+        for seed in range(rounds):
+            for w in workers:
+                w.send("allreduce", group.name, "float32", SHAPE, seed, "sum")
+            hg.collective.allreduce(make_array("float32", SHAPE, seed), group)
+            for w in workers:
+                w.result()
+        grown = [after - then for after, then in zip(opened(), before, strict=True)]
+        # Only a round with more pulls from one peer at once than any before opens one more.
+        assert all(g < rounds // 2 for g in grown), (grown, before)
+        _destroy(group, workers)
+    finally:
+        for w in workers:
+            w.kill()
+
+
 def test_an_allreduce_under_the_shard_size_is_one_reduction(owner: Any) -> None:
     # 4 MiB under a shard size of 8 MiB (the default): one reduction, no shards put.
     workers = start_workers(owner.directory_address, owner.token, 1, allreduce_shard_bytes=8 << 20)

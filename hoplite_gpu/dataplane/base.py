@@ -37,6 +37,9 @@ class DataPlane(Protocol):
     staged_sent: int
     #: Device bytes it received through them: reported with them.
     staged_received: int
+    #: Connections (UCX: endpoints) it opened to peers for its pulls: reported, to see how many
+    #: pulls found none idle (each new one costs a handshake).
+    connections_opened: int
 
     async def start(self, host: str = "") -> int:
         """Listen on ``host`` ("" for every interface) on a free port and return it; the node

@@ -77,6 +77,7 @@ class PlaneBase:
         self.stale_bytes = 0
         self.staged_sent = 0  # device bytes this node sent through host staging buffers
         self.staged_received = 0  # ... and received through them
+        self.connections_opened = 0  # connections (endpoints) opened for this node's pulls
         self.rates = LinkRates(config)  # measured throughput by peer, and the chunk sizes it sets
         self._tasks: set[asyncio.Task[Any]] = set()
         self._serving: set[asyncio.Task[Any]] = set()  # transfers being served: close(grace) waits

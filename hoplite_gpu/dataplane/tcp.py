@@ -323,6 +323,7 @@ class TcpDataPlane(PlaneBase):
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         self._open.add(sock)
+        self.connections_opened += 1
         try:
             try:
                 tune(sock)
@@ -453,9 +454,16 @@ class TcpDataPlane(PlaneBase):
             try:
                 status, whole, size = await asyncio.shield(work)
             except asyncio.CancelledError:
-                shut(sock)
+                # Every byte landed (a reduce vertex reading them is done, and let go of its fetch):
+                # the worker only acknowledges them. Let it, and keep the connection: cut, the next
+                # pull from this peer would open and authenticate a new one (each vertex of an
+                # allreduce ended so, every round: bench/pages/collectives.md, "Connections kept").
+                landed = obj.progress >= obj.size
+                if not landed:
+                    shut(sock)
                 with contextlib.suppress(BaseException):
-                    await work
+                    status, _, size = await work
+                    reusable = landed and status == p.PULL_OK and size == obj.size
                 raise
             except HopliteError:
                 raise

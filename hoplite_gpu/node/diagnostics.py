@@ -49,7 +49,9 @@ class Diagnostics:
         """Local store figures: objects, bytes used, capacity, data-plane auth failures, the
         unreceived messages the data plane dropped (``stale_*``: see ``UcxDataPlane._sweep_unexpected``),
         the device bytes it sent and received staged through host buffers (``staged_*``; none
-        with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself), and the process's
+        with ``HOPLITE_UCX_CUDA=1``, where UCX moves device memory itself), the connections (UCX:
+        endpoints) the data plane opened for this node's pulls (``data_connections_opened``; idle
+        ones are kept per peer and reused, so this grows with new peers, not with pulls), the process's
         pool of device allocations (``device_pool_*``: bytes held, allocations handed out again)
         and its reads of same-host processes' device memory (``device_ipc_*``: mappings opened,
         reads from a mapping kept open, gets that found the memory through an index link with no
@@ -65,6 +67,7 @@ class Diagnostics:
             "stale_bytes_dropped": self._data.stale_bytes,
             "staged_bytes_sent": self._data.staged_sent,
             "staged_bytes_received": self._data.staged_received,
+            "data_connections_opened": self._data.connections_opened,
             "outputs_over_inputs": self._vertices.taken_over,
             **self._memory.stats(),
             "pid": os.getpid(),

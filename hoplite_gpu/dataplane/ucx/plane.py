@@ -389,6 +389,7 @@ class UcxDataPlane(PlaneBase):
     async def _connect(self, host: str, port: int, address: str) -> _Peer:
         ucxx = ucxx_module()
         timeout = self.config.connect_timeout
+        self.connections_opened += 1
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
         except Exception as exc:
