@@ -135,6 +135,14 @@ class Config:
             into place), ``ucx`` (UCX, for RDMA and CUDA transports), ``auto``: ``ucx`` where UCX
             lists RDMA transports or with ``HOPLITE_UCX_CUDA=1``, else ``tcp``
             (bench/pages/collectives.md#the-tcp-data-plane); every node of a cluster must choose the same.
+        tcp_congestion: The congestion control of the TCP data plane's connections
+            (``TCP_CONGESTION``; a transfer is paced by its sender's): ``cubic`` by default. BBR,
+            where a host sets it, starts each transfer on a kept connection at the bandwidth it
+            measured the round before, when other transfers shared the link: reduce and
+            allreduce of 64 MiB at 1 GB/s took 6-10% longer with it, 16 MiB within the noise
+            (bench/pages/collectives.md#tcp-congestion-control).
+            "": the host's. One the kernel refuses (not loaded, or not allowed to this user)
+            leaves the host's.
         allreduce_schedule: How a group's allreduce of a large array moves its shards
             (:func:`hoplite_gpu.collective.allreduce`): ``ring`` (each shard reduced along the
             ring of members and its result read along it: every link carries one flow each way),
@@ -195,6 +203,7 @@ class Config:
     tls_key_file: str = ""
     tls_ca_file: str = ""
     data_plane: str = "auto"
+    tcp_congestion: str = "cubic"
     allreduce_schedule: str = "auto"
     allreduce_shard_bytes: int = 8 * MiB
 
@@ -234,6 +243,13 @@ class Config:
             raise InvalidArgumentError(
                 f"Config.data_plane must be one of {', '.join(DATA_PLANES)}, not {self.data_plane!r}",
                 argument="data_plane",
+            )
+        cc = self.tcp_congestion
+        if not isinstance(cc, str) or len(cc) > 15 or not (cc.isascii() and cc.isprintable()) or " " in cc:
+            raise InvalidArgumentError(
+                f"Config.tcp_congestion must be a congestion control's name (up to 15 characters) or "
+                f'"", not {cc!r}',
+                argument="tcp_congestion",
             )
         if self.allreduce_schedule not in ALLREDUCE_SCHEDULES:
             raise InvalidArgumentError(

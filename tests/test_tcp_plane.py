@@ -266,6 +266,38 @@ def test_a_connection_given_up_that_ends_anyway_is_closed_and_its_error_retrieve
         peer.close()
 
 
+def _congestion(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
+def test_connections_use_the_configured_congestion_control(pair: Pair) -> None:
+    """Cubic on both ends by default (BBR starts a kept connection's next transfer at the rate it
+    measured the round before); "" leaves the host's."""
+    src = _source(MiB)
+    held = pair.hold(_object(src.size, src.copy()))
+    pair.run(pair.client.pull("127.0.0.1", pair.port, _object(src.size, oid=held.object_id), transfer_id=1))
+    ends = [*pair.client._open, *pair.server._open]
+    assert len(ends) == 2 and {_congestion(s) for s in ends} == {"cubic"}
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        host = f.read().strip()
+    kept = Pair(Config(tcp_congestion=""), Config(tcp_congestion=""))
+    try:
+        held = kept.hold(_object(src.size, src.copy()))
+        kept.run(
+            kept.client.pull("127.0.0.1", kept.port, _object(src.size, oid=held.object_id), transfer_id=1)
+        )
+        assert {_congestion(s) for s in [*kept.client._open, *kept.server._open]} == {host}
+    finally:
+        kept.close()
+
+
+def test_tcp_congestion_must_be_a_name() -> None:
+    for bad in ("c u b i c", "x" * 16, "cubic\n"):
+        with pytest.raises(hg.InvalidArgumentError, match="tcp_congestion"):
+            Config(tcp_congestion=bad)
+    assert Config(tcp_congestion="").tcp_congestion == ""
+
+
 def test_data_plane_must_be_a_known_one() -> None:
     with pytest.raises(hg.InvalidArgumentError, match="data_plane"):
         Config(data_plane="rdma")

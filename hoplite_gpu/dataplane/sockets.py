@@ -104,10 +104,15 @@ def send_all(sock: socket.socket, data: Any) -> None:
         raise TimeoutError("the peer took no bytes within the stall timeout") from None
 
 
-def tune(sock: socket.socket) -> None:
-    """No Nagle delay for requests, headers and acks. Buffer sizes stay the kernel's: a size set by
-    hand turns off its autotuning, which grows them to the path's bandwidth-delay product."""
+def tune(sock: socket.socket, congestion: str = "") -> None:
+    """No Nagle delay for requests, headers and acks; ``congestion`` as the connection's congestion
+    control (``Config.tcp_congestion``; "", or one the kernel refuses: the host's). Buffer sizes
+    stay the kernel's: a size set by hand turns off its autotuning, which grows them to the path's
+    bandwidth-delay product."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
 
 
 def shut(sock: socket.socket) -> None:

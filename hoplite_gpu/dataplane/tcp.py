@@ -170,7 +170,7 @@ class TcpDataPlane(PlaneBase):
         loop = asyncio.get_running_loop()
         try:
             try:
-                tune(sock)
+                tune(sock, self.config.tcp_congestion)
                 ok = await asyncio.wait_for(
                     self._authenticate_server(loop, sock), self.config.connect_timeout
                 )
@@ -326,7 +326,7 @@ class TcpDataPlane(PlaneBase):
         self.connections_opened += 1
         try:
             try:
-                tune(sock)
+                tune(sock, self.config.tcp_congestion)
                 await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
             except (OSError, asyncio.TimeoutError) as exc:
                 raise unreachable(address, exc) from exc
