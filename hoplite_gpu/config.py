@@ -245,7 +245,7 @@ class Config:
                 argument="data_plane",
             )
         cc = self.tcp_congestion
-        if not isinstance(cc, str) or len(cc) > 15 or not (cc.isascii() and cc.isprintable()) or " " in cc:
+        if not (_word(cc, 15) and cc.isascii()):
             raise InvalidArgumentError(
                 f"Config.tcp_congestion must be a congestion control's name (up to 15 characters) or "
                 f'"", not {cc!r}',
@@ -257,8 +257,7 @@ class Config:
                 f"not {self.allreduce_schedule!r}",
                 argument="allreduce_schedule",
             )
-        tag = self.host_tag
-        if not isinstance(tag, str) or len(tag) > 64 or not tag.isprintable() or " " in tag:
+        if not _word(self.host_tag, 64):
             raise InvalidArgumentError(
                 "Config.host_tag must be up to 64 printable characters without spaces", argument="host_tag"
             )
@@ -357,6 +356,11 @@ class Config:
 
 #: ``listen_host`` values that name every interface rather than one address peers can use.
 WILDCARD_HOSTS = ("0.0.0.0", "::")
+
+
+def _word(value: Any, most: int) -> bool:
+    """Whether ``value`` is a string of up to ``most`` printable characters without spaces."""
+    return isinstance(value, str) and len(value) <= most and value.isprintable() and " " not in value
 
 
 def route_address(host: str) -> str:
