@@ -105,3 +105,31 @@ def test_a_get_of_a_deleted_object_raises_object_deleted_error_elsewhere(
     owner.put(np.arange(4, dtype=np.int32), oid)  # the id may be used anew
     assert reader.call("get", oid.hex(), 60.0) == digest(np.arange(4, dtype=np.int32))
     owner.delete(oid)
+
+
+def test_delete_many_deletes_each_object_with_one_request(owner: Any, reader: Worker) -> None:
+    """``delete_many``: each object as :meth:`Node.delete` would, the owner's everywhere and
+    another's copy here only, with one request; what each answered, in order."""
+    mine = [hg.ObjectID.random() for _ in range(3)]
+    for i, oid in enumerate(mine):
+        owner.put(make_array("uint8", (1 << 20,), i), oid)
+    theirs = hg.ObjectID.from_hex(reader.call("put", "uint8", (1 << 20,), 9, ""))
+    assert owner.get(theirs).nbytes == 1 << 20  # a copy here too
+    for oid in mine:  # the reader holds copies of mine
+        reader.call("get", oid.hex(), 60.0)
+    sent = owner.directory_summary()["handled"].get("delete", 0)
+    assert owner.delete_many([*mine, theirs, hg.ObjectID.random()]) == [True, True, True, False, False]
+    assert owner.directory_summary()["handled"]["delete"] == sent + 1
+    for oid in mine:
+        with pytest.raises(RuntimeError, match="ObjectDeletedError"):
+            reader.call("get", oid.hex(), 30.0)
+    assert not owner.contains(theirs)  # this node's copy went; the reader's own stays
+    assert reader.call("get", theirs.hex(), 60.0) == digest(make_array("uint8", (1 << 20,), 9))
+    assert owner.delete_many([]) == []
+    reader.call("delete", theirs.hex())
+
+
+@pytest.mark.parametrize("bad", ["ab" * 20, hg.ObjectID.random(), [b"x" * 20], 7, None])
+def test_delete_many_takes_a_list_of_object_ids(owner: Any, bad: Any) -> None:
+    with pytest.raises(hg.InvalidArgumentError, match="object_ids"):
+        owner.delete_many(bad)

@@ -18,8 +18,10 @@ from hoplite_gpu.directory.state import (
     Send,
     Tick,
 )
+from hoplite_gpu.errors import ProtocolError
 from hoplite_gpu.protocol import (
     EVENT_LOG_PAGE,
+    MAX_DELETE_BATCH,
     AbortTransfer,
     CancelLookup,
     DeleteReply,
@@ -326,6 +328,50 @@ def test_non_owner_delete_removes_only_its_own_location():
     assert req(state, "B", DeleteRequest(6, OID)) == [Send("B", DeleteReply(request_id=6, deleted=False))]
     assert OID in state.objects and set(state.objects[OID].locations) == {"A"}
     pull(lookup(state, "C", 1), "C", 1, "A")
+
+
+def test_one_delete_request_deletes_several_objects_each_as_alone():
+    """A collective's objects go with one request (``also``): each is deleted as if alone, in
+    order, its holders told as then, and the one reply answers for each."""
+    state = make_state("A", "B", "C", "D")
+    mine, theirs, kept, unknown = OID, b"b" * 20, b"c" * 20, b"u" * 20
+
+    def copy(node: str, oid: bytes, owner: str, rid: int) -> None:
+        (reply,) = req(state, node, LookupRequest(rid, oid, 0.0, 0))
+        assert (reply.message.status, reply.message.sender_node) == ("pull", owner)
+        assert req(state, node, TransferDone(reply.message.transfer_id, True, MiB)) == []
+
+    put(state, "A", oid=mine)
+    copy("C", mine, "A", 1)
+    put(state, "B", oid=theirs)
+    copy("A", theirs, "B", 2)
+    put(state, "D", oid=kept)
+    copy("A", kept, "D", 3)
+    state.handle(NodeLeft("D", 0.0))  # A now holds the only copy of ``kept``
+    out = req(state, "A", DeleteRequest(4, mine, also=[theirs, kept, unknown]))
+    assert out == [
+        Send("C", DropObject(object_id=mine)),
+        Send(
+            "A",
+            DeleteReply(
+                request_id=4,
+                deleted=True,
+                deleted_also=[False, False, False],
+                kept_also=[False, True, False],
+            ),
+        ),
+    ]
+    assert mine not in state.objects  # the owner's delete: gone everywhere
+    assert set(state.objects[theirs].locations) == {"B"}  # another's: A's copy alone dropped
+    assert set(state.objects[kept].locations) == {"A"}  # the only copy: kept
+    assert state.handled["delete"] == 1
+
+
+def test_a_delete_request_adds_at_most_its_batch_of_objects():
+    with pytest.raises(ProtocolError, match="over"):
+        DeleteRequest(1, OID, also=[OID] * (MAX_DELETE_BATCH + 1)).check()
+    with pytest.raises(ProtocolError, match="also"):
+        DeleteRequest(1, OID, also=[b"short"]).check()
 
 
 def test_delete_of_unknown_object_reports_not_deleted():

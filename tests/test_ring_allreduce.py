@@ -56,6 +56,16 @@ def _two_exact_rounds(group: hg.collective.Group, workers: list[Worker], shape: 
             assert np.array_equal(w.result(), got)
 
 
+def _rounds(group: hg.collective.Group, workers: list[Worker], rounds: int) -> None:
+    """``rounds`` allreduces of every member (results not checked)."""
+    for seed in range(rounds):
+        for w in workers:
+            w.send("allreduce", group.name, "float32", SHAPE, seed, "sum")
+        hg.collective.allreduce(make_array("float32", SHAPE, seed), group)
+        for w in workers:
+            w.result()
+
+
 def _rank_of(events: list[dict[str, Any]], group: hg.collective.Group, seq: int, n: int) -> dict[str, int]:
     """Node id -> rank, from who put each member's shard ``r`` of collective ``seq``."""
     shards = {group.object_id(seq, "allreduce-shard", 0, r).hex(): r for r in range(n)}
@@ -114,15 +124,37 @@ def test_repeated_allreduces_reuse_the_data_planes_connections(owner: Any) -> No
         group = _join(owner, workers, f"reuse-{schedule}")
         _two_exact_rounds(group, workers, SHAPE)  # every member has pulled from its peers
         before = opened()
-        for seed in range(rounds):
-            for w in workers:
-                w.send("allreduce", group.name, "float32", SHAPE, seed, "sum")
-            hg.collective.allreduce(make_array("float32", SHAPE, seed), group)
-            for w in workers:
-                w.result()
+        _rounds(group, workers, rounds)
         grown = [after - then for after, then in zip(opened(), before, strict=True)]
         # Only a round with more pulls from one peer at once than any before opens one more.
         assert all(g < rounds // 2 for g in grown), (grown, before)
+        _destroy(group, workers)
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_a_member_deletes_a_rounds_objects_with_one_request(owner: Any) -> None:
+    """At the end of an allreduce a member deletes its shards, the copies of others' results it
+    received in place, and its objects of the rounds before, with one request: one a round, where
+    each used to go alone (five or more a round on each member). The only other deletes are the
+    reduce vertices' copies of their children, one each."""
+    n, rounds = 4, 5
+    schedule = owner.config.allreduce_schedule
+    workers = start_workers(
+        owner.directory_address, owner.token, n - 1, shared_memory=False, allreduce_schedule=schedule
+    )
+    try:
+        group = _join(owner, workers, f"deletes-{schedule}")
+        _two_exact_rounds(group, workers, SHAPE)
+        since, before = len(owner.event_log()), owner.directory_summary()["handled"].get("delete", 0)
+        _rounds(group, workers, rounds)
+        requests = owner.directory_summary()["handled"]["delete"] - before
+        events = owner.event_log()[since:]
+        deleted = sum(e["kind"] in ("delete", "delete_local", "delete_kept") for e in events)
+        fetched = sum(e["kind"] == "reduce_place" and e["vertex"] != 0 for e in events)  # vertices' copies
+        assert requests <= n * rounds + fetched, (requests, deleted, fetched)
+        assert deleted >= 2 * requests, (requests, deleted)
         _destroy(group, workers)
     finally:
         for w in workers:

@@ -291,15 +291,24 @@ class Group(Watching):
             array, oid, copy=not borrow, digest=False, borrow=borrow, consumable=consumable
         )
 
-    def _withdraw(self, oids: list[ObjectID], copies: Sequence[LocalObject] = ()) -> asyncio.Future[Any]:
+    def _withdraw(
+        self, oids: list[ObjectID], copies: Sequence[LocalObject] = (), before: int | None = None
+    ) -> asyncio.Future[Any]:
         """Stop serving the caller's memory now: these objects of this member's (then deleted)
-        and these ``copies`` of others' objects received into it (the directory learns they are
-        gone from the next reader they are offered to). For a collective that lent the caller's
-        array, before it returns. Pulls of them stop at their next chunk; the future is done once
-        they did (or after ``stall_timeout``)."""
+        and these ``copies`` of others' objects received into it (then dropped from the
+        directory's record). For a collective that lent the caller's array, before it returns.
+        Pulls of them stop at their next chunk; the future is done once they did (or after
+        ``stall_timeout``). ``before``: this member's objects of the collectives before it go in
+        the same request (:meth:`_delete_before`)."""
         held = self.node.withdraw(oids, copies)
         stall = self.node.config.stall_timeout
-        return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), self._delete_now(oids))
+        earlier = [] if before is None else [oid for s, oid in self._owned if s < before and oid not in oids]
+        # (a copy of an object of this member's, its own reduction's result computed in place,
+        # goes with its owner's delete, once the others have read it)
+        mine = {oid for _, oid in self._owned}
+        dropped = [obj.object_id for obj in copies if obj.object_id not in mine]
+        deleting = self._delete_now([*oids, *earlier], also=dropped)
+        return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), deleting)
 
     async def _lending(self, seq: int, lent: list[ObjectID], steps: Coroutine[Any, Any, T]) -> T:
         """``await steps`` of collective ``seq``, which lends the caller's memory as ``lent``. If
@@ -352,13 +361,16 @@ class Group(Watching):
         in the background unless ``wait``: the collective that frees them need not wait."""
         await self._delete_now([oid for s, oid in self._owned if s < seq], wait)
 
-    async def _delete_now(self, oids: list[ObjectID], wait: bool = False) -> None:
-        """Delete these objects of this member's (in the background unless ``wait``)."""
-        if not oids:
+    async def _delete_now(
+        self, oids: list[ObjectID], wait: bool = False, also: Sequence[ObjectID] = ()
+    ) -> None:
+        """Delete these objects of this member's (in the background unless ``wait``), and this
+        node's copies of ``also``, others' objects, with one request."""
+        if not oids and not also:
             return
         gone = set(oids)
         self._owned = [(s, oid) for s, oid in self._owned if oid not in gone]
-        await self._delete_all(oids, wait)
+        await self._delete_all([*oids, *also], wait)
 
     def _releasable(self, seq: int) -> list[ObjectID]:
         """The objects of this member's collectives before ``seq`` that a barrier's arrival can
@@ -378,8 +390,8 @@ class Group(Watching):
             self.node.io.submit(self._delete_all(oids))
 
     async def _delete_all(self, oids: list[ObjectID], wait: bool = False) -> None:
-        """Delete these objects (in the background unless ``wait``)."""
-        deleting = asyncio.gather(*(self.node.delete_async(oid) for oid in oids), return_exceptions=True)
+        """Delete these objects (in the background unless ``wait``), with one request."""
+        deleting = asyncio.gather(self.node.delete_many_async(oids), return_exceptions=True)
         if wait:
             await deleting
         else:

@@ -174,8 +174,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     unread = {results[j] for j in range(n) if j != succ}
     unread_here = [o for o in received if o.object_id in unread and not o.served_whole]
     kept = g.node.keep_served(unread_here) if ring else []
-    await asyncio.shield(g._withdraw(lent, [o for o in received if o not in kept]))
-    await g._delete_before(seq)
+    await asyncio.shield(g._withdraw(lent, [o for o in received if o not in kept], before=seq))
     return array
 
 

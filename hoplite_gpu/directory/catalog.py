@@ -166,15 +166,24 @@ class Catalog:
         self.ready(msg.object_id, now)
 
     def delete(self, node_id: str, msg: p.DeleteRequest, now: float, reply: bool = True) -> None:
-        """The owner deletes an object everywhere; another node drops its own copy. Without
-        ``reply``, no ``DeleteReply`` (a barrier's release: the node learns from its ``ok``)."""
-        oid = msg.object_id
+        """The owner deletes an object everywhere; another node drops its own copy; the same for
+        each object of ``msg.also``, in order. Without ``reply``, no ``DeleteReply`` (a barrier's
+        release: the node learns from its ``ok``)."""
+        deleted, kept = self._delete_one(node_id, msg.object_id, now)
+        more = [self._delete_one(node_id, oid, now) for oid in msg.also]
+        if reply:
+            done = p.DeleteReply(
+                request_id=msg.request_id,
+                deleted=deleted,
+                kept=kept,
+                deleted_also=[d for d, _ in more],
+                kept_also=[k for _, k in more],
+            )
+            self.outbox.send(node_id, done)
 
-        def answer(deleted: bool, kept: bool = False) -> None:
-            if reply:
-                done = p.DeleteReply(request_id=msg.request_id, deleted=deleted, kept=kept)
-                self.outbox.send(node_id, done)
-
+    def _delete_one(self, node_id: str, oid: bytes, now: float) -> tuple[bool, bool]:
+        """:meth:`delete` of one object: whether it was deleted everywhere, and whether the
+        requester must keep its copy (the only one)."""
         red = self.reductions.get(oid)
         if red is not None and red.requester == node_id:
             text = f"reduction {oid.hex()} was deleted"
@@ -182,31 +191,27 @@ class Catalog:
             self.reducer.forget(oid)
             if oid not in self.objects:  # the result was never placed, or dropped above
                 self.remember_delete(oid)
-                answer(True)
                 self.outbox.record(now, "delete", node=node_id, object_id=oid.hex())
-                return
+                return True, False
         entry = self.objects.get(oid)
         if entry is None:
-            answer(False)
-            return
+            return False, False
         if entry.owner != node_id:
             loc = entry.locations.get(node_id)
             if loc is not None and self.sole_copy(entry, loc):
                 # E.g. a reduction's result on the node that computed it, owned by the node that
                 # asked for it: dropping it would lose it; it goes when its owner deletes it.
-                answer(False, kept=True)
                 self.outbox.record(now, "delete_kept", node=node_id, object_id=oid.hex())
-                return
+                return False, True
             # Even while it serves a transfer: that transfer goes on from the array it holds, but
             # nobody may be sent to (or told to use) the dropped copy any more.
             entry.locations.pop(node_id, None)
-            answer(False)
             self.outbox.record(now, "delete_local", node=node_id, object_id=oid.hex())
-            return
+            return False, False
         self.remove(oid, now, skip=node_id)
         self.remember_delete(oid)
-        answer(True)
         self.outbox.record(now, "delete", node=node_id, object_id=oid.hex())
+        return True, False
 
     # ------------------------------------------------------------ copies
     def ready(self, oid: bytes, now: float) -> None:

@@ -33,6 +33,7 @@ outbox, and the parts it calls; a part it calls that is made after it comes thro
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from collections import deque
@@ -135,6 +136,7 @@ class DirectoryState:
     def __init__(self, config: DirectoryConfig | None = None) -> None:
         self.config = config = config or DirectoryConfig()
         self.check_invariants = config.validate
+        self.handled: collections.Counter[str] = collections.Counter()  # messages from nodes, by type
         # The records every part reads (each changed by the part named beside it).
         self.nodes: dict[str, NodeInfo] = {}  # members
         self.objects: dict[bytes, ObjectEntry] = {}  # catalog, and reducer for results
@@ -291,6 +293,7 @@ class DirectoryState:
         if self.members.seen(ev.node_id, ev.now) is None:
             return  # not authenticated/joined, or declared dead: nothing it sends is acted on
         msg = ev.message
+        self.handled[msg.TYPE] += 1
         name = _REQUEST_HANDLERS.get(type(msg))
         if name is None:
             message = f"the directory does not accept {msg.TYPE!r} messages"
@@ -433,7 +436,8 @@ class DirectoryState:
         """What the directory holds now, in brief: the live nodes; each object with its owner, size,
         the live nodes holding a complete copy (``holders``) or still receiving one
         (``receiving``) and whether its bytes are inline; the objects with lookups waiting; the
-        transfers under way; the unfinished reductions; the open barriers and watched groups.
+        transfers under way; the unfinished reductions; the open barriers and watched groups; and
+        ``handled``, the messages nodes have sent it so far, by type (a control plane's cost).
         Each list holds at most :data:`~hoplite_gpu.protocol.SUMMARY_PAGE` entries; ``*_total``
         counts them all."""
         page, COMPLETE = p.SUMMARY_PAGE, LocationState.COMPLETE
@@ -469,4 +473,5 @@ class DirectoryState:
             "reductions_total": len(active),
             "barriers": len(self.barriers.open),
             "watched_groups": len(self.watches.groups),
+            "handled": dict(self.handled),
         }

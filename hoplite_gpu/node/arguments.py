@@ -30,6 +30,19 @@ def resolve_timeout(timeout: float | None, default: float) -> float | None:
     return None if math.isinf(timeout) else float(timeout)
 
 
+def object_id_list(object_ids: Any, empty: bool = False) -> list[ObjectID]:
+    """``object_ids`` (a sequence of :class:`ObjectID`) as a list; raises
+    :class:`InvalidArgumentError` for anything else, or for none unless ``empty``."""
+    try:
+        ids = None if isinstance(object_ids, (str, bytes, ObjectID)) else list(object_ids)
+    except TypeError:
+        ids = None
+    if ids is None or not (ids or empty) or not all(isinstance(o, ObjectID) for o in ids):
+        what = "a list" if empty else "a non-empty list"
+        raise InvalidArgumentError(f"object_ids must be {what} of ObjectIDs", argument="object_ids")
+    return ids
+
+
 def reduce_request(
     object_ids: Any,
     op: ReduceOp | str,
@@ -45,9 +58,7 @@ def reduce_request(
     """The request of a :meth:`Node.reduce <hoplite_gpu.node.Node.reduce>` call, its arguments
     checked (``timeout`` resolved with ``default_timeout``: :func:`resolve_timeout`). Raises
     :class:`InvalidArgumentError` naming the argument at fault."""
-    ids = list(object_ids) if not isinstance(object_ids, (str, bytes, ObjectID)) else None
-    if not ids or not all(isinstance(o, ObjectID) for o in ids):
-        raise InvalidArgumentError("object_ids must be a non-empty list of ObjectIDs", argument="object_ids")
+    ids = object_id_list(object_ids)
     if len(set(ids)) != len(ids):
         raise InvalidArgumentError("object_ids must be distinct", argument="object_ids")
     k = len(ids) if num_objects is None else num_objects

@@ -17,9 +17,10 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .. import faults
@@ -32,7 +33,7 @@ from ..iothread import IOThread
 from ..memory import LocalStore, Memory, host_key, node_place, shared_memory_available, sweep_orphans
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
-from .arguments import reduce_request, resolve_timeout, route_of
+from .arguments import object_id_list, reduce_request, resolve_timeout, route_of
 from .channel import Channels
 from .diagnostics import Diagnostics
 from .fetch import Fetcher, check_out, streamable
@@ -544,16 +545,41 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
         self._check_oid(object_id)
         return await self._io.run_async(self._delete(object_id))
 
+    def delete_many(self, object_ids: Sequence[ObjectID]) -> list[bool]:
+        """:meth:`delete` of each of ``object_ids``, in order, with one request to the directory
+        per :data:`~hoplite_gpu.protocol.MAX_DELETE_BATCH` + 1 objects rather than one each (a
+        collective's objects); returns, for each, whether it was deleted everywhere."""
+        self._check_open()
+        oids = object_id_list(object_ids, empty=True)
+        return self._io.run(self._delete_many(oids))
+
+    async def delete_many_async(self, object_ids: Sequence[ObjectID]) -> list[bool]:
+        """Async twin of :meth:`delete_many`."""
+        self._check_open()
+        oids = object_id_list(object_ids, empty=True)
+        return await self._io.run_async(self._delete_many(oids))
+
     async def _delete(self, oid: ObjectID) -> bool:
-        self._session.forget(oid.binary())
-        reply = await self._session.request(
-            lambda rid: p.DeleteRequest(request_id=rid, object_id=oid.binary()), self.config.request_timeout
-        )
-        if not isinstance(reply, p.DeleteReply):
-            raise ProtocolError(f"unexpected reply to delete: {reply.TYPE}")
-        if not reply.kept:
-            self._store.remove(oid)
-        return reply.deleted
+        return (await self._delete_many([oid]))[0]
+
+    async def _delete_many(self, oids: list[ObjectID]) -> list[bool]:
+        deleted: list[bool] = []
+        step = p.MAX_DELETE_BATCH + 1
+        for batch in (oids[i : i + step] for i in range(0, len(oids), step)):
+            for oid in batch:
+                self._session.forget(oid.binary())
+            first, *more = [oid.binary() for oid in batch]
+            request = functools.partial(p.DeleteRequest, object_id=first, also=more)
+            reply = await self._session.request(request, self.config.request_timeout)
+            if not isinstance(reply, p.DeleteReply):
+                raise ProtocolError(f"unexpected reply to delete: {reply.TYPE}")
+            if not len(reply.deleted_also) == len(reply.kept_also) == len(more):
+                raise ProtocolError(f"a delete of {len(batch)} objects answered for another number")
+            for oid, kept in zip(batch, [reply.kept, *reply.kept_also], strict=True):
+                if not kept:
+                    self._store.remove(oid)
+            deleted += [reply.deleted, *reply.deleted_also]
+        return deleted
 
     def contains(self, object_id: ObjectID) -> bool:
         """Whether this node holds a complete local copy."""

@@ -256,14 +256,21 @@ class ServeDone(Message):
 
 @dataclass(frozen=True, slots=True)
 class DeleteRequest(Message):
-    """Delete the object (owner: everywhere; other nodes: their own copy only)."""
+    """Delete the object (owner: everywhere; other nodes: their own copy only); ``also``: more
+    objects deleted by the same request, each as if alone, in order (a collective's objects: one
+    message, not one each; at most :data:`MAX_DELETE_BATCH`)."""
 
     TYPE: ClassVar[str] = "delete"
     request_id: int
     object_id: bytes
+    also: list[bytes] = field(default_factory=list)
 
     def check(self) -> None:
         check_id(self.TYPE, "object_id", self.object_id)
+        if len(self.also) > MAX_DELETE_BATCH:
+            raise ProtocolError(f"{self.TYPE}: {len(self.also)} more objects, over {MAX_DELETE_BATCH}")
+        for oid in self.also:
+            check_id(self.TYPE, "also", oid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +388,8 @@ MAX_BARRIER_MEMBERS = 1 << 16
 MAX_MISSING_NAMED = 64
 #: Most objects one barrier arrival may release (:attr:`BarrierRequest.release`).
 MAX_BARRIER_RELEASE = 4096
+#: Most objects one delete request may add to its first (:attr:`DeleteRequest.also`).
+MAX_DELETE_BATCH = 4096
 #: Largest vote an agreement's member may cast (:attr:`BarrierRequest.vote`).
 MAX_VOTE = (1 << 31) - 1
 

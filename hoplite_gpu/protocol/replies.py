@@ -61,12 +61,15 @@ class LookupReply(Message):
 @dataclass(frozen=True, slots=True)
 class DeleteReply(Message):
     """Directory -> node: the object was deleted everywhere (``deleted``), or only the requester's
-    copy is to be dropped, or (``kept``) the requester must keep its copy: it is the only one."""
+    copy is to be dropped, or (``kept``) the requester must keep its copy: it is the only one.
+    ``deleted_also`` and ``kept_also``: the same for each object of the request's ``also``."""
 
     TYPE: ClassVar[str] = "delete_reply"
     request_id: int
     deleted: bool
     kept: bool = False  # the requester holds the only copy (a reduction result): it must keep it
+    deleted_also: list[bool] = field(default_factory=list)
+    kept_also: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
