@@ -161,6 +161,29 @@ def test_a_member_deletes_a_rounds_objects_with_one_request(owner: Any) -> None:
             w.kill()
 
 
+def test_a_vertex_that_lets_go_of_its_child_leaves_no_partial_holder(owner: Any) -> None:
+    """A vertex done with its child stops its fetch while the pull still acknowledges the last
+    bytes; the copy leaves the node, so the directory must not keep the node as a holder of
+    those bytes (it would offer it to readers). Every such report said all its bytes had landed."""
+    n, rounds = 4, 3
+    schedule = owner.config.allreduce_schedule
+    workers = start_workers(
+        owner.directory_address, owner.token, n - 1, shared_memory=False, allreduce_schedule=schedule
+    )
+    try:
+        group = _join(owner, workers, f"let-go-{schedule}")
+        since = len(owner.event_log())
+        _two_exact_rounds(group, workers, SHAPE)
+        _rounds(group, workers, rounds)
+        events = owner.event_log()[since:]
+        kept = [e for e in events if e["kind"] == "transfer_done" and not e["ok"] and e["progress"]]
+        assert kept == [], kept[:3]
+        _destroy(group, workers)
+    finally:
+        for w in workers:
+            w.kill()
+
+
 def test_an_allreduce_under_the_shard_size_is_one_reduction(owner: Any) -> None:
     # 4 MiB under a shard size of 8 MiB (the default): one reduction, no shards put.
     workers = start_workers(owner.directory_address, owner.token, 1, allreduce_shard_bytes=8 << 20)

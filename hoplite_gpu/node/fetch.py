@@ -462,9 +462,11 @@ class Fetcher:
     def abandon(self, local: LocalObject, transfer_id: int, exc: HopliteError) -> None:
         """Give up a partial copy (and the transfer filling it, if any)."""
         if transfer_id:
-            self._session.send(
-                p.TransferDone(transfer_id=transfer_id, ok=False, progress=local.progress, reason=str(exc))
-            )
+            # None of its bytes stay here (the copy leaves the store), whatever had landed: with
+            # them on record the directory would keep this node as a partial holder and offer it
+            # to readers (a vertex letting go of a child whose last bytes were still being acked
+            # left one such stale holder every time).
+            self._session.send(p.TransferDone(transfer_id=transfer_id, ok=False, progress=0, reason=str(exc)))
         if self._store.get(local.object_id) is local:
             self._store.remove(local.object_id, exc)
 
