@@ -4,6 +4,7 @@ from a member to the next one; exact sums; the star schedule beside it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,23 @@ def _two_exact_rounds(group: hg.collective.Group, workers: list[Worker], shape: 
         assert np.array_equal(got, want.astype(np.float32))
         for w in workers:
             assert np.array_equal(w.result(), got)
+
+
+@contextlib.contextmanager
+def _ring_of(owner: Any, n: int, name: str) -> Iterator[tuple[hg.collective.Group, list[Worker]]]:
+    """A group of ``owner`` and ``n - 1`` worker processes on ``owner``'s schedule, without shared
+    memory; destroyed after the block (the workers killed in any case)."""
+    schedule = owner.config.allreduce_schedule
+    workers = start_workers(
+        owner.directory_address, owner.token, n - 1, shared_memory=False, allreduce_schedule=schedule
+    )
+    try:
+        group = _join(owner, workers, f"{name}-{schedule}")
+        yield group, workers
+        _destroy(group, workers)
+    finally:
+        for w in workers:
+            w.kill()
 
 
 def _rounds(group: hg.collective.Group, workers: list[Worker], rounds: int) -> None:
@@ -140,48 +158,29 @@ def test_a_member_deletes_a_rounds_objects_with_one_request(owner: Any) -> None:
     each used to go alone (five or more a round on each member). The only other deletes are the
     reduce vertices' copies of their children, one each."""
     n, rounds = 4, 5
-    schedule = owner.config.allreduce_schedule
-    workers = start_workers(
-        owner.directory_address, owner.token, n - 1, shared_memory=False, allreduce_schedule=schedule
-    )
-    try:
-        group = _join(owner, workers, f"deletes-{schedule}")
+    with _ring_of(owner, n, "deletes") as (group, workers):
         _two_exact_rounds(group, workers, SHAPE)
         since, before = len(owner.event_log()), owner.directory_summary()["handled"].get("delete", 0)
         _rounds(group, workers, rounds)
         requests = owner.directory_summary()["handled"]["delete"] - before
         events = owner.event_log()[since:]
-        deleted = sum(e["kind"] in ("delete", "delete_local", "delete_kept") for e in events)
-        fetched = sum(e["kind"] == "reduce_place" and e["vertex"] != 0 for e in events)  # vertices' copies
-        assert requests <= n * rounds + fetched, (requests, deleted, fetched)
-        assert deleted >= 2 * requests, (requests, deleted)
-        _destroy(group, workers)
-    finally:
-        for w in workers:
-            w.kill()
+    deleted = sum(e["kind"] in ("delete", "delete_local", "delete_kept") for e in events)
+    fetched = sum(e["kind"] == "reduce_place" and e["vertex"] != 0 for e in events)  # vertices' copies
+    assert requests <= n * rounds + fetched, (requests, deleted, fetched)
+    assert deleted >= 2 * requests, (requests, deleted)
 
 
 def test_a_vertex_that_lets_go_of_its_child_leaves_no_partial_holder(owner: Any) -> None:
     """A vertex done with its child stops its fetch while the pull still acknowledges the last
     bytes; the copy leaves the node, so the directory must not keep the node as a holder of
     those bytes (it would offer it to readers). Every such report said all its bytes had landed."""
-    n, rounds = 4, 3
-    schedule = owner.config.allreduce_schedule
-    workers = start_workers(
-        owner.directory_address, owner.token, n - 1, shared_memory=False, allreduce_schedule=schedule
-    )
-    try:
-        group = _join(owner, workers, f"let-go-{schedule}")
+    with _ring_of(owner, 4, "let-go") as (group, workers):
         since = len(owner.event_log())
         _two_exact_rounds(group, workers, SHAPE)
-        _rounds(group, workers, rounds)
+        _rounds(group, workers, 3)
         events = owner.event_log()[since:]
-        kept = [e for e in events if e["kind"] == "transfer_done" and not e["ok"] and e["progress"]]
-        assert kept == [], kept[:3]
-        _destroy(group, workers)
-    finally:
-        for w in workers:
-            w.kill()
+    kept = [e for e in events if e["kind"] == "transfer_done" and not e["ok"] and e["progress"]]
+    assert kept == [], kept[:3]
 
 
 def test_an_allreduce_under_the_shard_size_is_one_reduction(owner: Any) -> None:
