@@ -302,7 +302,7 @@ class Group(Watching):
         the same request (:meth:`_delete_before`)."""
         held = self.node.withdraw(oids, copies)
         stall = self.node.config.stall_timeout
-        earlier = [] if before is None else [oid for s, oid in self._owned if s < before and oid not in oids]
+        earlier = [] if before is None else self._owned_before(before)
         # (a copy of an object of this member's, its own reduction's result computed in place,
         # goes with its owner's delete, once the others have read it)
         mine = {oid for _, oid in self._owned}
@@ -359,7 +359,11 @@ class Group(Watching):
     async def _delete_before(self, seq: int, wait: bool = False) -> None:
         """Delete this member's objects of collectives before ``seq`` (every member is past them),
         in the background unless ``wait``: the collective that frees them need not wait."""
-        await self._delete_now([oid for s, oid in self._owned if s < seq], wait)
+        await self._delete_now(self._owned_before(seq), wait)
+
+    def _owned_before(self, seq: int) -> list[ObjectID]:
+        """This member's objects of the collectives before ``seq``."""
+        return [oid for s, oid in self._owned if s < seq]
 
     async def _delete_now(
         self, oids: list[ObjectID], wait: bool = False, also: Sequence[ObjectID] = ()
@@ -376,7 +380,7 @@ class Group(Watching):
         """The objects of this member's collectives before ``seq`` that a barrier's arrival can
         release (``BarrierRequest.release``): those it put, not the reductions it requested
         (their records on the node go on the I/O thread, with :meth:`_release_before`)."""
-        oids = [oid for s, oid in self._owned if s < seq]
+        oids = self._owned_before(seq)
         return [oid for oid in oids if not self.node.requested_reduction(oid)][: p.MAX_BARRIER_RELEASE]
 
     def _release_before(self, seq: int, released: Sequence[ObjectID] = ()) -> None:

@@ -173,7 +173,7 @@ class Barriers:
         for oid in oids:
             entry, red = self.catalog.objects.get(oid), self.reductions.get(oid)
             if (entry and entry.owner == node_id) or (red and red.requester == node_id):
-                self.catalog.delete(node_id, p.DeleteRequest(request_id=0, object_id=oid), now, reply=False)
+                self.catalog.delete_one(node_id, oid, now)
 
     def _refuse(self, node_id: str, msg: p.BarrierRequest, why: str) -> None:
         text = f"barrier {msg.barrier_id.hex()[:12]}: {why}"

@@ -165,25 +165,24 @@ class Catalog:
         self.outbox.record(now, "copy_added", node=node_id, object_id=msg.object_id.hex())
         self.ready(msg.object_id, now)
 
-    def delete(self, node_id: str, msg: p.DeleteRequest, now: float, reply: bool = True) -> None:
+    def delete(self, node_id: str, msg: p.DeleteRequest, now: float) -> None:
         """The owner deletes an object everywhere; another node drops its own copy; the same for
-        each object of ``msg.also``, in order. Without ``reply``, no ``DeleteReply`` (a barrier's
-        release: the node learns from its ``ok``)."""
-        deleted, kept = self._delete_one(node_id, msg.object_id, now)
-        more = [self._delete_one(node_id, oid, now) for oid in msg.also]
-        if reply:
-            done = p.DeleteReply(
-                request_id=msg.request_id,
-                deleted=deleted,
-                kept=kept,
-                deleted_also=[d for d, _ in more],
-                kept_also=[k for _, k in more],
-            )
-            self.outbox.send(node_id, done)
+        each object of ``msg.also``, in order; one ``DeleteReply`` answers for them all."""
+        deleted, kept = self.delete_one(node_id, msg.object_id, now)
+        more = [self.delete_one(node_id, oid, now) for oid in msg.also]
+        done = p.DeleteReply(
+            request_id=msg.request_id,
+            deleted=deleted,
+            kept=kept,
+            deleted_also=[d for d, _ in more],
+            kept_also=[k for _, k in more],
+        )
+        self.outbox.send(node_id, done)
 
-    def _delete_one(self, node_id: str, oid: bytes, now: float) -> tuple[bool, bool]:
-        """:meth:`delete` of one object: whether it was deleted everywhere, and whether the
-        requester must keep its copy (the only one)."""
+    def delete_one(self, node_id: str, oid: bytes, now: float) -> tuple[bool, bool]:
+        """``node_id`` deletes ``oid`` (its owner: everywhere; another node: its own copy), with
+        no reply (a barrier's release: the node learns from its ``ok``); whether it was deleted
+        everywhere, and whether the requester must keep its copy (the only one)."""
         red = self.reductions.get(oid)
         if red is not None and red.requester == node_id:
             text = f"reduction {oid.hex()} was deleted"
