@@ -295,19 +295,15 @@ class Group(Watching):
         self, oids: list[ObjectID], copies: Sequence[LocalObject] = (), before: int | None = None
     ) -> asyncio.Future[Any]:
         """Stop serving the caller's memory now: these objects of this member's (then deleted)
-        and these ``copies`` of others' objects received into it (then dropped from the
-        directory's record). For a collective that lent the caller's array, before it returns.
-        Pulls of them stop at their next chunk; the future is done once they did (or after
-        ``stall_timeout``). ``before``: this member's objects of the collectives before it go in
-        the same request (:meth:`_delete_before`)."""
+        and these ``copies`` of others' objects received into it (the directory learns they are
+        gone from the next reader they are offered to). For a collective that lent the caller's
+        array, before it returns. Pulls of them stop at their next chunk; the future is done once
+        they did (or after ``stall_timeout``). ``before``: this member's objects of the
+        collectives before it go in the same request (:meth:`_delete_before`)."""
         held = self.node.withdraw(oids, copies)
         stall = self.node.config.stall_timeout
         earlier = [] if before is None else self._owned_before(before)
-        # (a copy of an object of this member's, its own reduction's result computed in place,
-        # goes with its owner's delete, once the others have read it)
-        mine = {oid for _, oid in self._owned}
-        dropped = [obj.object_id for obj in copies if obj.object_id not in mine]
-        deleting = self._delete_now([*oids, *earlier], also=dropped)
+        deleting = self._delete_now([*oids, *earlier])
         return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), deleting)
 
     async def _lending(self, seq: int, lent: list[ObjectID], steps: Coroutine[Any, Any, T]) -> T:
@@ -365,16 +361,14 @@ class Group(Watching):
         """This member's objects of the collectives before ``seq``."""
         return [oid for s, oid in self._owned if s < seq]
 
-    async def _delete_now(
-        self, oids: list[ObjectID], wait: bool = False, also: Sequence[ObjectID] = ()
-    ) -> None:
-        """Delete these objects of this member's (in the background unless ``wait``), and this
-        node's copies of ``also``, others' objects, with one request."""
-        if not oids and not also:
+    async def _delete_now(self, oids: list[ObjectID], wait: bool = False) -> None:
+        """Delete these objects of this member's (in the background unless ``wait``), with one
+        request."""
+        if not oids:
             return
         gone = set(oids)
         self._owned = [(s, oid) for s, oid in self._owned if oid not in gone]
-        await self._delete_all([*oids, *also], wait)
+        await self._delete_all(oids, wait)
 
     def _releasable(self, seq: int) -> list[ObjectID]:
         """The objects of this member's collectives before ``seq`` that a barrier's arrival can
