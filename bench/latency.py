@@ -18,11 +18,17 @@ hoplite_gpu: an embedded directory in this process, one node per worker, the lib
 (same-host copies through shared memory; with ``--apart`` each node is tagged its own host,
 ``Config.host_tag``, so bytes cross loopback TCP as on a cluster, shared memory still on, and the
 CPU a cross-host operation costs shows without link emulation). Gloo: ``torch.distributed`` over
-loopback. Every result is checked (the barrier's has none). With ``--breakdown``, every control
-message is stamped as it is encoded and decoded (:func:`stamp_messages`), and put+get's round is
-cut into its steps: the putter's call to its request leaving, the wire and wake to the directory,
-the directory's event, the reply's way to the getter, and the getter's way out to its caller
-(:func:`put_get_steps`).
+loopback. ``floor`` (``--systems ...,floor``; reduce and allreduce only): the memory work alone of
+our same-host schedule, in NumPy over files in ``/dev/shm``, with a barrier between its phases and
+no control at all: every member copies its array into shared memory (the put); for reduce member 0
+sums the copies into its array; for allreduce member ``r`` sums shard ``r`` of every copy into a
+result segment (the star of shard ``r``), and every member copies the ``N`` results into its array.
+It is the time our schedule cannot go below on this machine, measured in the same run
+(:func:`floor_rounds`). Every result is checked (the barrier's has none). With ``--breakdown``,
+every control message is stamped as it is encoded and decoded (:func:`stamp_messages`), and
+put+get's round is cut into its steps: the putter's call to its request leaving, the wire and wake
+to the directory, the directory's event, the reply's way to the getter, and the getter's way out to
+its caller (:func:`put_get_steps`).
 
 Besides the median and the 99th percentile of each, the table gives the directory's events per
 operation: its event log over the rounds (requests, replies it sent and what it decided; by kind in
@@ -55,6 +61,9 @@ OPS = ("put+get", "broadcast", "reduce", "allreduce", "allgather", "barrier", "d
 #: Operations Gloo has no counterpart of.
 OURS_ONLY = ("delete",)
 SYSTEMS = ("hoplite_gpu", "gloo")
+#: The memory work alone of our same-host schedule (see the module's text), and the ops it models.
+FLOOR = "floor"
+FLOOR_OPS = ("reduce", "allreduce")
 GLOO_PORT = 29533
 
 
@@ -198,6 +207,77 @@ def _rounds(
     return spans
 
 
+def _floor_member(paths: list[str], barrier: Any, rank: int, world: int, conn: Any) -> None:
+    """A worker of the ``floor`` system: maps the run's shared files (``world`` inputs, then
+    ``world`` results) and runs ``(op, size, rounds)`` commands as :func:`_member` does."""
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        op, size, rounds = msg
+        count = max(size // 4, 1)
+        cuts = [count * j // world for j in range(world + 1)]
+        inputs = [np.memmap(path, np.float32, "r+", shape=(count,)) for path in paths[:world]]
+        results = [
+            np.memmap(path, np.float32, "r+", shape=(cuts[j + 1] - cuts[j],))
+            for j, path in enumerate(paths[world:])
+        ]
+        conn.send((floor_rounds(inputs, results, barrier, op, rounds, rank, world), []))
+        del inputs, results
+
+
+def floor_rounds(
+    inputs: list[np.ndarray],
+    results: list[np.ndarray],
+    barrier: Any,
+    op: str,
+    rounds: int,
+    rank: int,
+    world: int,
+) -> list[tuple[float, float]]:
+    """Member ``rank``'s rounds of the ``floor`` system (see the module's text): its (start, end)
+    spans. ``inputs``: one shared array per member (its put); ``results``: one shared shard per
+    member (the allreduce's reductions)."""
+    arr = np.zeros(inputs[0].shape, np.float32)
+    cuts = [arr.size * j // world for j in range(world + 1)]
+    spans = []
+    for i in range(rounds):
+        arr.fill(i + rank)
+        barrier.wait()  # (the last round's readers are done with the shared arrays)
+        start = time.monotonic()
+        np.copyto(inputs[rank], arr)  # the put
+        barrier.wait()
+        if op == "reduce":
+            if rank == 0:  # the star's root, into the caller's array
+                np.add(inputs[0], inputs[1], out=arr)
+                for other in inputs[2:]:
+                    np.add(arr, other, out=arr)
+        else:
+            lo, hi = cuts[rank], cuts[rank + 1]
+            out = results[rank]  # shard rank's star, into its result
+            np.add(inputs[0][lo:hi], inputs[1][lo:hi], out=out)
+            for other in inputs[2:]:
+                np.add(out, other[lo:hi], out=out)
+            barrier.wait()
+            for j in range(world):  # every result, into the caller's array
+                np.copyto(arr[cuts[j] : cuts[j + 1]], results[j])
+        spans.append((start, time.monotonic()))
+        _check(op, rank, world, arr, i, [])
+    return spans
+
+
+def _floor_files(workers: int, size: int) -> list[str]:
+    """The ``floor`` system's shared files: an input per member, then a result shard per member."""
+    count = max(size // 4, 1)
+    shards = [count * (j + 1) // workers - count * j // workers for j in range(workers)]
+    sizes = [count * 4] * workers + [shard * 4 for shard in shards]
+    paths = []
+    for i, nbytes in enumerate(sizes):
+        path = f"/dev/shm/latency-floor-{os.getpid()}-{i}"
+        with open(path, "wb") as f:
+            f.truncate(max(nbytes, 4))
+        paths.append(path)
+    return paths
+
+
 def _check(op: str, rank: int, world: int, got: np.ndarray, round_: int, pieces: list[np.ndarray]) -> None:
     """Raise unless member ``rank`` holds what ``op`` of round ``round_`` gives it."""
     if op == "allgather" and not all(np.all(p == round_ + r) for r, p in enumerate(pieces)):
@@ -223,6 +303,8 @@ def run(
     ``Config.host_tag``)."""
     import hoplite_gpu as hg
 
+    if system == FLOOR:
+        return _run_floor(workers, size, rounds, warmup, ops)
     stamps = breakdown and system == "hoplite_gpu"
     directory_log: list[tuple[float, str, str]] = []
     if stamps:
@@ -271,6 +353,32 @@ def run(
         stop_workers(pipes, procs)
         if owner is not None:
             owner.close()
+    return rows
+
+
+def _run_floor(workers: int, size: int, rounds: int, warmup: int, ops: list[str]) -> list[dict[str, Any]]:
+    """:func:`run` of the ``floor`` system (the ops of :data:`FLOOR_OPS` among ``ops``)."""
+    import multiprocessing as mp
+
+    paths = _floor_files(workers, size)
+    barrier = mp.get_context("spawn").Barrier(workers, timeout=60)
+    rows = []
+    try:
+        pipes, procs = start_workers(_floor_member, [(paths, barrier, r, workers) for r in range(workers)])
+        try:
+            for op in (op for op in ops if op in FLOOR_OPS):
+                for pipe in pipes:
+                    pipe.send((op, size, warmup + rounds))
+                spans = [pipe.recv()[0] for pipe in pipes]
+                row = {"system": FLOOR, "op": op, "workers": workers, "size": size, "rounds": rounds}
+                rows.append({**row, **median_p99_us(round_times(spans, warmup, rounds))})
+                rows[-1]["directory_events_per_round"] = None
+                print(_line(rows[-1]), file=sys.stderr, flush=True)
+        finally:
+            stop_workers(pipes, procs)
+    finally:
+        for path in paths:
+            os.unlink(path)
     return rows
 
 
@@ -346,10 +454,13 @@ def op_events(rows: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table, an op a line; with ``floor`` rows, our time as a multiple of
+    the floor's and the floor's as a multiple of Gloo's too."""
     by = {(r["system"], r["op"]): r for r in rows}
+    floors = any(r["system"] == FLOOR for r in rows)
     cells = []
     for op in dict.fromkeys(r["op"] for r in rows):
-        ours, gloo = by.get(("hoplite_gpu", op)), by.get(("gloo", op))
+        ours, gloo, floor = by.get(("hoplite_gpu", op)), by.get(("gloo", op)), by.get((FLOOR, op))
         events = op_events(rows, ours) if ours else None
         cells.append(
             [
@@ -360,8 +471,17 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{events:.1f}" if events is not None else "-",
             ]
         )
+        if floors:
+            cells[-1] += [
+                f"{floor['median_us']:.0f}" if floor else "-",
+                f"{ours['median_us'] / floor['median_us']:.2f}x" if ours and floor else "-",
+                f"{floor['median_us'] / gloo['median_us']:.2f}x" if gloo and floor else "-",
+            ]
     columns = [("op", "l"), ("hoplite_gpu median / p99 (us)", "r"), ("Gloo median / p99 (us)", "r")]
-    return markdown_table([*columns, ("x Gloo", "r"), ("directory events per op", "r")], cells)
+    columns += [("x Gloo", "r"), ("directory events per op", "r")]
+    if floors:
+        columns += [("floor median (us)", "r"), ("ours x floor", "r"), ("floor x Gloo", "r")]
+    return markdown_table(columns, cells)
 
 
 def median_p99_us(times: list[float]) -> dict[str, float]:
@@ -394,7 +514,7 @@ def chosen_ops(ap: argparse.ArgumentParser, args: argparse.Namespace, ops: tuple
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     round_arguments(ap, OPS)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS)}, {FLOOR}")
     ap.add_argument(
         "--breakdown", action="store_true", help="also cut put+get into its steps (stamping every message)"
     )
@@ -405,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     ops = chosen_ops(ap, args, OPS)
+    if set(args.systems.split(",")) - {*SYSTEMS, FLOOR}:
+        ap.error(f"--systems takes {', '.join(SYSTEMS)}, {FLOOR}")
     size = parse_size(args.size)
     rows = [
         r

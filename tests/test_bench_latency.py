@@ -3,6 +3,8 @@ host with both systems, each result checked by the members, the directory's even
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench import latency
@@ -50,3 +52,16 @@ def test_a_round_is_cut_at_its_stamps_and_a_late_get_left_out() -> None:
     steps = latency.put_get_steps(spans, putter, getter, sorted(directory), 0)
     assert (steps["rounds"], steps["late_gets"]) == (1, 1)
     assert [steps[name] for name in latency.STEPS] == [1e6, 1e6, 2e6, 3e6, 1e6]
+
+
+def test_the_floor_runs_reduce_and_allreduce_checked_and_cleans_up() -> None:
+    # Only the ops it models, in the order asked; every member checks its result each round
+    # (a wrong sum raises in the worker); its shared files are gone afterwards.
+    before = set(os.listdir("/dev/shm"))
+    rows = latency.run(latency.FLOOR, 3, 96 << 10, 5, 1, ["put+get", "allreduce", "reduce"])
+    assert [r["op"] for r in rows] == ["allreduce", "reduce"]
+    assert all(0 < r["median_us"] <= r["p99_us"] for r in rows)
+    assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("latency-floor-")}
+    ours = latency.run("hoplite_gpu", 3, 96 << 10, 3, 1, ["allreduce"])
+    table = latency.table(ours + rows)
+    assert "ours x floor" in table and "| allreduce |" in table
