@@ -254,3 +254,52 @@ def test_members_alone_on_their_hosts_lend_shards_in_place_with_shared_memory_on
         for w in workers:
             w.kill()
         node.close()
+
+
+def test_a_result_copy_served_at_the_end_is_kept_once_its_pull_is_done() -> None:
+    # The end of a ring allreduce keeps the result copies its successor has not read whole and
+    # withdraws the rest. A pull starting between waiting for serves and keeping (a slow
+    # successor) used to be skipped as "being served" and cut by the withdrawal, leaving its
+    # reader no copy. Now the check and the keep have no wait between them.
+    import asyncio
+    import types
+
+    from hoplite_gpu.collective.operations import _keep_unread
+    from hoplite_gpu.memory import Buffer, LocalObject
+
+    def copy() -> LocalObject:
+        return LocalObject(hg.ObjectID.random(), 8, "|u1", (8,), b"", Buffer.wrap(np.zeros(8, np.uint8)), 8)
+
+    idle, read_whole, late, other = copy(), copy(), copy(), copy()
+    moved: list[tuple[list[Any], list[int]]] = []
+
+    def keep_served(objs: list[Any]) -> list[Any]:
+        moved.append((list(objs), [o.serving for o in objs]))
+        return list(objs)
+
+    node = types.SimpleNamespace(config=types.SimpleNamespace(stall_timeout=10.0), keep_served=keep_served)
+    group: Any = types.SimpleNamespace(node=node)
+
+    async def turns() -> None:  # turns of the loop enough for a task to go on, unless it waits
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    async def run() -> list[Any]:
+        serving_whole = read_whole.being_served()
+        serving_whole.__enter__()  # its successor is reading it
+        unread = {o.object_id for o in (idle, read_whole, late)}
+        keeping = asyncio.ensure_future(_keep_unread(group, [idle, read_whole, late, other], unread))
+        await turns()
+        assert not keeping.done()  # waits for the pull in progress
+        serving_late = late.being_served()
+        serving_late.__enter__()  # a pull that starts meanwhile
+        serving_whole.__exit__(None, None, None)  # read whole
+        await turns()
+        assert not keeping.done()  # and waits for that one too
+        with contextlib.suppress(ConnectionError):  # cut short: not read whole
+            serving_late.__exit__(ConnectionError, ConnectionError(), None)
+        return await asyncio.wait_for(keeping, 5)
+
+    kept = asyncio.run(run())
+    assert kept == [idle, late]  # read whole: withdrawn; not of the unread results: withdrawn
+    assert moved == [([idle, late], [0, 0])]  # kept once, none of them being served

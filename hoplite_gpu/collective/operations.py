@@ -172,10 +172,26 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
     # here, has not read whole moves to the store's memory and stays; the rest is withdrawn.
     succ = (me + 1) % n
     unread = {results[j] for j in range(n) if j != succ}
-    unread_here = [o for o in received if o.object_id in unread and not o.served_whole]
-    kept = g.node.keep_served(unread_here) if ring else []
+    kept = await _keep_unread(g, received, unread) if ring else []
     await asyncio.shield(g._withdraw(lent, [o for o in received if o not in kept], before=seq))
     return array
+
+
+async def _keep_unread(g: Group, received: list[LocalObject], unread: set[ObjectID]) -> list[LocalObject]:
+    """Move the copies of ``received`` that are of ``unread`` and not yet served whole into the
+    store's memory (``Node.keep_served``); returns those moved. A copy being served is not moved
+    (its pull reads the caller's memory): wait for its pull first (bounded by ``stall_timeout``),
+    and check again with no wait between the last check and the move, so that a pull starting
+    meanwhile is not cut by the withdrawal that follows (its reader would find no copy left)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + g.node.config.stall_timeout
+    while True:
+        unread_here = [o for o in received if o.object_id in unread and not o.served_whole]
+        busy = [o for o in unread_here if o.serving]
+        left = deadline - loop.time()
+        if not busy or left <= 0:
+            return g.node.keep_served(unread_here)
+        await asyncio.gather(*(o.wait_unserved(left) for o in busy))
 
 
 def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
