@@ -24,9 +24,11 @@ def make_state(*nodes: str, quota: int = 100_000, lease: float = math.inf) -> Di
     return state
 
 
-def watch(state, node, rank, count=3, rid=None, abort="", now=0.0, gid=GID, again=False):
+def watch(state, node, rank, count=3, rid=None, abort="", now=0.0, gid=GID, again=False, **parent):
     rid = 10 + rank if rid is None else rid
-    msg = p.WatchRequest(request_id=rid, group_id=gid, rank=rank, count=count, abort=abort, again=again)
+    msg = p.WatchRequest(
+        request_id=rid, group_id=gid, rank=rank, count=count, abort=abort, again=again, **parent
+    )
     return [(s.node_id, s.message) for s in state.handle(Request(node, msg, now))]
 
 
@@ -161,15 +163,56 @@ def test_members_that_all_watched_again_or_a_group_watched_afresh_lose_nobody_at
     assert list(state.watches.groups[fresh].waiting) == [0]
 
 
+CHILD = b"c" * 20
+
+
+def test_a_member_of_the_parent_whose_node_leaves_before_it_watches_is_lost():
+    # The parent: A, B, C as ranks 0, 1, 2. The child: C, A, B as ranks 0, 1, 2.
+    state = make_state("A", "B", "C")
+    for rank, node in enumerate("ABC"):
+        assert watch(state, node, rank) == []
+    parent = {"parent": GID, "parent_ranks": [2, 0, 1]}
+    assert watch(state, "A", 1, gid=CHILD, rid=20, **parent) == []
+    assert state.watches.groups[CHILD].expected == {0: "C", 2: "B"}
+    # B watches from its node: expected no more; C's node leaves before it watched.
+    assert watch(state, "B", 2, gid=CHILD, rid=21, **parent) == []
+    assert state.watches.groups[CHILD].expected == {0: "C"}
+    out = [(s.node_id, s.message) for s in state.handle(NodeLeft("C", 1.0))]
+    child = sorted((node, m.request_id, m.lost) for node, m in out if m.request_id in (20, 21))
+    assert child == [("A", 20, [0]), ("B", 21, [0])]
+    assert all("before it watched" in m.reasons[0] for _, m in out if m.request_id in (20, 21))
+
+
+def test_a_member_of_the_parent_gone_already_is_lost_at_once_and_others_are_not():
+    state = make_state("A", "B", "C")
+    for rank, node in enumerate("ABC"):
+        assert watch(state, node, rank) == []
+    state.handle(NodeLeft("B", 1.0))  # the parent loses rank 1; it ends with its members kept
+    # The child of A and B (ranks 0 and 1 there) and a newcomer (-1): B is lost at once.
+    [(node, reply)] = watch(state, "A", 0, gid=CHILD, rid=30, parent=GID, parent_ranks=[0, 1, -1])
+    assert node == "A" and reply.lost == [1] and "rank 1 of the group before it" in reply.reasons[0]
+    # A parent the directory does not know (or an unknown rank): watched as without one.
+    other = b"o" * 20
+    assert watch(state, "A", 0, gid=other, rid=31, parent=b"u" * 20, parent_ranks=[0, 1, 2]) == []
+    assert state.watches.groups[other].expected == {}
+
+
 def test_the_message_is_validated():
     for bad in (
         {"group_id": b"short"},
         {"rank": 3},
         {"count": 0},
         {"rank": -1},
+        {"parent_ranks": [0, 1, 2]},  # without a parent
+        {"parent": GID, "parent_ranks": [0, 1]},  # one per member
+        {"parent": GID, "parent_ranks": [0, 1, -2]},
+        {"parent": GID, "parent_ranks": [0, 1, True]},
+        {"parent": b"short", "parent_ranks": [0, 1, 2]},
     ):
         fields = {"request_id": 1, "group_id": GID, "rank": 0, "count": 3, **bad}
         with pytest.raises(ProtocolError):
             p.WatchRequest(**fields).check()
     msg = p.WatchRequest(request_id=1, group_id=GID, rank=1, count=3, abort="x")
+    assert p.decode(p.encode(msg)[p.FRAME_HEADER.size :]) == msg
+    msg = p.WatchRequest(request_id=1, group_id=GID, rank=1, count=3, parent=CHILD, parent_ranks=[2, -1, 0])
     assert p.decode(p.encode(msg)[p.FRAME_HEADER.size :]) == msg

@@ -222,3 +222,41 @@ def test_a_loss_raised_before_the_watch_reports_it_names_the_member(owner: Any) 
         assert time.monotonic() - start < owner.config.lease_timeout + 2 * owner.config.heartbeat_interval
     finally:
         worker.kill()
+
+
+def test_a_member_of_the_group_before_that_dies_before_it_watches_is_lost(owner: Any) -> None:
+    """A group formed among the members of another (``parent``): a member that dies before it
+    watches the new group, while it is expected there or before the group is formed, is lost in
+    it at once, where without the parent the others would wait for it until their timeout (an
+    elastic step, tests/test_torch_elastic.py, waited out two)."""
+    workers = start_workers(owner.directory_address, owner.token, 2)
+    try:
+        first = join(owner, workers, "first")
+        # Ranks 1 and 2 of the new group are ranks 2 and 1 of the first; neither watches it yet.
+        second = hg.collective.Group(
+            owner, 0, 3, "second", timeout=TIMEOUT, watch=True, parent=first, parent_ranks=[0, 2, 1]
+        )
+        workers[1].kill()  # rank 2 of the first group: rank 1 of the second
+        start = time.monotonic()
+        with pytest.raises(hg.MemberLostError) as err:
+            hg.collective.barrier(second)
+        assert time.monotonic() - start < TIMEOUT / 3
+        assert err.value.lost_ranks == [1] and "rank 1's node is gone before it watched" in str(err.value)
+        # Formed after the death: lost at once; a member not of the first (-1) is waited for.
+        third = hg.collective.Group(
+            owner, 0, 3, "third", timeout=TIMEOUT, watch=True, parent=first, parent_ranks=[0, -1, 2]
+        )
+        with pytest.raises(hg.MemberLostError) as err:
+            hg.collective.barrier(third)
+        assert err.value.lost_ranks == [2] and "rank 2 of the group before it" in str(err.value)
+        for group in (first, second, third):
+            group.destroy(wait=False)
+        with pytest.raises(hg.InvalidArgumentError, match="parent_ranks"):
+            hg.collective.Group(owner, 0, 2, "bad", watch=True, parent=first, parent_ranks=[0])
+        with pytest.raises(hg.InvalidArgumentError, match="parent"):
+            hg.collective.Group(owner, 0, 2, "bad", parent=first, parent_ranks=[0, 1])  # not watched
+        with pytest.raises(hg.InvalidArgumentError, match="parent_ranks needs a parent"):
+            hg.collective.Group(owner, 0, 2, "bad", watch=True, parent_ranks=[0, 1])
+    finally:
+        for w in workers:
+            w.kill()

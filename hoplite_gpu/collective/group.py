@@ -28,6 +28,7 @@ from ..errors import (
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
 from ..node import Node
+from ..node.watches import parent_ranks_list
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 from .watching import Watching
@@ -59,6 +60,13 @@ class Group(Watching):
             timeout. Every collective then runs on the node's I/O thread (where it can be
             cancelled), not on the caller's channel: a small one costs a few tens of
             microseconds more.
+        parent: With ``watch``, a watched group (of this node) whose members this group's are,
+            rank ``r`` here being rank ``parent_ranks[r]`` there (-1: not a member of it): a
+            member whose node leaves before it watches this group is lost here too (it is known
+            by its node there). For a group formed among the survivors of another (elastic
+            training's next epoch), where one more may die before it watches: without it, the
+            others would wait for that member until their timeout.
+        parent_ranks: With ``parent``: one int per member of this group.
     """
 
     def __init__(
@@ -69,6 +77,8 @@ class Group(Watching):
         name: str = "default",
         timeout: float | None = None,
         watch: bool = False,
+        parent: Group | None = None,
+        parent_ranks: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(node, Node):
             raise InvalidArgumentError(
@@ -82,6 +92,14 @@ class Group(Watching):
             raise InvalidArgumentError("name must be a non-empty str", argument="name")
         if timeout is not None and timeout < 0:
             raise InvalidArgumentError("timeout must be >= 0 or None", argument="timeout")
+        if parent is not None and not (isinstance(parent, Group) and watch and parent.node is node):
+            raise InvalidArgumentError(
+                "parent must be a Group of the same node, and needs watch=True", argument="parent"
+            )
+        if parent is None and parent_ranks is not None:
+            raise InvalidArgumentError("parent_ranks needs a parent", argument="parent_ranks")
+        ranks = None if parent is None else parent_ranks_list(parent_ranks, world_size)
+        self._parent = None if parent is None else (parent.watch_id, ranks)
         self.node = node
         self.rank = rank
         self.world_size = world_size

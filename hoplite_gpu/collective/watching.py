@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ..errors import (
@@ -38,6 +38,7 @@ class Watching:
     _lost: dict[int, str]
     _tasks: set[asyncio.Task[Any]]
     _on_lost: list[Callable[[HopliteError], None]]
+    _parent: tuple[ObjectID, Sequence[int] | None] | None  # the parent's watch id, parent_ranks
 
     def _who(self) -> str:  # (the group's)
         raise NotImplementedError
@@ -104,8 +105,11 @@ class Watching:
                 registered.set_result(None)
 
         held.add_done_callback(tell)
+        parent, ranks = self._parent or (None, None)
         try:
-            lost = await self.node.watch_group_async(self._watch_id(), self.rank, self.world_size, held)
+            lost = await self.node.watch_group_async(
+                self._watch_id(), self.rank, self.world_size, held, parent=parent, parent_ranks=ranks
+            )
         except NodeClosedError:
             return
         except HopliteError as exc:  # the directory is gone, or refused the watch

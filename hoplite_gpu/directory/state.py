@@ -168,7 +168,7 @@ class DirectoryState:
             config=config, reductions=reductions, outbox=outbox, catalog=catalog, lookups=lookups
         )
         self.watches = watches = Watches(
-            outbox.send, outbox.record, config.max_pending_lookups, barriers.group_lost
+            outbox.send, outbox.record, config.max_pending_lookups, barriers.group_lost, nodes.__contains__
         )
         barriers.connect(watches=watches)
         self.recovery = recovery = Recovery(

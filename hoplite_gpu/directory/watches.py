@@ -45,6 +45,9 @@ class WatchedGroup:
     waiting: dict[int, tuple[str, int]] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
     again: bool = False  # watched again after a restart of the directory: see Watches.recovered
+    # Members that have not watched yet, by the node they had in the group's parent
+    # (WatchRequest.parent): lost if that node leaves before they watch.
+    expected: dict[int, str] = field(default_factory=dict)
 
 
 class Watches:
@@ -56,6 +59,8 @@ class Watches:
         quota: Most watches one node may hold at once.
         on_lost: Called with a group's id and the time once members of it were lost (the
             group's agreements may then be decided, see :mod:`.barriers`).
+        alive: Whether a node is a live member of the cluster (a group's parent names members
+            by their nodes there; see :meth:`request`). None: every node is.
     """
 
     def __init__(
@@ -64,10 +69,12 @@ class Watches:
         record: Callable[..., None],
         quota: int,
         on_lost: Callable[[bytes, float], None] | None = None,
+        alive: Callable[[str], bool] | None = None,
     ) -> None:
         self._send = send
         self._record = record
         self._on_lost = on_lost
+        self._alive = alive
         self.quota = quota
         self.groups: dict[bytes, WatchedGroup] = {}
         self.by_request: dict[tuple[str, int], tuple[bytes, int]] = {}  # -> (group, rank)
@@ -102,8 +109,11 @@ class Watches:
             self._close_if_idle(gid, group)
             return
         group.members[rank] = node_id
+        group.expected.pop(rank, None)
         group.again = group.again or msg.again
         self._record(now, "watch", node=node_id, group_id=gid.hex(), rank=rank, lost=len(group.lost))
+        if msg.parent:
+            self._expect(gid, group, msg, now)
         if group.lost:
             self._answer(node_id, msg.request_id, group)
             self._close_if_idle(gid, group)
@@ -129,6 +139,27 @@ class Watches:
             self._forget_ended(gid)
         self.groups[gid] = group
         return group
+
+    def _expect(self, gid: bytes, group: WatchedGroup, msg: p.WatchRequest, now: float) -> None:
+        """The members of ``group`` that have not watched it yet are known by their nodes in
+        ``msg.parent`` (a group watched now, or one that ended with members lost): one whose node
+        is gone already is lost now; the others are lost if their node leaves before they watch
+        (:meth:`forget_node`). A member gone from the parent's record (it left it cleanly, or the
+        parent is forgotten) is not expected: it is reported once it watches, as without a parent."""
+        parent = self.groups.get(msg.parent) or self.ended.get(msg.parent)
+        if parent is None:
+            return
+        gone: dict[int, str] = {}
+        for rank, there in enumerate(msg.parent_ranks):
+            node_id = parent.members.get(there) if there >= 0 else None
+            if node_id is None or rank in group.members or rank in group.lost:
+                continue
+            if self._alive is not None and not self._alive(node_id):
+                gone[rank] = f"rank {rank}'s node is gone (rank {there} of the group before it)"
+            else:
+                group.expected[rank] = node_id
+        if gone:
+            self._lose(gid, group, gone, now)
 
     def _refuse(self, node_id: str, msg: p.WatchRequest, why: str) -> None:
         text = f"watch of group {msg.group_id.hex()[:12]}: {why}"
@@ -215,6 +246,15 @@ class Watches:
         ended = [(gid, self.ended[gid]) for gid in sorted(self._ended_nodes.pop(node_id, ()))]
         for gid, group in ended + list(self.groups.items()):  # (an ended one: nobody to answer)
             gone = {r: f"rank {r}'s node is gone ({why})" for r, n in group.members.items() if n == node_id}
+            gone.update(
+                {
+                    r: f"rank {r}'s node is gone before it watched ({why})"
+                    for r, n in group.expected.items()
+                    if n == node_id
+                }
+            )
+            for rank in gone:
+                group.expected.pop(rank, None)
             if not gone:
                 continue
             for rank in [r for r, (n, _) in group.waiting.items() if n == node_id]:

@@ -489,12 +489,14 @@ class DirectorySession:
         count: int,
         abort: str = "",
         registered: asyncio.Future[None] | None = None,
+        parent: bytes = b"",
+        parent_ranks: Sequence[int] = (),
     ) -> p.WatchReply:
         """Member ``rank`` of ``count`` watches group ``group_id``: the directory's reply once a
         member is lost (held until then; cancel to withdraw); with ``abort``, gives up on the
-        group and returns at once (see :class:`~hoplite_gpu.protocol.WatchRequest`).
-        ``registered`` is resolved once the directory holds the watch (a ping after it on the
-        same connection came back)."""
+        group and returns at once (see :class:`~hoplite_gpu.protocol.WatchRequest`, and for
+        ``parent`` and ``parent_ranks``). ``registered`` is resolved once the directory holds
+        the watch (a ping after it on the same connection came back)."""
 
         tries = itertools.count()
 
@@ -514,6 +516,8 @@ class DirectorySession:
                 count=count,
                 abort=abort,
                 again=next(tries) > 0,  # to a restarted directory: see Watches.recovered
+                parent=parent,
+                parent_ranks=list(parent_ranks),
             )
             reply = await self._wait_for_reply(control, request, left, "a watch", sent=confirm)
             if not isinstance(reply, p.WatchReply):

@@ -6,6 +6,7 @@ of its members, giving up on one, and agreeing with the members not lost.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,18 @@ from ..errors import HopliteTimeoutError, InvalidArgumentError
 from ..iothread import IOThread
 from ..object_id import ObjectID
 from .session import DirectorySession
+
+
+def parent_ranks_list(parent_ranks: Any, count: int) -> list[int]:
+    """A watched group's ``parent_ranks`` (:meth:`GroupWatches.watch_group_async`) as a list:
+    ``count`` ints in -1..MAX_BARRIER_MEMBERS-1, or InvalidArgumentError."""
+    ranks = list(parent_ranks) if isinstance(parent_ranks, (list, tuple)) else None
+    bound = p.MAX_BARRIER_MEMBERS
+    if ranks is None or len(ranks) != count or any(type(r) is not int or not -1 <= r < bound for r in ranks):
+        raise InvalidArgumentError(
+            f"parent_ranks must be a list of {count} ints in -1..{bound - 1}", argument="parent_ranks"
+        )
+    return ranks
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,8 @@ class GroupWatches:
         rank: int,
         count: int,
         registered: asyncio.Future[None] | None = None,
+        parent: ObjectID | None = None,
+        parent_ranks: Sequence[int] | None = None,
     ) -> dict[int, str]:
         """Watch a group as its member ``rank`` of ``count``: returns once a member of the group
         is lost, with each lost member's rank and why (at once if one already is). A member is
@@ -49,7 +64,12 @@ class GroupWatches:
         to stop watching: this member then leaves the group cleanly and is not reported.
         :class:`hoplite_gpu.collective.Group` with ``watch=True`` uses it. ``registered`` (a
         future of this node's I/O loop) is resolved once the directory holds the watch: this
-        member's death is reported from then on (a member that dies before is known to nobody).
+        member's death is reported from then on (a member that dies before is known to nobody,
+        unless ``parent`` names it). ``parent``: a group watched before whose members this
+        group's are, rank ``r`` here being rank ``parent_ranks[r]`` there (-1: not a member of
+        it; a list of ``count`` ints): a member whose node leaves before it watches this group,
+        known by its node there, is lost here too (a group formed among the survivors of
+        another, where one more may die before it watches).
 
         Raises:
             InvalidArgumentError: bad arguments, or the group was watched with another ``count``,
@@ -59,7 +79,15 @@ class GroupWatches:
         """
         self._check_open()
         self._check_member(group_id, rank, count)
-        watch = self._session.watch(group_id.binary(), rank, count, registered=registered)
+        ranks = self._check_parent(parent, parent_ranks, count)
+        watch = self._session.watch(
+            group_id.binary(),
+            rank,
+            count,
+            registered=registered,
+            parent=b"" if parent is None else parent.binary(),
+            parent_ranks=ranks,
+        )
         reply = await self._io.run_async(watch)
         return dict(zip(reply.lost, reply.reasons, strict=False))
 
@@ -142,6 +170,19 @@ class GroupWatches:
                 waiting_for_ranks=list(reply.missing),
             )
         return Agreement(tuple(reply.members), reply.vote)
+
+    @staticmethod
+    def _check_parent(parent: Any, parent_ranks: Any, count: int) -> list[int]:
+        """``parent_ranks`` as a list (empty without a ``parent``), or InvalidArgumentError."""
+        if parent is None:
+            if parent_ranks is not None:
+                raise InvalidArgumentError("parent_ranks needs a parent", argument="parent_ranks")
+            return []
+        if not isinstance(parent, ObjectID):
+            raise InvalidArgumentError(
+                f"parent must be an ObjectID or None, got {type(parent).__name__}", argument="parent"
+            )
+        return parent_ranks_list(parent_ranks, count)
 
     @staticmethod
     def _check_member(group_id: Any, rank: Any, count: Any) -> None:

@@ -22,7 +22,7 @@ from . import replies  # noqa: F401  (defining its classes registers them in _RE
 from .fields import FIELD_LIMITS, MAX_TEXT_CHARS
 from .messages import _REGISTRY, FROM_NODES, Message
 
-PROTOCOL_VERSION = 19  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
+PROTOCOL_VERSION = 20  # 2: PULL_REQUEST carries the chunk size; 3: shared-memory copies; 4: reduce;
 # 5: heartbeats, failed senders, lost and reset objects; 6: rejoining a restarted directory;
 # 7: a reduction's requested tree degree, direct lookups; 8: one tag per chunk (chunk_tag);
 # 9: weighted reductions; 10: decoded as inputs arrive (num_objects 0 with coding); 11: Goodbye;
@@ -31,7 +31,8 @@ PROTOCOL_VERSION = 19  # 2: PULL_REQUEST carries the chunk size; 3: shared-memor
 # 16: inputs placed in the listed order (ReduceRequest.ordered), lookups via a holder (via);
 # 17: agreements (BarrierRequest.group_id and vote, BarrierReply.members and vote);
 # 18: how many nodes share a node's host (HostPeers); 19: several objects in one delete
-# (DeleteRequest.also, DeleteReply.deleted_also and kept_also)
+# (DeleteRequest.also, DeleteReply.deleted_also and kept_also); 20: a watched group's parent
+# (WatchRequest.parent and parent_ranks)
 FRAME_HEADER = struct.Struct(">I")
 
 

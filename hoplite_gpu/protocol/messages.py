@@ -451,7 +451,11 @@ class WatchRequest(Message):
     now on, every member watching is answered, and so is this request (at once). A group's
     collectives use it to fail at once when a member is gone (:class:`hoplite_gpu.collective.Group`
     with ``watch=True``). ``again``: sent again to a restarted directory (this member watched
-    the one before it)."""
+    the one before it). ``parent``: a watched group whose members this group's are, rank ``r``
+    here being rank ``parent_ranks[r]`` there (-1: not a member of it): a member whose node left
+    before it watched this group, known by its node there, is lost here at once, and one whose
+    node leaves before it watches here is lost then (a group formed among the survivors of
+    another, where one more may die before it watches)."""
 
     TYPE: ClassVar[str] = "watch"
     request_id: int
@@ -460,10 +464,23 @@ class WatchRequest(Message):
     count: int
     abort: str = ""
     again: bool = False
+    parent: bytes = b""
+    parent_ranks: list[int] = field(default_factory=list)
 
     def check(self) -> None:
         check_id(self.TYPE, "group_id", self.group_id)
         _check_member(self.TYPE, self.rank, self.count)
+        if not self.parent:
+            if self.parent_ranks:
+                raise ProtocolError(f"{self.TYPE}: parent_ranks without a parent")
+            return
+        check_id(self.TYPE, "parent", self.parent)
+        if len(self.parent_ranks) != self.count:
+            raise ProtocolError(
+                f"{self.TYPE}: {len(self.parent_ranks)} parent_ranks for {self.count} members"
+            )
+        if any(type(r) is not int or not -1 <= r < MAX_BARRIER_MEMBERS for r in self.parent_ranks):
+            raise ProtocolError(f"{self.TYPE}: a parent rank is not in -1..{MAX_BARRIER_MEMBERS - 1}")
 
 
 #: What nodes send the directory: the messages whose texts :func:`~.codec.decode` bounds.

@@ -195,6 +195,7 @@ class Elastic:
         self.join_seconds: dict[str, float] = {}  # a joiner's: "admitted" (since its ticket), "state"
         self._epoch = -1
         self._agreements = 0  # agreements reached in this epoch
+        self._failed = -1  # the last epoch in which a reduction failed here (see _reduce)
         if join:
             self._join()
         else:
@@ -288,8 +289,14 @@ class Elastic:
 
     # ------------------------------------------------------------ on the worker thread
     def _reduce(self, part: _Part) -> None:
-        """Average ``part`` among the current epoch's members (``ok`` if this member read it all)."""
+        """Average ``part`` among the current epoch's members (``ok`` if this member read it all).
+        After one failed in this epoch the others are not tried: the step's agreement moves to a
+        new epoch anyway, and each would wait out its own timeout for a member that is gone (one
+        that died before it watched the epoch's group is never reported lost: tests/
+        test_torch_elastic.py ran past its limit waiting out two parts' timeouts, 1 run in 11)."""
         part.ok = False
+        if self._failed == self._epoch:
+            return
         try:
             part.ready()
             plan = tt.reduction(part.tensor, dist.ReduceOp.AVG)  # (the tree's roots divide)
@@ -297,7 +304,7 @@ class Elastic:
             plan.done()
             part.ok = True
         except HopliteError:
-            pass  # (the agreement tells every member; the step is reduced again or fails)
+            self._failed = self._epoch  # (the agreement tells every member; reduced again or fails)
 
     def _commit(self, parts: list[_Part]) -> None:
         reduced = parts
@@ -503,10 +510,20 @@ class Elastic:
     def _agreement_id(self) -> ObjectID:
         return ObjectID.from_name(f"hoplite-elastic/{self._name}/{self._epoch}/{self._agreements}")
 
-    def _open_epoch(self, members: tuple[int, ...]) -> collective.Group:
-        """The watched group of ``members`` for the next epoch (every member makes the same)."""
+    def _open_epoch(
+        self, members: tuple[int, ...], before: tuple[collective.Group, tuple[int, ...]] | None = None
+    ) -> collective.Group:
+        """The watched group of ``members`` for the next epoch (every member makes the same);
+        ``before``: the epoch's group before it and its members (the directory keeps the nodes
+        of a watched group that lost members): a member of both whose node leaves before it
+        watches the new one is lost in it (``Group``'s ``parent``), not waited for until the
+        timeout."""
         self._epoch += 1
         self._agreements = 0
+        parent, ranks = None, None
+        if before is not None:
+            parent = before[0]
+            ranks = [before[1].index(r) if r in before[1] else -1 for r in members]
         return collective.Group(
             self._node,
             members.index(self.rank),
@@ -514,12 +531,14 @@ class Elastic:
             f"{self._name}/{self._epoch}",
             timeout=self._timeout,
             watch=True,
+            parent=parent,
+            parent_ranks=ranks,
         )
 
     def _next_epoch(self, members: tuple[int, ...]) -> None:
-        old = self._group
+        old, before = self._group, self._members
         self._members = members
-        self._group = self._open_epoch(members)
+        self._group = self._open_epoch(members, (old, before))
         _leave(old)
 
 
