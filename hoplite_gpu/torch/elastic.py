@@ -90,6 +90,9 @@ class StepReport:
     rounds: int = 1
 
 
+_Epoch = tuple[collective.Group, tuple[int, ...]]  # an epoch's group and its members
+
+
 @dataclass(eq=False)
 class _Part:
     """One tensor reduced in a step: how to put its original back (to reduce it again), its
@@ -289,11 +292,8 @@ class Elastic:
 
     # ------------------------------------------------------------ on the worker thread
     def _reduce(self, part: _Part) -> None:
-        """Average ``part`` among the current epoch's members (``ok`` if this member read it all).
-        After one failed in this epoch the others are not tried: the step's agreement moves to a
-        new epoch anyway, and each would wait out its own timeout for a member that is gone (one
-        that died before it watched the epoch's group is never reported lost: tests/
-        test_torch_elastic.py ran past its limit waiting out two parts' timeouts, 1 run in 11)."""
+        """Average ``part`` among the current epoch's members (``ok`` if this member read it all);
+        not tried once one failed in this epoch (the agreement moves on: one timeout, not one each)."""
         part.ok = False
         if self._failed == self._epoch:
             return
@@ -510,29 +510,17 @@ class Elastic:
     def _agreement_id(self) -> ObjectID:
         return ObjectID.from_name(f"hoplite-elastic/{self._name}/{self._epoch}/{self._agreements}")
 
-    def _open_epoch(
-        self, members: tuple[int, ...], before: tuple[collective.Group, tuple[int, ...]] | None = None
-    ) -> collective.Group:
+    def _open_epoch(self, members: tuple[int, ...], before: _Epoch | None = None) -> collective.Group:
         """The watched group of ``members`` for the next epoch (every member makes the same);
-        ``before``: the epoch's group before it and its members (the directory keeps the nodes
-        of a watched group that lost members): a member of both whose node leaves before it
-        watches the new one is lost in it (``Group``'s ``parent``), not waited for until the
-        timeout."""
+        ``before``: (the group, its members) of the epoch before, its ``parent``: a member that
+        dies before it watches the new one is lost in it, not waited for until the timeout."""
         self._epoch += 1
         self._agreements = 0
-        parent, ranks = None, None
-        if before is not None:
-            parent = before[0]
-            ranks = [before[1].index(r) if r in before[1] else -1 for r in members]
+        parent, old = before if before is not None else (None, ())
+        ranks = None if parent is None else [old.index(r) if r in old else -1 for r in members]
+        name, rank = f"{self._name}/{self._epoch}", members.index(self.rank)
         return collective.Group(
-            self._node,
-            members.index(self.rank),
-            len(members),
-            f"{self._name}/{self._epoch}",
-            timeout=self._timeout,
-            watch=True,
-            parent=parent,
-            parent_ranks=ranks,
+            self._node, rank, len(members), name, self._timeout, True, parent=parent, parent_ranks=ranks
         )
 
     def _next_epoch(self, members: tuple[int, ...]) -> None:
