@@ -28,7 +28,7 @@ from ..errors import (
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
 from ..node import Node
-from ..node.watches import parent_ranks_list
+from ..node.watches import check_parent
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
 from .watching import Watching
@@ -96,10 +96,9 @@ class Group(Watching):
             raise InvalidArgumentError(
                 "parent must be a Group of the same node, and needs watch=True", argument="parent"
             )
-        if parent is None and parent_ranks is not None:
-            raise InvalidArgumentError("parent_ranks needs a parent", argument="parent_ranks")
-        ranks = None if parent is None else parent_ranks_list(parent_ranks, world_size)
-        self._parent = None if parent is None else (parent.watch_id, ranks)
+        watch_id = None if parent is None else parent.watch_id
+        ranks = check_parent(watch_id, parent_ranks, world_size)  # (here, not once it watches)
+        self._parent = None if watch_id is None else (watch_id, ranks)
         self.node = node
         self.rank = rank
         self.world_size = world_size

@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ..errors import (
@@ -38,7 +38,7 @@ class Watching:
     _lost: dict[int, str]
     _tasks: set[asyncio.Task[Any]]
     _on_lost: list[Callable[[HopliteError], None]]
-    _parent: tuple[ObjectID, Sequence[int] | None] | None  # the parent's watch id, parent_ranks
+    _parent: tuple[ObjectID, list[int]] | None  # the parent's watch id, and parent_ranks
 
     def _who(self) -> str:  # (the group's)
         raise NotImplementedError

@@ -17,9 +17,18 @@ from ..object_id import ObjectID
 from .session import DirectorySession
 
 
-def parent_ranks_list(parent_ranks: Any, count: int) -> list[int]:
-    """A watched group's ``parent_ranks`` (:meth:`GroupWatches.watch_group_async`) as a list:
-    ``count`` ints in -1..MAX_BARRIER_MEMBERS-1, or InvalidArgumentError."""
+def check_parent(parent: Any, parent_ranks: Any, count: int) -> list[int]:
+    """A watched group's ``parent`` (an ObjectID or None) and ``parent_ranks``
+    (:meth:`GroupWatches.watch_group_async`): ``parent_ranks`` as a list of ``count`` ints in
+    -1..MAX_BARRIER_MEMBERS-1 (empty without a parent), or InvalidArgumentError."""
+    if parent is None:
+        if parent_ranks is not None:
+            raise InvalidArgumentError("parent_ranks needs a parent", argument="parent_ranks")
+        return []
+    if not isinstance(parent, ObjectID):
+        raise InvalidArgumentError(
+            f"parent must be an ObjectID or None, got {type(parent).__name__}", argument="parent"
+        )
     ranks = list(parent_ranks) if isinstance(parent_ranks, (list, tuple)) else None
     bound = p.MAX_BARRIER_MEMBERS
     if ranks is None or len(ranks) != count or any(type(r) is not int or not -1 <= r < bound for r in ranks):
@@ -79,7 +88,7 @@ class GroupWatches:
         """
         self._check_open()
         self._check_member(group_id, rank, count)
-        ranks = self._check_parent(parent, parent_ranks, count)
+        ranks = check_parent(parent, parent_ranks, count)
         watch = self._session.watch(
             group_id.binary(),
             rank,
@@ -170,19 +179,6 @@ class GroupWatches:
                 waiting_for_ranks=list(reply.missing),
             )
         return Agreement(tuple(reply.members), reply.vote)
-
-    @staticmethod
-    def _check_parent(parent: Any, parent_ranks: Any, count: int) -> list[int]:
-        """``parent_ranks`` as a list (empty without a ``parent``), or InvalidArgumentError."""
-        if parent is None:
-            if parent_ranks is not None:
-                raise InvalidArgumentError("parent_ranks needs a parent", argument="parent_ranks")
-            return []
-        if not isinstance(parent, ObjectID):
-            raise InvalidArgumentError(
-                f"parent must be an ObjectID or None, got {type(parent).__name__}", argument="parent"
-            )
-        return parent_ranks_list(parent_ranks, count)
 
     @staticmethod
     def _check_member(group_id: Any, rank: Any, count: Any) -> None:
