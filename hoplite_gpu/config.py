@@ -22,7 +22,7 @@ GiB = 1024 * MiB
 #: The values of ``Config.data_plane``.
 DATA_PLANES = ("auto", "tcp", "ucx")
 #: The values of ``Config.allreduce_schedule``.
-ALLREDUCE_SCHEDULES = ("auto", "ring", "star")
+ALLREDUCE_SCHEDULES = ("auto", "ring", "star", "direct")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,16 +144,26 @@ class Config:
             "": the host's. One the kernel refuses (not loaded, or not allowed to this user)
             leaves the host's.
         allreduce_schedule: How a group's allreduce of a large array moves its shards
-            (:func:`hoplite_gpu.collective.allreduce`): ``ring`` (each shard reduced along the
-            ring of members and its result read along it: every link carries one flow each way),
-            ``star`` (each shard reduced at its member from every other at once, the results read
-            straight from it), ``auto``: the ring, the better measured
-            (bench/pages/collectives.md#ring-allreduce).
-            Members may differ: each shard's schedule is its own member's.
+            (:func:`hoplite_gpu.collective.allreduce`): ``direct`` (member to member over the
+            data plane, each pulling the running sums from the one before it, with no message
+            to the directory per round: :mod:`hoplite_gpu.collective.ring`), ``ring`` (each
+            shard an ordinary reduction along the ring of members, placed by the directory, its
+            result read along it), ``star`` (each shard reduced at its member from every other at
+            once, the results read straight from it), ``auto``: ``direct`` when no two members
+            share a host's memory, else ``ring``, whose reductions the directory turns into one
+            host's shared memory (bench/pages/collectives.md#the-direct-ring).
+            ``ring`` and ``star`` may be mixed, each shard's schedule its own member's; a group
+            takes ``direct`` only where no member asks for one of those.
         allreduce_shard_bytes: A group's allreduce of at least this many bytes (C-contiguous)
             goes in shards, one per member; a smaller one as one reduce read as it is computed,
             whose time is latency (1-4 MiB: 1.2-1.9x faster that way on 4 hosts at 100 MB/s and
             1 GB/s; bench/pages/collectives.md#ring-allreduce). Every member of a group must use the same.
+        allreduce_direct_bytes: A group's allreduce of at least this many bytes (C-contiguous)
+            takes the direct ring where the members' schedules agree on it (see
+            ``allreduce_schedule``), smaller ones the paths above (from 1 MiB the direct ring was
+            1.2-1.5x faster than one reduce on 4 hosts at 100 MB/s, and as fast at 1 GB/s;
+            bench/pages/collectives.md#the-direct-ring). Every member of a group must
+            use the same.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -206,6 +216,7 @@ class Config:
     tcp_congestion: str = "cubic"
     allreduce_schedule: str = "auto"
     allreduce_shard_bytes: int = 8 * MiB
+    allreduce_direct_bytes: int = 1 * MiB
 
     def __post_init__(self) -> None:
         positive = (
@@ -228,6 +239,7 @@ class Config:
             "reduce_chunk_bytes",
             "device_reduce_chunk_bytes",
             "allreduce_shard_bytes",
+            "allreduce_direct_bytes",
         )
         for name in positive:
             if getattr(self, name) <= 0:

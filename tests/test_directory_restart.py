@@ -219,8 +219,9 @@ def test_a_sharded_allreduce_across_a_restart_raises_object_lost_not_a_wrong_sum
 ) -> None:
     # Found by tests/test_soak.py: the sharded allreduce lends each member's array as its inputs
     # and receives the results into it; the restarted directory rebuilt the unfinished reductions
-    # from restored inputs that results had partly overwritten, and members got wrong sums.
-    workers = start_workers(directory.address, directory.token, 4, **SLOW)
+    # from restored inputs that results had partly overwritten, and members got wrong sums. (The
+    # directory's ring: the direct one sends the directory nothing once it runs.)
+    workers = start_workers(directory.address, directory.token, 4, **SLOW, allreduce_schedule="ring")
     try:
         for rank, w in enumerate(workers):
             w.send("group", "sharded", rank, 4, 60.0, True)

@@ -266,12 +266,14 @@ def test_fault_specs_are_validated() -> None:
     assert injector.next_offset("serve", "abff", 100, 1000) is None
 
 
-def test_a_sharded_allreduce_with_a_member_killed_after_its_puts_fails_typed(owner: Any) -> None:
+def test_a_sharded_allreduce_with_a_member_killed_after_its_puts_fails_typed() -> None:
     """Rank 1 puts its shards (lent: its own array) and is SIGKILLed; ranks 0 and 2 then raise a
     typed error within the group's timeout, never a result, and rank 0 holds none of the shards it
-    lent once its call returned."""
+    lent once its call returned. (The directory's ring; tests/test_direct_ring.py kills a member
+    of the direct one.)"""
     name = hg.ObjectID.random().hex()
-    a, b = start_workers(owner.directory_address, owner.token, 2)
+    owner = hg.init(lease_timeout=LEASE, allreduce_schedule="ring")
+    a, b = start_workers(owner.directory_address, owner.token, 2, allreduce_schedule="ring")
     try:
         for rank, w in ((1, a), (2, b)):
             w.send("group", name, rank, 3, 5)
@@ -293,6 +295,7 @@ def test_a_sharded_allreduce_with_a_member_killed_after_its_puts_fails_typed(own
     finally:
         for w in (a, b):
             w.kill()
+        owner.close()
 
 
 def test_receivers_of_a_stopped_sole_source_learn_of_the_loss_with_the_lease() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu import collective as coll
 from hoplite_gpu.node.sources import Route
-from tests.procs import digest, make_array, start_workers, wait_for_events
+from tests.procs import Worker, digest, make_array, start_workers, wait_for_events
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -244,14 +245,25 @@ def test_group_collectives_match_numpy(owner: Any, workers: Any) -> None:
     _eventually(lambda: [w.call("objects") for w in workers] == before)
 
 
-def test_an_allreduce_lends_its_shards_and_deletes_them_when_it_returns(owner: Any, workers: Any) -> None:
+@pytest.fixture
+def ring_pair() -> Iterator[tuple[Any, Worker]]:
+    """A node and a worker on the directory's ring schedule (not the direct ring, which the
+    tests' members would take: no shared memory, so as if on hosts apart)."""
+    node = hg.init(allreduce_schedule="ring")
+    (w,) = start_workers(node.directory_address, node.token, 1, allreduce_schedule="ring")
+    yield node, w
+    w.kill()
+    node.close()
+
+
+def test_an_allreduce_lends_its_shards_and_deletes_them_when_it_returns(ring_pair: Any) -> None:
     """The sharded allreduce puts the caller's array without a copy: while it waits for the other
     member, the store serves this member's shards from the caller's memory (as the shards, or as
     the outputs its ring vertices wrote over them); once it returns they are gone (deleted at
     once, not at the group's next collective), and so is every copy in the array: the other
     member's result it received, and its own, which the other member read from it."""
+    owner, w = ring_pair
     name = hg.ObjectID.random().hex()
-    w = workers[0]
     w.send("group", name, 1, 2)
     assert w.result() == 1
     group = coll.Group(owner, 0, 2, name, timeout=60)
@@ -315,7 +327,7 @@ def test_an_allreduce_that_fails_withdraws_the_shards_it_lent(owner: Any, worker
         w.result()
 
 
-def test_an_allreduce_that_fails_withdraws_the_outputs_written_over_its_shards(owner: Any) -> None:
+def test_an_allreduce_that_fails_withdraws_the_outputs_written_over_its_shards() -> None:
     """Three members; rank 1 puts its shards and is stopped (SIGSTOP) before its root reduces
     shard 1. The ring vertex here for shard 1 (rank 2's shard, then this member's) completes its
     output over this member's shard 1, which no result copy covers. When the call times out, that
@@ -324,7 +336,10 @@ def test_an_allreduce_that_fails_withdraws_the_outputs_written_over_its_shards(o
     import signal
 
     name = hg.ObjectID.random().hex()
-    b, c = start_workers(owner.directory_address, owner.token, 2, lease_timeout=60.0)
+    owner = hg.init(allreduce_schedule="ring")  # the directory's ring: its vertices write over shards
+    b, c = start_workers(
+        owner.directory_address, owner.token, 2, lease_timeout=60.0, allreduce_schedule="ring"
+    )
     try:
         for rank, w in ((1, b), (2, c)):
             w.send("group", name, rank, 3, 4)
@@ -345,6 +360,7 @@ def test_an_allreduce_that_fails_withdraws_the_outputs_written_over_its_shards(o
         for w in (b, c):
             os.kill(w.proc.pid, signal.SIGCONT)
             w.kill()
+        owner.close()
 
 
 def test_a_member_destroys_its_group_without_the_others(workers: Any) -> None:

@@ -110,6 +110,8 @@ class Group(Watching):
         self._sent: dict[tuple[int, int], int] = {}  # point-to-point messages sent, per (rank, tag)
         self._received: dict[tuple[int, int], int] = {}  # and received, per (rank, tag)
         self._acks: dict[tuple[int, int], ObjectID] = {}  # the last acknowledgement put, per (sender, tag)
+        self._peers: list[tuple[str, str, str, int]] = []  # members' hosts and data planes (collective.ring)
+        self._spare: list[Any] = []  # its receive buffers, kept for the next (collective.ring)
         # See _describe; an OrderedDict: point-to-point calls on other threads add to it too.
         self._described: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         self.destroyed = False  # see destroy

@@ -17,6 +17,7 @@ from ..memory import LocalObject
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op
 from .group import Group, _check_group, _check_rank
+from .ring import direct_allreduce, goes_direct, ring_peers
 
 
 def broadcast(array: Any, src_rank: int, group: Group) -> Any:
@@ -72,8 +73,12 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     A small array (under ``Config.allreduce_shard_bytes``, :data:`SHARD_MIN_BYTES` by default)
     is reduced once, on a tree the directory shapes,
     and the result read by every member as it is being reduced. A large C-contiguous array is cut
-    into one shard per member, and member ``j`` requests the reduction of everyone's shard ``j``.
-    With the ring schedule (``Config.allreduce_schedule``, the default) it is a chain in ring
+    into one chunk per member. Where no two members share a host's memory it goes by the direct
+    ring (``Config.allreduce_schedule``, :mod:`hoplite_gpu.collective.ring`): each member pulls
+    the running sums from the member before it over the data plane, adds its own chunk in place
+    and is read on by the next, then the whole sums go round the same way, with no message to
+    the directory in a round. Otherwise member ``j`` requests the reduction of everyone's shard
+    ``j``. With the ring schedule (``Config.allreduce_schedule``, the default) it is a chain in ring
     order, ``j+1 -> j+2 -> ... -> j`` (``reduce(ordered=True)``), and its result is read
     along the same ring, each member from the one before it (``get(via=...)``), while it is being
     computed: every byte goes from a member to the next, so each link carries one member's
@@ -92,10 +97,31 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     seq = g._next()
     flat = memory.flat_view(array)
     n = g.world_size
-    sharded = flat is not None and flat.nbytes >= g.node.config.allreduce_shard_bytes
-    if n > 1 and sharded and flat.size >= n:
-        return g._run(_sharded_allreduce(g, seq, array, flat, reduce_op))
+    cfg = g.node.config
+    if n > 1 and flat is not None and flat.size >= n:
+        if flat.nbytes >= min(cfg.allreduce_direct_bytes, cfg.allreduce_shard_bytes):
+            return g._run(_large(g, seq, array, flat, reduce_op))
     return g._run(_small_allreduce(g, seq, array, reduce_op))
+
+
+async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any:
+    """The direct ring (:mod:`.ring`) where the members' schedules agree on it
+    (:func:`~.ring.goes_direct`) and ``array`` is large enough for it; else the shards'
+    reductions through the directory, or one reduce for an array under their threshold."""
+    cfg = g.node.config
+    peers = await ring_peers(g, seq)
+    if goes_direct(peers) and flat.nbytes >= cfg.allreduce_direct_bytes:
+        # Device memory goes through a host copy (the ring reduces with NumPy), as the TCP
+        # plane sends it anyway.
+        host = flat if isinstance(flat, np.ndarray) else memory.to_host(flat).reshape(-1)
+        await direct_allreduce(g, seq, host, op, peers)
+        if host is not flat:
+            memory.copy_into(flat, host)
+        await g._delete_before(seq)
+        return array
+    if flat.nbytes >= cfg.allreduce_shard_bytes:
+        return await _sharded_allreduce(g, seq, array, flat, op)
+    return await _small_allreduce(g, seq, array, op)
 
 
 async def _small_allreduce(g: Group, seq: int, array: Any, op: ReduceOp = ReduceOp.SUM) -> Any:

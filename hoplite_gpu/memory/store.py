@@ -69,6 +69,7 @@ class LocalObject:
     serving: int = 0
     served_whole: int = 0  # pulls served from it up to its end
     _unserved: list[asyncio.Future[None]] = field(default_factory=list)
+    _served: list[asyncio.Future[None]] = field(default_factory=list)  # see wait_served
 
     @property
     def complete(self) -> bool:
@@ -177,6 +178,10 @@ class LocalObject:
         try:
             yield
             self.served_whole += 1
+            for fut in self._served:
+                if not fut.done():
+                    fut.set_result(None)
+            self._served = []
         finally:
             self.serving -= 1
             if not self.serving:
@@ -184,6 +189,26 @@ class LocalObject:
                     if not fut.done():
                         fut.set_result(None)
                 self._unserved = []
+
+    async def wait_served(self, timeout: float) -> bool:
+        """Wait until a pull has been served from the object up to its end; False if none has
+        after ``timeout`` (or the object failed first)."""
+        if self.served_whole:
+            return True
+        if self.error is not None:
+            return False
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._served.append(fut)
+        failed = self.failure()
+        try:
+            await bounded(asyncio.wait([fut, failed], return_when=asyncio.FIRST_COMPLETED), timeout)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.forget_failure(failed)
+            if fut in self._served:
+                self._served.remove(fut)
+        return bool(self.served_whole)
 
     async def wait_unserved(self, timeout: float) -> bool:
         """Wait until no pull is served from the object; False if one still is after ``timeout``

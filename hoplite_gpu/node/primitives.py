@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import protocol as p
 from ..config import Config
+from ..dataplane.base import DataPlane
 from ..errors import HopliteError, HopliteTimeoutError, InvalidArgumentError, ObjectDeletedError
 from ..iothread import IOThread
 from ..memory import LocalObject, LocalStore, write_at
@@ -35,6 +36,7 @@ class Primitives:
     _channels: Channels
     _rejoin_callbacks: set[Callable[[], None]]
     _vertices: VertexRunner
+    _data: DataPlane
 
     def _check_open(self) -> None:  # (the node's)
         raise NotImplementedError
@@ -175,6 +177,26 @@ class Primitives:
             memory.release(old)
             kept.append(obj)
         return kept
+
+    @property
+    def host_key(self) -> str:
+        """What sets this node's host's shared memory apart (see :func:`hoplite_gpu.memory.shm.host_key`):
+        two nodes with the same non-empty key map each other's segments; "" without shared memory."""
+        return self._session._host_key
+
+    def lend_unlisted(self, obj: LocalObject) -> None:
+        """Serve ``obj`` (memory the caller owns, filling or complete) to pulls that name its id
+        (:meth:`pull_unlisted`), without telling the directory: no reader finds it by a lookup
+        and nothing of it is ever repaired. Take it back with :meth:`withdraw`. Call it on the
+        I/O thread (:attr:`io`)."""
+        self._store.add(obj)
+
+    async def pull_unlisted(self, host: str, port: int, obj: LocalObject) -> None:
+        """Fill ``obj`` (not in this node's store) from the node whose data plane is at
+        ``host:port``, which holds an object of that id (listed or lent unlisted), as its bytes
+        come, advancing ``obj``'s progress; the directory hears nothing of it. Raises as
+        :meth:`hoplite_gpu.dataplane.base.DataPlane.pull` does. Call it on the I/O thread."""
+        await self._data.pull(host, port, obj, 0)
 
     def add_rejoin_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` whenever this node rejoins a restarted directory, on the I/O thread

@@ -30,6 +30,8 @@ class DirectoryPushes:
     _rejoin_callbacks: set[Callable[[], None]]
 
     def _on_served(self, transfer_id: int, sent: int, while_incomplete: int, failed: bool) -> None:
+        if not transfer_id:  # a pull the directory did not arrange (hoplite_gpu.collective.ring)
+            return
         self._session.send(p.ServeDone(transfer_id, sent, while_incomplete, failed))
 
     def _on_push(self, msg: p.Message) -> None:

@@ -1,0 +1,148 @@
+"""The direct ring (``hoplite_gpu.collective.ring``) on real processes: members on hosts apart pass
+a large allreduce member to member over the data plane with no directory message per round;
+exact sums for every operator, size and group size; a member SIGKILLed half way through serving
+its running sum fails every survivor with a typed error and leaves nothing in their stores;
+members whose schedules differ agree on one."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu.collective.ring import goes_direct
+from tests.procs import Worker, make_array, start_workers
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+TIMEOUT = 60.0
+SHARDED = {"shared_memory": False, "allreduce_direct_bytes": 1 << 16}  # hosts apart, no shared memory
+
+
+@contextlib.contextmanager
+def _group(n: int, name: str, watch: bool = False, **config: Any) -> Iterator[tuple[Any, Any, list[Worker]]]:
+    """An owner and ``n - 1`` workers without shared memory (each as if on its own host), in one
+    group; the workers are killed and the owner closed after the block."""
+    settings = {**SHARDED, **config}
+    owner = hg.init(**settings)
+    workers = start_workers(owner.directory_address, owner.token, n - 1, **settings)
+    try:
+        for rank, w in enumerate(workers, start=1):
+            w.send("group", name, rank, n, TIMEOUT, watch)
+        assert [w.result() for w in workers] == list(range(1, n))
+        yield owner, hg.collective.Group(owner, 0, n, name, timeout=TIMEOUT, watch=watch), workers
+    finally:
+        for w in workers:
+            w.kill()
+        owner.close()
+
+
+def _allreduce(
+    group: Any, workers: list[Worker], dtype: str, shape: tuple[int, ...], seed: int, op: str
+) -> Any:
+    """One allreduce of every member; the owner's result (checked equal on every member), and
+    nothing left in the owner's store that reads its array, which it lent while the call ran."""
+    for w in workers:
+        w.send("allreduce", group.name, dtype, shape, seed, op)
+    got = hg.collective.allreduce(make_array(dtype, shape, seed), group, op)
+    for w in workers:
+        assert np.array_equal(w.result(), got)
+    held = [obj.buffer.array for obj in group.node._store.objects()]
+    assert not [a for a in held if isinstance(a, np.ndarray) and np.shares_memory(a, got)]
+    return got
+
+
+def _handled(owner: Any) -> dict[str, int]:
+    """The messages the directory handled, by type, but for the nodes' heartbeats and these
+    requests themselves."""
+    handled = owner.directory_summary()["handled"]
+    return {kind: count for kind, count in handled.items() if kind not in ("heartbeat", "summary")}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_operator_sums_exactly_without_a_directory_message_per_round(n: int) -> None:
+    with _group(n, f"direct-{n}") as (owner, group, workers):
+        shape = (100_003,)  # chunks of unequal sizes
+        for op in ("sum", "max", "min", "prod", "avg"):
+            got = _allreduce(group, workers, "int64", shape, 3, op)
+            inputs = np.stack([make_array("int64", shape, 3 + r) for r in range(n)])
+            want = {
+                "sum": inputs.sum(0),
+                "max": inputs.max(0),
+                "min": inputs.min(0),
+                "prod": inputs.prod(0),
+                "avg": inputs.sum(0) // n,  # integers: truncated toward zero (non-negative here)
+            }[op]
+            assert np.array_equal(got, want), op
+        assert goes_direct(group._peers)
+        # Once the members know each other a round sends the directory nothing: the ring's
+        # objects never reach it, and a member puts nothing else a later round would delete.
+        before = _handled(owner)
+        for seed in range(5):
+            _allreduce(group, workers, "float32", (1 << 18,), seed, "sum")
+        assert _handled(owner) == before
+
+
+def test_a_member_killed_while_serving_its_running_sum_fails_every_survivor_typed() -> None:
+    n = 4
+    with _group(n, "direct-killed", watch=True) as (owner, group, workers):
+        shape = (1 << 20,)  # 4 MiB of float32
+        _allreduce(group, workers, "float32", shape, 0, "sum")  # the members learn each other
+        seq = group.seq  # the next allreduce's
+        # Rank 2 serves rank 3 the sum of chunk 1 over ranks 1 and 2, and dies half way through.
+        victim = workers[1]
+        victim.call("arm", f"serve:{group.object_id(seq, 'ring-sum', 1, 1).hex()}:0.5:KILL")
+        for w in workers:
+            w.send("allreduce", group.name, "float32", shape, 1, "sum")
+        start = time.monotonic()
+        with pytest.raises(hg.HopliteError) as err:
+            hg.collective.allreduce(make_array("float32", shape, 1), group)
+        assert time.monotonic() - start < TIMEOUT / 3, "the survivors must not wait for their timeout"
+        assert isinstance(err.value, hg.MemberLostError) and err.value.lost_ranks == [2], err.value
+        for w in (workers[0], workers[2]):
+            with pytest.raises(RuntimeError, match="MemberLostError"):
+                w.result(timeout=TIMEOUT / 3)
+        assert not victim.proc.is_alive()
+        # Nothing of the ring stays in the owner's store (it lent its own array).
+        ring = {
+            group.object_id(seq, kind, c, k) for kind in ("ring-sum",) for c in range(n) for k in range(n)
+        }
+        ring |= {group.object_id(seq, "ring-all", c) for c in range(n)}
+        assert not [oid for oid in ring if owner._store.get(oid) is not None]
+
+
+def test_members_whose_schedules_differ_agree_on_the_directorys() -> None:
+    # Rank 0 asks for the directory's ring, the others are on auto: every member must take the
+    # same schedule (the direct ring would wait for rank 0's running sums, which never come).
+    owner = hg.init(**SHARDED, allreduce_schedule="ring")
+    workers = start_workers(owner.directory_address, owner.token, 2, **SHARDED)
+    try:
+        for rank, w in enumerate(workers, start=1):
+            w.send("group", "mixed", rank, 3, TIMEOUT, False)
+        assert [w.result() for w in workers] == [1, 2]
+        group = hg.collective.Group(owner, 0, 3, "mixed", timeout=TIMEOUT)
+        got = _allreduce(group, workers, "float32", (1 << 18,), 5, "sum")
+        want = sum(make_array("float32", (1 << 18,), 5 + r).astype(np.float64) for r in range(3))
+        assert np.array_equal(got, want.astype(np.float32))
+        assert not goes_direct(group._peers)
+    finally:
+        for w in workers:
+            w.kill()
+        owner.close()
+
+
+def test_which_schedule_members_take() -> None:
+    def peers(*rows: tuple[str, str]) -> list[tuple[str, str, str, int]]:
+        return [(schedule, key, "10.0.0.1", 1000 + i) for i, (schedule, key) in enumerate(rows)]
+
+    assert goes_direct(peers(("auto", ""), ("auto", "")))  # no shared memory: hosts apart
+    assert goes_direct(peers(("auto", "a"), ("auto", "b")))
+    assert not goes_direct(peers(("auto", "a"), ("auto", "a"), ("auto", "b")))  # two share a host
+    assert goes_direct(peers(("direct", "a"), ("auto", "a")))  # asked for
+    assert not goes_direct(peers(("ring", ""), ("auto", "")))
+    assert not goes_direct(peers(("star", "a"), ("direct", "b")))
