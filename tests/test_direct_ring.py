@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
-from hoplite_gpu.collective.ring import goes_direct
+from hoplite_gpu.collective.ring import Peer, goes_direct
 from tests.procs import Worker, make_array, start_workers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -137,8 +137,8 @@ def test_members_whose_schedules_differ_agree_on_the_directorys() -> None:
 
 
 def test_which_schedule_members_take() -> None:
-    def peers(*rows: tuple[str, str]) -> list[tuple[str, str, str, int]]:
-        return [(schedule, key, "10.0.0.1", 1000 + i) for i, (schedule, key) in enumerate(rows)]
+    def peers(*rows: tuple[str, str], plane: str = "tcp") -> list[Peer]:
+        return [Peer(schedule, key, plane, "10.0.0.1", 1000 + i) for i, (schedule, key) in enumerate(rows)]
 
     assert goes_direct(peers(("auto", ""), ("auto", "")))  # no shared memory: hosts apart
     assert goes_direct(peers(("auto", "a"), ("auto", "b")))
@@ -146,3 +146,5 @@ def test_which_schedule_members_take() -> None:
     assert goes_direct(peers(("direct", "a"), ("auto", "a")))  # asked for
     assert not goes_direct(peers(("ring", ""), ("auto", "")))
     assert not goes_direct(peers(("star", "a"), ("direct", "b")))
+    assert not goes_direct(peers(("auto", "a"), ("auto", "b"), plane="ucx"))  # RDMA, device transports
+    assert goes_direct(peers(("direct", "a"), ("auto", "b"), plane="ucx"))

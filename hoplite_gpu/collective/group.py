@@ -110,7 +110,7 @@ class Group(Watching):
         self._sent: dict[tuple[int, int], int] = {}  # point-to-point messages sent, per (rank, tag)
         self._received: dict[tuple[int, int], int] = {}  # and received, per (rank, tag)
         self._acks: dict[tuple[int, int], ObjectID] = {}  # the last acknowledgement put, per (sender, tag)
-        self._peers: list[tuple[str, str, str, int]] = []  # members' hosts and data planes (collective.ring)
+        self._peers: list[Any] = []  # members' hosts and data planes (collective.ring)
         self._spare: list[Any] = []  # its receive buffers, kept for the next (collective.ring)
         # See _describe; an OrderedDict: point-to-point calls on other threads add to it too.
         self._described: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
@@ -325,12 +325,15 @@ class Group(Watching):
         deleting = self._delete_now([*oids, *earlier])
         return asyncio.gather(*(obj.wait_unserved(stall) for obj in held), deleting)
 
-    async def _lending(self, seq: int, lent: list[ObjectID], steps: Coroutine[Any, Any, T]) -> T:
+    async def _lending(
+        self, seq: int, lent: list[ObjectID], steps: Coroutine[Any, Any, T], rejoined_before: bool = False
+    ) -> T:
         """``await steps`` of collective ``seq``, which lends the caller's memory as ``lent``. If
         the node rejoins a restarted directory meanwhile, ``lent`` are failed at once, before the
         node restores its copies (results received in place may have overwritten their bytes, and
         the restarted directory would rebuild the unfinished reductions from them: the soak saw
-        wrong sums), and this raises :class:`ObjectLostError`."""
+        wrong sums), and this raises :class:`ObjectLostError`; at once if ``rejoined_before``
+        (the node rejoined since the collective began: the other members withdrew theirs)."""
         restarted: asyncio.Future[ObjectLostError] = asyncio.get_running_loop().create_future()
 
         def rejoined() -> None:
@@ -347,6 +350,8 @@ class Group(Watching):
 
         task: asyncio.Future[Any] = asyncio.ensure_future(steps)
         self.node.add_rejoin_callback(rejoined)
+        if rejoined_before:
+            rejoined()
         try:
             await asyncio.wait([task, restarted], return_when=asyncio.FIRST_COMPLETED)
         except BaseException:

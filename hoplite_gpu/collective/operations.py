@@ -109,7 +109,16 @@ async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any
     (:func:`~.ring.goes_direct`) and ``array`` is large enough for it; else the shards'
     reductions through the directory, or one reduce for an array under their threshold."""
     cfg = g.node.config
-    peers = await ring_peers(g, seq)
+    rejoined: list[bool] = []  # a directory restart during the exchange: see Group._lending
+
+    def rejoined_cb() -> None:
+        rejoined.append(True)
+
+    g.node.add_rejoin_callback(rejoined_cb)
+    try:
+        peers = await ring_peers(g, seq)
+    finally:
+        g.node.remove_rejoin_callback(rejoined_cb)
     if goes_direct(peers) and flat.nbytes >= cfg.allreduce_direct_bytes:
         # Device memory goes through a host copy (the ring reduces with NumPy), as the TCP
         # plane sends it anyway.
@@ -120,7 +129,7 @@ async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any
         await g._delete_before(seq)
         return array
     if flat.nbytes >= cfg.allreduce_shard_bytes:
-        return await _sharded_allreduce(g, seq, array, flat, op)
+        return await _sharded_allreduce(g, seq, array, flat, op, bool(rejoined))
     return await _small_allreduce(g, seq, array, op)
 
 
@@ -133,7 +142,9 @@ async def _small_allreduce(g: Group, seq: int, array: Any, op: ReduceOp = Reduce
     return array
 
 
-async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any:
+async def _sharded_allreduce(
+    g: Group, seq: int, array: Any, flat: Any, op: ReduceOp, rejoined: bool = False
+) -> Any:
     n, me = g.world_size, g.rank
     cuts = [flat.size * j // n for j in range(n + 1)]
     shards = [flat[cuts[j] : cuts[j + 1]] for j in range(n)]
@@ -189,7 +200,7 @@ async def _sharded_allreduce(g: Group, seq: int, array: Any, flat: Any, op: Redu
             await asyncio.gather(*(obj.wait_unserved(stall) for obj in received))
 
     try:  # a restart of the directory fails it (ObjectLostError): see Group._lending
-        await g._lending(seq, lent, steps())
+        await g._lending(seq, lent, steps(), rejoined)
     except BaseException:
         await asyncio.shield(g._withdraw(lent, received))  # before the caller may write to its array
         raise

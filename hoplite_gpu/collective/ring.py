@@ -19,7 +19,7 @@ successor has read that member's bytes of the chunk that the sum overwrites."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -42,22 +42,32 @@ if TYPE_CHECKING:
     from .group import Group
 
 
+class Peer(NamedTuple):
+    """What a member tells the others at its group's first large allreduce."""
+
+    schedule: str  # its Config.allreduce_schedule
+    host_key: str  # Node.host_key: "" without shared memory
+    plane: str  # Node.data_plane_kind
+    host: str  # its data plane's address
+    port: int
+
+
 #: The most memory a group keeps between direct rings for the running sums it receives.
 SPARE_BYTES = 256 << 20
 
 
-async def ring_peers(g: Group, seq: int) -> list[tuple[str, str, str, int]]:
-    """Every member's ``(allreduce schedule, host key, data host, data port)``, learnt once per
+async def ring_peers(g: Group, seq: int) -> list[Peer]:
+    """Every member's :class:`Peer`, learnt once per
     group: at its first large allreduce every member puts its own (a small object) and reads
     the others', but for a member whose own schedule is ``ring`` or ``star``: the group takes
     the directory's schedule anyway, and it returns one placeholder without waiting."""
     if g._peers:
         return g._peers
     node = g.node
-    mine = f"{node.config.allreduce_schedule}|{node.host_key}|{node.data_address}"
+    mine = f"{node.config.allreduce_schedule}|{node.host_key}|{node.data_plane_kind}|{node.data_address}"
     await g._put_own(seq, np.frombuffer(mine.encode(), np.uint8), g.object_id(seq, "ring-peer", g.rank))
     if node.config.allreduce_schedule in ("ring", "star"):
-        g._peers = [("", "", "", 0)]  # told the others it takes the directory's: no need to read
+        g._peers = [Peer(node.config.allreduce_schedule, "", "", "", 0)]  # told the others: no need to read
         return g._peers
     others = [r for r in range(g.world_size) if r != g.rank]
     got = await asyncio.gather(
@@ -67,35 +77,37 @@ async def ring_peers(g: Group, seq: int) -> list[tuple[str, str, str, int]]:
     texts[g.rank] = mine
     peers = []
     for r in range(g.world_size):
-        schedule, key, address = texts[r].split("|", 2)
+        schedule, key, plane, address = texts[r].split("|", 3)
         host, _, port = address.rpartition(":")
-        peers.append((schedule, key, host.strip("[]"), int(port)))
+        peers.append(Peer(schedule, key, plane, host.strip("[]"), int(port)))
     g._peers = peers
     return peers
 
 
-def goes_direct(peers: list[tuple[str, str, str, int]]) -> bool:
+def goes_direct(peers: list[Peer]) -> bool:
     """Whether the group's large allreduces take the direct ring, the same answer on every
     member: not if any member's ``allreduce_schedule`` is ``ring`` or ``star`` (the directory's,
     which members may mix); else if any says ``direct``, or if no two members share a host's
     memory (a host key, "" for none). Members that share one keep the directory's schedule,
-    which maps what they share instead of sending it over loopback."""
-    schedules = {schedule for schedule, _, _, _ in peers}
+    which maps what they share instead of sending it over loopback; so do members on UCX
+    (``Config.data_plane``), whose RDMA and device transports the ring's host copies would
+    bypass (not measured yet)."""
+    schedules = {p.schedule for p in peers}
     if len(peers) < 2 or schedules & {"ring", "star"}:
         return False
-    keys = [key for _, key, _, _ in peers if key]
-    return "direct" in schedules or len(keys) == len(set(keys))
+    if "direct" in schedules:
+        return True
+    keys = [p.host_key for p in peers if p.host_key]
+    return len(keys) == len(set(keys)) and all(p.plane == "tcp" for p in peers)
 
 
-async def direct_allreduce(
-    g: Group, seq: int, flat: Any, op: ReduceOp, peers: list[tuple[str, str, str, int]]
-) -> None:
+async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: list[Peer]) -> None:
     """Collective ``seq``: allreduce ``flat`` (a C-contiguous 1-D view of the caller's array,
     at least one element per member) in place along the ring of members (:func:`ring_peers`)."""
     n, me = g.world_size, g.rank
     node = g.node
     stall = node.config.stall_timeout
-    _, _, host, port = peers[(me - 1) % n]
+    host, port = peers[(me - 1) % n].host, peers[(me - 1) % n].port
     cuts = [flat.size * j // n for j in range(n + 1)]
     wire = dtype_to_wire(flat.dtype)
     item = flat.dtype.itemsize

@@ -184,6 +184,14 @@ class Primitives:
         two nodes with the same non-empty key map each other's segments; "" without shared memory."""
         return self._session._host_key
 
+    @property
+    def data_plane_kind(self) -> str:
+        """The data plane this node runs (``Config.data_plane``): ``tcp`` (the kernel's sockets)
+        or ``ucx``."""
+        from ..dataplane.tcp import TcpDataPlane
+
+        return "tcp" if isinstance(self._data, TcpDataPlane) else "ucx"
+
     def lend_unlisted(self, obj: LocalObject) -> None:
         """Serve ``obj`` (memory the caller owns, filling or complete) to pulls that name its id
         (:meth:`pull_unlisted`), without telling the directory: no reader finds it by a lookup
