@@ -152,7 +152,8 @@ class Config:
             once, the results read straight from it), ``auto``: ``direct`` when no two members
             share a host's memory and all run the TCP data plane, else ``ring`` (whose
             reductions the directory turns into one host's shared memory; UCX's RDMA and device
-            transports are not measured with the direct ring yet) (bench/pages/collectives.md#the-direct-ring).
+            transports are not measured with the direct ring yet;
+            bench/pages/collectives.md#the-direct-ring).
             ``ring`` and ``star`` may be mixed, each shard's schedule its own member's; a group
             takes ``direct`` only where no member asks for one of those.
         allreduce_shard_bytes: A group's allreduce of at least this many bytes (C-contiguous)

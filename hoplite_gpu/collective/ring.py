@@ -52,6 +52,10 @@ class Peer(NamedTuple):
     port: int
 
 
+#: The most pulls a member of a direct ring runs at once (``MAX_IDLE_PER_PEER`` of the TCP plane:
+#: each has its connection, kept for the next round).
+PULLS_AT_ONCE = 8
+
 #: The most memory a group keeps between direct rings for the running sums it receives.
 SPARE_BYTES = 256 << 20
 
@@ -132,7 +136,8 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
     async def pull(obj: LocalObject) -> None:
         try:
             try:
-                await node.pull_unlisted(host, port, obj)
+                async with window:
+                    await node.pull_unlisted(host, port, obj)
             except (TransportError, ObjectNotFoundError) as exc:
                 # The member before (or one before it, which withdrew what it served) failed or
                 # died: a watched group waits for the directory's word (MemberLostError).
@@ -148,32 +153,18 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
     async def reduce_step(s: int) -> None:
         # Sum of chunk me - s over members me - s .. me, written over this member's chunk; the
         # last step's (s = N-1) is the whole sum of chunk me + 1, read by the successor first.
-        mine = region(me - s)
+        mine, inbox, scratch = region(me - s), inboxes[s - 1], scratches[s - 1]
         last = s == n - 1
         out = local(all_id(me - s) if last else sum_id(me - s, s), mine, 0, True)
-        scratch = spare[s - 1][: mine.nbytes].view(mine.dtype)
-        inbox = local(sum_id(me - s, s - 1), scratch, 0, False)
-        pulling = asyncio.ensure_future(pull(inbox))
-        try:
-            pos = 0
-            while pos < mine.size:
-                await inbox.wait_progress(min(pos + step, mine.size) * item, stall)
-                end = min(mine.size, inbox.progress // item)
-                part = mine[pos:end]
-                reduce_chunk(op, part, [scratch[pos:end]], part, n if last else 0)
-                out.advance(end * item)
-                pos = end
-            await pulling
-        finally:
-            if not pulling.done():
-                pulling.cancel()
-                await asyncio.gather(pulling, return_exceptions=True)
-
-    async def gather_step(t: int) -> None:
-        # The whole sum of chunk me + 1 - t, into the caller's array, served on unless the
-        # successor computed it itself (t = N-1).
-        obj = local(all_id(me + 1 - t), region(me + 1 - t), 0, t < n - 1)
-        await pull(obj)
+        pos = 0
+        while pos < mine.size:
+            await inbox.wait_progress(min(pos + step, mine.size) * item, stall)
+            end = min(mine.size, inbox.progress // item)
+            part = mine[pos:end]
+            reduce_chunk(op, part, [scratch[pos:end]], part, n if last else 0)
+            out.advance(end * item)
+            pos = end
+        await pulls[s - 1]
 
     lent: list[LocalObject] = []
     # Where the running sums land before they are added in: reused from round to round (fresh
@@ -183,9 +174,19 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
     kept, g._spare = g._spare, []
     spare = [b if b.nbytes >= most else np.empty(most, np.uint8) for b in kept[: n - 1]]
     spare += [np.empty(most, np.uint8) for _ in range(n - 1 - len(spare))]
-    local(sum_id(me, 0), region(me), region(me).nbytes, n > 1)  # step 0: own chunk me
+    scratches = [spare[s - 1][: region(me - s).nbytes].view(flat.dtype) for s in range(1, n)]
+    # At most PULLS_AT_ONCE pulls from the member before, taken in the ring's order (each waits
+    # for the one before it anyway): a connection each, kept between rounds.
+    window = asyncio.Semaphore(PULLS_AT_ONCE)
+    pulls: list[asyncio.Future[None]] = []
     try:
-        await all_or_cancel([*(reduce_step(s) for s in range(1, n)), *(gather_step(t) for t in range(1, n))])
+        local(sum_id(me, 0), region(me), region(me).nbytes, n > 1)  # step 0: own chunk me
+        inboxes = [local(sum_id(me - s, s - 1), scratches[s - 1], 0, False) for s in range(1, n)]
+        # The whole sums into the caller's array, served on but for the one the successor
+        # computed itself (t = N-1).
+        gathered = [local(all_id(me + 1 - t), region(me + 1 - t), 0, t < n - 1) for t in range(1, n)]
+        pulls = [asyncio.ensure_future(pull(obj)) for obj in (*inboxes, *gathered)]  # in this order
+        await all_or_cancel([*(reduce_step(s) for s in range(1, n)), _all_of(pulls[n - 1 :])])
         # The caller may write to its array once this returns: wait for the successor's reads.
         waits = [obj.wait_served(stall) for obj in lent]
         if not all(await asyncio.gather(*waits)):
@@ -195,6 +196,9 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
                 timeout=stall,
             )
     except BaseException as exc:
+        for task in pulls:
+            task.cancel()
+        await asyncio.gather(*pulls, return_exceptions=True)
         error = exc if isinstance(exc, HopliteError) else ObjectDeletedError(f"allreduce #{seq} stopped")
         await _withdraw(node, lent, error, stall)
         raise
@@ -208,3 +212,7 @@ async def _withdraw(node: Any, lent: list[LocalObject], error: HopliteError | No
     stop (failed) before this returns."""
     node.withdraw([], lent, error)
     await asyncio.gather(*(obj.wait_unserved(stall) for obj in lent))
+
+
+async def _all_of(tasks: list[asyncio.Future[None]]) -> None:
+    await asyncio.gather(*tasks)
