@@ -158,7 +158,8 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
         out = local(all_id(me - s) if last else sum_id(me - s, s), mine, 0, True)
         pos = 0
         while pos < mine.size:
-            await inbox.wait_progress(min(pos + step, mine.size) * item, stall)
+            # No time-out of its own: the pull ends within stall_timeout of no progress.
+            await inbox.wait_progress(min(pos + step, mine.size) * item, None)
             end = min(mine.size, inbox.progress // item)
             part = mine[pos:end]
             reduce_chunk(op, part, [scratch[pos:end]], part, n if last else 0)
@@ -187,13 +188,16 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
         gathered = [local(all_id(me + 1 - t), region(me + 1 - t), 0, t < n - 1) for t in range(1, n)]
         pulls = [asyncio.ensure_future(pull(obj)) for obj in (*inboxes, *gathered)]  # in this order
         await all_or_cancel([*(reduce_step(s) for s in range(1, n)), _all_of(pulls[n - 1 :])])
-        # The caller may write to its array once this returns: wait for the successor's reads.
-        waits = [obj.wait_served(stall) for obj in lent]
-        if not all(await asyncio.gather(*waits)):
+        # The caller may write to its array once this returns: wait for the successor's reads,
+        # long enough for the directory to declare a hung successor lost (a watched group then
+        # raises MemberLostError) before this gives up.
+        cfg = node.config
+        patience = stall + cfg.lease_timeout + cfg.heartbeat_interval
+        if not all(await asyncio.gather(*(obj.wait_served(patience) for obj in lent))):
             raise HopliteTimeoutError(
-                f"the successor did not read this member's part of allreduce #{seq} within {stall} s",
+                f"the successor did not read this member's part of allreduce #{seq} within {patience} s",
                 operation="allreduce",
-                timeout=stall,
+                timeout=patience,
             )
     except BaseException as exc:
         for task in pulls:
