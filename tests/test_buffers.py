@@ -238,3 +238,21 @@ def test_a_buffer_held_only_by_a_reference_cycle_is_collected_and_reused() -> No
         assert pool.collections == 2 and pool.reused == 1
     finally:
         gc.enable()
+
+
+def test_a_joined_buffer_is_its_pieces_back_to_back_and_moves_within_one() -> None:
+    pieces = [np.arange(n, dtype=np.uint8) for n in (5, 1, 10)]
+    buf = Buffer.joined(pieces)
+    assert buf.nbytes == 16 and buf.ends == (5, 6, 16) and buf.kind is BufferKind.PRIVATE
+    assert [buf.piece_end(p) for p in (0, 4, 5, 6, 15)] == [5, 5, 6, 16, 16]
+    view = buf.view(7, 9)
+    view[:] = 99  # the pieces' own memory
+    assert pieces[2][1:3].tolist() == [99, 99] and buf.host_chunk(5, 6).tolist() == [0]
+    with pytest.raises(InvalidArgumentError, match="span"):
+        buf.view(4, 6)
+    assert buf.array.size == 0  # no whole view: whoever reads a whole buffer fails at once
+    plain = Buffer.wrap(np.zeros(8, np.uint8))
+    assert plain.piece_end(3) == 8
+    for bad in ([], [np.zeros(0, np.uint8)], [np.zeros(4, np.float32)], [np.zeros((2, 2), np.uint8)]):
+        with pytest.raises(InvalidArgumentError):
+            Buffer.joined(bad)

@@ -339,3 +339,48 @@ def test_close_is_idempotent_and_a_closed_plane_serves_nothing(kind: str) -> Non
         both.pull(into)
     _run(both.client.close())
     _run(both.client.close())
+
+
+def test_a_pull_between_joined_pieces_sees_each_chunk_in_one_piece(kind: str) -> None:
+    # What the direct ring streams: several arrays back to back as one object, on both sides,
+    # chunks of the size the puller asks for (clipped at the pieces' ends), each seen by the
+    # puller's callback before the progress covers it; a coroutine waiting for bytes wakes.
+    both = _pair(kind)
+    try:
+        sizes = [MiB + 100, 96 * 1024 + 4, 2 * MiB]
+        src = [_source(n, seed) for seed, n in enumerate(sizes)]
+        total = sum(sizes)
+        holder = LocalObject(hg.ObjectID.random(), total, "|u1", (total,), b"", Buffer.joined(src))
+        holder.advance(total)
+        both.hold(holder)
+        dst = [np.zeros(n, np.uint8) for n in sizes]
+        into = LocalObject(holder.object_id, total, "|u1", (total,), b"", Buffer.joined(dst))
+        seen: list[tuple[int, int, int]] = []
+
+        def on_chunk(start: int, end: int) -> None:
+            seen.append((start, end, into.progress))
+
+        async def pull_and_wait() -> None:
+            pulling = asyncio.ensure_future(
+                both.client.pull("127.0.0.1", both.port, into, 1, on_chunk=on_chunk, chunk_bytes=512 * 1024)
+            )
+            await into.wait_progress(sizes[0] + 1, 20)  # into the second piece
+            await pulling
+
+        _run(pull_and_wait())
+        assert all(np.array_equal(d, s) for d, s in zip(dst, src, strict=True))
+        ends = list(into.buffer.ends)
+        assert [(a, b) for a, b, _ in seen] == _chunks(ends, 512 * 1024)
+        assert all(progress <= a for a, _, progress in seen)  # seen before the progress covered it
+        assert into.complete
+    finally:
+        both.close()
+
+
+def _chunks(ends: list[int], chunk: int) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for end in ends:
+        while pos < end:
+            out.append((pos, min(pos + chunk, end)))
+            pos = out[-1][1]
+    return out

@@ -152,6 +152,47 @@ def test_a_thread_waits_for_progress_made_on_the_loop_and_hears_failures() -> No
     asyncio.run(main())
 
 
+def test_progress_made_on_a_thread_wakes_coroutines_and_threads_that_wait_for_it() -> None:
+    import asyncio
+    import threading
+
+    import hoplite_gpu as hg
+    from hoplite_gpu.memory.store import LocalObject
+
+    size = 1 << 20
+    obj = LocalObject(hg.ObjectID.random(), size, "|u1", (size,), b"", Buffer.wrap(np.empty(size, np.uint8)))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        failure = obj.failure()  # watched until the object fails: never woken by progress
+        in_thread = loop.run_in_executor(None, obj.wait_progress_from_thread, 3 * 4096, 10.0)
+        on_loop = asyncio.ensure_future(obj.wait_progress(2 * 4096, 10.0))
+        while not obj._thread_waits or len(obj._waiters) < 2:  # both wait (no sleep-based timing)
+            await asyncio.sleep(0.001)
+
+        def advance() -> None:
+            for k in range(1, 5):
+                obj.advance_from_thread(k * 4096, loop)
+            obj.advance_from_thread(k * 4096 - 1, loop)  # never backwards
+
+        await loop.run_in_executor(None, advance)
+        await asyncio.wait_for(asyncio.gather(in_thread, on_loop), 5)
+        assert obj.progress == 4 * 4096 and not failure.done()
+        # A coroutine that starts waiting while a thread advances is never left waiting: the
+        # waiter is added before the progress is read again.
+        racing = threading.Thread(
+            target=lambda: [obj.advance_from_thread(p, loop) for p in range(5 * 4096, size + 1, 4096)]
+        )
+        racing.start()
+        for need in range(5 * 4096, size + 1, 4096):
+            await asyncio.wait_for(obj.wait_progress(need, 10.0), 5)
+        racing.join(5)
+        assert obj.complete
+        obj.forget_failure(failure)
+
+    asyncio.run(main())
+
+
 def test_the_pulls_served_from_an_object_are_counted_and_waited_for() -> None:
     import asyncio
 

@@ -8,10 +8,19 @@ name only it. ``tests/test_dataplane_contract.py`` runs one suite of tests again
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..memory import LocalObject
+
+#: Called as each chunk of a pull lands, with its byte range ``(start, end)``, before the
+#: object's progress covers it: work on the bytes while they are in cache (a ring's reduction).
+#: It runs on the thread that received them (the TCP plane's worker, the UCX plane's loop), so it
+#: must not touch the loop's objects; what it raises fails the pull. A pull given one advances the
+#: progress on that thread too (``LocalObject.advance_from_thread``): the loop then wakes only for
+#: coroutines that wait for the bytes, and reads a progress that moves between its steps.
+ChunkCallback = Callable[[int, int], None]
 
 
 @runtime_checkable
@@ -59,10 +68,15 @@ class DataPlane(Protocol):
         obj: LocalObject,
         transfer_id: int,
         abort: asyncio.Future[None] | None = None,
+        on_chunk: ChunkCallback | None = None,
+        chunk_bytes: int = 0,
     ) -> None:
         """Stream ``obj`` from the peer at ``host:port`` into ``obj.buffer``, from ``obj.progress``
         on, advancing the progress as bytes land (readers of a partial copy go on meanwhile); the
         peer may itself still be filling it. The get's way to copy an object from another node.
+        ``on_chunk`` (a :data:`ChunkCallback`) sees each chunk land before the progress covers it.
+        ``chunk_bytes`` asks for chunks of that size (within the plane's bounds) instead of the
+        plane's choice from the link's measured rate (``Config.adaptive_chunks``).
 
         Raises:
             ObjectNotFoundError: the peer does not hold the object.
@@ -75,4 +89,4 @@ class DataPlane(Protocol):
         ...
 
 
-__all__ = ["DataPlane"]
+__all__ = ["ChunkCallback", "DataPlane"]

@@ -96,8 +96,11 @@ class PlaneBase:
         task.add_done_callback(self._serving.discard)
         return task
 
-    def chunk_size(self, address: str) -> int:
-        """Chunk size for the next pull from ``address`` (see ``Config.adaptive_chunks``)."""
+    def chunk_size(self, address: str, asked: int = 0) -> int:
+        """Chunk size for the next pull from ``address``: ``asked`` within the wire's bounds, or
+        with 0, the plane's choice (see ``Config.adaptive_chunks``)."""
+        if asked:
+            return max(MIN_WIRE_CHUNK, min(asked, MAX_WIRE_CHUNK))
         return self.rates.chunk_size(address)
 
 

@@ -36,6 +36,7 @@ from ..errors import AuthenticationError, HopliteError, PeerLostError, Transport
 from ..faults import INJECTOR
 from ..memory import LocalObject, LocalStore, through_file, write_at
 from ..object_id import ObjectID
+from .base import ChunkCallback
 from .shared import MIN_WIRE_CHUNK, PlaneBase, ServeCallback, pull_status, refusal, unreachable
 from .sockets import (
     WORKERS,
@@ -270,7 +271,7 @@ class TcpDataPlane(PlaneBase):
         oid_hex = obj.object_id.hex()
         send_all(sock, header)
         while pos < obj.size:
-            end = min(pos + chunk, obj.size)
+            end = min(pos + chunk, obj.size, obj.buffer.piece_end(pos))
             if faults:
                 INJECTOR.check("serve", oid_hex, pos, obj.size)
                 cut = INJECTOR.next_offset("serve", oid_hex, pos, obj.size)
@@ -422,16 +423,19 @@ class TcpDataPlane(PlaneBase):
         obj: LocalObject,
         transfer_id: int,
         abort: asyncio.Future[None] | None = None,
+        on_chunk: ChunkCallback | None = None,
+        chunk_bytes: int = 0,
     ) -> None:
         """The contract of :meth:`hoplite_gpu.dataplane.base.DataPlane.pull`, on a worker
-        thread: progress advances by steps of at most :data:`MAX_STEP`; ``abort`` failing (or the
-        object failing) shuts the socket, which ends the worker's receive at once."""
+        thread (``on_chunk`` too): progress advances by steps of at most :data:`MAX_STEP`;
+        ``abort`` failing (or the object failing) shuts the socket, which ends the worker's
+        receive at once."""
         cfg = self.config
         address = f"{host}:{port}"
         sock = await self._connection_unless(host, port, address, obj, abort)
         loop = asyncio.get_running_loop()
         start = obj.progress
-        chunk = min(self.chunk_size(address), MAX_STEP)
+        chunk = min(self.chunk_size(address, chunk_bytes), MAX_STEP)
         request = p.PULL_REQUEST.pack(
             p.PULL_MAGIC, p.PROTOCOL_VERSION, transfer_id, start, chunk, obj.object_id.binary()
         )
@@ -449,7 +453,7 @@ class TcpDataPlane(PlaneBase):
             INJECTOR.check("receive", obj.object_id.hex(), start, obj.size)
         started = time.monotonic()
         reusable = False
-        work = WORKERS.run(lambda: self._receive(loop, sock, request, obj, start, chunk))
+        work = WORKERS.run(lambda: self._receive(loop, sock, request, obj, start, chunk, on_chunk))
         try:
             try:
                 status, whole, size = await asyncio.shield(work)
@@ -510,9 +514,11 @@ class TcpDataPlane(PlaneBase):
         obj: LocalObject,
         pos: int,
         chunk: int,
+        on_chunk: ChunkCallback | None,
     ) -> tuple[int, int, int]:
-        """On a worker thread: the request, the header, the bytes into the object (progress
-        advanced on the loop as each chunk lands), the ack. Returns the header's three fields."""
+        """On a worker thread: the request, the header, the bytes into the object (``on_chunk``
+        called and the progress advanced as each chunk lands), the ack. Returns the header's
+        three fields."""
         blocking_with_timeouts(sock, self.config.stall_timeout)
         send_all(sock, request)
         header = bytearray(p.PULL_RESPONSE.size)
@@ -528,7 +534,7 @@ class TcpDataPlane(PlaneBase):
         bounce = np.empty(chunk, np.uint8) if backend is None and through_file(buffer.array) else None
         oid_hex = obj.object_id.hex()
         while pos < obj.size:
-            end = min(pos + chunk, obj.size)
+            end = min(pos + chunk, obj.size, buffer.piece_end(pos))
             if bounce is not None:
                 recv_exact(sock, flat(bounce[: end - pos]))
                 write_at(buffer.array, pos, bounce[: end - pos])
@@ -539,7 +545,11 @@ class TcpDataPlane(PlaneBase):
                 recv_exact(sock, flat(staged))
                 backend.from_host(buffer.view(pos, end), staged)
                 self.staged_received += end - pos
-            loop.call_soon_threadsafe(obj.advance, end)
+            if on_chunk is None:
+                loop.call_soon_threadsafe(obj.advance, end)
+            else:  # the caller works on the thread: no wake-up of the loop per chunk
+                on_chunk(pos, end)
+                obj.advance_from_thread(end, loop)
             if INJECTOR.armed:
                 INJECTOR.check("receive", oid_hex, end, obj.size)
             pos = end

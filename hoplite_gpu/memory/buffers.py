@@ -14,13 +14,15 @@ memory and segments.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import gc
+import itertools
 import mmap
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +101,26 @@ class Buffer:
     device_backend: DeviceBackend | None = None
     ticket: Ticket | None = None
     lease: Opened | None = None
+    # A buffer made of pieces (:meth:`joined`): their arrays in order and where each ends in it.
+    pieces: tuple[Any, ...] = ()
+    ends: tuple[int, ...] = ()
+
+    @classmethod
+    def joined(cls, pieces: Sequence[np.ndarray[Any, Any]]) -> Buffer:
+        """One buffer whose bytes are those of ``pieces`` (non-empty flat ``uint8`` host arrays,
+        any memory) back to back, in place: what the data planes stream from or into several
+        arrays as one object. A range they move lies within one piece (:meth:`piece_end`);
+        :attr:`array` is empty, so code that reads a whole buffer fails instead of reading it."""
+        if not pieces or any(p.ndim != 1 or p.dtype != np.uint8 or not p.nbytes for p in pieces):
+            raise InvalidArgumentError("pieces must be non-empty flat uint8 arrays", argument="pieces")
+        ends = tuple(itertools.accumulate(int(p.nbytes) for p in pieces))
+        return cls(np.empty(0, np.uint8), BufferKind.PRIVATE, pieces=tuple(pieces), ends=ends)
+
+    def piece_end(self, pos: int) -> int:
+        """Where the piece holding byte ``pos`` ends (the buffer's end but for :meth:`joined`)."""
+        if not self.pieces:
+            return self.nbytes
+        return self.ends[bisect.bisect_right(self.ends, pos)]
 
     @classmethod
     def wrap(
@@ -130,7 +152,7 @@ class Buffer:
     @property
     def nbytes(self) -> int:
         """Size in bytes."""
-        return int(self.array.nbytes)
+        return self.ends[-1] if self.pieces else int(self.array.nbytes)
 
     @property
     def page_locked(self) -> bool:
@@ -176,7 +198,14 @@ class Buffer:
         return self.array  # type: ignore[no-any-return]
 
     def view(self, start: int, end: int) -> Any:
-        """Bytes ``[start, end)`` as an array of the same memory (what a transfer sends or fills)."""
+        """Bytes ``[start, end)`` as an array of the same memory (what a transfer sends or fills;
+        within one piece of a :meth:`joined` buffer)."""
+        if self.pieces:
+            i = bisect.bisect_right(self.ends, start)
+            base = self.ends[i - 1] if i else 0
+            if end > self.ends[i]:
+                raise InvalidArgumentError(f"bytes {start}..{end} span two pieces", argument="end")
+            return self.pieces[i][start - base : end - base]
         return self.array[start:end]
 
     def host_chunk(self, start: int, end: int) -> np.ndarray[Any, Any]:
@@ -185,7 +214,7 @@ class Buffer:
         which sends host memory only; its window of chunks in flight keeps the copies of the next
         chunks running while earlier ones are on the wire)."""
         if self.kind in HOST_KINDS:
-            return self.array[start:end]  # type: ignore[no-any-return]
+            return self.view(start, end)  # type: ignore[no-any-return]
         return self.backend.host_copy(self.array[start:end])
 
     def to_host(self) -> np.ndarray[Any, Any]:

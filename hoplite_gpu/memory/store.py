@@ -129,6 +129,26 @@ class LocalObject:
         if progress <= self.progress:
             return
         self.progress = min(progress, self.size)
+        self._settle()
+
+    def advance_from_thread(self, progress: int, loop: asyncio.AbstractEventLoop) -> None:
+        """:meth:`advance` from a thread other than the loop's (a data-plane worker that landed
+        the bytes): threads waiting are woken at once, and the loop only if a coroutine waits for
+        these bytes (bench/pages/collectives.md#one-stream-per-round). For objects whose progress
+        no code on the loop reads between its steps expecting it still; one thread advances an
+        object at a time."""
+        if progress <= self.progress:
+            return
+        self.progress = progress = min(progress, self.size)
+        # Set before the waiters are read; wait_progress adds its waiter before it reads the
+        # progress again, so one of the two sees the other.
+        if any(need <= progress for need, _ in self._waiters):
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._settle)
+        self._wake_threads()
+
+    def _settle(self) -> None:
+        """Wake the waiters that the progress satisfies."""
         keep = []
         for need, fut in self._waiters:
             if need <= self.progress:
@@ -258,6 +278,8 @@ class LocalObject:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((min(need, self.size), fut))
+        if self.progress >= min(need, self.size):  # advanced from a thread meanwhile
+            fut.set_result(None)
         try:
             await bounded(fut, timeout)
         except asyncio.TimeoutError:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import protocol as p
 from ..config import Config
-from ..dataplane.base import DataPlane
+from ..dataplane.base import ChunkCallback, DataPlane
 from ..errors import HopliteError, HopliteTimeoutError, InvalidArgumentError, ObjectDeletedError
 from ..iothread import IOThread
 from ..memory import LocalObject, LocalStore, write_at
@@ -199,12 +199,21 @@ class Primitives:
         I/O thread (:attr:`io`)."""
         self._store.add(obj)
 
-    async def pull_unlisted(self, host: str, port: int, obj: LocalObject) -> None:
+    async def pull_unlisted(
+        self,
+        host: str,
+        port: int,
+        obj: LocalObject,
+        on_chunk: ChunkCallback | None = None,
+        chunk_bytes: int = 0,
+    ) -> None:
         """Fill ``obj`` (not in this node's store) from the node whose data plane is at
         ``host:port``, which holds an object of that id (listed or lent unlisted), as its bytes
-        come, advancing ``obj``'s progress; the directory hears nothing of it. Raises as
+        come, advancing ``obj``'s progress (``on_chunk`` sees each chunk first, on the thread
+        that received it: see :data:`~hoplite_gpu.dataplane.base.ChunkCallback`); the directory
+        hears nothing of it; ``chunk_bytes`` as that method's. Raises as
         :meth:`hoplite_gpu.dataplane.base.DataPlane.pull` does. Call it on the I/O thread."""
-        await self._data.pull(host, port, obj, 0)
+        await self._data.pull(host, port, obj, 0, on_chunk=on_chunk, chunk_bytes=chunk_bytes)
 
     def add_rejoin_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` whenever this node rejoins a restarted directory, on the I/O thread

@@ -35,6 +35,7 @@ from ...faults import INJECTOR
 from ...iothread import forget
 from ...memory import LocalObject, LocalStore
 from ...object_id import ObjectID
+from ..base import ChunkCallback
 from ..shared import PlaneBase, ServeCallback, pull_status, refusal, unreachable
 from .loading import check_features, ucxx_module
 from .settings import ucx_cuda
@@ -307,7 +308,7 @@ class UcxDataPlane(PlaneBase):
         faults = INJECTOR.armed
         try:
             while pos < obj.size:
-                end = min(pos + chunk, obj.size)
+                end = min(pos + chunk, obj.size, obj.buffer.piece_end(pos))
                 if faults:
                     INJECTOR.check("serve", obj.object_id.hex(), pos, obj.size)
                     cut = INJECTOR.next_offset("serve", obj.object_id.hex(), pos, obj.size)
@@ -448,20 +449,22 @@ class UcxDataPlane(PlaneBase):
         obj: LocalObject,
         transfer_id: int,
         abort: asyncio.Future[None] | None = None,
+        on_chunk: ChunkCallback | None = None,
+        chunk_bytes: int = 0,
     ) -> None:
         """Stream ``obj`` from a peer into ``obj.buffer``, starting at ``obj.progress``.
 
         Advances ``obj.progress`` as chunks land (in order), so this node can serve the bytes it has
-        to others while it is still receiving. Raises :class:`TransportError` subclasses on failure
-        (the bytes already received stay valid and a later pull resumes after them). Failing
-        ``abort`` stops it with that error.
+        to others while it is still receiving (``on_chunk`` sees each first, on the loop). Raises
+        :class:`TransportError` subclasses on failure (the bytes already received stay valid and a
+        later pull resumes after them). Failing ``abort`` stops it with that error.
         """
         cfg = self.config
         peer = await self._peer(host, port)
         address = peer.address
         ep = peer.ep
         start = obj.progress
-        chunk = self.chunk_size(address)
+        chunk = self.chunk_size(address, chunk_bytes)
         request = p.PULL_REQUEST.pack(
             p.PULL_MAGIC, p.PROTOCOL_VERSION, transfer_id, start, chunk, obj.object_id.binary()
         )
@@ -482,7 +485,7 @@ class UcxDataPlane(PlaneBase):
         def post_chunks() -> None:
             nonlocal pos
             while pos < obj.size and len(window) < cfg.chunks_in_flight:
-                end = min(pos + chunk, obj.size)
+                end = min(pos + chunk, obj.size, obj.buffer.piece_end(pos))
                 tag = p.chunk_tag(transfer_id, pos, end)
                 if backend is None:
                     target = obj.buffer.view(pos, end)
@@ -525,6 +528,8 @@ class UcxDataPlane(PlaneBase):
                     begin, host_bytes = staged.pop(end)
                     backend.from_host(obj.buffer.view(begin, end), host_bytes)
                     self.staged_received += end - begin
+                if on_chunk is not None:
+                    on_chunk(obj.progress, end)
                 obj.advance(end)
                 if INJECTOR.armed:
                     INJECTOR.check("receive", obj.object_id.hex(), obj.progress, obj.size)
