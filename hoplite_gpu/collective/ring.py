@@ -1,39 +1,42 @@
 """The direct ring: a group's allreduce passed member to member over the data plane, with no
 message to the directory once each member knows its predecessor's data-plane address.
 
-The array is cut into one chunk per member. In the reduce-scatter, member ``m`` pulls from its
-predecessor the running sum of chunk ``m - s`` (step ``s = 1 .. N-1``) and adds its own chunk
-into it, in place in the caller's array, chunk by chunk as the bytes land; its successor pulls
-that sum from it while it is being computed. After ``N-1`` steps member ``m`` holds the whole
-sum of chunk ``m + 1``; in the allgather each member pulls the sums from its predecessor
-straight into its array, and its successor pulls them on from it while they land. Every byte
-goes from a member to the next, ``2 (N-1)/N`` of the array each way on every link, like Gloo's
-ring, and the only control is the data plane's pull requests.
+The array is cut into one chunk per member. Each round, every member makes one pull from the
+member before it, of one object that member lends: the bytes it sends its successor, in order.
+In the reduce-scatter, member ``m`` receives the running sum of chunk ``m - s`` (step
+``s = 1 .. N-1``) and adds its own chunk into it, in place in the caller's array, piece by piece
+on the thread that received the piece; what it has summed is at once the next part of what it
+serves its successor. After ``N-1`` steps member ``m`` holds the whole sum of chunk ``m + 1``; in
+the allgather the whole sums arrive on the same stream straight into the caller's array, and go
+on to the successor as they land. Every byte goes from a member to the next on one connection,
+``2 (N-1)/N`` of the array each way on every link, like Gloo's ring; the only control is one pull
+request per member and round, and the event loop wakes once per round, not once per piece.
 
 Nothing of it is known to the directory, so nothing of it can be repaired: a member that dies
-fails the call (``MemberLostError`` at once in a watched group, or a data-plane error or timeout
-otherwise), as a member lost in the directory's ring does. Overwriting the caller's array in
+fails the call (``MemberLostError`` in a watched group, ``ObjectLostError`` otherwise), as a
+member lost in the directory's ring does. Overwriting the caller's array in
 place is safe because of causality: the sum of a chunk reaches a member only after its
 successor has read that member's bytes of the chunk that the sum overwrites."""
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..dtypes import dtype_to_wire
+from ..dataplane.base import ChunkCallback
 from ..errors import (
     HopliteError,
     HopliteTimeoutError,
     ObjectDeletedError,
     ObjectLostError,
     ObjectNotFoundError,
+    PeerLostError,
     TransportError,
-    as_hoplite_error,
 )
-from ..iothread import all_or_cancel
 from ..memory import Buffer, LocalObject
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, reduce_chunk
@@ -52,12 +55,10 @@ class Peer(NamedTuple):
     port: int
 
 
-#: The most pulls a member of a direct ring runs at once (``MAX_IDLE_PER_PEER`` of the TCP plane:
-#: each has its connection, kept for the next round).
-PULLS_AT_ONCE = 8
-
-#: The most memory a group keeps between direct rings for the running sums it receives.
-SPARE_BYTES = 256 << 20
+#: The chunk a member asks its predecessor for (the TCP plane takes at most 2 MiB): one flow
+#: carries the whole round in order, so a chunk's wait is hidden behind what is already there,
+#: and fewer chunks cost less CPU (bench/pages/collectives.md#one-stream-per-round).
+RING_CHUNK_BYTES = 2 << 20
 
 
 async def ring_peers(g: Group, seq: int) -> list[Peer]:
@@ -110,105 +111,125 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
     at least one element per member) in place along the ring of members (:func:`ring_peers`)."""
     n, me = g.world_size, g.rank
     node = g.node
+    loop = asyncio.get_running_loop()
     stall = node.config.stall_timeout
     host, port = peers[(me - 1) % n].host, peers[(me - 1) % n].port
     cuts = [flat.size * j // n for j in range(n + 1)]
-    wire = dtype_to_wire(flat.dtype)
     item = flat.dtype.itemsize
-    step = max(1, node.config.reduce_chunk_bytes // item)
 
     def region(c: int) -> Any:
         return flat[cuts[c % n] : cuts[c % n + 1]]
 
-    def sum_id(c: int, k: int) -> ObjectID:  # chunk c summed over members c .. c + k
-        return g.object_id(seq, "ring-sum", c % n, k)
+    def stream(pieces: list[Any], oid: ObjectID, progress: int) -> LocalObject:
+        buffer = Buffer.joined([a.view(np.uint8) for a in pieces])
+        return LocalObject(oid, buffer.nbytes, "uint8", (buffer.nbytes,), b"", buffer, progress)
 
-    def all_id(c: int) -> ObjectID:  # the whole sum of chunk c (a copy on every member)
-        return g.object_id(seq, "ring-all", c % n)
-
-    def local(oid: ObjectID, arr: Any, progress: int, served: bool) -> LocalObject:
-        obj = LocalObject(oid, arr.nbytes, wire, (arr.size,), b"", Buffer.wrap(arr.view(np.uint8)), progress)
-        if served:  # pulled by the successor, which asks for it by its id
-            node.lend_unlisted(obj)
-            lent.append(obj)
-        return obj
-
-    async def pull(obj: LocalObject) -> None:
-        try:
-            try:
-                async with window:
-                    await node.pull_unlisted(host, port, obj)
-            except (TransportError, ObjectNotFoundError) as exc:
-                # The member before (or one before it, which withdrew what it served) failed or
-                # died: a watched group waits for the directory's word (MemberLostError).
-                raise ObjectLostError(
-                    f"allreduce #{seq}: rank {(me - 1) % n} at {host}:{port} could not serve "
-                    f"{obj.object_id}: {exc}",
-                    object_id=obj.object_id.hex(),
-                ) from exc
-        except BaseException as exc:  # wake whoever waits for its bytes
-            obj.fail(as_hoplite_error(exc, obj.object_id))
-            raise
-
-    async def reduce_step(s: int) -> None:
-        # Sum of chunk me - s over members me - s .. me, written over this member's chunk; the
-        # last step's (s = N-1) is the whole sum of chunk me + 1, read by the successor first.
-        mine, inbox, scratch = region(me - s), inboxes[s - 1], scratches[s - 1]
-        last = s == n - 1
-        out = local(all_id(me - s) if last else sum_id(me - s, s), mine, 0, True)
-        pos = 0
-        while pos < mine.size:
-            # No time-out of its own: the pull ends within stall_timeout of no progress.
-            await inbox.wait_progress(min(pos + step, mine.size) * item, None)
-            end = min(mine.size, inbox.progress // item)
-            part = mine[pos:end]
-            reduce_chunk(op, part, [scratch[pos:end]], part, n if last else 0)
-            out.advance(end * item)
-            pos = end
-        await pulls[s - 1]
-
-    lent: list[LocalObject] = []
-    # Where the running sums land before they are added in: reused from round to round (fresh
-    # memory costs a page fault per page), up to SPARE_BYTES a group.
+    # What this member sends its successor, in order: its own chunk, the running sum of step s
+    # (s = 1 .. N-1: chunk me - s over members me - s .. me, the last the whole sum of chunk
+    # me + 1), then the whole sums it relays. What it receives from its predecessor is the same
+    # for the member before: the running sums, then the whole sums straight into the caller's
+    # array, the last of which (chunk me + 2) goes no further.
+    out_pieces = [region(me - s) for s in range(n)] + [region(me + 1 - t) for t in range(1, n - 1)]
+    # A running sum is added in as each chunk of it lands, so it lands in a few chunk-sized
+    # buffers taken in turn (one per chunk a plane receives ahead, and one more), reused from
+    # round to round: little memory, fresh pages once, and the bytes still in cache when added.
     # Taken from the group while in use (the torch backend may run two at once).
-    most = max(cuts[c + 1] - cuts[c] for c in range(n)) * item
+    count = node.config.chunks_in_flight + 1  # (UCX receives that many ahead; TCP one)
+    size = min(RING_CHUNK_BYTES, max(region(me - s).nbytes for s in range(1, n)))
     kept, g._spare = g._spare, []
-    spare = [b if b.nbytes >= most else np.empty(most, np.uint8) for b in kept[: n - 1]]
-    spare += [np.empty(most, np.uint8) for _ in range(n - 1 - len(spare))]
-    scratches = [spare[s - 1][: region(me - s).nbytes].view(flat.dtype) for s in range(1, n)]
-    # At most PULLS_AT_ONCE pulls from the member before, taken in the ring's order (each waits
-    # for the one before it anyway): a connection each, kept between rounds.
-    window = asyncio.Semaphore(PULLS_AT_ONCE)
-    pulls: list[asyncio.Future[None]] = []
+    spare = [b for b in kept if b.nbytes >= size][:count]
+    spare += [np.empty(size, np.uint8) for _ in range(count - len(spare))]
+    in_pieces: list[Any] = []
+    steps: list[tuple[int, int]] = []  # for each piece: its step (0: a whole sum), its offset
+    for s in range(1, n):
+        for off in range(0, region(me - s).nbytes, RING_CHUNK_BYTES):
+            piece = min(RING_CHUNK_BYTES, region(me - s).nbytes - off)
+            in_pieces.append(spare[len(in_pieces) % count][:piece])
+            steps.append((s, off // item))
+    for t in range(1, n):
+        in_pieces.append(region(me + 1 - t))
+        steps.append((0, 0))
+    head, relayed = region(me).nbytes, sum(a.nbytes for a in in_pieces[:-1])
+    out = stream(out_pieces, g.object_id(seq, "ring-out", me), head)
+    inbox = stream(in_pieces, g.object_id(seq, "ring-out", (me - 1) % n), 0)
+    ends = inbox.buffer.ends
+    done = 0
+
+    def on_chunk(start: int, end: int) -> None:
+        # On the thread that received bytes [start, end) of the inbox (no wake-up of the loop),
+        # before the next chunk lands: add the running sums into this member's chunks, and let
+        # the successor have as much more of what this member sends.
+        nonlocal done
+        while done < end:
+            i = bisect.bisect_right(ends, done)
+            base = ends[i] - in_pieces[i].nbytes
+            stop = min(end, ends[i])
+            s, off = steps[i]
+            if s:  # a piece of the running sum of step s, added into chunk me - s
+                a, b = (done - base) // item, (stop - base) // item
+                if a == b:
+                    break  # part of an element: with the next bytes
+                mine, theirs = region(me - s)[off + a : off + b], in_pieces[i].view(flat.dtype)[a:b]
+                reduce_chunk(op, mine, [theirs], mine, n if s == n - 1 else 0)
+                stop = base + b * item
+            done = stop
+        out.advance_from_thread(head + min(done, relayed), loop)
+
+    lent = [out]
     try:
-        local(sum_id(me, 0), region(me), region(me).nbytes, n > 1)  # step 0: own chunk me
-        inboxes = [local(sum_id(me - s, s - 1), scratches[s - 1], 0, False) for s in range(1, n)]
-        # The whole sums into the caller's array, served on but for the one the successor
-        # computed itself (t = N-1).
-        gathered = [local(all_id(me + 1 - t), region(me + 1 - t), 0, t < n - 1) for t in range(1, n)]
-        pulls = [asyncio.ensure_future(pull(obj)) for obj in (*inboxes, *gathered)]  # in this order
-        await all_or_cancel([*(reduce_step(s) for s in range(1, n)), _all_of(pulls[n - 1 :])])
+        node.lend_unlisted(out)
+        try:
+            await _pull_waiting(g, host, port, inbox, on_chunk)
+        except (TransportError, ObjectNotFoundError) as exc:
+            # The member before failed or died (or withdrew what it served, as one before it
+            # did): a watched group waits for the directory's word (MemberLostError).
+            raise ObjectLostError(
+                f"allreduce #{seq}: rank {(me - 1) % n} at {host}:{port} could not serve "
+                f"{inbox.object_id}: {exc}",
+                object_id=inbox.object_id.hex(),
+            ) from exc
         # The caller may write to its array once this returns: wait for the successor's reads,
         # long enough for the directory to declare a hung successor lost (a watched group then
         # raises MemberLostError) before this gives up.
         cfg = node.config
         patience = stall + cfg.lease_timeout + cfg.heartbeat_interval
-        if not all(await asyncio.gather(*(obj.wait_served(patience) for obj in lent))):
+        if not await out.wait_served(patience):
             raise HopliteTimeoutError(
                 f"the successor did not read this member's part of allreduce #{seq} within {patience} s",
                 operation="allreduce",
                 timeout=patience,
             )
     except BaseException as exc:
-        for task in pulls:
-            task.cancel()
-        await asyncio.gather(*pulls, return_exceptions=True)
         error = exc if isinstance(exc, HopliteError) else ObjectDeletedError(f"allreduce #{seq} stopped")
         await _withdraw(node, lent, error, stall)
         raise
     await _withdraw(node, lent, None, stall)
-    if most * (n - 1) <= SPARE_BYTES:
-        g._spare = spare  # (not after a failure: a pull cut by it may still be landing bytes)
+    g._spare = spare  # (not after a failure: a pull cut by it may still be landing bytes)
+
+
+async def _pull_waiting(g: Group, host: str, port: int, inbox: LocalObject, on_chunk: ChunkCallback) -> None:
+    """Pull ``inbox`` from the member before, waiting for the ring up to the group's timeout
+    when a member is late (a straggler, busy elsewhere): the member before has not lent what it
+    sends yet (its data plane answers "not found" after ``stall_timeout`` of waiting for it), or
+    it waits for its own predecessor's bytes (the transfer stalls, and is cut): ask again, after
+    the bytes that landed. A member that took its part back (it failed) answers "not found" at
+    once, and one that died cannot be reached: that is final."""
+    node = g.node
+    loop = asyncio.get_running_loop()
+    stall = node.config.stall_timeout
+    limit = g.timeout if g.timeout is not None else node.config.default_get_timeout
+    deadline = loop.time() + limit if limit else math.inf
+    while True:
+        asked = loop.time()
+        try:
+            await node.pull_unlisted(host, port, inbox, on_chunk, RING_CHUNK_BYTES)
+            return
+        except ObjectNotFoundError:
+            if loop.time() - asked < stall / 2 or loop.time() >= deadline:
+                raise
+        except PeerLostError:
+            if loop.time() >= deadline:
+                raise
 
 
 async def _withdraw(node: Any, lent: list[LocalObject], error: HopliteError | None, stall: float) -> None:
@@ -216,7 +237,3 @@ async def _withdraw(node: Any, lent: list[LocalObject], error: HopliteError | No
     stop (failed) before this returns."""
     node.withdraw([], lent, error)
     await asyncio.gather(*(obj.wait_unserved(stall) for obj in lent))
-
-
-async def _all_of(tasks: list[asyncio.Future[None]]) -> None:
-    await asyncio.gather(*tasks)
