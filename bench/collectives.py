@@ -65,6 +65,18 @@ def check_result(op: str, rank: int, world: int, arr: Any, outs: list[Any]) -> N
             raise AssertionError(f"{op}: member {rank} got values in [{got.min()}, {got.max()}], not {value}")
 
 
+#: Seconds a member waits before each round's barrier (``netbench.py --idle``).
+IDLE_VAR = "HOPLITE_BENCH_IDLE"
+
+
+def idle_before_round() -> None:
+    """Wait :data:`IDLE_VAR` seconds: the emulated links' token buckets refill meanwhile (a
+    pause in the workload, not a synchronisation)."""
+    idle = float(os.environ.get(IDLE_VAR, "0") or 0)
+    if idle > 0:
+        time.sleep(idle)
+
+
 def group_op(op: str, arr: Any, group: Any, outs: Any = None, piece: Any = None) -> bool:
     """Run collective ``op`` of :mod:`hoplite_gpu.collective` on this member of ``group``:
     broadcast, reduce and gather rooted at rank 0; gather and allgather contribute ``piece``
@@ -124,6 +136,7 @@ def _member(
             sent: list[Any] = []
             for _ in range(rounds):
                 arr.fill(rank + 1)
+                idle_before_round()
                 coll.barrier(group)
                 for oid in sent:  # every member is past the barrier: the receiver has it
                     node.delete(oid)

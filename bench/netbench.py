@@ -30,6 +30,11 @@ and no CPU per byte (Ray's peer has no barrier and skips it).
 
 The link bandwidth is also measured in each run (one TCP stream between two hosts) and shown.
 
+The links are shaped with ``tc tbf``, whose bucket lets 10 ms of bytes through at once and refills
+at the link's rate: a system whose rounds follow each other more quickly starts each with less of
+it. ``--idle`` makes hoplite_gpu's and Gloo's members wait that long before each round's barrier,
+so both start every round with a full bucket.
+
 CPU per byte (``cpu_seconds``, ``cpu_s_per_gib``): user + system CPU seconds of a timed round,
 summed over the run's processes, per GiB of ``S``; the mean of the timed rounds. Each member counts
 its own from its start of the collective until a barrier after it has returned, so that what a
@@ -61,7 +66,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cluster import Cluster, ClusterUnavailable, link_throughput
-from bench.collectives import check_result, round_counts, round_cpu, round_times
+from bench.collectives import IDLE_VAR, check_result, idle_before_round, round_counts, round_cpu, round_times
 from bench.common import (
     CPU_PIDS_VAR,
     cpu_per_gib,
@@ -128,6 +133,7 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
             spans = []
             for _ in range(rounds):
                 t.fill_(rank + 1)
+                idle_before_round()
                 dist.barrier()
                 cpu, counted = cpu_seconds(), round_counters()
                 start = time.monotonic()
@@ -395,11 +401,20 @@ def main(argv: list[str] | None = None) -> int:
         help="hoplite nodes keep shared memory (Config.shared_memory, on by default on real hosts), "
         "each namespace tagged as its own host",
     )
+    ap.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="seconds hoplite_gpu's and Gloo's members wait before each round's barrier, so the links' "
+        "token buckets (tc tbf passes 10 ms of bytes at once) are full when every round starts, "
+        "whichever system's barrier is quicker",
+    )
     ap.add_argument("--json", help="also write the results to this file (and the table beside it, .md)")
     ap.add_argument("--plots", help="also draw one PNG per (N, op) into this directory (bench/plot.py)")
     args = ap.parse_args(argv)
     if args.shared_memory:
         HOST_ENV["HOPLITE_SHARED_MEMORY"] = "1"
+    HOST_ENV[IDLE_VAR] = str(args.idle)
     rate = parse_rate(args.rate)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     systems, ops = args.systems.split(","), args.ops.split(",")
