@@ -105,6 +105,31 @@ def test_a_member_that_starts_later_than_the_stall_timeout_still_gets_the_sum() 
             assert np.array_equal(w.result(), got)
 
 
+def test_a_reduction_that_fails_fails_the_call_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An error of the reduction on the receiving thread is final: the pull is not asked again
+    # (as a stalled one is), and every member hears of it well before the group's timeout.
+    from hoplite_gpu.collective import ring
+
+    n = 3
+    with _group(n, "direct-broken") as (_owner, group, workers):
+        shape = (1 << 18,)
+        _allreduce(group, workers, "float32", shape, 0, "sum")
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise ValueError("no such reduction")
+
+        monkeypatch.setattr(ring, "reduce_chunk", broken)  # the owner's only (rank 0)
+        for w in workers:
+            w.send("allreduce", group.name, "float32", shape, 1, "sum")
+        start = time.monotonic()
+        with pytest.raises(hg.HopliteError, match="the reduction failed"):
+            hg.collective.allreduce(make_array("float32", shape, 1), group)
+        for w in workers:
+            with pytest.raises(RuntimeError, match="Error"):
+                w.result(timeout=TIMEOUT / 2)
+        assert time.monotonic() - start < TIMEOUT / 3
+
+
 @pytest.mark.parametrize("signal", ["KILL", "STOP"])
 def test_a_member_killed_while_serving_its_running_sum_fails_every_survivor_typed(signal: str) -> None:
     # KILL: its connections close at once; STOP (a hung member): the others' pulls stall, and

@@ -170,7 +170,10 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
                 if a == b:
                     break  # part of an element: with the next bytes
                 mine, theirs = region(me - s)[off + a : off + b], in_pieces[i].view(flat.dtype)[a:b]
-                reduce_chunk(op, mine, [theirs], mine, n if s == n - 1 else 0)
+                try:
+                    reduce_chunk(op, mine, [theirs], mine, n if s == n - 1 else 0)
+                except Exception as exc:  # typed, so that the pull is not asked again
+                    raise HopliteError(f"allreduce #{seq}: the reduction failed: {exc}") from exc
                 stop = base + b * item
             done = stop
         out.advance_from_thread(head + min(done, relayed), loop)
