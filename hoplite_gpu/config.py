@@ -155,7 +155,9 @@ class Config:
             transports are not measured with the direct ring yet;
             bench/pages/collectives.md#the-direct-ring).
             ``ring`` and ``star`` may be mixed, each shard's schedule its own member's; a group
-            takes ``direct`` only where no member asks for one of those.
+            takes ``direct`` only where no member asks for one of those. A large
+            :func:`~hoplite_gpu.collective.reduce` follows the same choice: ``direct`` passes it
+            along a chain of the members to its root, the others through the directory's tree.
         allreduce_shard_bytes: A group's allreduce of at least this many bytes (C-contiguous)
             goes in shards, one per member; a smaller one as one reduce read as it is computed,
             whose time is latency (1-4 MiB: 1.2-1.9x faster that way on 4 hosts at 100 MB/s and
@@ -164,8 +166,9 @@ class Config:
             takes the direct ring where the members' schedules agree on it (see
             ``allreduce_schedule``), smaller ones the paths above (from 1 MiB the direct ring was
             1.2-1.5x faster than one reduce on 4 hosts at 100 MB/s, and as fast at 1 GB/s;
-            bench/pages/collectives.md#the-direct-ring). Every member of a group must
-            use the same.
+            bench/pages/collectives.md#the-direct-ring). So does a group's reduce of at least
+            this many bytes, by the direct chain (bench/pages/collectives.md#the-direct-chain-reduce).
+            Every member of a group must use the same.
     """
 
     chunk_bytes: int = 1 * MiB

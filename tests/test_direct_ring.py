@@ -1,8 +1,9 @@
 """The direct ring (``hoplite_gpu.collective.ring``) on real processes: members on hosts apart pass
-a large allreduce member to member over the data plane with no directory message per round;
-exact sums for every operator, size and group size; a member SIGKILLed half way through serving
-its running sum fails every survivor with a typed error and leaves nothing in their stores;
-members whose schedules differ agree on one."""
+a large allreduce, or a large reduce along a chain to its root, member to member over the data
+plane with no directory message per round; exact results for every operator, size and group
+size; a member SIGKILLed half way through serving its running sum fails every survivor (the
+reduce's root at least) with a typed error and leaves nothing in their stores; members whose
+schedules differ agree on one."""
 
 from __future__ import annotations
 
@@ -172,6 +173,88 @@ def test_a_member_killed_while_serving_its_running_sum_fails_every_survivor_type
         # Nothing of the ring stays in the owner's store (it lent its own array).
         ring = {group.object_id(seq, "ring-out", r) for r in range(n)}
         assert not [oid for oid in ring if owner._store.get(oid) is not None]
+
+
+def _reduce(group: Any, workers: list[Worker], shape: tuple[int, ...], seed: int, dst: int, op: str) -> Any:
+    """One reduce to ``dst`` on every member; ``dst``'s result (every other member's array is
+    returned unchanged), and nothing left in the owner's store."""
+    seq = group.seq
+    for w in workers:
+        w.send("reduce_to", group.name, "int64", shape, seed, dst, op)
+    mine = make_array("int64", shape, seed)
+    got = hg.collective.reduce(mine.copy(), dst, group, op)
+    results = [got] + [w.result() for w in workers]
+    for rank, result in enumerate(results):
+        if rank != dst:
+            assert np.array_equal(result, make_array("int64", shape, seed + rank)), rank
+    chain = {group.object_id(seq, "chain-out", r) for r in range(group.world_size)}
+    assert not [obj for obj in group.node._store.objects() if obj.object_id in chain]
+    held = [a for obj in group.node._store.objects() for a in (*obj.buffer.pieces, obj.buffer.array)]
+    assert not [a for a in held if isinstance(a, np.ndarray) and np.shares_memory(a, got)]
+    return results[dst]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_reduce_goes_member_to_member_to_its_root_exactly(n: int) -> None:
+    with _group(n, f"chain-{n}") as (owner, group, workers):
+        shape = (300_007,)  # several chunks, the last one short
+        inputs = np.stack([make_array("int64", shape, 3 + r) for r in range(n)])
+        for dst, op in zip(range(n), ("sum", "max", "min", "avg"), strict=False):
+            want = {
+                "sum": inputs.sum(0),
+                "max": inputs.max(0),
+                "min": inputs.min(0),
+                "avg": inputs.sum(0) // n,  # integers: truncated toward zero (non-negative here)
+            }[op]
+            assert np.array_equal(_reduce(group, workers, shape, 3, dst, op), want), (dst, op)
+        assert np.array_equal(_reduce(group, workers, shape, 3, n - 1, "prod"), inputs.prod(0))
+        assert goes_direct(group._peers)
+        # Once the members know each other a round sends the directory nothing.
+        before = _handled(owner)
+        for seed in range(3):
+            _reduce(group, workers, shape, seed, seed % n, "sum")
+        assert _handled(owner) == before
+
+
+def test_a_reduce_waits_for_a_root_later_than_the_stall_timeout() -> None:
+    # The root (a rank busy elsewhere) comes late: the members before it wait for it to read.
+    n = 3
+    with _group(n, "chain-late", stall_timeout=1.0) as (_owner, group, workers):
+        shape = (1 << 18,)
+        _reduce(group, workers, shape, 0, 0, "sum")  # the members learn each other
+        for w in workers:
+            w.send("reduce_to", group.name, "int64", shape, 7, 0, "sum")
+        time.sleep(2.5)  # the scenario, not a synchronisation: rank 0 comes 2.5 stall timeouts late
+        got = hg.collective.reduce(make_array("int64", shape, 7), 0, group)
+        assert np.array_equal(got, sum(make_array("int64", shape, 7 + r) for r in range(n)))
+        for rank, w in enumerate(workers, start=1):
+            assert np.array_equal(w.result(), make_array("int64", shape, 7 + rank))
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_member_killed_while_serving_its_partial_reduce_fails_the_root_typed(victim: int) -> None:
+    # A chain 1 -> 2 -> 3 -> 0: the first member or a middle one dies half way through serving
+    # what it sends; the root and the members after it fail typed, the root at once.
+    n = 4
+    quick = {"lease_timeout": 3.0, "stall_timeout": 3.0}
+    with _group(n, f"chain-kill-{victim}", watch=True, **quick) as (owner, group, workers):
+        shape = (1 << 19,)  # 4 MiB of int64
+        _reduce(group, workers, shape, 0, 0, "sum")  # the members learn each other
+        seq = group.seq
+        workers[victim - 1].call("arm", f"serve:{group.object_id(seq, 'chain-out', victim).hex()}:0.5:KILL")
+        for w in workers:
+            w.send("reduce_to", group.name, "int64", shape, 1, 0, "sum")
+        start = time.monotonic()
+        with pytest.raises(hg.MemberLostError) as caught:
+            hg.collective.reduce(make_array("int64", shape, 1), 0, group)
+        assert caught.value.lost_ranks == [victim]
+        assert time.monotonic() - start < TIMEOUT / 3, "the root must not wait for its timeout"
+        for rank in range(victim + 1, n):  # those after it in the chain
+            with pytest.raises(RuntimeError, match="MemberLostError"):
+                workers[rank - 1].result(timeout=TIMEOUT / 3)
+        assert not workers[victim - 1].proc.is_alive()
+        chain = {group.object_id(seq, "chain-out", r) for r in range(n)}
+        assert not [oid for oid in chain if owner._store.get(oid) is not None]
 
 
 def test_members_whose_schedules_differ_agree_on_the_directorys() -> None:

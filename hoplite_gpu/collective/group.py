@@ -112,6 +112,7 @@ class Group(Watching):
         self._acks: dict[tuple[int, int], ObjectID] = {}  # the last acknowledgement put, per (sender, tag)
         self._peers: list[Any] = []  # members' hosts and data planes (collective.ring)
         self._spare: list[Any] = []  # its receive buffers, kept for the next (collective.ring)
+        self._scratch: Any = None  # a direct reduce's partial sums, kept for the next (the same)
         # See _describe; an OrderedDict: point-to-point calls on other threads add to it too.
         self._described: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         self.destroyed = False  # see destroy

@@ -17,7 +17,7 @@ from ..memory import LocalObject
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op
 from .group import Group, _check_group, _check_rank
-from .ring import direct_allreduce, goes_direct, ring_peers
+from .ring import direct_allreduce, direct_reduce, goes_direct, ring_peers
 
 
 def broadcast(array: Any, src_rank: int, group: Group) -> Any:
@@ -42,13 +42,24 @@ def broadcast(array: Any, src_rank: int, group: Group) -> Any:
 def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
     """Reduce every member's ``array`` into ``array`` on ``dst_rank`` (in place); returns it.
 
-    Other members return as soon as their contribution is registered.
+    Other members' arrays are left as they are. Where no two members share a host's memory
+    (the same choice as :func:`allreduce`'s direct ring, ``Config.allreduce_schedule``), an array
+    of at least ``Config.allreduce_direct_bytes`` goes along a chain of the members in ring
+    order that ends at ``dst_rank``, member to member over the data plane, with no message to
+    the directory in a round (:func:`~hoplite_gpu.collective.ring.direct_reduce`): each other
+    member returns once the next has read its partial reduction, and a member that dies fails
+    the call (:class:`~hoplite_gpu.errors.MemberLostError` in a watched group); ``dst_rank``'s
+    array is then undefined. Otherwise each member puts its array and the directory shapes the
+    reduction's tree as they arrive: the other members return as soon as their contribution is
+    registered.
     """
     g = _check_group(group)
     _check_rank(g, dst_rank, "dst_rank")
     reduce_op = as_op(op)
     seq = g._next()
     inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
+    flat = memory.flat_view(array)
+    n = g.world_size
 
     async def run() -> Any:
         mine = g._put_own(seq, array, inputs[g.rank])
@@ -58,6 +69,19 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
             await g._reduce_into(seq, inputs, g.object_id(seq, "reduce-result"), reduce_op, array, mine)
         return array
 
+    async def chain() -> Any:
+        if not goes_direct(await ring_peers(g, seq)):
+            return await run()
+        # Device memory through a host copy, as the direct ring's.
+        host = flat if isinstance(flat, np.ndarray) else memory.to_host(flat).reshape(-1)
+        await direct_reduce(g, seq, host, reduce_op, g._peers, dst_rank)
+        if host is not flat and g.rank == dst_rank:
+            memory.copy_into(flat, host)
+        await g._delete_before(seq)
+        return array
+
+    if n > 1 and flat is not None and flat.size >= n and flat.nbytes >= g.node.config.allreduce_direct_bytes:
+        return g._run(chain())
     return g._run(run())
 
 

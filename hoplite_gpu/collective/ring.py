@@ -1,5 +1,5 @@
-"""The direct ring: a group's allreduce passed member to member over the data plane, with no
-message to the directory once each member knows its predecessor's data-plane address.
+"""The direct ring: a group's allreduce (and reduce) passed member to member over the data plane,
+with no message to the directory once each member knows its predecessor's data-plane address.
 
 The array is cut into one chunk per member. Each round, every member makes one pull from the
 member before it, of one object that member lends: the bytes it sends its successor, in order.
@@ -12,7 +12,11 @@ on to the successor as they land. Every byte goes from a member to the next on o
 ``2 (N-1)/N`` of the array each way on every link, like Gloo's ring; the only control is one pull
 request per member and round, and the event loop wakes once per round, not once per piece.
 
-Nothing of it is known to the directory, so nothing of it can be repaired: a member that dies
+A large reduce goes the same way along a chain that ends at its root (:func:`direct_reduce`):
+the first member lends its array, each next one pulls the partial reduction from the one before
+it and adds its own array in as the bytes land, and the root adds the last one into its array.
+
+Nothing of either is known to the directory, so nothing of it can be repaired: a member that dies
 fails the call (``MemberLostError`` in a watched group, ``ObjectLostError`` otherwise), as a
 member lost in the directory's ring does. Overwriting the caller's array in
 place is safe because of causality: the sum of a chunk reaches a member only after its
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -112,17 +118,11 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
     n, me = g.world_size, g.rank
     node = g.node
     loop = asyncio.get_running_loop()
-    stall = node.config.stall_timeout
-    host, port = peers[(me - 1) % n].host, peers[(me - 1) % n].port
     cuts = [flat.size * j // n for j in range(n + 1)]
     item = flat.dtype.itemsize
 
     def region(c: int) -> Any:
         return flat[cuts[c % n] : cuts[c % n + 1]]
-
-    def stream(pieces: list[Any], oid: ObjectID, progress: int) -> LocalObject:
-        buffer = Buffer.joined([a.view(np.uint8) for a in pieces])
-        return LocalObject(oid, buffer.nbytes, "uint8", (buffer.nbytes,), b"", buffer, progress)
 
     # What this member sends its successor, in order: its own chunk, the running sum of step s
     # (s = 1 .. N-1: chunk me - s over members me - s .. me, the last the whole sum of chunk
@@ -133,84 +133,232 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
     # A running sum is added in as each chunk of it lands, so it lands in a few chunk-sized
     # buffers taken in turn (one per chunk a plane receives ahead, and one more), reused from
     # round to round: little memory, fresh pages once, and the bytes still in cache when added.
-    # Taken from the group while in use (the torch backend may run two at once).
     count = node.config.chunks_in_flight + 1  # (UCX receives that many ahead; TCP one)
-    size = min(RING_CHUNK_BYTES, max(region(me - s).nbytes for s in range(1, n)))
-    kept, g._spare = g._spare, []
-    spare = [b for b in kept if b.nbytes >= size][:count]
-    spare += [np.empty(size, np.uint8) for _ in range(count - len(spare))]
+    spare = _take_spare(g, min(RING_CHUNK_BYTES, max(region(me - s).nbytes for s in range(1, n))), count)
     in_pieces: list[Any] = []
-    steps: list[tuple[int, int]] = []  # for each piece: its step (0: a whole sum), its offset
+    targets: list[_Target | None] = []
     for s in range(1, n):
-        for off in range(0, region(me - s).nbytes, RING_CHUNK_BYTES):
-            piece = min(RING_CHUNK_BYTES, region(me - s).nbytes - off)
-            in_pieces.append(spare[len(in_pieces) % count][:piece])
-            steps.append((s, off // item))
+        chunk = region(me - s)
+        for off in range(0, chunk.nbytes, RING_CHUNK_BYTES):
+            piece = spare[len(in_pieces) % count][: min(RING_CHUNK_BYTES, chunk.nbytes - off)]
+            in_pieces.append(piece)
+            targets.append(_Target(chunk[off // item : (off + piece.nbytes) // item], n if s == n - 1 else 0))
     for t in range(1, n):
         in_pieces.append(region(me + 1 - t))
-        steps.append((0, 0))
+        targets.append(None)  # a whole sum: lands in place
     head, relayed = region(me).nbytes, sum(a.nbytes for a in in_pieces[:-1])
-    out = stream(out_pieces, g.object_id(seq, "ring-out", me), head)
-    inbox = stream(in_pieces, g.object_id(seq, "ring-out", (me - 1) % n), 0)
-    ends = inbox.buffer.ends
-    done = 0
-
-    def on_chunk(start: int, end: int) -> None:
-        # On the thread that received bytes [start, end) of the inbox (no wake-up of the loop),
-        # before the next chunk lands: add the running sums into this member's chunks, and let
-        # the successor have as much more of what this member sends.
-        nonlocal done
-        while done < end:
-            i = bisect.bisect_right(ends, done)
-            base = ends[i] - in_pieces[i].nbytes
-            stop = min(end, ends[i])
-            s, off = steps[i]
-            if s:  # a piece of the running sum of step s, added into chunk me - s
-                a, b = (done - base) // item, (stop - base) // item
-                if a == b:
-                    break  # part of an element: with the next bytes
-                mine, theirs = region(me - s)[off + a : off + b], in_pieces[i].view(flat.dtype)[a:b]
-                try:
-                    reduce_chunk(op, mine, [theirs], mine, n if s == n - 1 else 0)
-                except Exception as exc:  # typed, so that the pull is not asked again
-                    raise HopliteError(f"allreduce #{seq}: the reduction failed: {exc}") from exc
-                stop = base + b * item
-            done = stop
-        out.advance_from_thread(head + min(done, relayed), loop)
-
-    lent = [out]
-    try:
-        node.lend_unlisted(out)
-        try:
-            await _pull_waiting(g, host, port, inbox, on_chunk)
-        except (TransportError, ObjectNotFoundError) as exc:
-            # The member before failed or died (or withdrew what it served, as one before it
-            # did): a watched group waits for the directory's word (MemberLostError).
-            raise ObjectLostError(
-                f"allreduce #{seq}: rank {(me - 1) % n} at {host}:{port} could not serve "
-                f"{inbox.object_id}: {exc}",
-                object_id=inbox.object_id.hex(),
-            ) from exc
-        # The caller may write to its array once this returns: wait for the successor's reads,
-        # long enough for the directory to declare a hung successor lost (a watched group then
-        # raises MemberLostError) before this gives up.
-        cfg = node.config
-        patience = stall + cfg.lease_timeout + cfg.heartbeat_interval
-        if not await out.wait_served(patience):
-            raise HopliteTimeoutError(
-                f"the successor did not read this member's part of allreduce #{seq} within {patience} s",
-                operation="allreduce",
-                timeout=patience,
-            )
-    except BaseException as exc:
-        error = exc if isinstance(exc, HopliteError) else ObjectDeletedError(f"allreduce #{seq} stopped")
-        await _withdraw(node, lent, error, stall)
-        raise
-    await _withdraw(node, lent, None, stall)
+    out = _stream(out_pieces, g.object_id(seq, "ring-out", me), head)
+    inbox = _stream(in_pieces, g.object_id(seq, "ring-out", (me - 1) % n), 0)
+    # Each running sum adds in on the thread that received it, and lets the successor have as
+    # much more of what this member sends.
+    on_chunk = _adder(
+        f"allreduce #{seq}",
+        op,
+        flat.dtype,
+        in_pieces,
+        targets,
+        lambda done: out.advance_from_thread(head + min(done, relayed), loop),
+    )
+    cfg = node.config
+    # The caller may write to its array once this returns: wait for the successor's reads,
+    # long enough for the directory to declare a hung successor lost (a watched group then
+    # raises MemberLostError) before this gives up.
+    patience = cfg.stall_timeout + cfg.lease_timeout + cfg.heartbeat_interval
+    await _exchange(g, seq, "allreduce", out, inbox, peers, on_chunk, patience)
     g._spare = spare  # (not after a failure: a pull cut by it may still be landing bytes)
 
 
-async def _pull_waiting(g: Group, host: str, port: int, inbox: LocalObject, on_chunk: ChunkCallback) -> None:
+def chain_chunk(nbytes: int) -> int:
+    """The chunk a member of a direct reduce asks for: a sixteenth of the array, between
+    256 KiB and :data:`RING_CHUNK_BYTES` (a multiple of 64 KiB): the chain's pipeline fills in
+    ``N-1`` chunks, and each chunk costs CPU."""
+    return min(RING_CHUNK_BYTES, max(256 << 10, (nbytes // 16) >> 16 << 16))
+
+
+async def direct_reduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: list[Peer], dst: int) -> None:
+    """Collective ``seq``: reduce every member's ``flat`` (a C-contiguous 1-D view of the
+    caller's array) into ``dst``'s, in place, along a chain of the members in ring order that
+    ends at ``dst``: ``dst+1 -> dst+2 -> ... -> dst``. The first member lends its array as it is;
+    each next one pulls the partial reduction from the one before it, adds its own array in as
+    each chunk lands (on the thread that received it), and is read on by the next as it goes;
+    ``dst`` adds the last partial reduction into its own array. Every byte crosses each link
+    once, pipelined: about ``S/B`` plus ``N-1`` chunks. Members but ``dst`` keep their array
+    unchanged (the partial reductions pass through a buffer of the array's size, kept by the
+    group for the next) and return once their successor has read what they send."""
+    n, me = g.world_size, g.rank
+    node = g.node
+    loop = asyncio.get_running_loop()
+    first, pred = (dst + 1) % n, (me - 1) % n
+    nbytes, item = flat.nbytes, flat.dtype.itemsize
+    chunk = chain_chunk(nbytes)
+    spare: list[Any] = []
+    scratch: Any = None
+    out: LocalObject | None = None
+    inbox: LocalObject | None = None
+    on_chunk: ChunkCallback | None = None
+    if me == first:
+        out = _stream([flat], g.object_id(seq, "chain-out", me), nbytes)
+    elif me == dst:
+        count = node.config.chunks_in_flight + 1
+        spare = _take_spare(g, min(chunk, nbytes), count)
+        offsets = range(0, nbytes, chunk)
+        pieces = [spare[i % count][: min(chunk, nbytes - off)] for i, off in enumerate(offsets)]
+        targets = [
+            _Target(flat[off // item : (off + a.nbytes) // item], n)
+            for off, a in zip(offsets, pieces, strict=True)
+        ]
+        inbox = _stream(pieces, g.object_id(seq, "chain-out", pred), 0)
+        on_chunk = _adder(f"reduce #{seq}", op, flat.dtype, pieces, targets, None)
+    else:
+        kept, g._scratch = g._scratch, None  # (in use: not another collective's)
+        scratch = kept if kept is not None and kept.nbytes >= nbytes else np.empty(nbytes, np.uint8)
+        partial = scratch[:nbytes]
+        mid = _stream([partial], g.object_id(seq, "chain-out", me), 0)
+        out = mid
+        inbox = _stream([partial], g.object_id(seq, "chain-out", pred), 0)
+        on_chunk = _adder(
+            f"reduce #{seq}",
+            op,
+            flat.dtype,
+            [partial],
+            [_Target(flat, 0, into_piece=True)],
+            lambda done: mid.advance_from_thread(done, loop),
+        )
+    cfg = node.config
+    limit = g.timeout if g.timeout is not None else cfg.default_get_timeout
+    patience = cfg.stall_timeout + cfg.lease_timeout + cfg.heartbeat_interval
+    # A successor may come late (the root busy elsewhere): wait for it up to the group's timeout.
+    await _exchange(g, seq, "reduce", out, inbox, peers, on_chunk, max(limit, patience))
+    if spare:
+        g._spare = spare
+    if me not in (first, dst):
+        g._scratch = scratch
+
+
+def _stream(pieces: list[Any], oid: ObjectID, progress: int) -> LocalObject:
+    """An object over ``pieces`` (arrays, in order), unlisted, ``progress`` bytes of it there."""
+    buffer = Buffer.joined([a.view(np.uint8) for a in pieces])
+    return LocalObject(oid, buffer.nbytes, "uint8", (buffer.nbytes,), b"", buffer, progress)
+
+
+def _take_spare(g: Group, size: int, count: int) -> list[Any]:
+    """``count`` receive buffers of ``size`` bytes: the group's kept ones where large enough.
+    Taken from the group while in use (the torch backend may run two collectives at once)."""
+    kept, g._spare = g._spare, []
+    spare = [b for b in kept if b.nbytes >= size][:count]
+    return spare + [np.empty(size, np.uint8) for _ in range(count - len(spare))]
+
+
+class _Target(NamedTuple):
+    """What a piece of an inbox is added to as it lands: ``into`` (a typed array of the
+    piece's length), the result in ``into`` (or, ``into_piece``, in the piece itself, for a
+    member that passes it on); ``inputs`` > 0: the last addition, of that many inputs in all,
+    which finishes ``AVG``."""
+
+    into: Any
+    inputs: int
+    into_piece: bool = False
+
+
+def _adder(
+    what: str,
+    op: ReduceOp,
+    dtype: Any,
+    pieces: list[Any],
+    targets: Sequence[_Target | None],
+    after: Callable[[int], None] | None,
+) -> ChunkCallback:
+    """An ``on_chunk`` that adds each piece of an inbox (``pieces``, bytes in order) to its target
+    (None: nothing to add) as it lands, whole elements at a time, then calls ``after(bytes
+    done)``. It runs on the receiving thread, before the next chunk lands."""
+    ends = list(itertools.accumulate(a.nbytes for a in pieces))
+    item = np.dtype(dtype).itemsize
+    done = 0
+
+    def on_chunk(start: int, end: int) -> None:
+        nonlocal done
+        while done < end:
+            i = bisect.bisect_right(ends, done)
+            base = ends[i] - pieces[i].nbytes
+            stop = min(end, ends[i])
+            target = targets[i]
+            if target is not None:
+                a, b = (done - base) // item, (stop - base) // item
+                if a == b:
+                    break  # part of an element: with the next bytes
+                theirs, mine = pieces[i].view(dtype)[a:b], target.into[a:b]
+                into = theirs if target.into_piece else mine
+                try:
+                    reduce_chunk(op, into, [mine if target.into_piece else theirs], into, target.inputs)
+                except Exception as exc:  # typed, so that the pull is not asked again
+                    raise HopliteError(f"{what}: the reduction failed: {exc}") from exc
+                stop = base + b * item
+            done = stop
+        if after is not None:
+            after(done)
+
+    return on_chunk
+
+
+async def _exchange(
+    g: Group,
+    seq: int,
+    what: str,
+    out: LocalObject | None,
+    inbox: LocalObject | None,
+    peers: list[Peer],
+    on_chunk: ChunkCallback | None,
+    wait: float,
+) -> None:
+    """Lend ``out`` (what this member sends its successor) unlisted, pull ``inbox`` from the
+    member before, then wait (``wait`` seconds, and on while a pull of it goes on) for the
+    successor to have read ``out`` whole, and take ``out`` back. A member that failed or died
+    before fails this (``ObjectLostError``, or the watched group's ``MemberLostError``)."""
+    node = g.node
+    stall = node.config.stall_timeout
+    lent = [out] if out is not None else []
+    pred = (g.rank - 1) % g.world_size
+    host, port = peers[pred].host, peers[pred].port
+    try:
+        for obj in lent:
+            node.lend_unlisted(obj)
+        if inbox is not None:
+            try:
+                await _pull_waiting(g, host, port, inbox, on_chunk)
+            except (TransportError, ObjectNotFoundError) as exc:
+                # The member before failed or died (or withdrew what it served, as one before it
+                # did): a watched group waits for the directory's word (MemberLostError).
+                raise ObjectLostError(
+                    f"{what} #{seq}: rank {pred} at {host}:{port} could not serve {inbox.object_id}: {exc}",
+                    object_id=inbox.object_id.hex(),
+                ) from exc
+        if out is not None and not await _read_whole(out, wait, stall):
+            raise HopliteTimeoutError(
+                f"the successor did not read this member's part of {what} #{seq} within {wait} s",
+                operation=what,
+                timeout=wait,
+            )
+    except BaseException as exc:
+        error = exc if isinstance(exc, HopliteError) else ObjectDeletedError(f"{what} #{seq} stopped")
+        await _withdraw(node, lent, error, stall)
+        raise
+    await _withdraw(node, lent, None, stall)
+
+
+async def _read_whole(out: LocalObject, wait: float, stall: float) -> bool:
+    """Whether a pull read ``out`` to its end within ``wait`` seconds, or after, while one still
+    reads it (the data plane cuts a pull that stalls for ``stall`` seconds)."""
+    if await out.wait_served(wait):
+        return True
+    while out.serving and out.error is None:
+        if await out.wait_served(stall):
+            return True
+    return bool(out.served_whole)
+
+
+async def _pull_waiting(
+    g: Group, host: str, port: int, inbox: LocalObject, on_chunk: ChunkCallback | None
+) -> None:
     """Pull ``inbox`` from the member before, waiting for the ring up to the group's timeout
     when a member is late (a straggler, busy elsewhere): the member before has not lent what it
     sends yet (its data plane answers "not found" after ``stall_timeout`` of waiting for it), or
