@@ -600,6 +600,29 @@ def test_a_reduction_resent_after_a_restart_runs_again_from_the_restored_inputs(
     assert reply.reduction_id == RID
 
 
+def test_a_resent_reduction_runs_under_an_epoch_the_lost_directorys_trees_did_not_have() -> None:
+    # The lost directory's tree of it may still wind down on its nodes (epoch 0, intermediate ids
+    # of epoch 0): its late reports and clean-up must not pass for the new tree's. The restart
+    # soak saw a new vertex's output deleted by the old one's node ("output is not registered").
+    state = restarted(lease=math.inf)
+    for i, node in enumerate("ABCD"):
+        restore(state, node, i, owner=True)
+    out = req(state, "A", ReduceRequest(9, RID, [oid(i) for i in range(4)], "sum", 4, rejoin=True), 100.5)
+    tasks = [task for _, task in sent(out, ReduceTask)]
+    epoch = state.reductions[RID].plan.epoch
+    assert epoch > MAX_REPAIRS and {task.epoch for task in tasks} == {epoch}
+    old_ids = {vertex_object_id(RID, v) for v in range(1, 4)}
+    assert not old_ids & {task.output_id for task in tasks} and not old_ids & set(state.objects)
+    # The old tree's root reporting late does not finish the new tree.
+    root = state.reductions[RID].plan.by_vertex[0].node_id
+    req(state, root, VertexDone(RID, 0, True, epoch=0), 100.6)
+    assert state.reductions[RID].active
+    # Another reduction re-sent to the same directory starts at the same epoch.
+    other = b"s" * 20
+    req(state, "B", ReduceRequest(10, other, [oid(i) for i in range(4)], "sum", 4, rejoin=True), 100.7)
+    assert state.reductions[other].plan.epoch == epoch
+
+
 def test_a_result_restored_by_a_reader_finishes_the_resent_reduction() -> None:
     # k = n: the inputs it reduced are known; k < n: which ones is not, and reduced_objects says so.
     for k, expect_error in ((4, False), (3, True)):
@@ -637,7 +660,7 @@ def test_a_copy_of_a_result_of_other_inputs_is_not_restored_beside_the_one_compu
         restore(state, node, i, owner=True, now=100.1)
     red = state.reductions[RID]
     root = red.plan.by_vertex[0].node_id
-    req(state, root, VertexDone(RID, 0, True, epoch=0), 100.2)
+    req(state, root, VertexDone(RID, 0, True, epoch=red.plan.epoch), 100.2)
     assert red.done and not red.restored
     req(state, "H", Restore(RID, BIG, "<f4", [BIG // 4], b""), 100.3)
     assert list(state.objects[RID].locations) == [root] and kinds(state, "restore_conflict")
