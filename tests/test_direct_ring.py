@@ -257,6 +257,51 @@ def test_a_member_killed_while_serving_its_partial_reduce_fails_the_root_typed(v
         assert not [oid for oid in chain if owner._store.get(oid) is not None]
 
 
+@pytest.mark.parametrize("op", ["allreduce", "reduce_to"])
+@pytest.mark.parametrize("differs", ["dtype", "size"])
+def test_arrays_that_differ_between_members_fail_typed_never_summed(op: str, differs: str) -> None:
+    # The same bytes in another dtype would add up as the wrong numbers; another size would
+    # make the stream's size differ. The member that reads such a stream fails at once with
+    # CollectiveArgumentError; the others fail typed (the one it would have read from waits
+    # for its reads until its patience runs out).
+    quick = {"stall_timeout": 1.0, "lease_timeout": 1.0, "heartbeat_interval": 0.5}
+    with _group(2, f"direct-{op}-{differs}", **quick) as (_owner, group, workers):
+        shape = (1 << 18,)
+        call = {"allreduce": ("sum",), "reduce_to": (0, "sum")}[op]
+        workers[0].send(op, group.name, "float32", shape, 1, *call)
+        mine = make_array("float32", shape, 1)
+        if op == "allreduce":
+            hg.collective.allreduce(mine, group)
+        else:
+            hg.collective.reduce(mine, 0, group)
+        workers[0].result()  # the members learn each other
+        workers[0].send(op, group.name, "float32", shape, 2, *call)
+        other = {"dtype": make_array("int32", shape, 2), "size": make_array("float32", (3 << 17,), 2)}[
+            differs
+        ]
+        start = time.monotonic()
+        with pytest.raises(hg.HopliteError) as caught:
+            if op == "allreduce":
+                hg.collective.allreduce(other, group)
+            else:
+                hg.collective.reduce(other, 0, group)
+        assert time.monotonic() - start < TIMEOUT / 3
+        with pytest.raises(
+            RuntimeError, match=r"CollectiveArgumentError|HopliteTimeoutError|ObjectLostError"
+        ) as theirs:
+            workers[0].result(timeout=TIMEOUT / 2)
+        # Whoever reads the other's stream first fails with CollectiveArgumentError, and withdraws
+        # what it sends: the other may find it gone first (ObjectLostError). A reduce's root
+        # (the owner) is the one reader.
+        told = [
+            isinstance(caught.value, hg.CollectiveArgumentError),
+            "CollectiveArgumentError" in str(theirs.value),
+        ]
+        assert told[0] if op == "reduce_to" else any(told), (caught.value, theirs.value)
+        if told[0]:
+            assert "every member's array must match" in str(caught.value)
+
+
 def test_members_whose_schedules_differ_agree_on_the_directorys() -> None:
     # Rank 0 asks for the directory's ring, the others are on auto: every member must take the
     # same schedule (the direct ring would wait for rank 0's running sums, which never come).

@@ -16,6 +16,10 @@ A large reduce goes the same way along a chain that ends at its root (:func:`dir
 the first member lends its array, each next one pulls the partial reduction from the one before
 it and adds its own array in as the bytes land, and the root adds the last one into its array.
 
+Every stream starts with its sender's dtype, operator and element count (:data:`HEADER`): a
+member whose predecessor's array differs from its own fails with ``CollectiveArgumentError``
+before it adds anything in, as does one whose predecessor's stream is of another size.
+
 Nothing of either is known to the directory, so nothing of it can be repaired: a member that dies
 fails the call (``MemberLostError`` in a watched group, ``ObjectLostError`` otherwise), as a
 member lost in the directory's ring does. Overwriting the caller's array in
@@ -28,13 +32,16 @@ import asyncio
 import bisect
 import itertools
 import math
+import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from ..dataplane.base import ChunkCallback
+from ..dataplane.shared import SizeMismatch
 from ..errors import (
+    CollectiveArgumentError,
     HopliteError,
     HopliteTimeoutError,
     ObjectDeletedError,
@@ -147,17 +154,19 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
         in_pieces.append(region(me + 1 - t))
         targets.append(None)  # a whole sum: lands in place
     head, relayed = region(me).nbytes, sum(a.nbytes for a in in_pieces[:-1])
-    out = _stream(out_pieces, g.object_id(seq, "ring-out", me), head)
-    inbox = _stream(in_pieces, g.object_id(seq, "ring-out", (me - 1) % n), 0)
+    header = _header(op, flat)
+    out = _stream(header, out_pieces, g.object_id(seq, "ring-out", me), head)
+    inbox = _stream(header, in_pieces, g.object_id(seq, "ring-out", (me - 1) % n), None)
     # Each running sum adds in on the thread that received it, and lets the successor have as
     # much more of what this member sends.
     on_chunk = _adder(
         f"allreduce #{seq}",
         op,
         flat.dtype,
-        in_pieces,
+        inbox,
+        header,
         targets,
-        lambda done: out.advance_from_thread(head + min(done, relayed), loop),
+        lambda done: out.advance_from_thread(HEADER.size + head + min(done, relayed), loop),
     )
     cfg = node.config
     # The caller may write to its array once this returns: wait for the successor's reads,
@@ -191,13 +200,14 @@ async def direct_reduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: list
     first, pred = (dst + 1) % n, (me - 1) % n
     nbytes, item = flat.nbytes, flat.dtype.itemsize
     chunk = chain_chunk(nbytes)
+    header = _header(op, flat)
     spare: list[Any] = []
     scratch: Any = None
     out: LocalObject | None = None
     inbox: LocalObject | None = None
     on_chunk: ChunkCallback | None = None
     if me == first:
-        out = _stream([flat], g.object_id(seq, "chain-out", me), nbytes)
+        out = _stream(header, [flat], g.object_id(seq, "chain-out", me), nbytes)
     elif me == dst:
         count = node.config.chunks_in_flight + 1
         spare = _take_spare(g, min(chunk, nbytes), count)
@@ -207,22 +217,23 @@ async def direct_reduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: list
             _Target(flat[off // item : (off + a.nbytes) // item], n)
             for off, a in zip(offsets, pieces, strict=True)
         ]
-        inbox = _stream(pieces, g.object_id(seq, "chain-out", pred), 0)
-        on_chunk = _adder(f"reduce #{seq}", op, flat.dtype, pieces, targets, None)
+        inbox = _stream(header, pieces, g.object_id(seq, "chain-out", pred), None)
+        on_chunk = _adder(f"reduce #{seq}", op, flat.dtype, inbox, header, targets, None)
     else:
         kept, g._scratch = g._scratch, None  # (in use: not another collective's)
         scratch = kept if kept is not None and kept.nbytes >= nbytes else np.empty(nbytes, np.uint8)
         partial = scratch[:nbytes]
-        mid = _stream([partial], g.object_id(seq, "chain-out", me), 0)
+        mid = _stream(header, [partial], g.object_id(seq, "chain-out", me), 0)
         out = mid
-        inbox = _stream([partial], g.object_id(seq, "chain-out", pred), 0)
+        inbox = _stream(header, [partial], g.object_id(seq, "chain-out", pred), None)
         on_chunk = _adder(
             f"reduce #{seq}",
             op,
             flat.dtype,
-            [partial],
+            inbox,
+            header,
             [_Target(flat, 0, into_piece=True)],
-            lambda done: mid.advance_from_thread(done, loop),
+            lambda done: mid.advance_from_thread(HEADER.size + done, loop),
         )
     cfg = node.config
     limit = g.timeout if g.timeout is not None else cfg.default_get_timeout
@@ -235,10 +246,36 @@ async def direct_reduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: list
         g._scratch = scratch
 
 
-def _stream(pieces: list[Any], oid: ObjectID, progress: int) -> LocalObject:
-    """An object over ``pieces`` (arrays, in order), unlisted, ``progress`` bytes of it there."""
-    buffer = Buffer.joined([a.view(np.uint8) for a in pieces])
-    return LocalObject(oid, buffer.nbytes, "uint8", (buffer.nbytes,), b"", buffer, progress)
+#: What every stream of the direct paths starts with: the dtype's name, the operator's and the
+#: array's element count of the member that sends it. A member checks its predecessor's against
+#: its own before it adds anything in: arrays that differ fail the call with
+#: ``CollectiveArgumentError`` (those of one size in bytes but not in dtype would otherwise be
+#: added up as the wrong numbers; those of other sizes are told apart by the stream's size).
+HEADER = struct.Struct("<16s8sQ")
+
+
+def _header(op: ReduceOp, flat: Any) -> Any:
+    """This member's :data:`HEADER` (a uint8 array: sent, and compared with the one received)."""
+    raw = HEADER.pack(np.dtype(flat.dtype).name.encode(), op.value.encode(), flat.size)
+    return np.frombuffer(raw, np.uint8)
+
+
+def _described(header: bytes) -> str:
+    """A :data:`HEADER` in words: ``262144 float32 elements, sum``."""
+    name, op, count = (
+        x.rstrip(b"\0").decode(errors="replace") if isinstance(x, bytes) else x for x in HEADER.unpack(header)
+    )
+    return f"{count} {name} elements, {op}"
+
+
+def _stream(header: Any, pieces: list[Any], oid: ObjectID, progress: int | None) -> LocalObject:
+    """An object over :data:`HEADER` and ``pieces`` (arrays, in order), unlisted: one this member
+    sends, ``header`` and ``progress`` bytes of the pieces there; or (``progress`` None) one it
+    receives, nothing there yet (the header it will compare with its own lands beside it)."""
+    first = np.zeros(HEADER.size, np.uint8) if progress is None else header
+    buffer = Buffer.joined([first, *(a.view(np.uint8) for a in pieces)])
+    there = 0 if progress is None else HEADER.size + progress
+    return LocalObject(oid, buffer.nbytes, "uint8", (buffer.nbytes,), b"", buffer, there)
 
 
 def _take_spare(g: Group, size: int, count: int) -> list[Any]:
@@ -264,19 +301,33 @@ def _adder(
     what: str,
     op: ReduceOp,
     dtype: Any,
-    pieces: list[Any],
+    inbox: LocalObject,
+    header: Any,
     targets: Sequence[_Target | None],
     after: Callable[[int], None] | None,
 ) -> ChunkCallback:
-    """An ``on_chunk`` that adds each piece of an inbox (``pieces``, bytes in order) to its target
-    (None: nothing to add) as it lands, whole elements at a time, then calls ``after(bytes
-    done)``. It runs on the receiving thread, before the next chunk lands."""
+    """An ``on_chunk`` for ``inbox`` (a stream, :func:`_stream`): it checks the :data:`HEADER`
+    that lands first against this member's ``header``, then adds each piece to its target (None:
+    nothing to add) as it lands, whole elements at a time, then calls ``after(bytes of the
+    pieces done)``. It runs on the receiving thread, before the next chunk lands."""
+    got, *pieces = inbox.buffer.pieces
     ends = list(itertools.accumulate(a.nbytes for a in pieces))
     item = np.dtype(dtype).itemsize
     done = 0
+    checked = False
 
     def on_chunk(start: int, end: int) -> None:
-        nonlocal done
+        nonlocal done, checked
+        if not checked:
+            if end < HEADER.size:
+                return  # (part of the header)
+            if bytes(got) != bytes(header):
+                raise CollectiveArgumentError(
+                    f"{what}: the member before this one has {_described(bytes(got))}, "
+                    f"this one {_described(bytes(header))}: every member's array must match"
+                )
+            checked = True
+        end -= HEADER.size
         while done < end:
             i = bisect.bisect_right(ends, done)
             base = ends[i] - pieces[i].nbytes
@@ -325,6 +376,11 @@ async def _exchange(
         if inbox is not None:
             try:
                 await _pull_waiting(g, host, port, inbox, on_chunk)
+            except SizeMismatch as exc:
+                raise CollectiveArgumentError(
+                    f"{what} #{seq}: rank {pred} sends {exc.size} bytes where this member expects "
+                    f"{inbox.size}: every member's array must match"
+                ) from None
             except (TransportError, ObjectNotFoundError) as exc:
                 # The member before failed or died (or withdrew what it served, as one before it
                 # did): a watched group waits for the directory's word (MemberLostError).
@@ -346,14 +402,23 @@ async def _exchange(
 
 
 async def _read_whole(out: LocalObject, wait: float, stall: float) -> bool:
-    """Whether a pull read ``out`` to its end within ``wait`` seconds, or after, while one still
-    reads it (the data plane cuts a pull that stalls for ``stall`` seconds)."""
-    if await out.wait_served(wait):
-        return True
-    while out.serving and out.error is None:
-        if await out.wait_served(stall):
+    """Whether a pull read ``out`` to its end: waiting up to ``wait`` seconds for the successor
+    to begin, on while a pull of it goes on (the data plane cuts one that stalls for ``stall``
+    seconds), and ``stall`` more for it to ask again after one that ended short (a pull cut is
+    asked again at once; a successor that failed does not ask again)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while True:
+        begun = out.served_begun
+        left = stall if out.serving else min(stall, deadline - loop.time())
+        if out.served_whole or (left > 0 and await out.wait_served(left)):
             return True
-    return bool(out.served_whole)
+        if out.error is not None:
+            return False
+        if out.serving or out.served_begun != begun:
+            continue  # read meanwhile
+        if out.served_begun or loop.time() >= deadline:
+            return False  # read short and not asked again, or never read
 
 
 async def _pull_waiting(
@@ -375,6 +440,8 @@ async def _pull_waiting(
         try:
             await node.pull_unlisted(host, port, inbox, on_chunk, RING_CHUNK_BYTES)
             return
+        except SizeMismatch:
+            raise  # arrays of other sizes: asking again changes nothing
         except ObjectNotFoundError:
             if loop.time() - asked < stall / 2 or loop.time() >= deadline:
                 raise

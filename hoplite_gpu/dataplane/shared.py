@@ -125,6 +125,14 @@ def unreachable(address: str, exc: BaseException) -> TransportError:
     )
 
 
+class SizeMismatch(PeerLostError):
+    """A peer answered a pull with an object of the id asked for but of another size (``size``
+    field): a :class:`PeerLostError` (a get goes to another source), which a pull of an
+    unlisted object (:meth:`~hoplite_gpu.node.Node.pull_unlisted`) may take as final."""
+
+    size: int
+
+
 def refusal(status: int, size: int, obj: LocalObject, address: str) -> HopliteError | None:
     """The error a pull response's ``status`` and ``size`` mean for ``obj`` (None: go on)."""
     if status == p.PULL_NOT_FOUND:
@@ -133,7 +141,14 @@ def refusal(status: int, size: int, obj: LocalObject, address: str) -> HopliteEr
             peer=address,
             object_id=obj.object_id.hex(),
         )
-    if status != p.PULL_OK or size != obj.size:
+    if status == p.PULL_OK and size != obj.size:
+        return SizeMismatch(
+            f"peer {address} holds {size} bytes of object {obj.object_id}, not {obj.size}",
+            peer=address,
+            cause=f"size {size}",
+            size=size,
+        )
+    if status != p.PULL_OK:
         return PeerLostError(
             f"peer {address} refused the pull of {obj.object_id} (status {status})",
             peer=address,
@@ -149,6 +164,7 @@ __all__ = [
     "LinkRates",
     "PlaneBase",
     "ServeCallback",
+    "SizeMismatch",
     "pull_status",
     "refusal",
     "unreachable",

@@ -255,7 +255,7 @@ class ReducePlan:
         inputs: The candidate inputs, in the caller's order (distinct).
         num_objects: How many of them to reduce (the first to become ready).
         epoch: How many times the tree was rebuilt after a failure (part of intermediate ids),
-            counted from :meth:`~.reductions.Reductions.rejoin_epoch` for a reduction re-sent
+            counted from :func:`~.reduce_request.rejoined_epoch` for a reduction re-sent
             after the directory restarted.
         fan_in: The tree's degree asked for by the requester (0: :func:`choose_degree` picks it
             when the first input fixes the size; capped at ``num_objects - 1``).

@@ -16,6 +16,7 @@ from .. import protocol as p
 from ..errors import InvalidArgumentError
 from ..reduce_ops import as_op
 from . import combine
+from .config import MAX_REPAIRS
 from .membership import reduction_cost
 from .records import ObjectEntry, Reduction
 from .reduce import ReducePlan
@@ -135,3 +136,16 @@ def late_reply(request_id: int, red: Reduction) -> p.ReducedObjectsReply:
         error=f"reduction {red.plan.reduction_id.hex()} did not choose its inputs in time",
         error_kind="HopliteTimeoutError",
     )
+
+
+def rejoined_epoch(now: float, chosen: int | None) -> int:
+    """The first epoch of the reductions re-sent to a directory after it restarted (``chosen``:
+    the one it took for the first of them, kept). Not 0: the lost directory's tree of such a
+    reduction may still be winding down on its nodes, and a tree of the same epoch has the same
+    vertex keys and intermediate ids, so an old vertex's late report, clean-up or fetched
+    child would pass for the new tree's (the restart soak saw a new vertex's output deleted:
+    "vertex 2's output is not registered"). One per directory, above any epoch a directory
+    that never restarted reaches (``MAX_REPAIRS``), from the time it is first needed (in
+    milliseconds, modulo about 12 days): a lost directory that had restarted too took its own
+    at another moment."""
+    return chosen if chosen is not None else MAX_REPAIRS + 1 + int(now * 1000) % (1 << 30)

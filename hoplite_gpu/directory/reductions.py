@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from .. import protocol as p
 from ..coding.decoding import DECODE_TOLERANCE
 from . import combine
-from .config import MAX_REPAIRS, REDUCTIONS_KEPT
+from .config import REDUCTIONS_KEPT
 from .lookups import failed_lookup, not_ready
 from .records import NodeInfo, ObjectEntry, PendingQuery, Reduction, unindex
 from .reduce import LinkEstimate, MismatchError, Placement, ReducePlan
@@ -31,6 +31,7 @@ from .reduce_request import (
     read_request,
     reduced_reply,
     refusal_reply,
+    rejoined_epoch,
     unknown_reply,
 )
 from .scheduling import computes_at, in_segment, input_holder, one_host
@@ -89,7 +90,7 @@ class Reductions:
         # every reduction kept. Added where a deadline is set or a plan replaced (see mark_timed).
         self.timed: set[bytes] = set()
         self.link = LinkEstimate()
-        self._rejoin_epoch: int | None = None  # see rejoin_epoch
+        self._rejoin_epoch: int | None = None  # see rejoined_epoch
 
     def connect(self, *, repair: Repair) -> None:
         """Hand it the repair it calls when a vertex lost a source, or a root reported a result
@@ -122,15 +123,6 @@ class Reductions:
             return
         red = self._start(node_id, msg, asked, now)
         self._queue_present(red, present, now)
-
-    def rejoin_epoch(self, now: float) -> int:
-        """The first epoch of reductions re-sent to this directory after a restart: one per
-        directory, from the time it first needs one (in milliseconds, modulo about 12 days), above
-        any epoch a directory that never restarted reaches (``MAX_REPAIRS``); the lost directory's
-        trees, if it had restarted too, are from another moment."""
-        if self._rejoin_epoch is None:
-            self._rejoin_epoch = MAX_REPAIRS + 1 + int(now * 1000) % (1 << 30)
-        return self._rejoin_epoch
 
     def _asked_again(self, node_id: str, msg: p.ReduceRequest, existing: Reduction, asked: Asked) -> None:
         """Reduction ``msg.reduction_id`` exists: answered as requested if ``msg`` asks for the same
@@ -180,13 +172,8 @@ class Reductions:
     def _start(self, node_id: str, msg: p.ReduceRequest, asked: Asked, now: float) -> Reduction:
         """Keep the reduction ``asked`` for, answer its requester, and wait for its inputs."""
         plan, rid = asked.plan, msg.reduction_id
-        if msg.rejoin:
-            # Re-sent after this directory restarted: the lost directory's tree of it may still be
-            # winding down on its nodes, with the same vertex keys and intermediate ids under
-            # the same epoch (a late report or clean-up of an old vertex would then pass for the
-            # new tree's: the soak saw a new vertex's output deleted). An epoch no tree of the
-            # lost directory had (the restart soak's "output is not registered").
-            plan.epoch = self.rejoin_epoch(now)
+        if msg.rejoin:  # the lost directory's tree of it may still wind down on its nodes
+            self._rejoin_epoch = plan.epoch = rejoined_epoch(now, self._rejoin_epoch)
         red = Reduction(plan, asked.op, node_id, now + msg.timeout if msg.timeout > 0 else None, msg.timeout)
         red.weights = asked.weights
         red.coding = asked.coding

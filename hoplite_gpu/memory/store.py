@@ -68,6 +68,7 @@ class LocalObject:
     # Pulls this node serves from the object right now, and who waits for them to end.
     serving: int = 0
     served_whole: int = 0  # pulls served from it up to its end
+    served_begun: int = 0  # pulls begun
     _unserved: list[asyncio.Future[None]] = field(default_factory=list)
     _served: list[asyncio.Future[None]] = field(default_factory=list)  # see wait_served
 
@@ -195,6 +196,7 @@ class LocalObject:
     def being_served(self) -> Iterator[None]:
         """Count a pull served from the object while the block runs (see :meth:`wait_unserved`)."""
         self.serving += 1
+        self.served_begun += 1
         try:
             yield
             self.served_whole += 1
