@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -70,15 +70,13 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         return array
 
     async def chain() -> Any:
-        if not goes_direct(await ring_peers(g, seq)):
+        peers = await ring_peers(g, seq)
+        if not goes_direct(peers):
             return await run()
-        # Device memory through a host copy, as the direct ring's.
-        host = flat if isinstance(flat, np.ndarray) else memory.to_host(flat).reshape(-1)
-        await direct_reduce(g, seq, host, reduce_op, g._peers, dst_rank)
-        if host is not flat and g.rank == dst_rank:
-            memory.copy_into(flat, host)
-        await g._delete_before(seq)
-        return array
+        def along(host: np.ndarray) -> Awaitable[None]:
+            return direct_reduce(g, seq, host, reduce_op, peers, dst_rank)
+
+        return await _direct(g, seq, array, flat, along, g.rank == dst_rank)
 
     if n > 1 and flat is not None and flat.size >= n and flat.nbytes >= g.node.config.allreduce_direct_bytes:
         return g._run(chain())
@@ -144,17 +142,25 @@ async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any
     finally:
         g.node.remove_rejoin_callback(rejoined_cb)
     if goes_direct(peers) and flat.nbytes >= cfg.allreduce_direct_bytes:
-        # Device memory goes through a host copy (the ring reduces with NumPy), as the TCP
-        # plane sends it anyway.
-        host = flat if isinstance(flat, np.ndarray) else memory.to_host(flat).reshape(-1)
-        await direct_allreduce(g, seq, host, op, peers)
-        if host is not flat:
-            memory.copy_into(flat, host)
-        await g._delete_before(seq)
-        return array
+        return await _direct(g, seq, array, flat, lambda h: direct_allreduce(g, seq, h, op, peers), True)
     if flat.nbytes >= cfg.allreduce_shard_bytes:
         return await _sharded_allreduce(g, seq, array, flat, op, bool(rejoined))
     return await _small_allreduce(g, seq, array, op)
+
+
+async def _direct(
+    g: Group, seq: int, array: Any, flat: Any, run: Callable[[np.ndarray], Awaitable[None]], write_back: bool
+) -> Any:
+    """Run a direct path (:mod:`.ring`) on ``flat``'s bytes in host memory: device memory goes
+    through a host copy (the ring reduces with NumPy, and the TCP plane sends host bytes
+    anyway), written back into ``flat`` where ``write_back``; then the group's objects of the
+    rounds before go."""
+    host = flat if isinstance(flat, np.ndarray) else memory.to_host(flat).reshape(-1)
+    await run(host)
+    if write_back and host is not flat:
+        memory.copy_into(flat, host)
+    await g._delete_before(seq)
+    return array
 
 
 async def _small_allreduce(g: Group, seq: int, array: Any, op: ReduceOp = ReduceOp.SUM) -> Any:
