@@ -173,14 +173,15 @@ async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: l
     # long enough for the directory to declare a hung successor lost (a watched group then
     # raises MemberLostError) before this gives up.
     patience = cfg.stall_timeout + cfg.lease_timeout + cfg.heartbeat_interval
-    await _exchange(g, seq, "allreduce", out, inbox, peers, on_chunk, patience)
+    await _exchange(g, seq, "allreduce", out, inbox, peers, on_chunk, patience, RING_CHUNK_BYTES)
     g._spare = spare  # (not after a failure: a pull cut by it may still be landing bytes)
 
 
 def chain_chunk(nbytes: int) -> int:
-    """The chunk a member of a direct reduce asks for: a sixteenth of the array, between
-    256 KiB and :data:`RING_CHUNK_BYTES` (a multiple of 64 KiB): the chain's pipeline fills in
-    ``N-1`` chunks, and each chunk costs CPU."""
+    """The chunk a member of a direct reduce lands (and passes on) at a time: a sixteenth of
+    the array, between 256 KiB and :data:`RING_CHUNK_BYTES` (a multiple of 64 KiB): the chain's
+    pipeline fills in ``N-1`` chunks, and each chunk costs CPU (an eighth and a 64th were slower
+    or cost more: bench/pages/collectives.md#the-chains-pull-chunk)."""
     return min(RING_CHUNK_BYTES, max(256 << 10, (nbytes // 16) >> 16 << 16))
 
 
@@ -239,7 +240,7 @@ async def direct_reduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: list
     limit = g.timeout if g.timeout is not None else cfg.default_get_timeout
     patience = cfg.stall_timeout + cfg.lease_timeout + cfg.heartbeat_interval
     # A successor may come late (the root busy elsewhere): wait for it up to the group's timeout.
-    await _exchange(g, seq, "reduce", out, inbox, peers, on_chunk, max(limit, patience))
+    await _exchange(g, seq, "reduce", out, inbox, peers, on_chunk, max(limit, patience), chunk)
     if spare:
         g._spare = spare
     if me not in (first, dst):
@@ -360,11 +361,14 @@ async def _exchange(
     peers: list[Peer],
     on_chunk: ChunkCallback | None,
     wait: float,
+    chunk: int,
 ) -> None:
     """Lend ``out`` (what this member sends its successor) unlisted, pull ``inbox`` from the
-    member before, then wait (``wait`` seconds, and on while a pull of it goes on) for the
-    successor to have read ``out`` whole, and take ``out`` back. A member that failed or died
-    before fails this (``ObjectLostError``, or the watched group's ``MemberLostError``)."""
+    member before (landing at most ``chunk`` bytes between two ``on_chunk`` calls: what a
+    member passes on waits for that much), then wait (``wait`` seconds, and on while a pull of
+    it goes on) for the successor to have read ``out`` whole, and take ``out`` back. A member
+    that failed or died before fails this (``ObjectLostError``, or the watched group's
+    ``MemberLostError``)."""
     node = g.node
     stall = node.config.stall_timeout
     lent = [out] if out is not None else []
@@ -375,7 +379,7 @@ async def _exchange(
             node.lend_unlisted(obj)
         if inbox is not None:
             try:
-                await _pull_waiting(g, host, port, inbox, on_chunk)
+                await _pull_waiting(g, host, port, inbox, on_chunk, chunk)
             except SizeMismatch as exc:
                 raise CollectiveArgumentError(
                     f"{what} #{seq}: rank {pred} sends {exc.size} bytes where this member expects "
@@ -427,7 +431,7 @@ async def _read_whole(out: LocalObject, wait: float, stall: float) -> bool:
 
 
 async def _pull_waiting(
-    g: Group, host: str, port: int, inbox: LocalObject, on_chunk: ChunkCallback | None
+    g: Group, host: str, port: int, inbox: LocalObject, on_chunk: ChunkCallback | None, chunk: int
 ) -> None:
     """Pull ``inbox`` from the member before, waiting for the ring up to the group's timeout
     when a member is late (a straggler, busy elsewhere): the member before has not lent what it
@@ -443,7 +447,7 @@ async def _pull_waiting(
     while True:
         asked = loop.time()
         try:
-            await node.pull_unlisted(host, port, inbox, on_chunk, RING_CHUNK_BYTES)
+            await node.pull_unlisted(host, port, inbox, on_chunk, chunk)
             return
         except SizeMismatch:
             raise  # arrays of other sizes: asking again changes nothing
