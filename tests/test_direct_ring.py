@@ -1,9 +1,9 @@
 """The direct ring (``hoplite_gpu.collective.ring``) on real processes: members on hosts apart pass
 a large allreduce, or a large reduce along a chain to its root, member to member over the data
 plane with no directory message per round; exact results for every operator, size and group
-size; a member SIGKILLed half way through serving its running sum fails every survivor (the
-reduce's root at least) with a typed error and leaves nothing in their stores; members whose
-schedules differ agree on one."""
+size; members of one host reduce along the chain too; a member SIGKILLed half way through serving
+its running sum fails every survivor (the reduce's root at least) with a typed error and leaves
+nothing in their stores; members whose schedules differ agree on one."""
 
 from __future__ import annotations
 
@@ -216,6 +216,24 @@ def test_a_reduce_goes_member_to_member_to_its_root_exactly(n: int) -> None:
         assert _handled(owner) == before
 
 
+def test_members_of_one_host_reduce_along_the_chain_exactly() -> None:
+    # Shared memory on, every member on this host: the reduce takes the chain over loopback
+    # (the allreduce keeps the directory's shared-memory schedule).
+    n = 3
+    with _group(n, "chain-one-host", shared_memory=True) as (owner, group, workers):
+        shape = (1 << 18,)  # 2 MiB of int64
+        for seed in (5, 6):  # (the second deletes what the members put to learn each other)
+            want = sum(make_array("int64", shape, seed + r) for r in range(n))
+            assert np.array_equal(_reduce(group, workers, shape, seed, 1, "sum"), want)
+        assert group._peers[0].host_key and len({p.host_key for p in group._peers}) == 1
+        assert goes_direct(group._peers, sharing=True) and not goes_direct(group._peers)
+        before = _handled(owner)
+        for seed in range(3):
+            want = sum(make_array("int64", shape, seed + r) for r in range(n))
+            assert np.array_equal(_reduce(group, workers, shape, seed, seed % n, "sum"), want)
+        assert _handled(owner) == before
+
+
 def test_a_reduce_waits_for_a_root_later_than_the_stall_timeout() -> None:
     # The root (a rank busy elsewhere) comes late: the members before it wait for it to read.
     n = 3
@@ -334,3 +352,7 @@ def test_which_schedule_members_take() -> None:
     assert not goes_direct(peers(("star", "a"), ("direct", "b")))
     assert not goes_direct(peers(("auto", "a"), ("auto", "b"), plane="ucx"))  # RDMA, device transports
     assert goes_direct(peers(("direct", "a"), ("auto", "b"), plane="ucx"))
+    # A reduce's chain takes members that share a host too, but not another schedule or plane.
+    assert goes_direct(peers(("auto", "a"), ("auto", "a"), ("auto", "b")), sharing=True)
+    assert not goes_direct(peers(("ring", "a"), ("auto", "a")), sharing=True)
+    assert not goes_direct(peers(("auto", "a"), ("auto", "a"), plane="ucx"), sharing=True)

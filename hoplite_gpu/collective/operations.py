@@ -42,8 +42,9 @@ def broadcast(array: Any, src_rank: int, group: Group) -> Any:
 def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
     """Reduce every member's ``array`` into ``array`` on ``dst_rank`` (in place); returns it.
 
-    Other members' arrays are left as they are. Where no two members share a host's memory
-    (the same choice as :func:`allreduce`'s direct ring, ``Config.allreduce_schedule``), an array
+    Other members' arrays are left as they are. Where every member runs the TCP data plane and
+    none asks for the directory's schedule (``Config.allreduce_schedule``; unlike
+    :func:`allreduce`'s direct ring, members that share a host's memory go this way too), an array
     of at least ``Config.allreduce_direct_bytes`` goes along a chain of the members in ring
     order that ends at ``dst_rank``, member to member over the data plane, with no message to
     the directory in a round (:func:`~hoplite_gpu.collective.ring.direct_reduce`): each other
@@ -71,7 +72,7 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
 
     async def chain() -> Any:
         peers = await ring_peers(g, seq)
-        if not goes_direct(peers):
+        if not goes_direct(peers, sharing=True):
             return await run()
         def along(host: np.ndarray) -> Awaitable[None]:
             return direct_reduce(g, seq, host, reduce_op, peers, dst_rank)

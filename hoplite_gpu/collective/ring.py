@@ -102,21 +102,23 @@ async def ring_peers(g: Group, seq: int) -> list[Peer]:
     return peers
 
 
-def goes_direct(peers: list[Peer]) -> bool:
+def goes_direct(peers: list[Peer], sharing: bool = False) -> bool:
     """Whether the group's large allreduces take the direct ring, the same answer on every
     member: not if any member's ``allreduce_schedule`` is ``ring`` or ``star`` (the directory's,
     which members may mix); else if any says ``direct``, or if no two members share a host's
     memory (a host key, "" for none). Members that share one keep the directory's schedule,
     which maps what they share instead of sending it over loopback; so do members on UCX
     (``Config.data_plane``), whose RDMA and device transports the ring's host copies would
-    bypass (not measured yet)."""
+    bypass (not measured yet). ``sharing``: members that share a host's memory go direct too
+    (a reduce's chain: over loopback it beat the directory's shared-memory tree on one host,
+    bench/pages/collectives.md#the-chain-on-one-host)."""
     schedules = {p.schedule for p in peers}
     if len(peers) < 2 or schedules & {"ring", "star"}:
         return False
     if "direct" in schedules:
         return True
     keys = [p.host_key for p in peers if p.host_key]
-    return len(keys) == len(set(keys)) and all(p.plane == "tcp" for p in peers)
+    return (sharing or len(keys) == len(set(keys))) and all(p.plane == "tcp" for p in peers)
 
 
 async def direct_allreduce(g: Group, seq: int, flat: Any, op: ReduceOp, peers: list[Peer]) -> None:
