@@ -238,6 +238,22 @@ def test_the_node_holding_the_only_copy_of_a_result_keeps_it_until_the_owner_del
     assert sent(out, DropObject) == [("D", DropObject(RID))] and RID not in state.objects
 
 
+def test_a_vertex_output_is_not_deleted_by_its_node_while_its_tree_runs() -> None:
+    # Its parent reads it: it goes with its tree (here: when the root finishes), not when the
+    # node computing it deletes it (once a bug of the node's, which broke the invariants).
+    state = make_state()
+    reduce(state, ids=(0, 1, 2))
+    for i, node in enumerate("ABC"):  # a chain: B's input at the tail, C's vertex 1, root on A
+        put(state, node, i, 256 * MiB)
+    inner = vertex_object_id(RID, 1)
+    assert state.objects[inner].owner == "C"
+    ((_, kept),) = sent(req(state, "C", DeleteRequest(2, inner)), DeleteReply)
+    assert kept.kept and not kept.deleted and inner in state.objects
+    req(state, "C", VertexDone(RID, 1, True))
+    req(state, "A", VertexDone(RID, 0, True))
+    assert state.reductions[RID].done and inner not in state.objects
+
+
 def test_the_requesters_own_input_computes_the_root_whenever_it_arrives() -> None:
     # The requester reads the result: computing the root there saves its link one copy of it.
     for order in ([3, 0, 1, 2], [0, 1, 3, 2], [0, 1, 2, 3]):  # D's input first, third, last

@@ -157,6 +157,27 @@ def test_a_get_on_the_node_computing_a_reduction_that_times_out_hears_the_timeou
     owner.delete(here)
 
 
+def test_a_node_reducing_several_of_its_own_objects_deletes_none_of_the_trees_outputs(owner: Any) -> None:
+    """Every vertex runs here, so parents read their children's outputs from this node's store.
+    Before, a parent that found its child's output not made yet fetched it, and then deleted it as
+    a copy fetched for vertices: everywhere, since this node owns it (the directory broke its
+    invariant "vertex 2's output is not registered" on every such reduce)."""
+    start = owner.event_log()[-1]["seq"]
+    ours: set[str] = set()
+    for round_ in range(3):
+        ids = [owner.put(np.full(1 << 18, i + round_, np.float32)) for i in range(4)]
+        rid = owner.reduce(ids)
+        expected = np.full(1 << 18, 6 + 4 * round_, np.float32)
+        np.testing.assert_array_equal(owner.get(rid, timeout=30), expected)
+        ours |= {oid.hex() for oid in [*ids, rid]}
+        for oid in [*ids, rid]:
+            owner.delete(oid)
+    events = [e for e in owner.event_log() if e["seq"] > start]
+    assert sum(e["kind"] == "reduce_done" for e in events) == 3
+    others = [e for e in events if e["kind"].startswith("delete") and e["object_id"] not in ours]
+    assert not others, others
+
+
 def test_concurrent_reductions_sharing_inputs_do_not_double_count(owner: Any, workers: Any) -> None:
     shape = (512, 1024)  # 4 MiB of int64
     ids = _put_inputs(workers, "int64", shape, seed=70)

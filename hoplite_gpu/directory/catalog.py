@@ -207,10 +207,23 @@ class Catalog:
             entry.locations.pop(node_id, None)
             self.outbox.record(now, "delete_local", node=node_id, object_id=oid.hex())
             return False, False
+        if self._running_intermediate(entry):
+            # Its tree's parent reads it; it goes when the tree finishes, fails or is rebuilt.
+            self.outbox.record(now, "delete_kept", node=node_id, object_id=oid.hex())
+            return False, True
         self.remove(oid, now, skip=node_id)
         self.remember_delete(oid)
         self.outbox.record(now, "delete", node=node_id, object_id=oid.hex())
         return True, False
+
+    def _running_intermediate(self, entry: ObjectEntry) -> bool:
+        """Whether ``entry`` is the output of a non-root vertex of an active reduction's tree."""
+        red = self.reductions.get(entry.reduction) if entry.reduction != entry.object_id else None
+        return (
+            red is not None
+            and red.active
+            and any(pl.output_id == entry.object_id for pl in red.plan.intermediates())
+        )
 
     # ------------------------------------------------------------ copies
     def ready(self, oid: bytes, now: float) -> None:

@@ -31,7 +31,7 @@ from ..errors import (
     TransportError,
 )
 from ..faults import INJECTOR
-from ..iothread import bounded, forget
+from ..iothread import bounded, forget, retrieved
 from ..memory import Buffer, BufferKind, DeviceEvent, LocalObject, LocalStore, through_file, write_at
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
@@ -155,6 +155,7 @@ class VertexRunner:
                     memory=task.memory,
                 )
                 self.store.add(out)
+                run.created.set_result(out)
                 if buffer is own.buffer:
                     self._over[own.object_id] = (out, buffer)
                 children = await streams
@@ -203,6 +204,10 @@ class VertexRunner:
                     error = ObjectReset(f"partial result voided: {exc}", object_id=out.object_id.hex())
                 self.store.remove(out.object_id, error)
         finally:
+            if not run.created.done():  # a vertex here waiting for this output is rebuilt too
+                stopped = f"the vertex computing {run.output_id} here stopped before its output existed"
+                run.created.set_exception(ObjectReset(stopped, object_id=run.output_id.hex()))
+                run.created.add_done_callback(retrieved)
             self._release_fetched(run)
 
     async def _stream_child(self, run: VertexRun, index: int) -> LocalObject:
@@ -217,6 +222,13 @@ class VertexRunner:
             local = self.store.get(oid)
             if local is not None:
                 return local  # this node's own object (or a vertex output computed here)
+            producer = next((r for r in self._runs.values() if r.output_id == oid), None)
+            if producer is not None:
+                # A vertex here computes it and has not made its output yet: wait for that. A
+                # fetch would end on the same local object, then delete it as a copy fetched for
+                # vertices: everywhere, since this node owns it (the directory's invariant "vertex
+                # 2's output is not registered", broken by any reduce of two inputs of one node).
+                return await asyncio.shield(producer.created)
             started: asyncio.Future[LocalObject] = asyncio.get_running_loop().create_future()
             fetch = Fetch(asyncio.ensure_future(self._fetch(oid, started)), started)
             fetch.task.add_done_callback(fetch.failed)
@@ -298,6 +310,9 @@ class VertexRun:
             if oid:
                 self.set_child(index, oid, self.weights[index + 1] if self.weights else 1.0)
         self.runner: asyncio.Task[None] | None = None
+        # Resolved with the output once it is in the store (a vertex here whose child it is
+        # waits on it; see VertexRunner._stream_child).
+        self.created: asyncio.Future[LocalObject] = loop.create_future()
         self.fetches: list[ObjectID] = []  # children this vertex uses through a :class:`Fetch`
 
     def set_child(self, index: int, object_id: bytes, weight: float = 1.0) -> None:
