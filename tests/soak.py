@@ -593,15 +593,23 @@ def judge_receivers(
 
 
 def reduce_objects(soak: Soak, run: Run, rng: random.Random) -> None:
-    """The owner reduces every worker's object (or the first n-1); a dead task puts its input again."""
+    """The owner reduces every worker's object (or the first n-1); a dead task puts its inputs
+    again. Every other run, one worker puts a second input, so that one node runs a vertex and
+    its child (drawn without the run's random stream: the other runs stay as they were)."""
     owner, n = soak.owner, WORKERS
     k = rng.choice([n - 1, n])
     if run.event == "report":
         run.event = "reduce"
     ids = [hg.ObjectID.random() for _ in range(n)]
     arrays = [make_array("float32", SHAPE, rng.randrange(1 << 30)) for _ in range(n)]
-    for i, w in enumerate(soak.workers):
-        w.call("put_array", arrays[i], ids[i].hex())
+    holders = list(range(n))
+    if run.number % 2:
+        holders.append(run.number // 2 % n)
+        ids.append(hg.ObjectID.random())
+        arrays.append(make_array("float32", SHAPE, run.number))
+        k += 1
+    for i, h in enumerate(holders):
+        soak.workers[h].call("put_array", arrays[i], ids[i].hex())
     rid = hg.ObjectID.random()
     soak.arm(run)
     op = rng.choice(["sum", "max"])
@@ -614,8 +622,10 @@ def reduce_objects(soak: Soak, run: Run, rng: random.Random) -> None:
             if run.fired_at is None:
                 run.fired_at = soak.fired(run.pid)
             if not reput and run.fired_at is not None and _gone(soak, run):
-                # The task restarts and puts its input again (needed when all n are reduced).
-                soak.replace(run.victim).call("put_array", arrays[run.victim], ids[run.victim].hex())
+                # The task restarts and puts its inputs again (needed when all are reduced).
+                task = soak.replace(run.victim)
+                for i in (i for i, h in enumerate(holders) if h == run.victim):
+                    task.call("put_array", arrays[i], ids[i].hex())
                 reput = True
             concurrent.futures.wait([result], timeout=0.05)
         try:
@@ -630,8 +640,8 @@ def reduce_objects(soak: Soak, run: Run, rng: random.Random) -> None:
         owner.delete(rid)  # (a failed run's too: the next runs start clean)
     if not reput:
         soak.finish(run, {})
-    for i, w in enumerate(soak.workers):
-        w.call("delete", ids[i].hex(), timeout=30)
+    for i, h in enumerate(holders):
+        soak.workers[h].call("delete", ids[i].hex(), timeout=30)
 
 
 def check_reduction(
