@@ -395,15 +395,16 @@ async def _exchange(
                     object_id=inbox.object_id.hex(),
                 ) from exc
         if out is not None and not await _read_whole(out, wait, stall):
+            begun = bool(out.served_begun)
             why = (
                 f"its read ended short and it did not ask again within {stall} s"
-                if out.served_begun
+                if begun
                 else f"it did not begin to read within {wait} s"
             )
             raise HopliteTimeoutError(
                 f"rank {(g.rank + 1) % g.world_size} did not read this member's part of {what} #{seq}: {why}",
                 operation=what,
-                timeout=stall if out.served_begun else wait,
+                timeout=stall if begun else wait,
             )
     except BaseException as exc:
         error = exc if isinstance(exc, HopliteError) else ObjectDeletedError(f"{what} #{seq} stopped")

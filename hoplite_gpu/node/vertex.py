@@ -106,7 +106,11 @@ class VertexRunner:
 
     def computes(self, oid: ObjectID) -> bool:
         """Whether a running vertex here writes ``oid``."""
-        return any(r.output_id == oid for r in self._runs.values())
+        return self._producer(oid) is not None
+
+    def _producer(self, oid: ObjectID) -> VertexRun | None:
+        """The running vertex here that writes ``oid``, if any."""
+        return next((r for r in self._runs.values() if r.output_id == oid), None)
 
     def cancel(self, oid: ObjectID | None = None) -> None:
         """Stop the vertices writing ``oid`` (every vertex if None)."""
@@ -222,7 +226,7 @@ class VertexRunner:
             local = self.store.get(oid)
             if local is not None:
                 return local  # this node's own object (or a vertex output computed here)
-            producer = next((r for r in self._runs.values() if r.output_id == oid), None)
+            producer = self._producer(oid)
             if producer is not None:
                 # A vertex here computes it and has not made its output yet: wait for that. A
                 # fetch would end on the same local object, then delete it as a copy fetched for
