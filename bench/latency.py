@@ -485,11 +485,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def median_p99_us(times: list[float]) -> dict[str, float]:
-    """The median and the 99th percentile of ``times`` (seconds), in microseconds."""
+    """The median and the 99th percentile of ``times`` (seconds, in the order of their rounds),
+    and the first (with ``--warmup 0`` a group's first round: what it sets up on the way), in
+    microseconds."""
     ordered = sorted(times)
     return {
         "median_us": statistics.median(ordered) * 1e6,
         "p99_us": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6,
+        "first_us": times[0] * 1e6 if times else float("nan"),
     }
 
 

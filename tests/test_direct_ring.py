@@ -342,7 +342,9 @@ def test_members_whose_schedules_differ_agree_on_the_directorys() -> None:
 
 def test_which_schedule_members_take() -> None:
     def peers(*rows: tuple[str, str], plane: str = "tcp") -> list[Peer]:
-        return [Peer(schedule, key, plane, "10.0.0.1", 1000 + i) for i, (schedule, key) in enumerate(rows)]
+        return [
+            Peer(schedule, "", key, plane, "10.0.0.1", 1000 + i) for i, (schedule, key) in enumerate(rows)
+        ]
 
     assert goes_direct(peers(("auto", ""), ("auto", "")))  # no shared memory: hosts apart
     assert goes_direct(peers(("auto", "a"), ("auto", "b")))

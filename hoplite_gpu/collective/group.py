@@ -31,6 +31,7 @@ from ..node import Node
 from ..node.watches import check_parent
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
+from .host import close_listener
 from .watching import Watching
 
 T = TypeVar("T")
@@ -113,6 +114,8 @@ class Group(Watching):
         self._peers: list[Any] = []  # members' hosts and data planes (collective.ring)
         self._spare: list[Any] = []  # its receive buffers, kept for the next (collective.ring)
         self._scratch: Any = None  # a direct reduce's partial sums, kept for the next (the same)
+        self._listener: Any = None  # where the members on this host connect (collective.host)
+        self._mesh: Any = None  # its sockets to them and shared segments, once made (the same)
         # See _describe; an OrderedDict: point-to-point calls on other threads add to it too.
         self._described: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         self.destroyed = False  # see destroy
@@ -251,10 +254,18 @@ class Group(Watching):
 
     async def _clean_up(self) -> None:
         """Delete this member's objects (after the final barrier, see :meth:`destroy`)."""
+        self._leave_host()
         last = self.seq - 1
         self._owned += [(last, ack) for ack in self._acks.values()]  # every sender has read them
         self._acks.clear()
         await self._delete_before(self.seq, wait=True)
+
+    def _leave_host(self) -> None:
+        """Close this member's mesh and listening socket (:mod:`.host`), if it has them."""
+        mesh, self._mesh = self._mesh, None
+        if mesh is not None:
+            mesh.close()
+        close_listener(self)
 
     # ------------------------------------------------------------ plumbing
     def _next(self) -> int:

@@ -11,12 +11,14 @@ import numpy as np
 
 from .. import memory
 from ..config import Config
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ObjectLostError
+from ..faults import INJECTOR
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op
 from .group import Group, _check_group, _check_rank
+from .host import goes_host, meet, wait_limit
 from .ring import direct_allreduce, direct_reduce, goes_direct, ring_peers
 
 
@@ -74,6 +76,7 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         peers = await ring_peers(g, seq)
         if not goes_direct(peers, sharing=True):
             return await run()
+
         def along(host: np.ndarray) -> Awaitable[None]:
             return direct_reduce(g, seq, host, reduce_op, peers, dst_rank)
 
@@ -96,7 +99,12 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     A small array (under ``Config.allreduce_shard_bytes``, :data:`SHARD_MIN_BYTES` by default)
     is reduced once, on a tree the directory shapes,
     and the result read by every member as it is being reduced. A large C-contiguous array is cut
-    into one chunk per member. Where no two members share a host's memory it goes by the direct
+    into one chunk per member. Where every member shares this host's memory it goes through
+    shared memory (:mod:`hoplite_gpu.collective.host`): each member copies its array into a
+    segment it keeps, reduces its own chunk of every member's segment in place, and copies the
+    others' reduced chunks out, signalled member to member over Unix sockets, with no message to
+    the directory in a round (a device array takes the directory's path, through CUDA IPC).
+    Where no two members share a host's memory it goes by the direct
     ring (``Config.allreduce_schedule``, :mod:`hoplite_gpu.collective.ring`): each member pulls
     the running sums from the member before it over the data plane, adds its own chunk in place
     and is read on by the next, then the whole sums go round the same way, with no message to
@@ -123,14 +131,52 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     cfg = g.node.config
     if n > 1 and flat is not None and flat.size >= n:
         if flat.nbytes >= min(cfg.allreduce_direct_bytes, cfg.allreduce_shard_bytes):
-            return g._run(_large(g, seq, array, flat, reduce_op))
+            if g._mesh is None or g._mesh.broken:
+                done = g._run(_large(g, seq, array, flat, reduce_op))
+                if done is not ON_HOST:
+                    return done
+            if _on_host(g, seq, flat, reduce_op):
+                return array
+            return g._run(_large(g, seq, array, flat, reduce_op, host=False))
     return g._run(_small_allreduce(g, seq, array, reduce_op))
 
 
-async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any:
+#: What :func:`_large` returns when the round goes through shared memory (:func:`_on_host`).
+ON_HOST = object()
+
+
+def _on_host(g: Group, seq: int, flat: Any, op: ReduceOp) -> bool:
+    """Round ``seq`` through the members' shared memory (:mod:`.host`), on the caller's thread:
+    whether it ran (False: every member runs it on the directory's schedule instead)."""
+    g._raise_if_broken()
+    # Device arrays keep the directory's path (CUDA IPC between the processes).
+    host = memory.kind_of(flat) is memory.ArrayKind.NUMPY
+    takes = host and flat.nbytes >= g.node.config.allreduce_direct_bytes
+    try:
+        fault = g.object_id(seq, "allreduce", g.rank).hex() if INJECTOR.armed else ""
+        ran = g._call(
+            lambda: g._mesh.allreduce(seq, flat, op, takes, wait_limit(g), g._raise_if_broken, fault)
+        )
+    except ObjectLostError as exc:
+        if g._watching is None:
+            raise
+        g._run(_raise(exc))  # the watch's MemberLostError, once it reports the member
+        raise
+    if ran and g._owned:
+        g._run(g._delete_before(seq))
+    return ran
+
+
+async def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp, host: bool = True) -> Any:
     """The direct ring (:mod:`.ring`) where the members' schedules agree on it
     (:func:`~.ring.goes_direct`) and ``array`` is large enough for it; else the shards'
-    reductions through the directory, or one reduce for an array under their threshold."""
+    reductions through the directory, or one reduce for an array under their threshold. Where
+    every member shares this host (:func:`~.host.goes_host`), ``host`` and the mesh is not made
+    yet: make it (:func:`~.host.meet`) and return :data:`ON_HOST`."""
     cfg = g.node.config
     rejoined: list[bool] = []  # a directory restart during the exchange: see Group._lending
 
@@ -142,6 +188,9 @@ async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp) -> Any
         peers = await ring_peers(g, seq)
     finally:
         g.node.remove_rejoin_callback(rejoined_cb)
+    if host and g._mesh is None and goes_host(peers) and flat.nbytes >= cfg.allreduce_direct_bytes:
+        g._mesh = await meet(g, seq, peers)
+        return ON_HOST
     if goes_direct(peers) and flat.nbytes >= cfg.allreduce_direct_bytes:
         return await _direct(g, seq, array, flat, lambda h: direct_allreduce(g, seq, h, op, peers), True)
     if flat.nbytes >= cfg.allreduce_shard_bytes:

@@ -53,6 +53,7 @@ from ..errors import (
 from ..memory import Buffer, LocalObject
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, reduce_chunk
+from .host import listen
 
 if TYPE_CHECKING:
     from .group import Group
@@ -62,6 +63,7 @@ class Peer(NamedTuple):
     """What a member tells the others at its group's first large allreduce."""
 
     schedule: str  # its Config.allreduce_schedule
+    meet: str  # its mesh's listening socket (collective.host), "" for none
     host_key: str  # Node.host_key: "" without shared memory
     plane: str  # Node.data_plane_kind
     host: str  # its data plane's address
@@ -82,10 +84,15 @@ async def ring_peers(g: Group, seq: int) -> list[Peer]:
     if g._peers:
         return g._peers
     node = g.node
-    mine = f"{node.config.allreduce_schedule}|{node.host_key}|{node.data_plane_kind}|{node.data_address}"
+    meet = listen(g) if node.host_key and node.config.allreduce_schedule == "auto" else ""
+    mine = (
+        f"{node.config.allreduce_schedule}|{meet}|{node.host_key}|{node.data_plane_kind}|{node.data_address}"
+    )
     await g._put_own(seq, np.frombuffer(mine.encode(), np.uint8), g.object_id(seq, "ring-peer", g.rank))
     if node.config.allreduce_schedule in ("ring", "star"):
-        g._peers = [Peer(node.config.allreduce_schedule, "", "", "", 0)]  # told the others: no need to read
+        g._peers = [
+            Peer(node.config.allreduce_schedule, "", "", "", "", 0)
+        ]  # told the others: no need to read
         return g._peers
     others = [r for r in range(g.world_size) if r != g.rank]
     got = await asyncio.gather(
@@ -95,9 +102,10 @@ async def ring_peers(g: Group, seq: int) -> list[Peer]:
     texts[g.rank] = mine
     peers = []
     for r in range(g.world_size):
-        schedule, key, plane, address = texts[r].split("|", 3)
+        schedule, meet, rest = texts[r].split("|", 2)
+        key, plane, address = rest.rsplit("|", 2)  # (a host tag may hold "|")
         host, _, port = address.rpartition(":")
-        peers.append(Peer(schedule, key, plane, host.strip("[]"), int(port)))
+        peers.append(Peer(schedule, meet, key, plane, host.strip("[]"), int(port)))
     g._peers = peers
     return peers
 

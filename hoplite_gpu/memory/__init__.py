@@ -36,6 +36,9 @@ from .node_memory import (
     sweep_orphans,
 )
 from .placement import node_place
+from .shm import create as new_segment
+from .shm import map_whole, segment_name
+from .shm_files import socket_path, unlink_quietly
 from .store import MEMORY_DEVICE, MEMORY_HOST, LocalObject, LocalStore
 
 __all__ = [
@@ -59,10 +62,15 @@ __all__ = [
     "flat_view",
     "host_key",
     "kind_of",
+    "map_whole",
+    "new_segment",
     "node_place",
+    "segment_name",
     "shared_memory_available",
+    "socket_path",
     "sweep_orphans",
     "through_file",
     "to_host",
+    "unlink_quietly",
     "write_at",
 ]

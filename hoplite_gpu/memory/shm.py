@@ -487,3 +487,21 @@ def map_payload(name: str, offset: int, nbytes: int) -> np.ndarray[Any, Any] | N
     view = np.ndarray((nbytes,), np.uint8, buffer=mm, offset=HEADER_BYTES + offset)
     view.flags.writeable = False
     return view
+
+
+def map_whole(name: str, least: int) -> np.ndarray[Any, Any] | None:
+    """A read-only view of segment ``name``'s whole payload, whatever its header says (a
+    group's kept segment, :mod:`hoplite_gpu.collective.host`), or None when it is not there or
+    holds fewer than ``least`` bytes."""
+    opened = open_regular(name)
+    if opened is None:
+        return None
+    fd, size, _ = opened
+    os.close(fd)
+    return map_payload(name, 0, size - HEADER_BYTES) if size - HEADER_BYTES >= least else None
+
+
+def segment_name(buf: np.ndarray[Any, Any]) -> str:
+    """The name of the segment a buffer from :func:`create` lives in ("" for ordinary memory)."""
+    seg = segment_of(buf)
+    return seg.name if seg is not None else ""

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import stat
 import struct
 
@@ -85,6 +86,12 @@ def host_key(tag: str = "") -> str:
         boot = "?"
     st = os.stat(SHM_DIR)
     return f"{boot}:{st.st_dev}:{st.st_ino}" + (f"/{tag}" if tag else "")
+
+
+def socket_path() -> str:
+    """A new path for a listening Unix socket of this process in ``/dev/shm``, named like a
+    segment (:func:`sweep_orphans` removes it if the process is killed)."""
+    return os.path.join(SHM_DIR, f"{PREFIX}{pid_namespace()}-{own_pid()}-0-{secrets.token_hex(8)}")
 
 
 def unlink_quietly(path: str) -> None:

@@ -1,0 +1,198 @@
+"""Members that all share one host (``hoplite_gpu.collective.host``) on real processes: a large
+allreduce goes through shared memory, signalled over Unix sockets between the members, with no
+directory message per round; exact and bit-identical results for every operator, dtype and group
+size; arrays that differ fail typed on every member and the next round still runs there; a member
+with a device array takes the whole group to the directory's schedule for that round; a member
+SIGKILLed between rounds fails the survivors' round typed well before their timeout (in a watched
+group: ``MemberLostError``); a member that does not come fails the round by the timeout, after
+which the group's rounds run on the directory's schedule; nothing is left in ``/dev/shm``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu.collective.host import goes_host
+from tests.procs import Worker, make_array, start_workers
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+
+TIMEOUT = 60.0
+ONE_HOST = {"shared_memory": True, "allreduce_direct_bytes": 1 << 16}
+
+
+@contextlib.contextmanager
+def _group(
+    n: int, name: str, watch: bool = False, timeout: float = TIMEOUT, **config: Any
+) -> Iterator[tuple[Any, Any, list[Worker]]]:
+    """An owner and ``n - 1`` workers of this host, with shared memory, in one group; the workers
+    are killed and the owner closed after the block."""
+    settings = {**ONE_HOST, **config}
+    owner = hg.init(**settings)
+    workers = start_workers(owner.directory_address, owner.token, n - 1, **settings)
+    try:
+        for rank, w in enumerate(workers, start=1):
+            w.send("group", name, rank, n, timeout, watch)
+        assert [w.result() for w in workers] == list(range(1, n))
+        yield owner, hg.collective.Group(owner, 0, n, name, timeout=timeout, watch=watch), workers
+    finally:
+        for w in workers:
+            w.kill()
+        owner.close()
+
+
+def _allreduce(
+    group: Any, workers: list[Worker], dtype: str, shape: tuple[int, ...], seed: int, op: str
+) -> Any:
+    """One allreduce of every member; the owner's result, checked bit-identical on every member."""
+    for w in workers:
+        w.send("allreduce", group.name, dtype, shape, seed, op)
+    got = hg.collective.allreduce(make_array(dtype, shape, seed), group, op)
+    for w in workers:
+        assert w.result().tobytes() == got.tobytes()
+    return got
+
+
+def _handled(owner: Any) -> dict[str, int]:
+    handled = owner.directory_summary()["handled"]
+    return {kind: count for kind, count in handled.items() if kind not in ("heartbeat", "summary")}
+
+
+def _ours() -> set[str]:
+    """This process's files in ``/dev/shm`` (segments and sockets are named by their pid)."""
+    mark = f"-{os.getpid()}-"
+    return {name for name in os.listdir("/dev/shm") if name.startswith("hoplite-") and mark in name}
+
+
+def _want(op: str, dtype: str, shape: tuple[int, ...], seed: int, n: int) -> Any:
+    inputs = np.stack([make_array(dtype, shape, seed + r) for r in range(n)])
+    if op == "avg":
+        total = inputs.sum(0)
+        return total // n if np.issubdtype(total.dtype, np.integer) else total / total.dtype.type(n)
+    return {"sum": inputs.sum(0), "max": inputs.max(0), "min": inputs.min(0), "prod": inputs.prod(0)}[op]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_operator_reduces_exactly_through_shared_memory_with_no_directory_message(n: int) -> None:
+    before_files = _ours()
+    with _group(n, f"host-{n}") as (owner, group, workers):
+        shape = (100_003,)  # shards of unequal sizes
+        for op in ("sum", "max", "min", "prod", "avg"):
+            got = _allreduce(group, workers, "int64", shape, 3, op)
+            assert np.array_equal(got, _want(op, "int64", shape, 3, n)), op
+        assert goes_host(group._peers) and group._mesh is not None and not group._mesh.broken
+        # Once the mesh is made a round sends the directory nothing, whatever its array.
+        before = _handled(owner)
+        for seed, (dtype, shape) in enumerate(
+            [("float32", (1 << 18,)), ("float64", (300, 301)), ("int32", (1 << 20,))]
+        ):
+            got = _allreduce(group, workers, dtype, shape, seed, "sum")
+            want = _want("sum", dtype, shape, seed, n)
+            assert got.shape == shape and np.allclose(got, want, rtol=1e-5), dtype
+        assert _handled(owner) == before
+        for w in workers:
+            w.send("destroy", group.name)
+        group.destroy()
+        for w in workers:
+            w.result()
+        assert _ours() == before_files  # the listening socket and the segment are gone
+
+
+def test_arrays_that_differ_fail_typed_on_every_member_and_the_next_round_runs() -> None:
+    n = 3
+    with _group(n, "host-differ") as (_owner, group, workers):
+        shape = (1 << 16,)
+        _allreduce(group, workers, "float32", shape, 0, "sum")
+        for w in workers:
+            w.send("allreduce", group.name, "float64", shape, 1, "sum")
+        with pytest.raises(hg.CollectiveArgumentError, match="must match"):
+            hg.collective.allreduce(make_array("float32", shape, 1), group)
+        for w in workers:
+            with pytest.raises(RuntimeError, match="CollectiveArgumentError"):
+                w.result()
+        got = _allreduce(group, workers, "float32", shape, 2, "sum")
+        assert np.allclose(got, _want("sum", "float32", shape, 2, n))
+        assert not group._mesh.broken
+
+
+def test_a_device_array_on_one_member_takes_the_round_to_the_directorys_schedule() -> None:
+    n = 3
+    with _group(n, "host-device") as (owner, group, workers):
+        shape = (1 << 16,)
+        _allreduce(group, workers, "float32", shape, 0, "sum")
+        workers[0].send("allreduce", group.name, "sim:float32", shape, 4, "sum")
+        workers[1].send("allreduce", group.name, "float32", shape, 4, "sum")
+        before = _handled(owner)
+        got = hg.collective.allreduce(make_array("float32", shape, 4), group)
+        kind, device_result = workers[0].result()
+        assert kind.endswith("SimDeviceArray") and device_result.tobytes() == got.tobytes()
+        assert workers[1].result().tobytes() == got.tobytes()
+        assert np.allclose(got, _want("sum", "float32", shape, 4, n))
+        assert _handled(owner) != before  # the directory ran it
+        got = _allreduce(group, workers, "float32", shape, 5, "sum")  # and the next is ours again
+        assert np.allclose(got, _want("sum", "float32", shape, 5, n)) and not group._mesh.broken
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_member_killed_between_rounds_fails_the_survivors_typed_before_their_timeout(watch: bool) -> None:
+    n = 3
+    with _group(n, f"host-kill-{watch}", watch=watch) as (_owner, group, workers):
+        shape = (1 << 16,)
+        _allreduce(group, workers, "float32", shape, 0, "sum")
+        workers[0].send("allreduce", group.name, "float32", shape, 1, "sum")
+        workers[1].kill()  # rank 2: never comes to the round
+        started = time.monotonic()
+        expected = hg.MemberLostError if watch else hg.ObjectLostError
+        with pytest.raises(expected) as caught:
+            hg.collective.allreduce(make_array("float32", shape, 1), group)
+        assert 2 in caught.value.fields["lost_ranks"]
+        with pytest.raises(RuntimeError, match=expected.__name__):
+            workers[0].result()
+        assert time.monotonic() - started < TIMEOUT / 2
+
+
+def test_a_member_that_does_not_come_fails_the_round_by_the_timeout_then_rounds_go_on() -> None:
+    n = 3
+    with _group(n, "host-late", timeout=2.0) as (_owner, group, workers):
+        shape = (1 << 16,)
+        _allreduce(group, workers, "float32", shape, 0, "sum")
+        workers[0].send("allreduce", group.name, "float32", shape, 1, "sum")
+        started = time.monotonic()
+        with pytest.raises(hg.HopliteTimeoutError) as caught:
+            hg.collective.allreduce(make_array("float32", shape, 1), group)
+        assert caught.value.fields["waiting_for_ranks"] == [2]
+        assert time.monotonic() - started < 10
+        with pytest.raises(RuntimeError, match=r"HopliteTimeoutError|HopliteError"):
+            workers[0].result()  # it timed out too, or rank 0 left the mesh first: it fails
+        # Rank 2 comes late: the round fails there too, never summed with a part of another's.
+        workers[1].send("allreduce", group.name, "float32", shape, 1, "sum")
+        with pytest.raises(RuntimeError, match="HopliteError"):
+            workers[1].result()
+        # The next rounds run on the directory's schedule, every member alike.
+        got = _allreduce(group, workers, "float32", shape, 2, "sum")
+        assert np.allclose(got, _want("sum", "float32", shape, 2, n)) and group._mesh.broken
+
+
+def test_which_groups_go_through_shared_memory() -> None:
+    from hoplite_gpu.collective.ring import Peer
+
+    def peers(*rows: tuple[str, str, str]) -> list[Peer]:
+        return [
+            Peer(schedule, meet, key, "tcp", "10.0.0.1", 1000 + i)
+            for i, (schedule, meet, key) in enumerate(rows)
+        ]
+
+    assert goes_host(peers(("auto", "/a", "k"), ("auto", "/b", "k")))
+    assert not goes_host(peers(("auto", "/a", "k")))  # alone
+    assert not goes_host(peers(("auto", "/a", "k"), ("auto", "/b", "k2")))  # hosts apart
+    assert not goes_host(peers(("auto", "/a", ""), ("auto", "/b", "")))  # no shared memory
+    assert not goes_host(peers(("auto", "/a", "k"), ("auto", "", "k")))  # one does not listen
+    assert not goes_host(peers(("auto", "/a", "k"), ("ring", "/b", "k")))  # one asks for the directory's
+    assert not goes_host(peers(("direct", "/a", "k"), ("auto", "/b", "k")))  # or for the data plane's
