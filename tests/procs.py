@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -434,3 +436,25 @@ def wait_for_events(node: Any, predicate: Any, timeout: float = 30.0) -> list[di
         if time.monotonic() > deadline:
             raise TimeoutError(f"directory events never satisfied the condition: {events[-10:]}")
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def owner_and_workers_group(
+    n: int, name: str, settings: dict[str, Any], watch: bool = False, timeout: float = 60.0
+) -> Iterator[tuple[Any, Any, list[Worker]]]:
+    """An owner node in this process (an embedded directory) and ``n - 1`` workers, all with
+    ``settings``, in one group (the owner rank 0); the workers are killed and the owner closed
+    after the block. Yields (owner, its group, workers)."""
+    import hoplite_gpu as hg
+
+    owner = hg.init(**settings)
+    workers = start_workers(owner.directory_address, owner.token, n - 1, **settings)
+    try:
+        for rank, w in enumerate(workers, start=1):
+            w.send("group", name, rank, n, timeout, watch)
+        assert [w.result() for w in workers] == list(range(1, n))
+        yield owner, hg.collective.Group(owner, 0, n, name, timeout=timeout, watch=watch), workers
+    finally:
+        for w in workers:
+            w.kill()
+        owner.close()

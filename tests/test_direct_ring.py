@@ -7,9 +7,7 @@ nothing in their stores; members whose schedules differ agree on one."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu.collective.ring import Peer, goes_direct
-from tests.procs import Worker, make_array, start_workers
+from tests.procs import Worker, make_array, owner_and_workers_group, start_workers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -25,22 +23,10 @@ TIMEOUT = 60.0
 SHARDED = {"shared_memory": False, "allreduce_direct_bytes": 1 << 16}  # hosts apart, no shared memory
 
 
-@contextlib.contextmanager
-def _group(n: int, name: str, watch: bool = False, **config: Any) -> Iterator[tuple[Any, Any, list[Worker]]]:
+def _group(n: int, name: str, watch: bool = False, **config: Any) -> Any:
     """An owner and ``n - 1`` workers without shared memory (each as if on its own host), in one
     group; the workers are killed and the owner closed after the block."""
-    settings = {**SHARDED, **config}
-    owner = hg.init(**settings)
-    workers = start_workers(owner.directory_address, owner.token, n - 1, **settings)
-    try:
-        for rank, w in enumerate(workers, start=1):
-            w.send("group", name, rank, n, TIMEOUT, watch)
-        assert [w.result() for w in workers] == list(range(1, n))
-        yield owner, hg.collective.Group(owner, 0, n, name, timeout=TIMEOUT, watch=watch), workers
-    finally:
-        for w in workers:
-            w.kill()
-        owner.close()
+    return owner_and_workers_group(n, name, {**SHARDED, **config}, watch, TIMEOUT)
 
 
 def _allreduce(

@@ -9,10 +9,8 @@ which the group's rounds run on the directory's schedule; nothing is left in ``/
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,7 +18,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu.collective.host import goes_host
-from tests.procs import Worker, make_array, start_workers
+from tests.procs import Worker, make_array, owner_and_workers_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
@@ -28,24 +26,9 @@ TIMEOUT = 60.0
 ONE_HOST = {"shared_memory": True, "allreduce_direct_bytes": 1 << 16}
 
 
-@contextlib.contextmanager
-def _group(
-    n: int, name: str, watch: bool = False, timeout: float = TIMEOUT, **config: Any
-) -> Iterator[tuple[Any, Any, list[Worker]]]:
-    """An owner and ``n - 1`` workers of this host, with shared memory, in one group; the workers
-    are killed and the owner closed after the block."""
-    settings = {**ONE_HOST, **config}
-    owner = hg.init(**settings)
-    workers = start_workers(owner.directory_address, owner.token, n - 1, **settings)
-    try:
-        for rank, w in enumerate(workers, start=1):
-            w.send("group", name, rank, n, timeout, watch)
-        assert [w.result() for w in workers] == list(range(1, n))
-        yield owner, hg.collective.Group(owner, 0, n, name, timeout=timeout, watch=watch), workers
-    finally:
-        for w in workers:
-            w.kill()
-        owner.close()
+def _group(n: int, name: str, watch: bool = False, timeout: float = TIMEOUT, **config: Any) -> Any:
+    """An owner and ``n - 1`` workers of this host, with shared memory, in one group."""
+    return owner_and_workers_group(n, name, {**ONE_HOST, **config}, watch, timeout)
 
 
 def _allreduce(
