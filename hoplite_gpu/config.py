@@ -160,12 +160,14 @@ class Config:
             bench/pages/collectives.md#the-direct-ring).
             ``ring`` and ``star`` may be mixed, each shard's schedule its own member's; a group
             takes ``direct`` only where no member asks for one of those. A large
-            :func:`~hoplite_gpu.collective.reduce` passes along a chain of the members to its
-            root under ``direct``, and under ``auto`` wherever all members run the TCP data
-            plane, members that share a host's memory too (over loopback it took 0.45-0.75x the
-            time of the directory's shared-memory tree with 2-4 members of one host, within 5%
-            with 6-8 on 2 cores: bench/pages/collectives.md#the-chain-on-one-host); under
-            ``ring`` or ``star`` it goes through the directory's tree.
+            :func:`~hoplite_gpu.collective.reduce` goes through shared memory where all members
+            share one host's memory under ``auto`` (as the allreduce); else it passes along a
+            chain of the members to its root under ``direct``, and under ``auto`` wherever all
+            members run the TCP data plane, members that share a host's memory too (device
+            arrays; over loopback it took 0.45-0.75x the time of the directory's shared-memory
+            tree with 2-4 members of one host, within 5% with 6-8 on 2 cores:
+            bench/pages/collectives.md#the-chain-on-one-host); under ``ring`` or ``star`` it
+            goes through the directory's tree.
         allreduce_shard_bytes: A group's allreduce of at least this many bytes (C-contiguous)
             goes in shards, one per member; a smaller one as one reduce read as it is computed,
             whose time is latency (1-4 MiB: 1.2-1.9x faster that way on 4 hosts at 100 MB/s and
@@ -176,7 +178,8 @@ class Config:
             the direct ring was 1.2-1.5x faster than one reduce on 4 hosts at 100 MB/s, and as
             fast at 1 GB/s;
             bench/pages/collectives.md#the-direct-ring). So does a group's reduce of at least
-            this many bytes, by the direct chain (bench/pages/collectives.md#the-direct-chain-reduce).
+            this many bytes, by the direct chain (bench/pages/collectives.md#the-direct-chain-reduce),
+            or through one host's shared memory.
             Every member of a group must use the same.
     """
 

@@ -179,3 +179,49 @@ def test_which_groups_go_through_shared_memory() -> None:
     assert not goes_host(peers(("auto", "/a", "k"), ("auto", "", "k")))  # one does not listen
     assert not goes_host(peers(("auto", "/a", "k"), ("ring", "/b", "k")))  # one asks for the directory's
     assert not goes_host(peers(("direct", "/a", "k"), ("auto", "/b", "k")))  # or for the data plane's
+
+
+def _reduce_to(
+    group: Any, workers: list[Worker], dtype: str, shape: tuple[int, ...], seed: int, op: str, root: int
+) -> Any:
+    """One reduce to ``root`` of every member; the root's result, every other member's array
+    checked unchanged."""
+    for w in workers:
+        w.send("reduce_to", group.name, dtype, shape, seed, root, op)
+    arr = make_array(dtype, shape, seed)
+    got = hg.collective.reduce(arr, root, group, op)
+    answers = {rank: w.result() for rank, w in enumerate(workers, start=1)}
+    answers[0] = got
+    for rank, answer in answers.items():
+        if rank != root:
+            assert answer.tobytes() == make_array(dtype, shape, seed + rank).tobytes(), rank
+    return answers[root]
+
+
+def test_a_reduce_goes_through_shared_memory_to_any_root_and_leaves_the_others_arrays() -> None:
+    n = 4
+    with _group(n, "host-reduce") as (owner, group, workers):
+        shape = (50_001,)
+        for seed in range(2):  # the mesh is made, then what its making put is deleted
+            _allreduce(group, workers, "float32", (1 << 16,), seed, "sum")
+        before = _handled(owner)
+        for root, op, dtype in [
+            (0, "sum", "int64"),
+            (2, "avg", "float64"),
+            (3, "max", "int32"),
+            (1, "prod", "int64"),
+        ]:
+            got = _reduce_to(group, workers, dtype, shape, 5 + root, op, root)
+            assert np.allclose(got, _want(op, dtype, shape, 5 + root, n)), (root, op)
+            got = _allreduce(group, workers, "float32", shape, root, "sum")  # rounds of both mix
+            assert np.allclose(got, _want("sum", "float32", shape, root, n), rtol=1e-5)
+        assert _handled(owner) == before and not group._mesh.broken
+        for w in workers:  # members that name other roots fail alike, and the next round runs
+            w.send("reduce_to", group.name, "int64", shape, 1, 2, "sum")
+        with pytest.raises(hg.CollectiveArgumentError, match="reduce to rank 1"):
+            hg.collective.reduce(make_array("int64", shape, 1), 1, group)
+        for w in workers:
+            with pytest.raises(RuntimeError, match="CollectiveArgumentError"):
+                w.result()
+        got = _reduce_to(group, workers, "int64", shape, 9, "sum", 0)
+        assert np.array_equal(got, _want("sum", "int64", shape, 9, n))

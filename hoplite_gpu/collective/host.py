@@ -1,6 +1,6 @@
-"""Members that all share one host: a group's large allreduce through shared memory, signalled
-member to member over Unix sockets, with no message to the directory and no byte on the data
-plane (bench/pages/collectives.md#one-host-allreduce-through-shared-memory).
+"""Members that all share one host: a group's large allreduce, or reduce, through shared memory,
+signalled member to member over Unix sockets, with no message to the directory and no byte on
+the data plane (bench/pages/collectives.md#one-host-allreduce-through-shared-memory).
 
 Each member keeps one shared-memory segment the size of the array (made at its first round,
 again only when an array outgrows it) and a Unix socket to every other member (the *mesh*, made
@@ -9,17 +9,22 @@ cut into one shard per member:
 
 1. wait until every member is done reading this member's segment in the round before (``DONE``);
 2. copy the array into its segment, but for its own shard ``r``, and tell the others (``IN``,
-   with the array's dtype, size and operator, and the segment's name);
+   with the array's dtype, size, operator and the reduce's root, and the segment's name);
 3. once every ``IN`` came: reduce shard ``r`` of every member's segment into shard ``r`` of its
    own array, in place, copy that into shard ``r`` of its segment, and tell the others (``SUM``);
 4. once every ``SUM`` came: copy shard ``j`` of member ``j``'s segment into its array, for every
    ``j``, and tell the others (``DONE``).
 
+A reduce is the same round but that only its root copies the shards out (and waits for ``SUM``):
+the others reduce their shard into their segment, leaving their array as it was, tell the root
+(``SUM``) and every member (``DONE``), and return.
+
 Each shard is reduced once, by one member, in the same order, so every member ends with the same
 bits. A member writes its segment only after every other member told it is done reading it, and
 reads another's only after that one told it wrote what is read: a member never reads bytes being
 written. A member whose ``IN`` differs (dtype, size, operator) fails the round on every member
-alike (:class:`CollectiveArgumentError`: each sees every ``IN``), and the mesh stays usable.
+alike (:class:`CollectiveArgumentError`: each sees every ``IN``; so does one that names another
+root, or runs the other collective), and the mesh stays usable.
 
 A member that cannot make its segment (no room in ``/dev/shm``) or whose array is not one this
 path takes (device memory) says so in its ``IN``: every member then runs that round on the
@@ -63,16 +68,17 @@ from ..reduce_ops import ReduceOp, reduce_chunk
 if TYPE_CHECKING:
     from .group import Group
 
-#: One signal: sequence number, phase, operator, flags, the array's bytes, its dtype, the
-#: sender's segment name. ``BREAK``: the round at which the sender left, and in ``nbytes`` the
-#: rank it found dead, or ``NO_RANK``.
-MESSAGE = struct.Struct("<QBBB5xQ16s64s")
+#: One signal: sequence number, phase, operator, flags, the reduce's root (``ALL``: an
+#: allreduce), the array's bytes, its dtype, the sender's segment name. ``BREAK``: the round at
+#: which the sender left, and in ``nbytes`` the rank it found dead, or ``NO_RANK``.
+MESSAGE = struct.Struct("<QBBBxIQ16s64s")
 IN, SUM, DONE, BREAK = 1, 2, 3, 4
 #: Operators by their number in ``IN``.
 OPS = list(ReduceOp)
 #: Flags of ``IN``: the array is one this path takes (host memory, large enough).
 TAKES = 1
 NO_RANK = 2**64 - 1
+ALL = 2**32 - 1
 #: A connecting member's first bytes: its group's digest, its rank, the collective's number.
 HELLO = struct.Struct("<8sIQ")
 #: How often a wait looks at a watched group's state (a member reported lost, an abort).
@@ -86,6 +92,7 @@ class Signal(NamedTuple):
     phase: int
     op: int
     flags: int
+    root: int
     nbytes: int
     dtype: str
     name: str
@@ -258,7 +265,7 @@ class Mesh:
         self._mapped: dict[int, tuple[str, np.ndarray[Any, Any]]] = {}  # rank -> (name, view)
         self._pending: int | None = None  # the round whose DONE is not read yet
 
-    def allreduce(
+    def reduce(
         self,
         seq: int,
         flat: Any,
@@ -266,18 +273,21 @@ class Mesh:
         takes: bool,
         limit: float,
         check: Callable[[], None],
+        root: int | None = None,
         fault: str = "",
     ) -> bool:
-        """Round ``seq`` on ``flat`` (the caller's array, a flat view) with ``op``: True once it
-        holds the result; False when the group runs this round on the directory's schedule
-        instead, every member alike (a member did not take it: ``takes`` False on one, or one
-        left the mesh). ``limit``: seconds each wait may last; ``check`` raises a watched
-        group's error (called at least every :data:`WATCH_SLICE` seconds of a wait). ``fault``:
-        the object (hex) whose armed faults (:mod:`hoplite_gpu.faults`) fire in the round:
-        ``serve`` in the copy in, ``reduce`` around the reduction, ``receive`` in the copy out,
-        ``report`` before the last signal."""
+        """Round ``seq`` on ``flat`` (the caller's array, a flat view) with ``op``: an allreduce
+        (``root`` None), or a reduce into ``root``'s array (the others' stay as they were, and
+        return once they reduced their shard). True once it is done here; False when the group
+        runs this round on the directory's schedule instead, every member alike (a member did
+        not take it: ``takes`` False on one, or one left the mesh). ``limit``: seconds each wait
+        may last; ``check`` raises a watched group's error (called at least every
+        :data:`WATCH_SLICE` seconds of a wait). ``fault``: the object (hex) whose armed faults
+        (:mod:`hoplite_gpu.faults`) fire in the round: ``serve`` in the copy in, ``reduce``
+        around the reduction, ``receive`` in the copy out, ``report`` before the last signal."""
         deadline = time.monotonic() + limit
         n, me = self.world, self.rank
+        what = "allreduce" if root is None else "reduce"
         cuts = [flat.size * j // n for j in range(n + 1)]
         item = flat.dtype.itemsize
 
@@ -298,58 +308,66 @@ class Mesh:
                 np.copyto(mine[cuts[me + 1] :], flat[cuts[me + 1] :])
                 reach("serve", flat.nbytes)
             name = memory.segment_name(segment) if segment is not None else ""
-            code = OPS.index(op)
-            self._send(seq, IN, code, TAKES if mine is not None else 0, flat.nbytes, flat.dtype.str, name)
+            code, to = OPS.index(op), ALL if root is None else root
+            flags = TAKES if mine is not None else 0
+            self._send(seq, IN, code, flags, to, flat.nbytes, flat.dtype.str, name)
             signals = self._gather(seq, IN, deadline, check)
         except Left as exc:
             if exc.dead is None and exc.seq < seq:  # it left after a round this member finished
                 self._leave(exc.seq)
                 return False
-            raise self._failed(seq, exc) from None
+            raise self._failed(what, seq, exc) from None
         except Gone as exc:
-            raise self._failed(seq, exc) from None
+            raise self._failed(what, seq, exc) from None
         except BaseException:
             self._leave(seq)
             raise
         if mine is None or not all(s.flags & TAKES for s in signals.values()):
             return False  # every member saw the same flags: none goes on here
-        _check_alike(seq, me, flat, code, signals)
+        _check_alike(what, seq, me, flat, code, to, signals)
+        gathers = root is None or root == me  # the others' results land here
         try:
             views = {j: self._view(j, s, flat) for j, s in signals.items()}
             shard = slice(cuts[me], cuts[me + 1])
             own = flat[shard]
             reach("reduce", 0)
-            reduce_chunk(op, own, [views[j][shard] for j in sorted(views)], own, count=n)
-            np.copyto(mine[shard], own)
+            children = [views[j][shard] for j in sorted(views)]
+            reduce_chunk(op, own, children, own if gathers else mine[shard], count=n)
+            if root is None:
+                np.copyto(mine[shard], own)
             reach("reduce", flat.nbytes)
-            self._send(seq, SUM, 0, 0, 0, "", "")
-            self._gather(seq, SUM, deadline, check)
-            landed = (cuts[me + 1] - cuts[me]) * item
-            for j, view in views.items():
-                np.copyto(flat[cuts[j] : cuts[j + 1]], view[cuts[j] : cuts[j + 1]])
-                landed += (cuts[j + 1] - cuts[j]) * item
-                reach("receive", landed)
+            if gathers:
+                if root is None:
+                    self._send(seq, SUM)
+                self._gather(seq, SUM, deadline, check)
+                landed = (cuts[me + 1] - cuts[me]) * item
+                for j, view in views.items():
+                    np.copyto(flat[cuts[j] : cuts[j + 1]], view[cuts[j] : cuts[j + 1]])
+                    landed += (cuts[j + 1] - cuts[j]) * item
+                    reach("receive", landed)
+            else:
+                self._send(seq, SUM, only=root)
             reach("report", flat.nbytes)
-            self._send(seq, DONE, 0, 0, 0, "", "")
+            self._send(seq, DONE)
             self._pending = seq
         except (Left, Gone) as exc:
-            raise self._failed(seq, exc) from None
+            raise self._failed(what, seq, exc) from None
         except BaseException:
             self._leave(seq)
             raise
         return True
 
-    def _failed(self, seq: int, exc: Left | Gone) -> HopliteError:
-        """Leave the mesh after ``exc`` in round ``seq``; the error the round raises."""
+    def _failed(self, what: str, seq: int, exc: Left | Gone) -> HopliteError:
+        """Leave the mesh after ``exc`` in round ``seq`` (of ``what``); the error it raises."""
         dead = exc.rank if isinstance(exc, Gone) else exc.dead
         self._leave(seq, dead)
         if dead is not None:
             return ObjectLostError(
-                f"allreduce #{seq}: rank {dead}'s process ended during the round ({self._who()})",
+                f"{what} #{seq}: rank {dead}'s process ended during the round ({self._who()})",
                 object_id="",
                 lost_ranks=[dead],
             )
-        return HopliteError(f"allreduce #{seq}: rank {exc.rank} failed the round ({self._who()})")
+        return HopliteError(f"{what} #{seq}: rank {exc.rank} failed the round ({self._who()})")
 
     def close(self) -> None:
         """Leave the mesh (``BREAK`` to every member) and let the segments go."""
@@ -385,9 +403,23 @@ class Mesh:
             kept = self._mapped[rank] = (signal.name, view)
         return self._typed(kept[1], flat)
 
-    def _send(self, seq: int, phase: int, op: int, flags: int, nbytes: int, dtype: str, name: str) -> None:
-        message = MESSAGE.pack(seq, phase, op, flags, nbytes, dtype.encode(), name.encode())
+    def _send(
+        self,
+        seq: int,
+        phase: int,
+        op: int = 0,
+        flags: int = 0,
+        root: int = ALL,
+        nbytes: int = 0,
+        dtype: str = "",
+        name: str = "",
+        only: int | None = None,
+    ) -> None:
+        """Signal ``phase`` of round ``seq`` to every other member (``only``: to that one)."""
+        message = MESSAGE.pack(seq, phase, op, flags, root, nbytes, dtype.encode(), name.encode())
         for rank, sock in self.socks.items():
+            if only is not None and rank != only:
+                continue
             try:
                 sock.sendall(message)
             except OSError:
@@ -463,11 +495,10 @@ class Mesh:
     @staticmethod
     def _decode(inbox: bytearray) -> Signal:
         """The signal at the head of ``inbox``, taken off it."""
-        seq, phase, op, flags, nbytes, dtype, name = MESSAGE.unpack(inbox[: MESSAGE.size])
+        seq, phase, op, flags, root, nbytes, dtype, name = MESSAGE.unpack(inbox[: MESSAGE.size])
         del inbox[: MESSAGE.size]
-        return Signal(
-            seq, phase, op, flags, nbytes, dtype.rstrip(b"\0").decode(), name.rstrip(b"\0").decode()
-        )
+        text = dtype.rstrip(b"\0").decode(), name.rstrip(b"\0").decode()
+        return Signal(seq, phase, op, flags, root, nbytes, *text)
 
     def _leave(self, seq: int, dead: int | None = None) -> None:
         """Send ``BREAK`` (round ``seq``, naming ``dead``) to every member, close every socket,
@@ -475,21 +506,27 @@ class Mesh:
         if self.broken:
             return
         self.broken = True
-        message = MESSAGE.pack(seq, BREAK, 0, 0, NO_RANK if dead is None else dead, b"", b"")
+        message = MESSAGE.pack(seq, BREAK, 0, 0, ALL, NO_RANK if dead is None else dead, b"", b"")
         for sock in self.socks.values():
             with contextlib.suppress(OSError):
                 sock.sendall(message)
             sock.close()
 
 
-def _check_alike(seq: int, rank: int, flat: Any, code: int, signals: dict[int, Signal]) -> None:
-    """Raise ``CollectiveArgumentError`` where a member's array or operator differs from this
-    member's (each member sees every ``IN``: all raise alike)."""
+def _check_alike(
+    what: str, seq: int, rank: int, flat: Any, code: int, root: int, signals: dict[int, Signal]
+) -> None:
+    """Raise ``CollectiveArgumentError`` where a member's array, operator or collective
+    differs from this member's (each member sees every ``IN``: all raise alike)."""
+
+    def told(op: int, to: int) -> str:
+        name = OPS[op].value if op < len(OPS) else str(op)
+        return f"an allreduce with {name}" if to == ALL else f"a reduce to rank {to} with {name}"
+
     for j, s in sorted(signals.items()):
-        if (s.dtype, s.nbytes, s.op) != (flat.dtype.str, flat.nbytes, code):
-            theirs = OPS[s.op].value if s.op < len(OPS) else s.op
+        if (s.dtype, s.nbytes, s.op, s.root) != (flat.dtype.str, flat.nbytes, code, root):
             raise CollectiveArgumentError(
-                f"allreduce #{seq}: rank {j} reduces {s.nbytes} bytes of {s.dtype} with {theirs}, "
-                f"rank {rank} {flat.nbytes} bytes of {flat.dtype.str} with {OPS[code].value}: every "
+                f"{what} #{seq}: rank {j} runs {told(s.op, s.root)} of {s.nbytes} bytes of {s.dtype}, "
+                f"rank {rank} {told(code, root)} of {flat.nbytes} bytes of {flat.dtype.str}: every "
                 "member's array must match"
             )

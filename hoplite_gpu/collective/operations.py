@@ -44,7 +44,11 @@ def broadcast(array: Any, src_rank: int, group: Group) -> Any:
 def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
     """Reduce every member's ``array`` into ``array`` on ``dst_rank`` (in place); returns it.
 
-    Other members' arrays are left as they are. Where every member runs the TCP data plane and
+    Other members' arrays are left as they are. Where every member shares this host's memory,
+    an array of at least ``Config.allreduce_direct_bytes`` goes through shared memory, as
+    :func:`allreduce` does (:mod:`hoplite_gpu.collective.host`), but that only ``dst_rank``
+    copies the reduced chunks out: the others return once they reduced theirs. Else, where every
+    member runs the TCP data plane and
     none asks for the directory's schedule (``Config.allreduce_schedule``; unlike
     :func:`allreduce`'s direct ring, members that share a host's memory go this way too), an array
     of at least ``Config.allreduce_direct_bytes`` goes along a chain of the members in ring
@@ -72,8 +76,11 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
             await g._reduce_into(seq, inputs, g.object_id(seq, "reduce-result"), reduce_op, array, mine)
         return array
 
-    async def chain() -> Any:
+    async def chain(host: bool = True) -> Any:
         peers = await ring_peers(g, seq)
+        if host and g._mesh is None and goes_host(peers):
+            g._mesh = await meet(g, seq, peers)
+            return ON_HOST
         if not goes_direct(peers, sharing=True):
             return await run()
 
@@ -83,7 +90,13 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         return await _direct(g, seq, array, flat, along, g.rank == dst_rank)
 
     if n > 1 and flat is not None and flat.size >= n and flat.nbytes >= g.node.config.allreduce_direct_bytes:
-        return g._run(chain())
+        if g._mesh is None or g._mesh.broken:
+            done = g._run(chain())
+            if done is not ON_HOST:
+                return done
+        if _on_host(g, seq, flat, reduce_op, dst_rank):
+            return array
+        return g._run(chain(host=False))
     return g._run(run())
 
 
@@ -145,17 +158,18 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
 ON_HOST = object()
 
 
-def _on_host(g: Group, seq: int, flat: Any, op: ReduceOp) -> bool:
+def _on_host(g: Group, seq: int, flat: Any, op: ReduceOp, root: int | None = None) -> bool:
     """Round ``seq`` through the members' shared memory (:mod:`.host`), on the caller's thread:
-    whether it ran (False: every member runs it on the directory's schedule instead)."""
+    an allreduce, or with ``root`` a reduce into its array; whether it ran (False: every member
+    runs it on the directory's schedule instead)."""
     g._raise_if_broken()
     # Device arrays keep the directory's path (CUDA IPC between the processes).
     host = memory.kind_of(flat) is memory.ArrayKind.NUMPY
     takes = host and flat.nbytes >= g.node.config.allreduce_direct_bytes
     try:
-        fault = g.object_id(seq, "allreduce", g.rank).hex() if INJECTOR.armed else ""
+        fault = g.object_id(seq, "host", g.rank).hex() if INJECTOR.armed else ""
         ran = g._call(
-            lambda: g._mesh.allreduce(seq, flat, op, takes, wait_limit(g), g._raise_if_broken, fault)
+            lambda: g._mesh.reduce(seq, flat, op, takes, wait_limit(g), g._raise_if_broken, root, fault)
         )
     except ObjectLostError as exc:
         if g._watching is None:
