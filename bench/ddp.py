@@ -28,6 +28,10 @@ from its start (and from its ``Elastic``) to its first step against the state's 
 link rate, the survivors' step while it joins, and a plot of their step times
 (``--plot``, PNG).
 
+With ``--one-host`` the ranks run as plain processes of this machine instead (no namespaces, no
+link shaping: Gloo over loopback, the hoplite ranks with shared memory, as on one multi-GPU
+server with host tensors).
+
 The hoplite nodes are not told their address (rank 0's directory listens where the route to
 ``MASTER_ADDR`` leaves; the others find theirs the same way). Needs root and iproute2::
 
@@ -209,6 +213,32 @@ def _bucket_overhead(rounds: int = 15) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- the driver
+class OneHost:
+    """``--one-host``: the ranks as plain processes of this machine, in place of
+    :class:`bench.cluster.Cluster` (the same ``hosts``, ``address`` and ``popen``)."""
+
+    rate_bytes = 0.0
+
+    def __init__(self, hosts: int) -> None:
+        self.hosts = hosts
+
+    def __enter__(self) -> OneHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def address(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, i: int, argv: list[str], env: dict[str, str] | None = None, **kwargs: Any) -> Any:
+        """``argv`` here, with ``env`` but for what sets hosts apart (shared memory off, eth0)."""
+        mine = {
+            k: v for k, v in (env or {}).items() if k not in ("HOPLITE_SHARED_MEMORY", "GLOO_SOCKET_IFNAME")
+        }
+        return subprocess.Popen(argv, env={**os.environ, **mine, "GLOO_SOCKET_IFNAME": "lo"}, **kwargs)
+
+
 def run_system(cluster: Any, system: str, steps: int, fsdp: bool, bucket: bool) -> dict[str, Any]:
     """Train on every host of ``cluster`` with ``system``; the row of the run."""
     procs = []
@@ -254,13 +284,13 @@ def run(
     systems: tuple[str, ...] = SYSTEMS,
     events: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every system in one cluster (then, with ``events``, elastic training through a kill and a
-    join: :func:`run_events`'s arguments)."""
+    """Every system in one cluster (``rate`` 0: on this machine, :class:`OneHost`; then, with
+    ``events``, elastic training through a kill and a join: :func:`run_events`'s arguments)."""
     from bench.cluster import Cluster, link_throughput
 
     rows = []
-    with Cluster(hosts, rate, prefix=prefix) as cluster:
-        measured = link_throughput(cluster)
+    with OneHost(hosts) if not rate else Cluster(hosts, rate, prefix=prefix) as cluster:
+        measured = link_throughput(cluster) if rate else 0.0
         print(
             f"N={hosts} link: {measured / 1e6:.1f} MB/s measured ({rate / 1e6:.0f} MB/s set)", file=sys.stderr
         )
@@ -409,7 +439,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             [
                 r["mode"],
                 str(r["hosts"]),
-                f"{r['rate_bytes'] / 1e6:.0f} MB/s",
+                f"{r['rate_bytes'] / 1e6:.0f} MB/s" if r["rate_bytes"] else "one host",
                 r["system"],
                 f"{r['first_seconds']:.3f}",
                 f"{r['seconds']:.3f}",
@@ -441,14 +471,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--event-steps", type=int, default=24, help="steps of the events run")
     ap.add_argument("--kill-step", type=int, default=6)
     ap.add_argument("--plot", help="directory for the events run's PNG")
+    ap.add_argument("--one-host", action="store_true", help="the ranks on this machine (no --rate)")
     ap.add_argument("--prefix", default="hgd")
     ap.add_argument("--json")
     opts = ap.parse_args(args)
+    if opts.one_host and opts.events:
+        ap.error("--events needs the emulated cluster (its links' rate): not with --one-host")
     systems = (SYSTEMS[0], ELASTIC, *SYSTEMS[1:]) if opts.elastic else SYSTEMS
     events = {"steps": opts.event_steps, "kill_step": opts.kill_step} if opts.events else None
     rows: list[dict[str, Any]] = []
-    for rate in opts.rate.split(","):
-        rate_bytes = parse_rate(rate)
+    for rate in ["0"] if opts.one_host else opts.rate.split(","):
+        rate_bytes = parse_rate(rate) if rate != "0" else 0.0
         rows += run(opts.hosts, rate_bytes, opts.steps, opts.fsdp, opts.bucket, opts.prefix, systems, events)
         write_json(opts.json, {"command": " ".join(["python bench/ddp.py", *args]), "rows": rows})
     print(table(rows))

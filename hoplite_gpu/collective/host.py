@@ -264,6 +264,7 @@ class Mesh:
         self._segment: np.ndarray[Any, Any] | None = None  # flat uint8, in shared memory
         self._mapped: dict[int, tuple[str, np.ndarray[Any, Any]]] = {}  # rank -> (name, view)
         self._pending: int | None = None  # the round whose DONE is not read yet
+        self._round = "allreduce", math.inf  # the round's collective and wait limit, for errors
 
     def reduce(
         self,
@@ -288,6 +289,7 @@ class Mesh:
         deadline = time.monotonic() + limit
         n, me = self.world, self.rank
         what = "allreduce" if root is None else "reduce"
+        self._round = what, limit
         cuts = [flat.size * j // n for j in range(n + 1)]
         item = flat.dtype.itemsize
 
@@ -437,11 +439,11 @@ class Mesh:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(self.socks) - set(got))
+                what, limit = self._round
                 raise HopliteTimeoutError(
-                    f"allreduce #{seq}: ranks {missing} did not come within the group's timeout "
-                    f"({self._who()})",
-                    operation="allreduce",
-                    timeout=round(left + (time.monotonic() - deadline), 3),
+                    f"{what} #{seq}: ranks {missing} did not come within {limit} s",
+                    operation=what,
+                    timeout=limit,
                     waiting_for_ranks=missing,
                 )
             for fd, _ in poller.poll(min(left, WATCH_SLICE) * 1000):
