@@ -151,9 +151,9 @@ class Config:
             result read along it), ``star`` (each shard reduced at its member from every other at
             once, the results read straight from it), ``auto``: ``direct`` when no two members
             share a host's memory and all run the TCP data plane; through shared memory when all
-            members share one host's memory, signalled member to member over Unix sockets with
-            no message to the directory per round (:mod:`hoplite_gpu.collective.host`; device
-            arrays take ``ring``: CUDA IPC;
+            members share one host's memory, at any size, signalled member to member over Unix
+            sockets with no message to the directory per round (:mod:`hoplite_gpu.collective.host`;
+            device arrays take ``ring``: CUDA IPC;
             bench/pages/collectives.md#one-host-allreduce-through-shared-memory); else ``ring``
             (whose reductions the directory turns into one host's shared memory; UCX's RDMA and
             device transports are not measured with the direct ring yet;
@@ -161,7 +161,7 @@ class Config:
             ``ring`` and ``star`` may be mixed, each shard's schedule its own member's; a group
             takes ``direct`` only where no member asks for one of those. A large
             :func:`~hoplite_gpu.collective.reduce` goes through shared memory where all members
-            share one host's memory under ``auto`` (as the allreduce); else it passes along a
+            share one host's memory under ``auto`` (as the allreduce, at any size); else it passes along a
             chain of the members to its root under ``direct``, and under ``auto`` wherever all
             members run the TCP data plane, members that share a host's memory too (device
             arrays; over loopback it took 0.45-0.75x the time of the directory's shared-memory
@@ -173,13 +173,11 @@ class Config:
             whose time is latency (1-4 MiB: 1.2-1.9x faster that way on 4 hosts at 100 MB/s and
             1 GB/s; bench/pages/collectives.md#ring-allreduce). Every member of a group must use the same.
         allreduce_direct_bytes: A group's allreduce of at least this many bytes (C-contiguous)
-            takes the direct ring, or one host's shared memory, where the members' schedules
-            agree on it (see ``allreduce_schedule``), smaller ones the paths above (from 1 MiB
-            the direct ring was 1.2-1.5x faster than one reduce on 4 hosts at 100 MB/s, and as
-            fast at 1 GB/s;
+            takes the direct ring where the members' schedules agree on it (see
+            ``allreduce_schedule``), smaller ones the paths above (from 1 MiB the direct ring was
+            1.2-1.5x faster than one reduce on 4 hosts at 100 MB/s, and as fast at 1 GB/s;
             bench/pages/collectives.md#the-direct-ring). So does a group's reduce of at least
-            this many bytes, by the direct chain (bench/pages/collectives.md#the-direct-chain-reduce),
-            or through one host's shared memory.
+            this many bytes, by the direct chain (bench/pages/collectives.md#the-direct-chain-reduce).
             Every member of a group must use the same.
     """
 

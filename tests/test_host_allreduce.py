@@ -225,3 +225,17 @@ def test_a_reduce_goes_through_shared_memory_to_any_root_and_leaves_the_others_a
                 w.result()
         got = _reduce_to(group, workers, "int64", shape, 9, "sum", 0)
         assert np.array_equal(got, _want("sum", "int64", shape, 9, n))
+
+
+def test_small_arrays_and_scalars_go_through_shared_memory_with_the_defaults() -> None:
+    n = 3
+    with owner_and_workers_group(n, "host-small", {"shared_memory": True}) as (owner, group, workers):
+        for seed in range(2):  # the mesh is made, then what its making put is deleted
+            _allreduce(group, workers, "float32", (256,), seed, "sum")
+        before = _handled(owner)
+        for shape in [(256,), (2,), ()]:  # 1 KiB; fewer elements than members; a scalar
+            got = _allreduce(group, workers, "int64", shape, 4, "sum")
+            assert got.shape == shape and np.array_equal(got, _want("sum", "int64", shape, 4, n)), shape
+            got = _reduce_to(group, workers, "int64", shape, 6, "max", 1)
+            assert np.array_equal(got, _want("max", "int64", shape, 6, n)), shape
+        assert _handled(owner) == before and not group._mesh.broken

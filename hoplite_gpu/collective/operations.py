@@ -45,9 +45,9 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     """Reduce every member's ``array`` into ``array`` on ``dst_rank`` (in place); returns it.
 
     Other members' arrays are left as they are. Where every member shares this host's memory,
-    an array of at least ``Config.allreduce_direct_bytes`` goes through shared memory, as
-    :func:`allreduce` does (:mod:`hoplite_gpu.collective.host`), but that only ``dst_rank``
-    copies the reduced chunks out: the others return once they reduced theirs. Else, where every
+    a host array of any size goes through shared memory, as :func:`allreduce` does
+    (:mod:`hoplite_gpu.collective.host`), but that only ``dst_rank`` copies the reduced chunks
+    out: the others return once they reduced theirs. Else, where every
     member runs the TCP data plane and
     none asks for the directory's schedule (``Config.allreduce_schedule``; unlike
     :func:`allreduce`'s direct ring, members that share a host's memory go this way too), an array
@@ -81,7 +81,8 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         if host and g._mesh is None and goes_host(peers):
             g._mesh = await meet(g, seq, peers)
             return ON_HOST
-        if not goes_direct(peers, sharing=True):
+        large = flat.size >= n and flat.nbytes >= g.node.config.allreduce_direct_bytes
+        if not (large and goes_direct(peers, sharing=True)):
             return await run()
 
         def along(host: np.ndarray) -> Awaitable[None]:
@@ -89,7 +90,7 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
 
         return await _direct(g, seq, array, flat, along, g.rank == dst_rank)
 
-    if n > 1 and flat is not None and flat.size >= n and flat.nbytes >= g.node.config.allreduce_direct_bytes:
+    if n > 1 and flat is not None and flat.size:
         if g._mesh is None or g._mesh.broken:
             done = g._run(chain())
             if done is not ON_HOST:
@@ -109,15 +110,16 @@ SHARD_MIN_BYTES: int = Config().allreduce_shard_bytes
 def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
     """Reduce every member's ``array`` and write the result into ``array`` everywhere (in place).
 
-    A small array (under ``Config.allreduce_shard_bytes``, :data:`SHARD_MIN_BYTES` by default)
-    is reduced once, on a tree the directory shapes,
+    Where every member shares this host's memory (and ``Config.allreduce_schedule`` is
+    ``auto``), a C-contiguous host array of any size goes through shared memory
+    (:mod:`hoplite_gpu.collective.host`): each member copies its array into a segment it keeps,
+    reduces its own chunk of every member's segment in place, and copies the others' reduced
+    chunks out, signalled member to member over Unix sockets, with no message to the directory
+    in a round (a device array takes the paths below: CUDA IPC between the processes).
+    Otherwise a small array (under ``Config.allreduce_shard_bytes``, :data:`SHARD_MIN_BYTES` by
+    default) is reduced once, on a tree the directory shapes,
     and the result read by every member as it is being reduced. A large C-contiguous array is cut
-    into one chunk per member. Where every member shares this host's memory it goes through
-    shared memory (:mod:`hoplite_gpu.collective.host`): each member copies its array into a
-    segment it keeps, reduces its own chunk of every member's segment in place, and copies the
-    others' reduced chunks out, signalled member to member over Unix sockets, with no message to
-    the directory in a round (a device array takes the directory's path, through CUDA IPC).
-    Where no two members share a host's memory it goes by the direct
+    into one chunk per member. Where no two members share a host's memory it goes by the direct
     ring (``Config.allreduce_schedule``, :mod:`hoplite_gpu.collective.ring`): each member pulls
     the running sums from the member before it over the data plane, adds its own chunk in place
     and is read on by the next, then the whole sums go round the same way, with no message to
@@ -141,16 +143,14 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     seq = g._next()
     flat = memory.flat_view(array)
     n = g.world_size
-    cfg = g.node.config
-    if n > 1 and flat is not None and flat.size >= n:
-        if flat.nbytes >= min(cfg.allreduce_direct_bytes, cfg.allreduce_shard_bytes):
-            if g._mesh is None or g._mesh.broken:
-                done = g._run(_large(g, seq, array, flat, reduce_op))
-                if done is not ON_HOST:
-                    return done
-            if _on_host(g, seq, flat, reduce_op):
-                return array
-            return g._run(_large(g, seq, array, flat, reduce_op, host=False))
+    if n > 1 and flat is not None and flat.size:
+        if g._mesh is None or g._mesh.broken:
+            done = g._run(_large(g, seq, array, flat, reduce_op))
+            if done is not ON_HOST:
+                return done
+        if _on_host(g, seq, flat, reduce_op):
+            return array
+        return g._run(_large(g, seq, array, flat, reduce_op, host=False))
     return g._run(_small_allreduce(g, seq, array, reduce_op))
 
 
@@ -164,8 +164,7 @@ def _on_host(g: Group, seq: int, flat: Any, op: ReduceOp, root: int | None = Non
     runs it on the directory's schedule instead)."""
     g._raise_if_broken()
     # Device arrays keep the directory's path (CUDA IPC between the processes).
-    host = memory.kind_of(flat) is memory.ArrayKind.NUMPY
-    takes = host and flat.nbytes >= g.node.config.allreduce_direct_bytes
+    takes = memory.kind_of(flat) is memory.ArrayKind.NUMPY
     try:
         fault = g.object_id(seq, "host", g.rank).hex() if INJECTOR.armed else ""
         ran = g._call(
@@ -202,9 +201,11 @@ async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp, host: 
         peers = await ring_peers(g, seq)
     finally:
         g.node.remove_rejoin_callback(rejoined_cb)
-    if host and g._mesh is None and goes_host(peers) and flat.nbytes >= cfg.allreduce_direct_bytes:
+    if host and g._mesh is None and goes_host(peers):
         g._mesh = await meet(g, seq, peers)
         return ON_HOST
+    if flat.size < g.world_size:
+        return await _small_allreduce(g, seq, array, op)
     if goes_direct(peers) and flat.nbytes >= cfg.allreduce_direct_bytes:
         return await _direct(g, seq, array, flat, lambda h: direct_allreduce(g, seq, h, op, peers), True)
     if flat.nbytes >= cfg.allreduce_shard_bytes:
