@@ -1,10 +1,10 @@
-"""Members that all share one host: a group's large allreduce, or reduce, through shared memory,
+"""Members that all share one host: a group's allreduce, or reduce, through shared memory,
 signalled member to member over Unix sockets, with no message to the directory and no byte on
 the data plane (bench/pages/collectives.md#one-host-allreduce-through-shared-memory).
 
 Each member keeps one shared-memory segment the size of the array (made at its first round,
 again only when an array outgrows it) and a Unix socket to every other member (the *mesh*, made
-at the group's first large allreduce: :func:`meet`). A round of member ``r`` of ``N``, the array
+at the group's first allreduce or reduce: :func:`meet`). A round of member ``r`` of ``N``, the array
 cut into one shard per member:
 
 1. wait until every member is done reading this member's segment in the round before (``DONE``);
@@ -75,7 +75,7 @@ MESSAGE = struct.Struct("<QBBBxIQ16s64s")
 IN, SUM, DONE, BREAK = 1, 2, 3, 4
 #: Operators by their number in ``IN``.
 OPS = list(ReduceOp)
-#: Flags of ``IN``: the array is one this path takes (host memory, large enough).
+#: Flags of ``IN``: the array is one this path takes (host memory, a segment made for it).
 TAKES = 1
 NO_RANK = 2**64 - 1
 ALL = 2**32 - 1
@@ -106,6 +106,11 @@ class Left(Exception):
         super().__init__(rank, seq, dead)
         self.rank, self.seq, self.dead = rank, seq, dead
 
+    @classmethod
+    def of(cls, rank: int, signal: Signal) -> Left:
+        """Member ``rank``'s ``BREAK`` ``signal``."""
+        return cls(rank, signal.seq, None if signal.nbytes == NO_RANK else signal.nbytes)
+
 
 class Gone(Exception):
     """A member's socket closed with no ``BREAK``: its process ended."""
@@ -116,7 +121,7 @@ class Gone(Exception):
 
 
 def goes_host(peers: list[Any]) -> bool:
-    """Whether a group's large allreduces run through shared memory (:class:`Mesh`), the same
+    """Whether a group's allreduces and reduces run through shared memory (:class:`Mesh`), the same
     answer on every member: every member's schedule is ``auto``, and all share one host's
     memory and listen for the others (:func:`listen`)."""
     keys = {p.host_key for p in peers}
@@ -169,8 +174,9 @@ def wait_limit(g: Group) -> float:
     return limit if limit else math.inf
 
 
-async def meet(g: Group, seq: int, peers: list[Any]) -> Mesh:
-    """Connect ``g``'s members on this host to each other (at collective ``seq``): member ``i``
+async def meet(g: Group, seq: int, peers: list[Any], what: str = "allreduce") -> Mesh:
+    """Connect ``g``'s members on this host to each other (at collective ``seq``, ``what``
+    for errors): member ``i``
     connects to every member below it and accepts every one above, each within the group's
     timeout. Raises ``HopliteTimeoutError`` naming the members that did not come, leaving
     ``g._mesh`` a mesh this member has left."""
@@ -180,11 +186,11 @@ async def meet(g: Group, seq: int, peers: list[Any]) -> Mesh:
     deadline = loop.time() + limit
     socks: dict[int, socket.socket] = {}
 
-    def late(what: str) -> HopliteTimeoutError:
+    def late(why: str) -> HopliteTimeoutError:
         missing = sorted(set(range(n)) - set(socks) - {me})
         return HopliteTimeoutError(
-            f"allreduce #{seq}: {what} within {limit} s (group {g.name!r}, rank {me} of {n})",
-            operation="allreduce",
+            f"{what} #{seq}: {why} within {limit} s (group {g.name!r}, rank {me} of {n})",
+            operation=what,
             timeout=limit,
             waiting_for_ranks=missing,
         )
@@ -201,7 +207,7 @@ async def meet(g: Group, seq: int, peers: list[Any]) -> Mesh:
                 raise late(f"rank {j} did not take this member's connection") from None
             except OSError as exc:  # its listener is gone: its group or its process ended
                 raise PeerLostError(
-                    f"allreduce #{seq}: rank {j} cannot be reached on this host: {exc}"
+                    f"{what} #{seq}: rank {j} cannot be reached on this host: {exc}"
                 ) from None
         listener = g._listener
         assert listener is not None
@@ -236,6 +242,15 @@ async def meet(g: Group, seq: int, peers: list[Any]) -> Mesh:
     return Mesh(g, socks)
 
 
+async def meets(g: Group, seq: int, peers: list[Any], what: str) -> bool:
+    """Make ``g``'s mesh (:func:`meet`) if it has none and every member shares this host
+    (:func:`goes_host`); whether it did."""
+    if g._mesh is not None or not goes_host(peers):
+        return False
+    g._mesh = await meet(g, seq, peers, what)
+    return True
+
+
 def _left(loop: asyncio.AbstractEventLoop, deadline: float) -> float | None:
     left = deadline - loop.time()
     return None if math.isinf(left) else max(left, 0.0)
@@ -253,7 +268,7 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, si
 
 class Mesh:
     """This member's sockets to the other members of its group on this host, its segment and
-    its mappings of theirs: the rounds of :func:`allreduce` (see the module's text). Every
+    its mappings of theirs: the rounds of :meth:`reduce` (see the module's text). Every
     method runs on the caller's thread, one round at a time."""
 
     def __init__(self, g: Group, socks: dict[int, socket.socket]) -> None:
@@ -452,10 +467,10 @@ class Mesh:
                 if signal is None:
                     continue
                 if signal.phase == BREAK:
-                    raise Left(rank, signal.seq, None if signal.nbytes == NO_RANK else signal.nbytes)
+                    raise Left.of(rank, signal)
                 if (signal.seq, signal.phase) != (seq, phase):
                     raise HopliteError(
-                        f"allreduce #{seq}: rank {rank} sent phase {signal.phase} of #{signal.seq}, "
+                        f"{self._round[0]} #{seq}: rank {rank} sent phase {signal.phase} of #{signal.seq}, "
                         f"not phase {phase} ({self._who()})"
                     )
                 got[rank] = signal
@@ -477,7 +492,7 @@ class Mesh:
             while len(inbox) >= MESSAGE.size:
                 signal = self._decode(inbox)
                 if signal.phase == BREAK:
-                    raise Left(rank, signal.seq, None if signal.nbytes == NO_RANK else signal.nbytes)
+                    raise Left.of(rank, signal)
 
     def _read(self, rank: int) -> Signal | None:
         """The next whole signal from ``rank``, or None while it is not all there."""

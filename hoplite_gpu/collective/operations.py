@@ -18,7 +18,7 @@ from ..memory import LocalObject
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op
 from .group import Group, _check_group, _check_rank
-from .host import goes_host, meet, wait_limit
+from .host import meets, wait_limit
 from .ring import direct_allreduce, direct_reduce, goes_direct, ring_peers
 
 
@@ -78,8 +78,7 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
 
     async def chain(host: bool = True) -> Any:
         peers = await ring_peers(g, seq)
-        if host and g._mesh is None and goes_host(peers):
-            g._mesh = await meet(g, seq, peers)
+        if host and await meets(g, seq, peers, "reduce"):
             return ON_HOST
         large = flat.size >= n and flat.nbytes >= g.node.config.allreduce_direct_bytes
         if not (large and goes_direct(peers, sharing=True)):
@@ -91,13 +90,7 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         return await _direct(g, seq, array, flat, along, g.rank == dst_rank)
 
     if n > 1 and flat is not None and flat.size:
-        if g._mesh is None or g._mesh.broken:
-            done = g._run(chain())
-            if done is not ON_HOST:
-                return done
-        if _on_host(g, seq, flat, reduce_op, dst_rank):
-            return array
-        return g._run(chain(host=False))
+        return _via_host(g, seq, array, flat, reduce_op, dst_rank, chain)
     return g._run(run())
 
 
@@ -144,18 +137,37 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     flat = memory.flat_view(array)
     n = g.world_size
     if n > 1 and flat is not None and flat.size:
-        if g._mesh is None or g._mesh.broken:
-            done = g._run(_large(g, seq, array, flat, reduce_op))
-            if done is not ON_HOST:
-                return done
-        if _on_host(g, seq, flat, reduce_op):
-            return array
-        return g._run(_large(g, seq, array, flat, reduce_op, host=False))
+        return _via_host(
+            g, seq, array, flat, reduce_op, None, lambda host: _large(g, seq, array, flat, reduce_op, host)
+        )
     return g._run(_small_allreduce(g, seq, array, reduce_op))
 
 
-#: What :func:`_large` returns when the round goes through shared memory (:func:`_on_host`).
+#: What a round's path off the mesh returns once it made the mesh (:func:`_via_host`).
 ON_HOST = object()
+
+
+def _via_host(
+    g: Group,
+    seq: int,
+    array: Any,
+    flat: Any,
+    op: ReduceOp,
+    root: int | None,
+    path: Callable[[bool], Coroutine[Any, Any, Any]],
+) -> Any:
+    """Round ``seq`` (an allreduce, or with ``root`` a reduce) through the members' shared
+    memory where they have a mesh (:func:`_on_host`); else ``path(True)``, which makes the mesh
+    where every member shares this host (returning :data:`ON_HOST`: the round then goes
+    through it) or runs the round its own way. ``path(False)`` runs it off the mesh, as every
+    member does when one does not take the mesh's round."""
+    if g._mesh is None or g._mesh.broken:
+        done = g._run(path(True))
+        if done is not ON_HOST:
+            return done
+    if _on_host(g, seq, flat, op, root):
+        return array
+    return g._run(path(False))
 
 
 def _on_host(g: Group, seq: int, flat: Any, op: ReduceOp, root: int | None = None) -> bool:
@@ -201,8 +213,7 @@ async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp, host: 
         peers = await ring_peers(g, seq)
     finally:
         g.node.remove_rejoin_callback(rejoined_cb)
-    if host and g._mesh is None and goes_host(peers):
-        g._mesh = await meet(g, seq, peers)
+    if host and await meets(g, seq, peers, "allreduce"):
         return ON_HOST
     if flat.size < g.world_size:
         return await _small_allreduce(g, seq, array, op)
