@@ -327,6 +327,9 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
     dtype, shape, seed = args[1:4]
     memory, _, dtype = dtype.rpartition(":")  # "sim:float32" / "cupy:float32": a device array
     arr = make_array(dtype, shape, seed + group.rank)
+    if memory == "readonly":  # "readonly:float32": an array no result can be written into
+        arr.flags.writeable = False
+        memory = ""
     if memory:
         from hoplite_gpu.memory import to_host
 

@@ -105,6 +105,37 @@ def test_arrays_that_differ_fail_typed_on_every_member_and_the_next_round_runs()
         assert not group._mesh.broken
 
 
+def test_a_read_only_array_or_a_dtype_reductions_lack_fails_every_member_alike_and_the_mesh_stays() -> None:
+    n = 3
+    with _group(n, "host-refused") as (owner, group, workers):
+        shape = (1 << 10,)
+        for seed in range(2):  # the mesh is made, then what its making put is deleted
+            _allreduce(group, workers, "float32", shape, seed, "sum")
+        before = _handled(owner)
+        refused = [
+            (["readonly:float32", "float32"], "float32", "rank 1's array is read-only"),
+            (["int8", "int8"], "int8", "reductions support .* got int8"),
+        ]
+        for theirs, mine, match in refused:
+            for w, dtype in zip(workers, theirs, strict=True):
+                w.send("allreduce", group.name, dtype, shape, 1, "sum")
+            with pytest.raises(hg.CollectiveArgumentError, match=match):
+                hg.collective.allreduce(make_array(mine, shape, 1), group)
+            for w in workers:
+                with pytest.raises(RuntimeError, match=f"CollectiveArgumentError: allreduce #.*{match}"):
+                    w.result()
+        # A reduce writes into its root's array only: the others' may be read-only.
+        for w in workers:
+            w.send("reduce_to", group.name, "readonly:int64", shape, 2, 0, "sum")
+        got = hg.collective.reduce(make_array("int64", shape, 2), 0, group)
+        assert np.array_equal(got, _want("sum", "int64", shape, 2, n))
+        for rank, w in enumerate(workers, start=1):
+            assert w.result().tobytes() == make_array("int64", shape, 2 + rank).tobytes()
+        got = _allreduce(group, workers, "float32", shape, 3, "sum")  # the mesh is still there
+        assert np.allclose(got, _want("sum", "float32", shape, 3, n)) and not group._mesh.broken
+        assert _handled(owner) == before  # none of it went to the directory
+
+
 def test_a_device_array_on_one_member_takes_the_round_to_the_directorys_schedule() -> None:
     n = 3
     with _group(n, "host-device") as (owner, group, workers):
