@@ -82,3 +82,59 @@ def test_a_collective_with_a_member_missing_names_its_rank(owner: Any, op: str) 
         assert "rank 1's" in text, text
     finally:
         other.kill()
+
+
+def _in_step(group: Group, other: Any, seed: int) -> None:
+    """An allreduce of this member (rank 0) and ``other`` (rank 1) runs and sums exactly."""
+    other.send("allreduce", group.name, "float32", (64,), seed, "sum")
+    got = hg.collective.allreduce(make_array("float32", (64,), seed), group)
+    assert np.array_equal(got, make_array("float32", (64,), seed) + make_array("float32", (64,), seed + 1))
+    assert other.result().tobytes() == got.tobytes()
+
+
+def test_a_call_refused_on_one_member_keeps_the_group_in_step(owner: Any) -> None:
+    """Rank 0's allgather is refused before it starts (a list of the wrong length); rank 1's
+    times out waiting for it, naming rank 0; their next allreduce runs, in step."""
+    name = "refused-in-step"
+    other = start_workers(owner.directory_address, owner.token, 1)[0]
+    try:
+        other.call("group", name, 1, 2, 1.5)
+        group = Group(owner, 0, 2, name, timeout=1.5)
+        other.send("allgather", name, "float32", (64,), 0)
+        arr = make_array("float32", (64,), 0)
+        with pytest.raises(hg.InvalidArgumentError, match="list_out must be a list of 2"):
+            hg.collective.allgather([np.empty_like(arr)], arr, group)
+        with pytest.raises(RuntimeError, match=r"HopliteTimeoutError.*rank 0's allgather"):
+            other.result()
+        _in_step(group, other, 5)
+    finally:
+        other.kill()
+
+
+def test_members_that_ask_for_other_operators_fail_typed_and_stay_in_step(owner: Any) -> None:
+    """Rank 0 asks for MAX where rank 1 asks for SUM, on the directory's path (no shared
+    memory between them): whichever asked second fails with CollectiveArgumentError, the
+    other gets what it asked for; the next allreduce runs."""
+    name = "other-operators"
+    other = start_workers(owner.directory_address, owner.token, 1, shared_memory=False)[0]
+    try:
+        other.call("group", name, 1, 2, 5.0)
+        group = Group(owner, 0, 2, name, timeout=5.0)
+        mine, theirs = make_array("float32", (64,), 0), make_array("float32", (64,), 1)
+        other.send("allreduce", name, "float32", (64,), 0, "sum")
+        refused = []
+        try:
+            got = hg.collective.allreduce(mine.copy(), group, "max")
+            assert np.array_equal(got, np.maximum(mine, theirs))
+        except hg.CollectiveArgumentError as exc:
+            assert "another operator" in str(exc)
+            refused.append(0)
+        try:
+            assert np.array_equal(other.result(), mine + theirs)
+        except RuntimeError as exc:
+            assert "CollectiveArgumentError" in str(exc) and "another operator" in str(exc)
+            refused.append(1)
+        assert len(refused) == 1, refused
+        _in_step(group, other, 7)
+    finally:
+        other.kill()

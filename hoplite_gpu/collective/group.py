@@ -22,6 +22,7 @@ from ..errors import (
     HopliteError,
     HopliteTimeoutError,
     InvalidArgumentError,
+    ObjectExistsError,
     ObjectLostError,
     ReduceMismatchError,
 )
@@ -449,11 +450,19 @@ class Group(Watching):
         order), so a small collective costs one round trip to the directory, not three."""
         self._owned.append((seq, result))
         steps = [] if contribution is None else [contribution]
-        steps.append(
-            self.node.reduce_async(
-                inputs, op, reduction_id=result, timeout=self.timeout, degree=degree, ordered=ordered
-            )
-        )
+
+        async def requested() -> None:
+            try:
+                await self.node.reduce_async(
+                    inputs, op, reduction_id=result, timeout=self.timeout, degree=degree, ordered=ordered
+                )
+            except ObjectExistsError:  # the same reduction, asked with another operator or inputs
+                raise CollectiveArgumentError(
+                    f"{self._object(result.hex())}: another member asked for it with another "
+                    f"operator or other inputs; every member's call must match [{self._who()}]"
+                ) from None
+
+        steps.append(requested())
         if out is not None:
             steps.append(self.node.get_async(result, timeout=self.timeout, out=out))
         done = await all_or_cancel(steps)

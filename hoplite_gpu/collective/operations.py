@@ -25,8 +25,8 @@ from .ring import direct_allreduce, direct_reduce, goes_direct, ring_peers
 def broadcast(array: Any, src_rank: int, group: Group) -> Any:
     """Copy ``src_rank``'s ``array`` into ``array`` on every member (in place); returns it."""
     g = _check_group(group)
+    seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_rank(g, src_rank, "src_rank")
-    seq = g._next()
     oid = g.object_id(seq, "broadcast")
     g._describe(oid, f"broadcast #{seq} (the root's)", src_rank)
 
@@ -61,9 +61,9 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     registered.
     """
     g = _check_group(group)
+    seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_rank(g, dst_rank, "dst_rank")
     reduce_op = as_op(op)
-    seq = g._next()
     inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
     flat = memory.flat_view(array)
     n = g.world_size
@@ -132,8 +132,8 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     copied first): write to it only once the call has returned or raised.
     """
     g = _check_group(group)
+    seq = g._next()  # taken before any check: a call refused here keeps its round
     reduce_op = as_op(op)
-    seq = g._next()
     flat = memory.flat_view(array)
     n = g.world_size
     if n > 1 and flat is not None and flat.size:
@@ -345,8 +345,8 @@ def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
     some links more than others.
     """
     g = _check_group(group)
+    seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_list(g, list_out, "list_out")
-    seq = g._next()
     ids = [g.object_id(seq, "allgather", r) for r in range(g.world_size)]
 
     async def run() -> list[Any]:
@@ -367,10 +367,10 @@ def gather(list_out: list[Any] | None, array: Any, dst_rank: int, group: Group) 
     their array is registered, like :func:`reduce`.
     """
     g = _check_group(group)
+    seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_rank(g, dst_rank, "dst_rank")
     if g.rank == dst_rank:
         _check_list(g, list_out, "list_out")
-    seq = g._next()
     ids = [g.object_id(seq, "gather", r) for r in range(g.world_size)]
 
     async def run() -> list[Any] | None:
@@ -394,10 +394,10 @@ def scatter(array: Any, list_in: list[Any] | None, src_rank: int, group: Group) 
     pieces are registered, like :func:`reduce`; the others read theirs straight from it.
     """
     g = _check_group(group)
+    seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_rank(g, src_rank, "src_rank")
     if g.rank == src_rank:
         _check_list(g, list_in, "list_in")
-    seq = g._next()
     ids = [g.object_id(seq, "scatter", r) for r in range(g.world_size)]
     for r, oid in enumerate(ids):
         g._describe(oid, f"scatter #{seq} piece {r}", src_rank)
@@ -420,9 +420,9 @@ def alltoall(list_out: list[Any], list_in: list[Any], group: Group) -> list[Any]
     of a pair may differ in size from those of another pair (each ``list_out[r]`` has the
     dtype and shape of what ``r`` sends it)."""
     g = _check_group(group)
+    seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_list(g, list_out, "list_out")
     _check_list(g, list_in, "list_in")
-    seq = g._next()
     n, me = g.world_size, g.rank
 
     def piece(src: int, dst: int) -> ObjectID:
@@ -451,9 +451,9 @@ def _check_list(g: Group, arrays: Any, argument: str) -> None:
 def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
     """Member ``r`` gets, in ``out``, the reduction over members of their ``list_in[r]``."""
     g = _check_group(group)
+    seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_list(g, list_in, "list_in")
     reduce_op = as_op(op)
-    seq = g._next()
 
     async def run() -> Any:
         ids = [g.object_id(seq, "reducescatter", dst, g.rank) for dst in range(g.world_size)]
