@@ -25,6 +25,31 @@ def test_a_get_of_an_object_nobody_put_says_so(owner: Any) -> None:
     assert info.value.object_id == oid.hex() and oid.hex() in str(info.value)
 
 
+def test_a_timeout_of_zero_answers_at_once_and_never_waits_forever(owner: Any) -> None:
+    """``timeout=0`` is a wait with no time left (on the wire, 0 means none): what is there is
+    answered, what is not times out at once, for get, reduce, barrier and reduced_objects. A
+    group's timeout of 0 is no limit, as a Config's is."""
+    other = start_workers(owner.directory_address, owner.token, 1)[0]
+    try:
+        theirs = hg.ObjectID.from_hex(other.call("put_array", make_array("float32", (4096,), 1), None))
+        started = time.monotonic()
+        assert np.array_equal(owner.get(theirs, timeout=0), make_array("float32", (4096,), 1))
+        with pytest.raises(hg.HopliteTimeoutError, match="no node has put it"):
+            owner.get(hg.ObjectID.random(), timeout=0)
+        mine = owner.put(np.ones(4))
+        with pytest.raises(hg.HopliteTimeoutError, match="only 1 of 2 inputs"):
+            owner.get(owner.reduce([mine, hg.ObjectID.random()], timeout=0), timeout=5)
+        rid = owner.reduce([mine, owner.put(np.ones(4))], num_objects=1, timeout=0)
+        assert len(owner.reduced_objects(rid, timeout=0)) == 1
+        with pytest.raises(hg.HopliteTimeoutError, match="1 of 2 members did not come"):
+            owner.barrier(hg.ObjectID.random(), 0, 2, timeout=0)
+        assert time.monotonic() - started < MARGIN
+        other.call("group", "zero-timeout", 1, 2, 0)
+        _in_step(Group(owner, 0, 2, "zero-timeout", timeout=0), other, 3)  # a group's 0: no limit
+    finally:
+        other.kill()
+
+
 def test_a_get_from_a_slow_source_names_it_and_the_progress(owner: Any) -> None:
     slow = start_workers(owner.directory_address, owner.token, 1, send_rate_limit=2 << 20)[0]
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
@@ -52,8 +53,8 @@ class Group(Watching):
         rank: This member's rank, in ``0..world_size-1``.
         world_size: Number of members.
         name: The group's name; identical on every member.
-        timeout: Seconds each collective may wait for the other members (None:
-            ``Config.default_get_timeout`` of the node, where 0 means forever).
+        timeout: Seconds each collective may wait for the other members (0: no limit; None:
+            ``Config.default_get_timeout`` of the node, where 0 means no limit too).
         watch: Watch the other members (:meth:`Node.watch_group_async
             <hoplite_gpu.node.Node.watch_group_async>`): once one is lost (its process died or
             closed its node without :meth:`destroy`, its lease ran out, or it called
@@ -105,7 +106,7 @@ class Group(Watching):
         self.rank = rank
         self.world_size = world_size
         self.name = name
-        self.timeout = timeout
+        self.timeout = math.inf if timeout == 0 else timeout  # (to a get, 0 would mean at once)
         self.seq = 0  # collectives started so far
         self._owned: list[tuple[int, ObjectID]] = []  # (sequence number, object) this member created
         self._deleting: set[asyncio.Future[Any]] = set()  # background deletes in flight
@@ -234,7 +235,7 @@ class Group(Watching):
             self._run(self._clean_up())
             return None
         self.destroyed = True
-        seconds = self.timeout if self.timeout else DESTROY_WAIT
+        seconds = self.timeout if self.timeout and math.isfinite(self.timeout) else DESTROY_WAIT
         return self.node.io.submit(self._destroy_later(seconds))
 
     def _leave_broken(self) -> None:

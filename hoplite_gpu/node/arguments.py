@@ -92,7 +92,7 @@ def reduce_request(
         object_ids=[o.binary() for o in ids],
         op=as_op(op).value,
         num_objects=k,
-        timeout=wait or 0.0,
+        timeout=p.wire_timeout(wait),
         degree=degree or 0,
         weights=scales,
         coding=rows,

@@ -199,13 +199,13 @@ class Channels:
         directory as the channel closes: ask through the node's connection)."""
         if not self.usable():
             return None
-        guard = None if not timeout else timeout + self._config.request_timeout
+        guard = None if timeout is None else timeout + self._config.request_timeout
         request = functools.partial(
             p.BarrierRequest,
             barrier_id=barrier_id,
             rank=rank,
             count=count,
-            timeout=timeout or 0.0,
+            timeout=p.wire_timeout(timeout),
             release=list(release),
         )
         try:

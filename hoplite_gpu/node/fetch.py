@@ -216,12 +216,12 @@ class Fetcher:
         if not channels.usable() or self._store.get(oid) is not None:
             return None
         deadline = None if timeout is None else time.monotonic() + timeout
-        guard = None if not timeout else timeout + self._config.request_timeout
+        guard = None if timeout is None else timeout + self._config.request_timeout
         same_host = self._shm
         request = functools.partial(
             p.LookupRequest,
             object_id=oid.binary(),
-            timeout=timeout or 0.0,
+            timeout=p.wire_timeout(timeout),
             shared_memory=same_host,
             direct=route.direct,
             via=route.via,

@@ -311,7 +311,8 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
 
         Args:
             object_id: What to fetch.
-            timeout: Seconds to wait in total; None uses ``Config.default_get_timeout`` (0: forever).
+            timeout: Seconds to wait in total (0: answer at once, with what is there now); None
+                uses ``Config.default_get_timeout`` (0 there: no limit).
             out: Optional array (NumPy or CuPy) of the same dtype and shape to copy the result into;
                 it is returned. Without ``out`` the result is a read-only NumPy array that shares
                 memory with the local store (for an object held by another process on this host,
@@ -503,10 +504,10 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
 
     async def _reduced_objects(self, rid: ObjectID, timeout: float | None) -> list[ObjectID]:
         # The directory enforces ``timeout``; the margin covers a directory that went silent.
-        guard = self.config.request_timeout + timeout if timeout else None
+        guard = None if timeout is None else self.config.request_timeout + timeout
         reply = await self._session.request(
             lambda request_id: p.ReducedObjectsRequest(
-                request_id=request_id, reduction_id=rid.binary(), timeout=timeout or 0.0
+                request_id=request_id, reduction_id=rid.binary(), timeout=p.wire_timeout(timeout)
             ),
             guard,
         )

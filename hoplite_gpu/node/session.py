@@ -412,7 +412,7 @@ class DirectorySession:
         request = p.LookupRequest(
             request_id=rid,
             object_id=oid.binary(),
-            timeout=timeout or 0.0,
+            timeout=p.wire_timeout(timeout),
             have_bytes=have,
             shared_memory=shared_memory,
             direct=route.direct,
@@ -470,7 +470,7 @@ class DirectorySession:
                 barrier_id=barrier_id,
                 rank=rank,
                 count=count,
-                timeout=left or 0.0,
+                timeout=p.wire_timeout(left),
                 release=list(release),
                 group_id=group_id,
                 vote=vote,

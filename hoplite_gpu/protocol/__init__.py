@@ -34,12 +34,14 @@ from .data_plane import (
 from .fields import (
     FIELD_LIMITS,
     IPC_SEGMENT_PREFIX,
+    LEAST_WIRE_TIMEOUT,
     MAX_CODING_COLUMNS,
     MAX_DIMS,
     MAX_HELLO_BYTES,
     MAX_NAME_CHARS,
     MAX_TEXT_CHARS,
     MEMORY_KINDS,
+    wire_timeout,
 )
 from .messages import _REGISTRY as _REGISTRY  # every message class by type (tests/test_fuzz.py)
 from .messages import (
@@ -101,6 +103,7 @@ __all__ = [
     "FRAME_HEADER",
     "FROM_NODES",
     "IPC_SEGMENT_PREFIX",
+    "LEAST_WIRE_TIMEOUT",
     "MAX_BARRIER_MEMBERS",
     "MAX_BARRIER_RELEASE",
     "MAX_CODING_COLUMNS",
@@ -171,4 +174,5 @@ __all__ = [
     "frame_length",
     "local_socket_name",
     "read_frame",
+    "wire_timeout",
 ]

@@ -70,6 +70,18 @@ def check_timeout(kind: str, value: float) -> None:
         raise ProtocolError(f"{kind}: timeout {value!r} is not a finite number >= 0")
 
 
+#: What a request carries for a wait with no time left (a call's ``timeout=0``, or a deadline
+#: that passed): on the wire 0 means no timeout, so the least it carries is this; the directory
+#: answers at once what it has and times out the rest.
+LEAST_WIRE_TIMEOUT = 1e-3
+
+
+def wire_timeout(timeout: float | None) -> float:
+    """A wait's ``timeout`` as a request carries it: 0 for none (None), else at least
+    :data:`LEAST_WIRE_TIMEOUT`."""
+    return 0.0 if timeout is None else max(float(timeout), LEAST_WIRE_TIMEOUT)
+
+
 def check_object(
     kind: str, object_id: bytes, size: int, dtype: str, shape: list[int], inline: bytes | None
 ) -> None:

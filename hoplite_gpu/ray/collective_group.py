@@ -29,7 +29,8 @@ def _op(op: Any) -> ReduceOp:
 
 
 def _seconds(options: Any) -> float | None:
-    """The timeout of a call's options (``timeout_ms``) in seconds; None when it sets none."""
+    """The timeout of a call's options (``timeout_ms``) in seconds; None when it sets none (or
+    0: the group's own then applies)."""
     value = getattr(options, "timeout_ms", None)
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -37,7 +38,7 @@ def _seconds(options: Any) -> float | None:
         seconds = value / 1000.0
     else:
         return None
-    return seconds if seconds >= 0 else None
+    return seconds if seconds > 0 else None
 
 
 def _single(tensors: Any, argument: str) -> Any:
