@@ -3,6 +3,8 @@ error says who is missing or slow: the ObjectID, the node and its address, the r
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from typing import Any
 
@@ -60,6 +62,44 @@ def test_a_get_from_a_slow_source_names_it_and_the_progress(owner: Any) -> None:
         text = str(info.value)
         assert f"node {slow.node_id[:8]} at {address}" in text, text
         assert "bytes so far" in text and "complete there" in text, text
+    finally:
+        slow.kill()
+
+
+def test_a_get_that_gives_up_leaves_another_get_of_the_object_to_finish(owner: Any) -> None:
+    """Two gets of one object in this process share its copy while it arrives (16 MiB from a
+    source sending 8 MiB/s). The first times out, or is cancelled, and its copy goes; the other,
+    with time left, starts again and gets every byte, rather than fail with the first's error."""
+    slow = start_workers(owner.directory_address, owner.token, 1, send_rate_limit=8 << 20)[0]
+    want = make_array("float32", (4 << 20,), 5)
+    try:
+        oid = hg.ObjectID.from_hex(slow.call("put_array", want, None))
+        first: dict[str, Any] = {}
+
+        def impatient() -> None:
+            with pytest.raises(hg.HopliteTimeoutError) as info:
+                owner.get(oid, timeout=0.5)
+            first["error"] = info.value
+
+        thread = threading.Thread(target=impatient)
+        thread.start()
+        until = time.monotonic() + 5
+        while owner._store.get(oid) is None and time.monotonic() < until:
+            time.sleep(0.005)  # until the first get's copy is arriving (the test holds either way)
+        got = owner.get(oid, timeout=30)
+        thread.join(30)
+        assert "within 0.5 s" in str(first["error"])
+        assert np.array_equal(got, want)
+
+        async def cancelled_then_again() -> Any:
+            again = hg.ObjectID.from_hex(slow.call("put_array", want, None))
+            first = asyncio.ensure_future(owner.get_async(again, timeout=30))
+            second = asyncio.ensure_future(owner.get_async(again, timeout=30))
+            await asyncio.sleep(0.3)
+            first.cancel()
+            return await second
+
+        assert np.array_equal(asyncio.run(cancelled_then_again()), want)
     finally:
         slow.kill()
 

@@ -284,6 +284,8 @@ class LocalObject:
             fut.set_result(None)
         try:
             await bounded(fut, timeout)
+        except HopliteError:
+            raise  # the object failed (a HopliteTimeoutError is an asyncio.TimeoutError too)
         except asyncio.TimeoutError:
             raise self._stalled(timeout) from None
         finally:

@@ -35,6 +35,7 @@ from ..errors import (
     ObjectReset,
     ObjectTooLargeError,
     ProtocolError,
+    TransportError,
     from_kind,
 )
 from ..faults import INJECTOR
@@ -345,7 +346,7 @@ class Fetcher:
         if local is not None and (local.progress < local.size or local.complete):
             # Complete, or another get in this process (or a reduce vertex here, or a put still
             # copying) is filling it: wait for that.
-            return await self._filled(local, attempt)
+            return await self._filled(local, attempt, theirs=True)
         attempt.local = local
         while True:
             if first is not None:
@@ -403,11 +404,19 @@ class Fetcher:
             return self._device if self._store.memory.is_device_ticket(reply.segment) else self._mapped
         return self._pull
 
-    async def _filled(self, obj: LocalObject, attempt: sources.Attempt) -> LocalObject:
-        """``obj`` once complete (a copy this node is still filling: another get, a vertex, a put)."""
+    async def _filled(self, obj: LocalObject, attempt: sources.Attempt, theirs: bool = False) -> LocalObject:
+        """``obj`` once complete (a copy this node is still filling: another get, a vertex, a put).
+        ``theirs``: another call fills it; where that call gave up on its own terms (its timeout,
+        a transfer failing past its deadline) this one, with time left, starts again
+        (:class:`ObjectReset`) rather than fail with that call's error."""
         try:
             await obj.wait_progress(obj.size, attempt.remaining())
-        except HopliteTimeoutError:
+        except (HopliteTimeoutError, TransportError) as exc:
+            left = attempt.remaining()
+            if theirs and obj.error is exc and (left is None or left > 0):
+                raise ObjectReset(f"the call filling {attempt.object_id} gave up: {exc}") from None
+            if isinstance(exc, TransportError):
+                raise
             raise attempt.timed_out(
                 f"this node is still filling it (another get or a reduce here), {obj.progress} of "
                 f"{obj.size} bytes so far"

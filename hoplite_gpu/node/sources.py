@@ -43,7 +43,6 @@ from ..errors import (
     ObjectReset,
     ProtocolError,
     TransportError,
-    as_hoplite_error,
 )
 from ..iothread import bounded
 from ..memory import Buffer, LocalObject, LocalStore, digest_of
@@ -363,7 +362,12 @@ class PullSource(Source):
             )
             return None
         except BaseException as exc:
-            self.ctx.abandon(local, reply.transfer_id, as_hoplite_error(exc, oid))
+            # A get cancelled under its pull: another get waiting on this copy starts again
+            # (ObjectReset) rather than failing with this one's cancellation.
+            voided = (
+                exc if isinstance(exc, HopliteError) else ObjectReset(f"the get filling {oid} was cancelled")
+            )
+            self.ctx.abandon(local, reply.transfer_id, voided)
             raise
         if local.error is not None:
             raise local.error
