@@ -105,7 +105,8 @@ def test_arrays_that_differ_fail_typed_on_every_member_and_the_next_round_runs()
         assert not group._mesh.broken
 
 
-def test_a_read_only_array_or_a_dtype_reductions_lack_fails_every_member_alike_and_the_mesh_stays() -> None:
+def test_calls_refused_on_one_member_fail_every_member_alike_and_the_mesh_stays() -> None:
+    """A read-only array, a dtype reductions lack, a call refused at once (on one member)."""
     n = 3
     with _group(n, "host-refused") as (owner, group, workers):
         shape = (1 << 10,)
@@ -124,6 +125,22 @@ def test_a_read_only_array_or_a_dtype_reductions_lack_fails_every_member_alike_a
             for w in workers:
                 with pytest.raises(RuntimeError, match=f"CollectiveArgumentError: allreduce #.*{match}"):
                     w.result()
+        # A member whose call is refused at once (an unknown operator, a root out of range) tells
+        # the others through the mesh: they fail that round at once, not by their timeout.
+        for cmd, bad, mine_ok in [("allreduce", ("xor",), ("sum",)), ("reduce_to", (9, "sum"), (0, "sum"))]:
+            workers[0].send(cmd, group.name, "float32", shape, 4, *bad)
+            workers[1].send(cmd, group.name, "float32", shape, 4, *mine_ok)
+            started = time.monotonic()
+            with pytest.raises(hg.CollectiveArgumentError, match="rank 1 refused its call"):
+                if cmd == "allreduce":
+                    hg.collective.allreduce(make_array("float32", shape, 4), group)
+                else:
+                    hg.collective.reduce(make_array("float32", shape, 4), 0, group)
+            assert time.monotonic() - started < TIMEOUT / 2
+            with pytest.raises(RuntimeError, match="InvalidArgumentError"):
+                workers[0].result()
+            with pytest.raises(RuntimeError, match=r"CollectiveArgumentError: .*rank 1 refused its call"):
+                workers[1].result()
         # A reduce writes into its root's array only: the others' may be read-only.
         for w in workers:
             w.send("reduce_to", group.name, "readonly:int64", shape, 2, 0, "sum")

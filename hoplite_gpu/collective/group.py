@@ -488,6 +488,23 @@ def _check_rank(group: Group, rank: Any, argument: str) -> int:
     return rank
 
 
+def _check_list(g: Group, arrays: Any, argument: str) -> None:
+    if not isinstance(arrays, list) or len(arrays) != g.world_size:
+        raise InvalidArgumentError(f"{argument} must be a list of {g.world_size} arrays", argument=argument)
+
+
+def _check_tag(tag: Any) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise InvalidArgumentError(f"tag must be an int, got {type(tag).__name__}", argument="tag")
+
+
+def _check_peer(group: Group, rank: Any, argument: str) -> int:
+    _check_rank(group, rank, argument)
+    if rank == group.rank:
+        raise InvalidArgumentError(f"{argument} is this member's own rank ({rank})", argument=argument)
+    return int(rank)
+
+
 def barrier(group: Group) -> None:
     """Return once every member has called ``barrier``: one message to the directory per member,
     answered once all have come (``HopliteTimeoutError`` naming the ranks missing when the

@@ -26,7 +26,8 @@ written. A member whose ``IN`` differs (dtype, size, operator) fails the round o
 alike (:class:`CollectiveArgumentError`: each sees every ``IN``; so does one that names another
 root, or runs the other collective, or whose array the result would be written into is
 read-only, and a dtype the library's reductions lack, as on its other paths), and the mesh stays
-usable.
+usable. So does a member whose call was refused before it began (an unknown operator, a root
+out of range: :meth:`Mesh.refuse`), telling the others in its ``IN``; they fail the round at once.
 
 A member that cannot make its segment (no room in ``/dev/shm``) or whose array is not one this
 path takes (device memory) says so in its ``IN``: every member then runs that round on the
@@ -79,8 +80,9 @@ IN, SUM, DONE, BREAK = 1, 2, 3, 4
 #: Operators by their number in ``IN``.
 OPS = list(ReduceOp)
 #: Flags of ``IN``: the array is one this path takes (host memory, a segment made for it);
-#: the round writes its result into the sender's array, which is read-only.
-TAKES, READ_ONLY = 1, 2
+#: the round writes its result into the sender's array, which is read-only; the sender refused
+#: its call (its arguments: see :meth:`Mesh.refuse`).
+TAKES, READ_ONLY, REFUSED = 1, 2, 4
 NO_RANK = 2**64 - 1
 ALL = 2**32 - 1
 #: A connecting member's first bytes: its group's digest, its rank, the collective's number.
@@ -345,6 +347,11 @@ class Mesh:
         except BaseException:
             self._leave(seq)
             raise
+        refused = sorted(j for j, s in signals.items() if s.flags & REFUSED)
+        if refused:  # (before anything else: that member has left the round)
+            raise CollectiveArgumentError(
+                f"{what} #{seq}: rank {refused[0]} refused its call (its arguments)"
+            )
         if mine is None or not all(s.flags & TAKES for s in signals.values()):
             return False  # every member saw the same flags: none goes on here
         _check_alike(what, seq, me, flags, flat, code, to, signals)
@@ -379,6 +386,24 @@ class Mesh:
             self._leave(seq)
             raise
         return True
+
+    def refuse(self, seq: int, limit: float, check: Callable[[], None]) -> None:
+        """Round ``seq``, an allreduce or reduce this member refused before it began (its
+        arguments): tell the others (``IN`` with :data:`REFUSED`), so that they fail it alike
+        and at once, and read their ``IN`` so that the next round starts in step. A failure
+        here leaves the mesh, as in :meth:`reduce`."""
+        deadline = time.monotonic() + limit
+        try:
+            if self._pending is not None:
+                self._gather(self._pending, DONE, deadline, check)
+                self._pending = None
+            self._send(seq, IN, flags=REFUSED)
+            self._gather(seq, IN, deadline, check)
+        except (Left, Gone) as exc:
+            raise self._failed(self._round[0], seq, exc) from None
+        except BaseException:
+            self._leave(seq)
+            raise
 
     def _failed(self, what: str, seq: int, exc: Left | Gone) -> HopliteError:
         """Leave the mesh after ``exc`` in round ``seq`` (of ``what``); the error it raises."""

@@ -4,20 +4,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
 import numpy as np
 
 from .. import memory
 from ..config import Config
-from ..errors import InvalidArgumentError, ObjectLostError
+from ..errors import HopliteError, InvalidArgumentError, ObjectLostError
 from ..faults import INJECTOR
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, as_op
-from .group import Group, _check_group, _check_rank
+from .group import Group, _check_group, _check_list, _check_peer, _check_rank, _check_tag
 from .host import meets, wait_limit
 from .ring import direct_allreduce, direct_reduce, goes_direct, ring_peers
 
@@ -62,8 +63,9 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     """
     g = _check_group(group)
     seq = g._next()  # taken before any check: a call refused here keeps its round
-    _check_rank(g, dst_rank, "dst_rank")
-    reduce_op = as_op(op)
+    with _refused_on_host(g, seq):
+        _check_rank(g, dst_rank, "dst_rank")
+        reduce_op = as_op(op)
     inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
     flat = memory.flat_view(array)
     n = g.world_size
@@ -133,7 +135,8 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     """
     g = _check_group(group)
     seq = g._next()  # taken before any check: a call refused here keeps its round
-    reduce_op = as_op(op)
+    with _refused_on_host(g, seq):
+        reduce_op = as_op(op)
     flat = memory.flat_view(array)
     n = g.world_size
     if n > 1 and flat is not None and flat.size:
@@ -141,6 +144,20 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
             g, seq, array, flat, reduce_op, None, lambda host: _large(g, seq, array, flat, reduce_op, host)
         )
     return g._run(_small_allreduce(g, seq, array, reduce_op))
+
+
+@contextlib.contextmanager
+def _refused_on_host(g: Group, seq: int) -> Iterator[None]:
+    """Checks of round ``seq``'s arguments: where they fail and the members have a mesh, this
+    member tells the others through it (:meth:`~.host.Mesh.refuse`), so that they fail the round
+    at once, alike, and the mesh stays; then the check's error is raised."""
+    try:
+        yield
+    except InvalidArgumentError:
+        if g._mesh is not None and not g._mesh.broken:
+            with contextlib.suppress(HopliteError):  # (the mesh is left then; the error stands)
+                g._call(lambda: g._mesh.refuse(seq, wait_limit(g), g._raise_if_broken))
+        raise
 
 
 #: What a round's path off the mesh returns once it made the mesh (:func:`_via_host`).
@@ -443,11 +460,6 @@ def alltoall(list_out: list[Any], list_in: list[Any], group: Group) -> list[Any]
     return g._run(run())
 
 
-def _check_list(g: Group, arrays: Any, argument: str) -> None:
-    if not isinstance(arrays, list) or len(arrays) != g.world_size:
-        raise InvalidArgumentError(f"{argument} must be a list of {g.world_size} arrays", argument=argument)
-
-
 def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
     """Member ``r`` gets, in ``out``, the reduction over members of their ``list_in[r]``."""
     g = _check_group(group)
@@ -571,18 +583,6 @@ async def _acknowledge(g: Group, src: int, tag: int, n: int) -> None:
         raise
     if previous is not None:
         await g.node.delete_async(previous)
-
-
-def _check_tag(tag: Any) -> None:
-    if isinstance(tag, bool) or not isinstance(tag, int):
-        raise InvalidArgumentError(f"tag must be an int, got {type(tag).__name__}", argument="tag")
-
-
-def _check_peer(group: Group, rank: Any, argument: str) -> int:
-    _check_rank(group, rank, argument)
-    if rank == group.rank:
-        raise InvalidArgumentError(f"{argument} is this member's own rank ({rank})", argument=argument)
-    return int(rank)
 
 
 def _copy(dst: Any, src: Any) -> None:
