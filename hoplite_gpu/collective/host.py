@@ -324,11 +324,11 @@ class Mesh:
                 self._pending = None
             segment = self._segment_for(flat.nbytes) if takes else None
             mine = self._typed(segment, flat) if segment is not None else None
-            if mine is not None:
+            if segment is not None:
                 reach("serve", 0)
-                np.copyto(mine[: cuts[me]], flat[: cuts[me]])
+                memory.write_at(segment, 0, flat[: cuts[me]])
                 reach("serve", cuts[me] * item)
-                np.copyto(mine[cuts[me + 1] :], flat[cuts[me + 1] :])
+                memory.write_at(segment, cuts[me + 1] * item, flat[cuts[me + 1] :])
                 reach("serve", flat.nbytes)
             name = memory.segment_name(segment) if segment is not None else ""
             code, to = OPS.index(op), ALL if root is None else root
@@ -363,8 +363,8 @@ class Mesh:
             reach("reduce", 0)
             children = [views[j][shard] for j in sorted(views)]
             reduce_chunk(op, own, children, own if gathers else mine[shard], count=n)
-            if root is None:
-                np.copyto(mine[shard], own)
+            if root is None and segment is not None:
+                memory.write_at(segment, cuts[me] * item, own)
             reach("reduce", flat.nbytes)
             if gathers:
                 if root is None:
@@ -428,10 +428,14 @@ class Mesh:
         return f"rank {self.rank} of {self.world}"
 
     def _segment_for(self, nbytes: int) -> np.ndarray[Any, Any] | None:
-        """This member's segment, at least ``nbytes`` (None: no room in ``/dev/shm``)."""
+        """This member's segment, at least ``nbytes`` (None: no room in ``/dev/shm``). A new one
+        is filled through its file the first time (:func:`~hoplite_gpu.memory.write_at`: cheaper
+        than mapping its new pages first), and its pages are mapped when it is used again."""
         if self._segment is None or self._segment.size < nbytes:
             self._segment = None  # (its file goes with it; the others' mappings stay valid)
-            self._segment = memory.new_segment(max(nbytes, 1))
+            self._segment = memory.new_segment(max(nbytes, 1), populate=False)
+        elif self._segment is not None:
+            memory.map_pages(self._segment)
         return self._segment
 
     @staticmethod

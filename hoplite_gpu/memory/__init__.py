@@ -37,7 +37,7 @@ from .node_memory import (
 )
 from .placement import node_place
 from .shm import create as new_segment
-from .shm import map_whole, segment_name
+from .shm import map_pages, map_whole, segment_name
 from .shm_files import socket_path, unlink_quietly
 from .store import MEMORY_DEVICE, MEMORY_HOST, LocalObject, LocalStore
 
@@ -62,6 +62,7 @@ __all__ = [
     "flat_view",
     "host_key",
     "kind_of",
+    "map_pages",
     "map_whole",
     "new_segment",
     "node_place",

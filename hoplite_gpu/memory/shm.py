@@ -501,6 +501,14 @@ def map_whole(name: str, least: int) -> np.ndarray[Any, Any] | None:
     return map_payload(name, 0, size - HEADER_BYTES) if size - HEADER_BYTES >= least else None
 
 
+def map_pages(buf: np.ndarray[Any, Any]) -> None:
+    """Map the pages of the segment under ``buf`` (one :func:`create` made without) into this
+    process, so that writes go through memory from now on (:meth:`Segment.populate`)."""
+    seg = segment_of(buf)
+    if seg is not None:
+        seg.populate()
+
+
 def segment_name(buf: np.ndarray[Any, Any]) -> str:
     """The name of the segment a buffer from :func:`create` lives in ("" for ordinary memory)."""
     seg = segment_of(buf)
