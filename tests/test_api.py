@@ -266,3 +266,23 @@ def test_the_methods_for_libraries_built_on_the_node(owner: Any) -> None:
     owner.remove_rejoin_callback(rejoined)
     owner.remove_rejoin_callback(rejoined)  # no-op
     assert calls == []
+
+
+def test_host_torch_tensors_in_bfloat16_are_put_and_reduced_and_float8_refused(owner: Any) -> None:
+    """NumPy has no bfloat16: a host torch tensor of it is put as ml_dtypes' bfloat16 over the
+    same bytes (a non-contiguous one too), and reduced as such; a dtype NumPy cannot hold at all
+    is refused typed."""
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t().to(torch.bfloat16)
+    got = owner.get(owner.put(t), timeout=10)
+    assert got.dtype == bf16 and got.shape == (4, 3)
+    assert np.array_equal(got.astype(np.float32), t.float().numpy())
+    ids = [owner.put(torch.full((5,), float(k), dtype=torch.bfloat16)) for k in (1, 2, 3)]
+    total = owner.get(owner.reduce(ids), timeout=10)
+    assert total.dtype == bf16 and np.array_equal(total.astype(np.float32), np.full(5, 6.0, np.float32))
+    if hasattr(torch, "float8_e4m3fn"):
+        with pytest.raises(hg.InvalidArgumentError, match="float8"):
+            owner.put(torch.ones(3, dtype=torch.float8_e4m3fn))

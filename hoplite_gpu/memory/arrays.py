@@ -94,7 +94,7 @@ class CallerArray:
             dtype, shape = backend.describe(array)
             return backend.host_copy(backend.flat_bytes(array)).view(dtype).reshape(shape)
         if kind is ArrayKind.TORCH:
-            return array.detach().cpu().numpy()  # type: ignore[no-any-return]
+            return _torch_host(array)
         if kind is ArrayKind.HOST:
             try:
                 return (
@@ -156,3 +156,21 @@ def flat_view(array: Any) -> Any:
 def copy_into(out: Any, src: Any) -> None:
     """:meth:`CallerArray.copy_from`: ``src`` into ``out``."""
     CallerArray.of(out).copy_from(src)
+
+
+def _torch_host(tensor: Any) -> np.ndarray[Any, Any]:
+    """A NumPy view of a host torch tensor: bfloat16, which NumPy lacks, as ml_dtypes' bfloat16
+    over the same bytes; a dtype NumPy cannot hold (float8, say) refused typed."""
+    import torch
+
+    t = tensor.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # type: ignore[no-any-return]
+    try:
+        return t.numpy()  # type: ignore[no-any-return]
+    except (TypeError, RuntimeError) as exc:
+        raise InvalidArgumentError(
+            f"cannot store a torch tensor of {t.dtype}: {exc}", argument="array"
+        ) from None
