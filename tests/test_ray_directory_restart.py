@@ -168,3 +168,42 @@ def test_a_resolver_that_never_answers_does_not_keep_the_process_alive() -> None
             proc.kill()
             proc.wait(timeout=30)
         directory.kill()
+
+
+_SESSIONS = """
+import sys
+import numpy as np
+import ray
+import hoplite_gpu.ray as hgray
+
+@ray.remote
+class Member:
+    def put_get(self):
+        node = hgray.node()
+        return float(node.get(node.put(np.ones(10))).sum())
+
+for session in range(2):
+    ray.init(num_cpus=2, include_dashboard=False)
+    hgray.start_directory()
+    node = hgray.node()
+    assert float(node.get(node.put(np.arange(5.0))).sum()) == 10.0
+    assert ray.get(Member.remote().put_get.remote(), timeout=120) == 10.0
+    ray.get_actor("hoplite")  # still there (raises ValueError if Ray deleted it)
+    print("session", session, "ok", flush=True)
+    ray.shutdown()
+"""
+
+
+def test_a_driver_that_starts_ray_again_gets_a_directory_and_a_node_of_the_new_session() -> None:
+    """A driver that shuts Ray down and starts it again (as Ray's own test fixtures do for every
+    test) starts the directory actor again: its handle is kept (Ray deletes a non-detached actor
+    with its last handle; the one kept was the first session's), and ``node()`` connects to the
+    new directory instead of returning the first session's node."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SESSIONS], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["session 0 ok", "session 1 ok"], done.stdout

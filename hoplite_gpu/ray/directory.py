@@ -138,8 +138,10 @@ def start_directory(
         options["lifetime"] = "detached"
     actor = _actor_class().options(**options).remote(host, config, new_token())
     address, _token = ray.get(actor.info.remote(), timeout=ACTOR_TIMEOUT)
-    # A non-detached actor lives while its creator's handle does: keep the first one.
-    _started.setdefault((name, namespace), actor)
+    # A non-detached actor lives while its creator's handle does: keep the first one, unless the
+    # one kept is another actor's (of an earlier Ray session in this process, or one stopped).
+    if _started.get((name, namespace)) != actor:
+        _started[(name, namespace)] = actor
     return str(address)
 
 
@@ -175,7 +177,7 @@ def stop_directory(name: str = DEFAULT_NAME, namespace: str | None = None) -> No
     with _nodes_lock:
         own = _nodes.pop((name, namespace), None)
     if own is not None:
-        own.close()
+        own[1].close()
     try:
         actor = ray.get_actor(name, namespace=namespace)
     except ValueError:
@@ -211,12 +213,21 @@ def _resolver(name: str, namespace: str | None) -> Callable[[float], str]:
 
 
 _nodes_lock = threading.Lock()
-_nodes: dict[tuple[str, str | None], Node] = {}
+_nodes: dict[tuple[str, str | None], tuple[str, Node]] = {}  # (its Ray session, the node)
+
+
+def _session() -> str:
+    """The Ray session this process is in (its Ray node's id: new each time Ray starts)."""
+    try:
+        return str(_ray().get_runtime_context().get_node_id())
+    except Exception:  # (not connected: no session)
+        return ""
 
 
 def node(name: str = DEFAULT_NAME, namespace: str | None = None, config: Config | None = None) -> Node:
     """This process's node of the directory actor ``name``, connected on first use (one per
-    process and directory, reused by every later call; a closed one is replaced).
+    process and directory, reused by every later call; a closed one, or one of an earlier Ray
+    session of this process, is replaced).
 
     Its data plane is advertised at the Ray node's IP address unless ``config`` (or
     ``HOPLITE_ADVERTISE_HOST``) says otherwise.
@@ -225,15 +236,18 @@ def node(name: str = DEFAULT_NAME, namespace: str | None = None, config: Config 
         DirectoryUnavailableError: no directory actor of that name.
     """
     key = (name, namespace)
+    session = _session()
     with _nodes_lock:
-        existing = _nodes.get(key)
-        if existing is not None and not existing.closed:
-            return existing
+        kept = _nodes.get(key)
+        if kept is not None and not kept[1].closed:
+            if kept[0] == session:
+                return kept[1]
+            kept[1].close()  # of a directory of an earlier Ray session in this process
         address, token = directory_info(name, namespace)
         if config is None:
             config = Config.from_env()
             if not config.advertise_host:
                 config = config.replace(advertise_host=_node_ip())
         made = Node(address, token, config, resolve_directory=_resolver(name, namespace))
-        _nodes[key] = made
+        _nodes[key] = (session, made)
         return made
