@@ -23,7 +23,7 @@ Its parts, each a module:
 
 from __future__ import annotations
 
-from .arrays import OUT_KINDS, ArrayKind, CallerArray, copy_into, flat_view, kind_of, to_host
+from .arrays import OUT_KINDS, ArrayKind, CallerArray, copy_into, flat_view, kind_of, to_host, torch_numpy
 from .backend import DeviceEvent
 from .buffers import Buffer, BufferKind, BufferPool, digest_of, through_file, write_at
 from .device import device_result
@@ -72,6 +72,7 @@ __all__ = [
     "sweep_orphans",
     "through_file",
     "to_host",
+    "torch_numpy",
     "unlink_quietly",
     "write_at",
 ]

@@ -94,7 +94,7 @@ class CallerArray:
             dtype, shape = backend.describe(array)
             return backend.host_copy(backend.flat_bytes(array)).view(dtype).reshape(shape)
         if kind is ArrayKind.TORCH:
-            return _torch_host(array)
+            return torch_numpy(array)
         if kind is ArrayKind.HOST:
             try:
                 return (
@@ -158,9 +158,10 @@ def copy_into(out: Any, src: Any) -> None:
     CallerArray.of(out).copy_from(src)
 
 
-def _torch_host(tensor: Any) -> np.ndarray[Any, Any]:
-    """A NumPy view of a host torch tensor: bfloat16, which NumPy lacks, as ml_dtypes' bfloat16
-    over the same bytes; a dtype NumPy cannot hold (float8, say) refused typed."""
+def torch_numpy(tensor: Any) -> np.ndarray[Any, Any]:
+    """A NumPy view of a host torch tensor (a copy of a device one): bfloat16, which NumPy
+    lacks, as ml_dtypes' bfloat16 over the same bytes; a dtype NumPy cannot hold (float8, say)
+    raises :class:`InvalidArgumentError`."""
     import torch
 
     t = tensor.detach().cpu()

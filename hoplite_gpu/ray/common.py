@@ -149,12 +149,8 @@ def _torch_buffer(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
                 argument="tensor",
             )
         array = cuda.cupy_view(contiguous)
-    elif contiguous.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        array = contiguous.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     else:
-        array = contiguous.numpy()
+        array = memory.torch_numpy(contiguous)
     if contiguous is t:
         return array, None
 
