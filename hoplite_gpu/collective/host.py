@@ -319,9 +319,7 @@ class Mesh:
                 INJECTOR.check(event, fault, pos, flat.nbytes)
 
         try:
-            if self._pending is not None:
-                self._gather(self._pending, DONE, deadline, check)
-                self._pending = None
+            self._done_reading(deadline, check)
             segment = self._segment_for(flat.nbytes) if takes else None
             mine = self._typed(segment, flat) if segment is not None else None
             if segment is not None:
@@ -394,9 +392,7 @@ class Mesh:
         here leaves the mesh, as in :meth:`reduce`."""
         deadline = time.monotonic() + limit
         try:
-            if self._pending is not None:
-                self._gather(self._pending, DONE, deadline, check)
-                self._pending = None
+            self._done_reading(deadline, check)
             self._send(seq, IN, flags=REFUSED)
             self._gather(seq, IN, deadline, check)
         except (Left, Gone) as exc:
@@ -434,9 +430,16 @@ class Mesh:
         if self._segment is None or self._segment.size < nbytes:
             self._segment = None  # (its file goes with it; the others' mappings stay valid)
             self._segment = memory.new_segment(max(nbytes, 1), populate=False)
-        elif self._segment is not None:
+        else:
             memory.map_pages(self._segment)
         return self._segment
+
+    def _done_reading(self, deadline: float, check: Callable[[], None]) -> None:
+        """Wait until every other member is done reading this member's segment in the round
+        before (its ``DONE``), if that round's ``DONE`` is not read yet."""
+        if self._pending is not None:
+            self._gather(self._pending, DONE, deadline, check)
+            self._pending = None
 
     @staticmethod
     def _typed(buf: np.ndarray[Any, Any], flat: Any) -> np.ndarray[Any, Any]:
