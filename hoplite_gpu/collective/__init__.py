@@ -30,13 +30,11 @@ from .operations import (
     alltoall,
     broadcast,
     gather,
-    recv,
-    recv_any,
     reduce,
     reducescatter,
     scatter,
-    send,
 )
+from .p2p import recv, recv_any, send
 
 __all__ = [
     "DESCRIBED_KEPT",
