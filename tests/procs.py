@@ -327,7 +327,8 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
     dtype, shape, seed = args[1:4]
     memory, _, dtype = dtype.rpartition(":")  # "sim:float32" / "cupy:float32": a device array
     arr = make_array(dtype, shape, seed + group.rank)
-    if memory == "readonly":  # "readonly:float32": an array no result can be written into
+    frozen = memory == "readonly"  # "readonly:float32": arrays no result can be written into
+    if frozen:
         arr.flags.writeable = False
         memory = ""
     if memory:
@@ -343,6 +344,8 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
         return coll.broadcast(arr, args[4], group)
     if cmd == "allgather":
         out = [np.empty_like(arr) for _ in range(group.world_size)]
+        for a in out[:1] if frozen else []:
+            a.flags.writeable = False
         return coll.allgather(out, arr, group)
     if cmd == "gather":
         out = [np.empty_like(arr) for _ in range(group.world_size)] if group.rank == args[4] else None
@@ -350,10 +353,12 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
     pieces = [make_array(dtype, shape, seed + group.rank * 100 + dst) for dst in range(group.world_size)]
     if cmd == "scatter":  # the root's pieces for every rank
         return coll.scatter(np.empty_like(arr), pieces if group.rank == args[4] else None, args[4], group)
+    outs = [np.empty_like(arr) for _ in pieces]
+    for a in outs[:1] if frozen else []:
+        a.flags.writeable = False
     if cmd == "alltoall":
-        return coll.alltoall([np.empty_like(arr) for _ in pieces], pieces, group)
-    out = np.empty_like(arr)
-    return coll.reducescatter(out, pieces, group, args[4])
+        return coll.alltoall(outs, pieces, group)
+    return coll.reducescatter(outs[0], pieces, group, args[4])
 
 
 class Worker:

@@ -306,6 +306,56 @@ def test_arrays_that_differ_between_members_fail_typed_never_summed(op: str, dif
             assert "every member's array must match" in str(caught.value)
 
 
+def test_a_read_only_array_for_the_result_fails_that_member_alone_and_at_once() -> None:
+    # The member runs the round on a copy and then raises, so no member waits for it (the
+    # chain's predecessor of a read-only root waited out its patience before) and the group
+    # stays in step; arrays that only the collective reads may be read-only.
+    n = 3
+    with _group(n, "direct-read-only") as (_owner, group, workers):
+        shape = (1 << 18,)
+        _allreduce(group, workers, "float32", shape, 0, "sum")  # the members learn each other
+        calls = {
+            "allreduce": ("sum",),
+            "reduce_to": (1, "sum"),  # workers[0] is rank 1: the root
+            "allgather": (),
+            "alltoall": (),
+            "reducescatter": ("sum",),
+        }
+        for cmd, extra in calls.items():
+            started = time.monotonic()
+            for w, dtype in zip(workers, ["readonly:float32", "float32"], strict=True):
+                w.send(cmd, group.name, dtype, shape, 1, *extra)
+            mine = make_array("float32", shape, 1)
+            outs = [np.empty_like(mine) for _ in range(n)]
+            pieces = [make_array("float32", shape, 1 + dst) for dst in range(n)]
+            if cmd == "allreduce":
+                hg.collective.allreduce(mine, group)
+                assert np.allclose(mine, sum(make_array("float32", shape, 1 + r) for r in range(n)))
+            elif cmd == "reduce_to":
+                hg.collective.reduce(mine, 1, group)
+            elif cmd == "allgather":
+                hg.collective.allgather(outs, mine, group)
+                for r, got in enumerate(outs):
+                    assert np.array_equal(got, make_array("float32", shape, 1 + r))
+            elif cmd == "alltoall":
+                hg.collective.alltoall(outs, pieces, group)
+            else:
+                hg.collective.reducescatter(outs[0], pieces, group)
+            with pytest.raises(RuntimeError, match=r"CollectiveArgumentError: \w+ #\d+: .*read-only"):
+                workers[0].result()
+            workers[1].result()
+            assert time.monotonic() - started < TIMEOUT / 3, cmd
+        got = _allreduce(group, workers, "float32", shape, 2, "sum")  # in step
+        want = sum(make_array("float32", shape, 2 + r) for r in range(n))
+        assert np.allclose(got, want)
+        for w in workers:
+            w.send("reduce_to", group.name, "readonly:float32", shape, 3, 0, "sum")
+        reduced = hg.collective.reduce(make_array("float32", shape, 3), 0, group)
+        for w in workers:
+            w.result()  # the members but the root only read their arrays
+        assert np.allclose(reduced, sum(make_array("float32", shape, 3 + r) for r in range(n)))
+
+
 def test_members_whose_schedules_differ_agree_on_the_directorys() -> None:
     # Rank 0 asks for the directory's ring, the others are on auto: every member must take the
     # same schedule (the direct ring would wait for rank 0's running sums, which never come).

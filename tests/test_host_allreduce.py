@@ -106,25 +106,37 @@ def test_arrays_that_differ_fail_typed_on_every_member_and_the_next_round_runs()
 
 
 def test_calls_refused_on_one_member_fail_every_member_alike_and_the_mesh_stays() -> None:
-    """A read-only array, a dtype reductions lack, a call refused at once (on one member)."""
+    """A dtype reductions lack, a call refused at once (on one member), a read-only array for
+    the result (that member alone fails: the round ran on a copy)."""
     n = 3
     with _group(n, "host-refused") as (owner, group, workers):
         shape = (1 << 10,)
         for seed in range(2):  # the mesh is made, then what its making put is deleted
             _allreduce(group, workers, "float32", shape, seed, "sum")
         before = _handled(owner)
-        refused = [
-            (["readonly:float32", "float32"], "float32", "rank 1's array is read-only"),
-            (["int8", "int8"], "int8", "reductions support .* got int8"),
-        ]
-        for theirs, mine, match in refused:
-            for w, dtype in zip(workers, theirs, strict=True):
-                w.send("allreduce", group.name, dtype, shape, 1, "sum")
-            with pytest.raises(hg.CollectiveArgumentError, match=match):
-                hg.collective.allreduce(make_array(mine, shape, 1), group)
-            for w in workers:
-                with pytest.raises(RuntimeError, match=f"CollectiveArgumentError: allreduce #.*{match}"):
-                    w.result()
+        match = "reductions support .* got int8"
+        for w in workers:
+            w.send("allreduce", group.name, "int8", shape, 1, "sum")
+        with pytest.raises(hg.CollectiveArgumentError, match=match):
+            hg.collective.allreduce(make_array("int8", shape, 1), group)
+        for w in workers:
+            with pytest.raises(RuntimeError, match=f"CollectiveArgumentError: allreduce #.*{match}"):
+                w.result()
+        # A read-only array where the result goes: that member runs the round on a copy, so the
+        # others get the sum, and it alone fails; so does a reduce's read-only root.
+        for cmd, extra in [("allreduce", ("sum",)), ("reduce_to", (1, "sum"))]:
+            for w, dtype in zip(workers, ["readonly:float32", "float32"], strict=True):
+                w.send(cmd, group.name, dtype, shape, 1, *extra)
+            mine = make_array("float32", shape, 1)
+            got = hg.collective.allreduce(mine, group) if cmd == "allreduce" else None
+            if got is None:
+                hg.collective.reduce(mine, 1, group)
+            with pytest.raises(RuntimeError, match=r"CollectiveArgumentError: .* #.*array is read-only"):
+                workers[0].result()
+            theirs = workers[1].result()
+            if got is not None:
+                assert np.allclose(got, _want("sum", "float32", shape, 1, n))
+                assert np.array_equal(theirs, got)
         # A member whose call is refused at once (an unknown operator, a root out of range) tells
         # the others through the mesh: they fail that round at once, not by their timeout.
         for cmd, bad, mine_ok in [("allreduce", ("xor",), ("sum",)), ("reduce_to", (9, "sum"), (0, "sum"))]:

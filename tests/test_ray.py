@@ -137,6 +137,37 @@ def _recv_timeout(rank: int, world: int, group: str) -> str:
     return outcome
 
 
+def _read_only(rank: int, world: int, group: str) -> list[Any]:
+    """Member 1 passes read-only arrays (not Ray's) for results: it is refused typed, the others
+    get theirs, and the next collective runs in step."""
+    import ray.util.collective as col
+
+    def frozen(a: np.ndarray) -> np.ndarray:
+        if rank == 1:
+            a.flags.writeable = False
+        return a
+
+    out: list[Any] = []
+    calls = [
+        lambda: col.allreduce(frozen(_value(rank, (5,))), group),
+        lambda: col.allreduce(frozen(_value(rank, (600_000,))), group),  # the sharded path
+        lambda: col.allgather(
+            [frozen(np.zeros(4, np.float32)) for _ in range(world)], _value(rank, (4,)), group
+        ),
+        lambda: col.broadcast(frozen(_value(rank, (3,))), 0, group),
+    ]
+    for call in calls:
+        try:
+            call()
+            out.append("ok")
+        except hg.CollectiveArgumentError as exc:
+            out.append("read-only" if "read-only" in str(exc) else str(exc))
+    a = _value(rank, (7,))
+    col.allreduce(a, group)
+    out.append(a)
+    return out
+
+
 def _gradients(rank: int, world: int, group: str) -> dict[str, Any]:
     """allreduce_gradients with small buckets (several fused buckets, a large tensor alone, a
     parameter without gradient) and DistributedOptimizer."""
@@ -195,6 +226,7 @@ def _bf16_value(rank: int) -> Any:
 SCENARIOS = {
     "collectives": _collectives,
     "recv_timeout": _recv_timeout,
+    "read_only": _read_only,
     "gradients": _gradients,
     "gpu_tensors": _gpu_tensors,
 }
@@ -344,6 +376,15 @@ def test_group_created_again_under_the_same_name(ray_session: Any) -> None:
 @pytest.mark.timeout(120)
 def test_recv_with_nothing_sent_times_out(ray_session: Any) -> None:
     assert _run(ray_session, "recv_timeout", "recv-timeout") == ["idle", "timeout", "idle"]
+
+
+@pytest.mark.timeout(120)
+def test_read_only_results_are_refused_typed_and_the_group_stays_in_step(ray_session: Any) -> None:
+    results = _run(ray_session, "read_only", "read-only-results")
+    want = sum(_value(r, (7,)) for r in range(WORLD))
+    for rank, got in enumerate(results):
+        assert got[:4] == ["read-only" if rank == 1 else "ok"] * 4, got
+        np.testing.assert_allclose(got[4], want)
 
 
 @pytest.mark.timeout(180)

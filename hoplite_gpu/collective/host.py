@@ -24,10 +24,11 @@ bits. A member writes its segment only after every other member told it is done 
 reads another's only after that one told it wrote what is read: a member never reads bytes being
 written. A member whose ``IN`` differs (dtype, size, operator) fails the round on every member
 alike (:class:`CollectiveArgumentError`: each sees every ``IN``; so does one that names another
-root, or runs the other collective, or whose array the result would be written into is
-read-only, and a dtype the library's reductions lack, as on its other paths), and the mesh stays
-usable. So does a member whose call was refused before it began (an unknown operator, a root
-out of range: :meth:`Mesh.refuse`), telling the others in its ``IN``; they fail the round at once.
+root, or runs the other collective, and a dtype the library's reductions lack, as on its other
+paths), and the mesh stays usable (a read-only result array never reaches it: the collective
+stands a copy in for it, see :func:`~hoplite_gpu.collective.allreduce`). So does a member whose
+call was refused before it began (an unknown operator, a root out of range: :meth:`Mesh.refuse`),
+telling the others in its ``IN``; they fail the round at once.
 
 A member that cannot make its segment (no room in ``/dev/shm``) or whose array is not one this
 path takes (device memory) says so in its ``IN``: every member then runs that round on the
@@ -79,10 +80,9 @@ MESSAGE = struct.Struct("<QBBBxIQ16s64s")
 IN, SUM, DONE, BREAK = 1, 2, 3, 4
 #: Operators by their number in ``IN``.
 OPS = list(ReduceOp)
-#: Flags of ``IN``: the array is one this path takes (host memory, a segment made for it);
-#: the round writes its result into the sender's array, which is read-only; the sender refused
-#: its call (its arguments: see :meth:`Mesh.refuse`).
-TAKES, READ_ONLY, REFUSED = 1, 2, 4
+#: Flags of ``IN``: the array is one this path takes (host memory, a segment made for it); the
+#: sender refused its call (its arguments: see :meth:`Mesh.refuse`).
+TAKES, REFUSED = 1, 2
 NO_RANK = 2**64 - 1
 ALL = 2**32 - 1
 #: A connecting member's first bytes: its group's digest, its rank, the collective's number.
@@ -331,8 +331,6 @@ class Mesh:
             name = memory.segment_name(segment) if segment is not None else ""
             code, to = OPS.index(op), ALL if root is None else root
             flags = TAKES if mine is not None else 0
-            if (root is None or root == me) and not flat.flags.writeable:
-                flags |= READ_ONLY
             self._send(seq, IN, code, flags, to, flat.nbytes, flat.dtype.str, name)
             signals = self._gather(seq, IN, deadline, check)
         except Left as exc:
@@ -352,7 +350,7 @@ class Mesh:
             )
         if mine is None or not all(s.flags & TAKES for s in signals.values()):
             return False  # every member saw the same flags: none goes on here
-        _check_alike(what, seq, me, flags, flat, code, to, signals)
+        _check_alike(what, seq, me, flat, code, to, signals)
         gathers = root is None or root == me  # the others' results land here
         try:
             views = {j: self._view(j, s, flat) for j, s in signals.items()}
@@ -569,17 +567,11 @@ class Mesh:
 
 
 def _check_alike(
-    what: str, seq: int, rank: int, flags: int, flat: Any, code: int, root: int, signals: dict[int, Signal]
+    what: str, seq: int, rank: int, flat: Any, code: int, root: int, signals: dict[int, Signal]
 ) -> None:
     """Raise ``CollectiveArgumentError`` where a member's array, operator or collective
-    differs from this member's (``flags``: its ``IN``'s), the result would land in a read-only
-    array, or reductions do not support the dtype (each member sees every ``IN``: all raise
-    alike)."""
-    for j, f in sorted([(rank, flags), *((j, s.flags) for j, s in signals.items())]):
-        if f & READ_ONLY:
-            raise CollectiveArgumentError(
-                f"{what} #{seq}: rank {j}'s array is read-only, and the result is written into it"
-            )
+    differs from this member's, or reductions do not support the dtype (each member sees every
+    ``IN``: all raise alike)."""
 
     def told(op: int, to: int) -> str:
         name = OPS[op].value if op < len(OPS) else str(op)

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import memory
 from ..config import Config
-from ..errors import HopliteError, InvalidArgumentError, ObjectLostError
+from ..errors import CollectiveArgumentError, HopliteError, InvalidArgumentError, ObjectLostError
 from ..faults import INJECTOR
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
@@ -66,6 +66,9 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     with _refused_on_host(g, seq):
         _check_rank(g, dst_rank, "dst_rank")
         reduce_op = as_op(op)
+    refused: list[str] = []
+    if g.rank == dst_rank:
+        array = _stand_in(array, refused, "array")
     inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
     flat = memory.flat_view(array)
     n = g.world_size
@@ -92,8 +95,10 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         return await _direct(g, seq, array, flat, along, g.rank == dst_rank)
 
     if n > 1 and flat is not None and flat.size:
-        return _via_host(g, seq, array, flat, reduce_op, dst_rank, chain)
-    return g._run(run())
+        done = _via_host(g, seq, array, flat, reduce_op, dst_rank, chain)
+    else:
+        done = g._run(run())
+    return _raise_refused(g, seq, "reduce", refused, done)
 
 
 #: The default of ``Config.allreduce_shard_bytes``: arrays of at least this many bytes are
@@ -137,13 +142,39 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     seq = g._next()  # taken before any check: a call refused here keeps its round
     with _refused_on_host(g, seq):
         reduce_op = as_op(op)
+    refused: list[str] = []
+    array = _stand_in(array, refused, "array")
     flat = memory.flat_view(array)
-    n = g.world_size
-    if n > 1 and flat is not None and flat.size:
-        return _via_host(
+    if g.world_size > 1 and flat is not None and flat.size:
+        done = _via_host(
             g, seq, array, flat, reduce_op, None, lambda host: _large(g, seq, array, flat, reduce_op, host)
         )
-    return g._run(_small_allreduce(g, seq, array, reduce_op))
+    else:
+        done = g._run(_small_allreduce(g, seq, array, reduce_op))
+    return _raise_refused(g, seq, "allreduce", refused, done)
+
+
+def _stand_in(array: Any, refused: list[str], name: str) -> Any:
+    """``array``; or, where it is a read-only NumPy array that a collective writes its result
+    into, a writable copy of it (and ``name`` goes into ``refused``). The round runs on the
+    copy as on every other member, which get their results and stay in step with this one;
+    then :func:`_raise_refused` fails the call."""
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
+        refused.append(name)
+        return np.array(array)
+    return array
+
+
+def _raise_refused(g: Group, seq: int, what: str, refused: list[str], done: Any) -> Any:
+    """``done`` (the round's result) where ``refused`` is empty, else ``CollectiveArgumentError``
+    naming the read-only arrays :func:`_stand_in` stood in for."""
+    if not refused:
+        return done
+    raise CollectiveArgumentError(
+        f"{what} #{seq}: {', '.join(refused)} {'is' if len(refused) == 1 else 'are'} read-only, "
+        "so the result was not written (the round ran on a copy: the other members have their "
+        f"results) [{g._who()}]"
+    )
 
 
 @contextlib.contextmanager
@@ -364,6 +395,8 @@ def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
     g = _check_group(group)
     seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_list(g, list_out, "list_out")
+    refused: list[str] = []
+    list_out = [_stand_in(a, refused, f"list_out[{r}]") for r, a in enumerate(list_out)]
     ids = [g.object_id(seq, "allgather", r) for r in range(g.world_size)]
 
     async def run() -> list[Any]:
@@ -374,7 +407,7 @@ def allgather(list_out: list[Any], array: Any, group: Group) -> list[Any]:
         await g._delete_before(seq)
         return list_out
 
-    return g._run(run())
+    return _raise_refused(g, seq, "allgather", refused, g._run(run()))
 
 
 def gather(list_out: list[Any] | None, array: Any, dst_rank: int, group: Group) -> list[Any] | None:
@@ -440,6 +473,8 @@ def alltoall(list_out: list[Any], list_in: list[Any], group: Group) -> list[Any]
     seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_list(g, list_out, "list_out")
     _check_list(g, list_in, "list_in")
+    refused: list[str] = []
+    list_out = [_stand_in(a, refused, f"list_out[{r}]") for r, a in enumerate(list_out)]
     n, me = g.world_size, g.rank
 
     def piece(src: int, dst: int) -> ObjectID:
@@ -457,7 +492,7 @@ def alltoall(list_out: list[Any], list_in: list[Any], group: Group) -> list[Any]
         await g._delete_before(seq)
         return list_out
 
-    return g._run(run())
+    return _raise_refused(g, seq, "alltoall", refused, g._run(run()))
 
 
 def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str = ReduceOp.SUM) -> Any:
@@ -466,6 +501,8 @@ def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str
     seq = g._next()  # taken before any check: a call refused here keeps its round
     _check_list(g, list_in, "list_in")
     reduce_op = as_op(op)
+    refused: list[str] = []
+    out = _stand_in(out, refused, "out")
 
     async def run() -> Any:
         ids = [g.object_id(seq, "reducescatter", dst, g.rank) for dst in range(g.world_size)]
@@ -480,7 +517,7 @@ def reducescatter(out: Any, list_in: list[Any], group: Group, op: ReduceOp | str
         await g._delete_before(seq)
         return out
 
-    return g._run(run())
+    return _raise_refused(g, seq, "reducescatter", refused, g._run(run()))
 
 
 def _copy(dst: Any, src: Any) -> None:

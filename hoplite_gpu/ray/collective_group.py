@@ -11,6 +11,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
 from .. import collective
@@ -52,6 +53,18 @@ def _single(tensors: Any, argument: str) -> Any:
     return tensors
 
 
+def _output(tensor: Any) -> tuple[Any, Callable[[], None] | None]:
+    """:func:`~.common.as_buffer` of a tensor a collective writes into; a read-only NumPy array
+    that it refuses goes to the collective as it is, which takes its place in the group's order
+    (the other members get their results) and then refuses it (``CollectiveArgumentError``)."""
+    try:
+        return as_buffer(tensor)
+    except InvalidArgumentError:
+        if isinstance(tensor, np.ndarray) and not tensor.flags.writeable:
+            return tensor, None
+        raise
+
+
 class HopliteGroup(BaseGroup):  # type: ignore[misc]
     """A ``ray.util.collective`` group whose collectives run on hoplite_gpu (see
     :mod:`hoplite_gpu.collective`); created by ``init_collective_group(...,
@@ -91,7 +104,7 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
             self.group.timeout = saved
 
     def _inplace(self, tensors: Any, argument: str, options: Any, fn: Callable[[Any], Any]) -> None:
-        buf, back = as_buffer(_single(tensors, argument))
+        buf, back = _output(_single(tensors, argument))
         self._call(options, lambda: fn(buf))
         if back is not None:
             back()
@@ -121,7 +134,7 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = None) -> None:
         """Fill ``tensor_list[r]`` with member ``r``'s ``tensor`` on every member."""
         outs = _single(tensor_list, "tensor_list")
-        bufs = [as_buffer(t) for t in outs]
+        bufs = [_output(t) for t in outs]
         src, _ = as_buffer(_single(tensor, "tensor"), write=False)
         self._call(allgather_options, lambda: collective.allgather([b for b, _ in bufs], src, self.group))
         for _, back in bufs:
