@@ -9,6 +9,8 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -121,6 +123,39 @@ def test_closed_node_raises() -> None:
     node.close()  # idempotent
     with pytest.raises(hg.NodeClosedError):
         node.put(np.zeros(4))
+
+
+def test_calls_waiting_on_a_node_that_closes_fail_as_closed(owner: Any) -> None:
+    """A get and a collective waiting in other threads when their node closes raise
+    NodeClosedError, not the directory connection's error."""
+    node = hg.connect(owner.directory_address, token=owner.token)
+    group = hg.collective.Group(node, 0, 2, "closing", timeout=30)
+    failed: dict[str, BaseException] = {}
+
+    def wait(name: str, call: Any) -> None:
+        try:
+            call()
+        except BaseException as exc:
+            failed[name] = exc
+
+    threads = [
+        threading.Thread(
+            target=wait, args=("get", lambda: node.get(hg.ObjectID.from_name("never"), timeout=30))
+        ),
+        threading.Thread(target=wait, args=("barrier", lambda: hg.collective.barrier(group))),
+    ]
+    for t in threads:
+        t.start()
+    deadline, never = time.monotonic() + 20, hg.ObjectID.from_name("never").hex()
+    while not ((now := owner.directory_summary())["barriers"] and never in now["lookups"]):
+        assert time.monotonic() < deadline, "the calls never reached the directory"
+    node.close()
+    for t in threads:
+        t.join(20)
+    assert {k: type(v) for k, v in failed.items()} == {
+        "get": hg.NodeClosedError,
+        "barrier": hg.NodeClosedError,
+    }
 
 
 def test_wrong_token_refused_and_directory_keeps_serving(owner: Any) -> None:

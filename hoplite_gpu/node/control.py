@@ -106,6 +106,7 @@ class ControlClient:
         self._read_task: asyncio.Task[None] | None = None
         self._lost: HopliteError | None = None
         self._goodbye = False  # the directory said it is stopping (p.Goodbye)
+        self._closed_with: HopliteError | None = None  # what close() fails waiting requests with
 
     async def connect(
         self,
@@ -300,7 +301,7 @@ class ControlClient:
             log.error("bad message from the directory: %s", exc)
             error = exc
         except asyncio.CancelledError:
-            error = DirectoryUnavailableError(
+            error = self._closed_with or DirectoryUnavailableError(
                 "the directory connection was closed", peer=self.address, cause="closed"
             )
         except Exception as exc:
@@ -332,8 +333,10 @@ class ControlClient:
             with contextlib.suppress(asyncio.TimeoutError):
                 await bounded(asyncio.shield(self._read_task), timeout)
 
-    async def close(self) -> None:
-        """Close the connection."""
+    async def close(self, error: HopliteError | None = None) -> None:
+        """Close the connection; requests waiting for a reply fail with ``error`` (by default
+        ``DirectoryUnavailableError``, "the directory connection was closed")."""
+        self._closed_with = error
         if self._read_task is not None:
             self._read_task.cancel()
             with contextlib.suppress(BaseException):

@@ -198,7 +198,9 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
             Memory.maintain()
 
     def close(self) -> None:
-        """Leave the directory, close every connection and drop local objects. Idempotent."""
+        """Leave the directory, close every connection and drop local objects. Idempotent. Calls
+        of this node still waiting in other threads (a ``get``, a collective) raise
+        :class:`~hoplite_gpu.errors.NodeClosedError`."""
         if self._closed:
             return
         self._closed = True
@@ -217,7 +219,7 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
         await self._data.close(grace=self.config.close_grace)
         self._store.clear(err)
         Memory.detach(self.node_id)  # the process's last closes what it kept of other processes'
-        await self._session.close()
+        await self._session.close(err)  # what waits for the directory fails as closed, too
         if self._embedded is not None:
             await self._embedded.stop()
 

@@ -164,10 +164,11 @@ class DirectorySession:
         if self._reconnecting is not None and not self._reconnecting.done():
             self._reconnecting.cancel()
 
-    async def close(self) -> None:
-        """:meth:`closing`, then close the connection."""
+    async def close(self, error: HopliteError | None = None) -> None:
+        """:meth:`closing`, then close the connection (requests waiting fail with ``error``:
+        see :meth:`ControlClient.close`)."""
         self.closing()
-        await self.control.close()
+        await self.control.close(error)
 
     def send(self, msg: p.Message) -> None:
         """Send a message that expects no reply; dropped if the connection is lost (a restarted
