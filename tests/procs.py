@@ -37,6 +37,15 @@ def make_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any,
     return raw.astype(dtype).reshape(shape)
 
 
+def make_strided(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray[Any, Any]:
+    """:func:`make_array`'s values in a non-contiguous array: every other element of one twice
+    its size (its ``base``), the elements between left zero."""
+    wide = np.zeros((*shape, 2), dtype)
+    arr = wide[..., 0]
+    arr[...] = make_array(dtype, shape, seed)
+    return arr
+
+
 def device_array(backend: str, arr: np.ndarray[Any, Any]) -> Any:
     """A device copy of ``arr``: simulated device memory (``"sim"``) or a CuPy array (``"cupy"``)."""
     if backend == "sim":
@@ -331,6 +340,8 @@ def _collective(hg: Any, node: Any, groups: dict[str, Any], cmd: str, args: tupl
     if frozen:
         arr.flags.writeable = False
         memory = ""
+    if memory == "strided":  # "strided:float32": the same values in a non-contiguous array
+        arr, memory = make_strided(dtype, shape, seed + group.rank), ""
     if memory:
         from hoplite_gpu.memory import to_host
 

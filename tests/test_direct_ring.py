@@ -15,7 +15,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu.collective.ring import Peer, goes_direct
-from tests.procs import Worker, make_array, owner_and_workers_group, start_workers
+from tests.procs import Worker, make_array, make_strided, owner_and_workers_group, start_workers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -354,6 +354,29 @@ def test_a_read_only_array_for_the_result_fails_that_member_alone_and_at_once() 
         for w in workers:
             w.result()  # the members but the root only read their arrays
         assert np.allclose(reduced, sum(make_array("float32", shape, 3 + r) for r in range(n)))
+
+
+def test_a_non_contiguous_array_on_one_member_takes_the_ring_with_the_others() -> None:
+    # It took the directory's path while the others took the ring, until the group's timeout.
+    n = 3
+    with _group(n, "direct-strided") as (_owner, group, workers):
+        shape = (1 << 18,)
+        _allreduce(group, workers, "float32", shape, 0, "sum")
+        for cmd, extra in [("allreduce", ("sum",)), ("reduce_to", (0, "sum"))]:
+            started = time.monotonic()
+            for w, dtype in zip(workers, ["strided:float32", "float32"], strict=True):
+                w.send(cmd, group.name, dtype, shape, 1, *extra)
+            mine = make_strided("float32", shape, 1)
+            if cmd == "allreduce":
+                assert hg.collective.allreduce(mine, group) is mine
+            else:
+                assert hg.collective.reduce(mine, 0, group) is mine
+            theirs = [w.result() for w in workers]
+            assert np.allclose(mine, sum(make_array("float32", shape, 1 + r) for r in range(n)))
+            assert not mine.base[..., 1].any()
+            if cmd == "allreduce":
+                assert all(np.array_equal(t, mine) for t in theirs)
+            assert time.monotonic() - started < TIMEOUT / 3, cmd
 
 
 def test_members_whose_schedules_differ_agree_on_the_directorys() -> None:

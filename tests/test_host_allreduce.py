@@ -18,7 +18,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu.collective.host import goes_host
-from tests.procs import Worker, make_array, owner_and_workers_group
+from tests.procs import Worker, make_array, make_strided, owner_and_workers_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
@@ -163,6 +163,44 @@ def test_calls_refused_on_one_member_fail_every_member_alike_and_the_mesh_stays(
         got = _allreduce(group, workers, "float32", shape, 3, "sum")  # the mesh is still there
         assert np.allclose(got, _want("sum", "float32", shape, 3, n)) and not group._mesh.broken
         assert _handled(owner) == before  # none of it went to the directory
+
+
+def test_a_non_contiguous_array_on_one_member_keeps_the_round_on_the_mesh() -> None:
+    # It went by the directory's schedule while the others waited on the mesh, until the
+    # group's timeout; now it is worked on as a contiguous copy, the result copied back.
+    n = 3
+    with _group(n, "host-strided") as (owner, group, workers):
+        shape = (1 << 12,)
+        for seed in range(2):  # the mesh is made, then what its making put is deleted
+            _allreduce(group, workers, "float32", shape, seed, "sum")
+        before = _handled(owner)
+        for cmd, extra in [("allreduce", ("sum",)), ("reduce_to", (1, "sum"))]:
+            started = time.monotonic()
+            for w, dtype in zip(workers, ["strided:float32", "float32"], strict=True):
+                w.send(cmd, group.name, dtype, shape, 1, *extra)
+            mine = make_strided("float32", shape, 1)
+            got = hg.collective.allreduce(mine, group) if cmd == "allreduce" else None
+            if got is None:
+                assert hg.collective.reduce(mine, 1, group) is mine
+            theirs = [w.result() for w in workers]
+            want = _want("sum", "float32", shape, 1, n)
+            if got is not None:
+                assert got is mine and np.allclose(mine, want)
+                assert not mine.base[..., 1].any()  # written in place, nothing beside it
+            assert np.allclose(theirs[0], want)  # rank 1: the root of the reduce, or a member
+            assert time.monotonic() - started < TIMEOUT / 3
+        assert _handled(owner) == before and not group._mesh.broken
+        # An array no result can be written into (a list) on one member is refused at once,
+        # and the others are told through the mesh.
+        workers[0].send("allreduce", group.name, "float32", shape, 2, "sum")
+        workers[1].send("allreduce", group.name, "float32", shape, 2, "sum")
+        with pytest.raises(hg.InvalidArgumentError, match="must be a NumPy or CuPy array"):
+            hg.collective.allreduce(make_array("float32", shape, 2).tolist(), group)
+        for w in workers:
+            with pytest.raises(RuntimeError, match="rank 0 refused its call"):
+                w.result()
+        got = _allreduce(group, workers, "float32", shape, 3, "sum")
+        assert np.allclose(got, _want("sum", "float32", shape, 3, n)) and not group._mesh.broken
 
 
 def test_a_device_array_on_one_member_takes_the_round_to_the_directorys_schedule() -> None:

@@ -60,15 +60,20 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     array is then undefined. Otherwise each member puts its array and the directory shapes the
     reduction's tree as they arrive: the other members return as soon as their contribution is
     registered.
+
+    ``dst_rank``'s ``array`` is one :func:`allreduce` takes; the others' may be anything ``put``
+    takes, read-only arrays included.
     """
     g = _check_group(group)
     seq = g._next()  # taken before any check: a call refused here keeps its round
     with _refused_on_host(g, seq):
         _check_rank(g, dst_rank, "dst_rank")
         reduce_op = as_op(op)
+        if g.rank == dst_rank:
+            _check_result_array(array)
     refused: list[str] = []
-    if g.rank == dst_rank:
-        array = _stand_in(array, refused, "array")
+    caller = array
+    array, back = _working(array, refused, write=g.rank == dst_rank)
     inputs = [g.object_id(seq, "reduce", r) for r in range(g.world_size)]
     flat = memory.flat_view(array)
     n = g.world_size
@@ -95,10 +100,12 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         return await _direct(g, seq, array, flat, along, g.rank == dst_rank)
 
     if n > 1 and flat is not None and flat.size:
-        done = _via_host(g, seq, array, flat, reduce_op, dst_rank, chain)
+        _via_host(g, seq, array, flat, reduce_op, dst_rank, chain)
     else:
-        done = g._run(run())
-    return _raise_refused(g, seq, "reduce", refused, done)
+        g._run(run())
+    if back:
+        memory.copy_into(caller, array)
+    return _raise_refused(g, seq, "reduce", refused, caller)
 
 
 #: The default of ``Config.allreduce_shard_bytes``: arrays of at least this many bytes are
@@ -137,21 +144,60 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     error (:class:`~hoplite_gpu.errors.MemberLostError` at once in a watched group), never a
     wrong sum. The large array is read in place by the other members while the call runs (not
     copied first): write to it only once the call has returned or raised.
+
+    ``array`` is a NumPy or CuPy array (anything else is refused before the round); one that is
+    not C-contiguous is worked on as a contiguous copy, the result copied back. A read-only
+    NumPy array takes part in the round through a copy, then raises
+    :class:`~hoplite_gpu.errors.CollectiveArgumentError` (the others get their results).
     """
     g = _check_group(group)
     seq = g._next()  # taken before any check: a call refused here keeps its round
     with _refused_on_host(g, seq):
         reduce_op = as_op(op)
+        _check_result_array(array)
     refused: list[str] = []
-    array = _stand_in(array, refused, "array")
+    caller = array
+    array, back = _working(array, refused)
     flat = memory.flat_view(array)
     if g.world_size > 1 and flat is not None and flat.size:
-        done = _via_host(
+        _via_host(
             g, seq, array, flat, reduce_op, None, lambda host: _large(g, seq, array, flat, reduce_op, host)
         )
     else:
-        done = g._run(_small_allreduce(g, seq, array, reduce_op))
-    return _raise_refused(g, seq, "allreduce", refused, done)
+        g._run(_small_allreduce(g, seq, array, reduce_op))
+    if back:
+        memory.copy_into(caller, array)
+    return _raise_refused(g, seq, "allreduce", refused, caller)
+
+
+def _check_result_array(array: Any) -> None:
+    """Raise ``InvalidArgumentError`` unless ``array`` is one a result can be written into in
+    place (a NumPy or CuPy array), before the round: the other members are told at once where
+    they share a mesh (:func:`_refused_on_host`), not by their timeout."""
+    if memory.kind_of(array) not in memory.OUT_KINDS:
+        raise InvalidArgumentError(
+            f"array must be a NumPy or CuPy array (the result is written into it), "
+            f"got {type(array).__name__}",
+            argument="array",
+        )
+
+
+def _working(array: Any, refused: list[str], write: bool = True) -> tuple[Any, bool]:
+    """What a reduction's round works on for the caller's ``array``, and whether its result is
+    then copied back into ``array``. A read-only NumPy array that the result goes into
+    (``write``) is stood in for (:func:`_stand_in`); a NumPy or CuPy array that is not
+    C-contiguous is worked on as a C-contiguous copy, so that every member's round takes the
+    same path whatever the layout of its array (such an array on one member once took another
+    path than the others', and the round waited out the group's timeout)."""
+    if write:
+        stand_in = _stand_in(array, refused, "array")
+        if stand_in is not array:
+            return stand_in, False
+    kind = memory.kind_of(array)
+    if memory.flat_view(array) is not None or kind not in (memory.ArrayKind.NUMPY, memory.ArrayKind.CUPY):
+        return array, False
+    xp = np if kind is memory.ArrayKind.NUMPY else __import__("cupy")
+    return xp.ascontiguousarray(array), write
 
 
 def _stand_in(array: Any, refused: list[str], name: str) -> Any:
@@ -161,7 +207,7 @@ def _stand_in(array: Any, refused: list[str], name: str) -> Any:
     then :func:`_raise_refused` fails the call."""
     if isinstance(array, np.ndarray) and not array.flags.writeable:
         refused.append(name)
-        return np.array(array)
+        return np.array(array, order="C")
     return array
 
 
