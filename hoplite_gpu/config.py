@@ -174,11 +174,15 @@ class Config:
             1 GB/s; bench/pages/collectives.md#ring-allreduce). Every member of a group must use the same.
         allreduce_direct_bytes: A group's allreduce of at least this many bytes (C-contiguous)
             takes the direct ring where the members' schedules agree on it (see
-            ``allreduce_schedule``), smaller ones the paths above (from 1 MiB the direct ring was
-            1.2-1.5x faster than one reduce on 4 hosts at 100 MB/s, and as fast at 1 GB/s;
-            bench/pages/collectives.md#the-direct-ring). So does a group's reduce of at least
-            this many bytes, by the direct chain (bench/pages/collectives.md#the-direct-chain-reduce).
-            Every member of a group must use the same.
+            ``allreduce_schedule``), smaller ones the paths above; 0 (the default): every
+            allreduce of more than ``inline_threshold_bytes``, whose objects the directory would
+            not keep inline. From 1 MiB the direct ring was 1.2-1.5x faster than one reduce on
+            4 hosts at 100 MB/s, and as fast at 1 GB/s (bench/pages/collectives.md#the-direct-ring);
+            at 128-512 KiB 1.1-4.1x faster, at 16 KiB slower, and at 64 KiB either
+            (bench/pages/collectives.md#small-arrays-take-the-direct-paths-too). So does a group's
+            reduce of at least this many bytes, by the direct chain
+            (bench/pages/collectives.md#the-direct-chain-reduce). Every member of a group must use
+            the same.
     """
 
     chunk_bytes: int = 1 * MiB
@@ -231,7 +235,7 @@ class Config:
     tcp_congestion: str = "cubic"
     allreduce_schedule: str = "auto"
     allreduce_shard_bytes: int = 8 * MiB
-    allreduce_direct_bytes: int = 1 * MiB
+    allreduce_direct_bytes: int = 0  # 0: inline_threshold_bytes + 1
 
     def __post_init__(self) -> None:
         positive = (
@@ -254,7 +258,6 @@ class Config:
             "reduce_chunk_bytes",
             "device_reduce_chunk_bytes",
             "allreduce_shard_bytes",
-            "allreduce_direct_bytes",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -292,17 +295,16 @@ class Config:
             raise InvalidArgumentError(
                 "Config.min_chunk_bytes must be <= max_chunk_bytes", argument="min_chunk_bytes"
             )
-        if (
-            min(
-                self.inline_threshold_bytes,
-                self.send_rate_limit,
-                self.buffer_pool_bytes,
-                self.device_pool_bytes,
-                self.reconnect_timeout,
-            )
-            < 0
+        for name in (
+            "inline_threshold_bytes",
+            "allreduce_direct_bytes",
+            "send_rate_limit",
+            "buffer_pool_bytes",
+            "device_pool_bytes",
+            "reconnect_timeout",
         ):
-            raise InvalidArgumentError("Config sizes and rates must be >= 0", argument="config")
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"Config.{name} must be >= 0", argument=name)
 
     @property
     def control_message_limit(self) -> int:
@@ -310,6 +312,12 @@ class Config:
         if self.max_control_message_bytes:
             return self.max_control_message_bytes
         return self.inline_threshold_bytes + 1 * MiB
+
+    @property
+    def direct_min_bytes(self) -> int:
+        """The fewest bytes a group's allreduce or reduce takes a direct path with (see
+        ``allreduce_direct_bytes``)."""
+        return self.allreduce_direct_bytes or self.inline_threshold_bytes + 1
 
     def server_tls(self) -> ssl.SSLContext | None:
         """The TLS context a directory serves with (None: plain TCP); see ``tls_cert_file``."""

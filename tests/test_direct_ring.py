@@ -220,6 +220,32 @@ def test_members_of_one_host_reduce_along_the_chain_exactly() -> None:
         assert _handled(owner) == before
 
 
+def test_by_default_the_direct_paths_take_what_the_directory_would_not_keep_inline() -> None:
+    # The defaults (hosts apart): an array one element past the directory's inline objects goes
+    # member to member, one of exactly that size through the directory (inline: faster there).
+    config = hg.Config()
+    assert config.allreduce_direct_bytes == 0
+    assert config.direct_min_bytes == config.inline_threshold_bytes + 1
+    assert hg.Config(allreduce_direct_bytes=1 << 20).direct_min_bytes == 1 << 20
+    with pytest.raises(hg.InvalidArgumentError, match="allreduce_direct_bytes must be >= 0"):
+        hg.Config(allreduce_direct_bytes=-1)
+    inline = config.inline_threshold_bytes // 8  # int64 elements
+    with owner_and_workers_group(3, "direct-default", {"shared_memory": False}, False, TIMEOUT) as (
+        owner,
+        group,
+        workers,
+    ):
+        for shape, direct in (((inline + 1,), True), ((inline,), False)):
+            for seed in (0, 1):  # (the members learn each other; the second deletes what they put)
+                _allreduce(group, workers, "int64", shape, seed, "sum")
+            before = _handled(owner)
+            got = _allreduce(group, workers, "int64", shape, 2, "sum")
+            assert np.array_equal(got, sum(make_array("int64", shape, 2 + r) for r in range(3)))
+            reduced = _reduce(group, workers, shape, 3, 1, "sum")
+            assert np.array_equal(reduced, sum(make_array("int64", shape, 3 + r) for r in range(3)))
+            assert (_handled(owner) == before) == direct, shape
+
+
 def test_a_reduce_waits_for_a_root_later_than_the_stall_timeout() -> None:
     # The root (a rank busy elsewhere) comes late: the members before it wait for it to read.
     n = 3

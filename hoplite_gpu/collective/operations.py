@@ -52,9 +52,10 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
     member runs the TCP data plane and
     none asks for the directory's schedule (``Config.allreduce_schedule``; unlike
     :func:`allreduce`'s direct ring, members that share a host's memory go this way too), an array
-    of at least ``Config.allreduce_direct_bytes`` goes along a chain of the members in ring
-    order that ends at ``dst_rank``, member to member over the data plane, with no message to
-    the directory in a round (:func:`~hoplite_gpu.collective.ring.direct_reduce`): each other
+    of more than the directory keeps inline (``Config.allreduce_direct_bytes``) goes along a
+    chain of the members in ring order that ends at ``dst_rank``, member to member over the data
+    plane, with no message to the directory in a round
+    (:func:`~hoplite_gpu.collective.ring.direct_reduce`): each other
     member returns once the next has read its partial reduction, and a member that dies fails
     the call (:class:`~hoplite_gpu.errors.MemberLostError` in a watched group); ``dst_rank``'s
     array is then undefined. Otherwise each member puts its array and the directory shapes the
@@ -90,7 +91,7 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         peers = await ring_peers(g, seq)
         if host and await meets(g, seq, peers, "reduce"):
             return ON_HOST
-        large = flat.size >= n and flat.nbytes >= g.node.config.allreduce_direct_bytes
+        large = flat.size >= n and flat.nbytes >= g.node.config.direct_min_bytes
         if not (large and goes_direct(peers, sharing=True)):
             return await run()
 
@@ -123,27 +124,28 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     reduces its own chunk of every member's segment in place, and copies the others' reduced
     chunks out, signalled member to member over Unix sockets, with no message to the directory
     in a round (a device array takes the paths below: CUDA IPC between the processes).
-    Otherwise a small array (under ``Config.allreduce_shard_bytes``, :data:`SHARD_MIN_BYTES` by
-    default) is reduced once, on a tree the directory shapes,
-    and the result read by every member as it is being reduced. A large C-contiguous array is cut
-    into one chunk per member. Where no two members share a host's memory it goes by the direct
-    ring (``Config.allreduce_schedule``, :mod:`hoplite_gpu.collective.ring`): each member pulls
-    the running sums from the member before it over the data plane, adds its own chunk in place
-    and is read on by the next, then the whole sums go round the same way, with no message to
-    the directory in a round. Otherwise member ``j`` requests the reduction of everyone's shard
-    ``j``. With the ring schedule (``Config.allreduce_schedule``, the default) it is a chain in ring
-    order, ``j+1 -> j+2 -> ... -> j`` (``reduce(ordered=True)``), and its result is read
-    along the same ring, each member from the one before it (``get(via=...)``), while it is being
-    computed: every byte goes from a member to the next, so each link carries one member's
-    traffic each way, like Gloo's ring. With the star schedule every other member's shard
-    streams straight into ``j``'s vertex and every member reads ``j``'s result straight from it
-    (``get(direct=True)``). Either way each member's link carries ``2 (N-1)/N`` times the
-    array's bytes each way, the bandwidth-optimal amount, whatever the order in which members
-    arrive. The shards are ordinary reductions (a tree that loses a vertex is rebuilt like any
-    other), but a member that dies takes its own shard with it: the call then raises a typed
-    error (:class:`~hoplite_gpu.errors.MemberLostError` at once in a watched group), never a
-    wrong sum. The large array is read in place by the other members while the call runs (not
-    copied first): write to it only once the call has returned or raised.
+    Otherwise, where no two members share a host's memory (``Config.allreduce_schedule``), a
+    C-contiguous array of more than the directory keeps inline (``Config.allreduce_direct_bytes``:
+    above 64 KiB by default) goes by the direct ring (:mod:`hoplite_gpu.collective.ring`): it is cut
+    into one chunk per member, each member pulls the running sums from the member before it over the
+    data plane, adds its own chunk in place and is read on by the next, then the whole sums go round
+    the same way, with no message to the directory in a round. Else a small array (under
+    ``Config.allreduce_shard_bytes``, :data:`SHARD_MIN_BYTES` by default) is reduced once, on a tree
+    the directory shapes, and the result read by every member as it is being reduced; a large one is
+    cut into one shard per member, and member ``j`` requests the reduction of everyone's shard
+    ``j``. With the ring schedule (``ring``, and ``auto`` where the direct ring does not go) it is a
+    chain in ring order, ``j+1 -> j+2 -> ... -> j`` (``reduce(ordered=True)``), and its result is
+    read along the same ring, each member from the one before it (``get(via=...)``), while it is
+    being computed: every byte goes from a member to the next, so each link carries one member's
+    traffic each way, like Gloo's ring. With the star schedule every other member's shard streams
+    straight into ``j``'s vertex and every member reads ``j``'s result straight from it
+    (``get(direct=True)``). Either way each member's link carries ``2 (N-1)/N`` times the array's
+    bytes each way, the bandwidth-optimal amount, whatever the order in which members arrive. The
+    shards are ordinary reductions (a tree that loses a vertex is rebuilt like any other), but a
+    member that dies takes its own shard with it: the call then raises a typed error
+    (:class:`~hoplite_gpu.errors.MemberLostError` at once in a watched group), never a wrong sum.
+    The large array is read in place by the other members while the call runs (not copied first):
+    write to it only once the call has returned or raised.
 
     ``array`` is a NumPy or CuPy array (anything else is refused before the round); one that is
     not C-contiguous is worked on as a contiguous copy, the result copied back. A read-only
@@ -311,7 +313,7 @@ async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp, host: 
         return ON_HOST
     if flat.size < g.world_size:
         return await _small_allreduce(g, seq, array, op)
-    if goes_direct(peers) and flat.nbytes >= cfg.allreduce_direct_bytes:
+    if goes_direct(peers) and flat.nbytes >= cfg.direct_min_bytes:
         return await _direct(g, seq, array, flat, lambda h: direct_allreduce(g, seq, h, op, peers), True)
     if flat.nbytes >= cfg.allreduce_shard_bytes:
         return await _sharded_allreduce(g, seq, array, flat, op, bool(rejoined))
