@@ -289,6 +289,21 @@ class Fetcher:
             except ObjectReset:
                 first = None
                 log.debug("partial copy of %s was reset (its reduction is rebuilt); starting again", oid)
+            except BaseException as exc:
+                self._give_up(attempt, exc)
+                raise
+
+    def _give_up(self, attempt: sources.Attempt, exc: BaseException) -> None:
+        """A get that failed or was cancelled gives up the copy it made and did not fill: left in
+        the store it would hold its memory (the caller's array, for :meth:`get_into`) for good.
+        A lookup that timed out, or one cancelled, left such a copy."""
+        local = attempt.local
+        if local is not None and not local.complete and self._store.get(local.object_id) is local:
+            oid = local.object_id
+            error = (
+                exc if isinstance(exc, HopliteError) else ObjectReset(f"the get filling {oid} was cancelled")
+            )
+            self.abandon(local, 0, error)
 
     async def get_into(
         self,
@@ -329,11 +344,27 @@ class Fetcher:
                 with contextlib.suppress(HopliteError):
                     if await follower is obj:
                         return out  # every byte was copied as it came
+        except BaseException:
+            if received is not None:
+                await self._settle_into(oid, fetch, out, received)
+            raise
         finally:
             fetch.cancel()
             if follower is not None and not follower.done():
                 follower.cancel()
         return obj.deliver(CallerArray.of(out))
+
+    async def _settle_into(
+        self, oid: ObjectID, fetch: asyncio.Future[LocalObject], out: Any, received: list[LocalObject]
+    ) -> None:
+        """:meth:`get_into` failed or was cancelled: end its ``fetch`` (a partial copy leaves the
+        store) and add to ``received`` a copy of ``oid`` still held in ``out`` (one completed just
+        as the call ended), so that the caller's withdrawal covers it."""
+        fetch.cancel()
+        await asyncio.wait([fetch], timeout=self._config.stall_timeout)
+        obj = self._store.get(oid)
+        if obj is not None and _holds(obj, out) and obj not in received:
+            received.append(obj)
 
     async def _fetch(self, attempt: sources.Attempt, first: First | None = None) -> LocalObject:
         """One attempt of :meth:`get` (raises :class:`ObjectReset` if its copy was voided): a
