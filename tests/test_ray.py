@@ -223,10 +223,38 @@ def _bf16_value(rank: int) -> Any:
     return ((np.arange(4096) * (rank + 3)) % 64 - 32).astype(ml_dtypes.bfloat16)
 
 
+def _refused_list(rank: int, world: int, group: str) -> list[Any]:
+    """Member 1 hands the backend a list of two tensors (as a multi-GPU call would): it is
+    refused typed, yet takes its place in the group's order, so the others' call fails (by
+    their timeout) and the next collective runs in step."""
+    import ray.util.collective as col
+    from ray.util.collective.collective import get_group_handle
+
+    handle = get_group_handle(group)
+    out: list[Any] = []
+    handle.group.timeout = 2.0
+    try:
+        if rank == 1:
+            handle.allreduce([_value(rank, (5,)), _value(rank, (5,))])
+        else:
+            col.allreduce(_value(rank, (5,)), group)
+        out.append("ok")
+    except hg.InvalidArgumentError as exc:
+        out.append("refused" if "one tensor per process" in str(exc) else str(exc))
+    except hg.HopliteError as exc:
+        out.append(type(exc).__name__)
+    handle.group.timeout = 60.0
+    a = _value(rank, (7,))
+    col.allreduce(a, group)
+    out.append(a)
+    return out
+
+
 SCENARIOS = {
     "collectives": _collectives,
     "recv_timeout": _recv_timeout,
     "read_only": _read_only,
+    "refused_list": _refused_list,
     "gradients": _gradients,
     "gpu_tensors": _gpu_tensors,
 }
@@ -385,6 +413,15 @@ def test_read_only_results_are_refused_typed_and_the_group_stays_in_step(ray_ses
     for rank, got in enumerate(results):
         assert got[:4] == ["read-only" if rank == 1 else "ok"] * 4, got
         np.testing.assert_allclose(got[4], want)
+
+
+@pytest.mark.timeout(120)
+def test_a_call_refused_on_one_member_keeps_the_group_in_step(ray_session: Any) -> None:
+    results = _run(ray_session, "refused_list", "refused-list")
+    want = sum(_value(r, (7,)) for r in range(WORLD))
+    for rank, got in enumerate(results):
+        assert got[0] == ("refused" if rank == 1 else "HopliteTimeoutError"), got
+        np.testing.assert_allclose(got[1], want)
 
 
 @pytest.mark.timeout(180)

@@ -15,7 +15,7 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from .. import protocol as p
 from ..errors import (
@@ -33,7 +33,7 @@ from ..node import Node
 from ..node.watches import check_parent
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp
-from .host import close_listener
+from .host import close_listener, wait_limit
 from .watching import Watching
 
 T = TypeVar("T")
@@ -269,7 +269,25 @@ class Group(Watching):
             mesh.close()
         close_listener(self)
 
+    def refuse(self, error: BaseException) -> NoReturn:
+        """Raise ``error`` as this member's next collective. A layer over this API that
+        refuses a call's arguments before making the call (the Ray backend, say) calls this
+        instead of raising, so that the call still takes its place in the group's order: the
+        other members' call fails (at once where the members share a host's memory, else by the
+        group's timeout) and the group's next collective runs in step on every member."""
+        _check_group(self)
+        self._tell_refused(self._next())
+        raise error
+
     # ------------------------------------------------------------ plumbing
+    def _tell_refused(self, seq: int) -> None:
+        """Tell the others through the members' mesh, if they have one, that this member refused
+        round ``seq`` (:meth:`~.host.Mesh.refuse`): they fail it at once, and the mesh stays."""
+        mesh = self._mesh
+        if mesh is not None and not mesh.broken:
+            with contextlib.suppress(HopliteError):  # (the mesh is left then; the error stands)
+                self._call(lambda: mesh.refuse(seq, wait_limit(self), self._raise_if_broken))
+
     def _next(self) -> int:
         seq = self.seq
         self.seq += 1

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import memory
 from ..config import Config
-from ..errors import CollectiveArgumentError, HopliteError, InvalidArgumentError, ObjectLostError
+from ..errors import CollectiveArgumentError, InvalidArgumentError, ObjectLostError
 from ..faults import INJECTOR
 from ..iothread import all_or_cancel
 from ..memory import LocalObject
@@ -233,9 +233,7 @@ def _refused_on_host(g: Group, seq: int) -> Iterator[None]:
     try:
         yield
     except InvalidArgumentError:
-        if g._mesh is not None and not g._mesh.broken:
-            with contextlib.suppress(HopliteError):  # (the mesh is left then; the error stands)
-                g._call(lambda: g._mesh.refuse(seq, wait_limit(g), g._raise_if_broken))
+        g._tell_refused(seq)
         raise
 
 

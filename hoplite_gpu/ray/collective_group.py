@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
@@ -19,6 +19,8 @@ from ..errors import InvalidArgumentError
 from ..reduce_ops import ReduceOp, as_op
 from .common import BACKEND, DEFAULT_TIMEOUT, as_buffer
 from .directory import group_generation, node
+
+T = TypeVar("T")
 
 
 def _op(op: Any) -> ReduceOp:
@@ -103,15 +105,24 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
         finally:
             self.group.timeout = saved
 
+    def _checked(self, check: Callable[[], T]) -> T:
+        """``check()``, a call's arguments made ready for the collective; if it refuses them,
+        the collective still takes its place in the group's order (:meth:`Group.refuse
+        <hoplite_gpu.collective.Group.refuse>`), so the group stays in step."""
+        try:
+            return check()
+        except InvalidArgumentError as exc:
+            self.group.refuse(exc)
+
     def _inplace(self, tensors: Any, argument: str, options: Any, fn: Callable[[Any], Any]) -> None:
-        buf, back = _output(_single(tensors, argument))
+        buf, back = self._checked(lambda: _output(_single(tensors, argument)))
         self._call(options, lambda: fn(buf))
         if back is not None:
             back()
 
     def allreduce(self, tensor: Any, allreduce_options: Any = None) -> None:
         """Reduce every member's tensor into it, in place (``allreduce_options.reduceOp``)."""
-        op = _op(getattr(allreduce_options, "reduceOp", ReduceOp.SUM))
+        op = self._checked(lambda: _op(getattr(allreduce_options, "reduceOp", ReduceOp.SUM)))
         self._inplace(tensor, "tensor", allreduce_options, lambda b: collective.allreduce(b, self.group, op))
 
     def barrier(self, barrier_options: Any = None) -> None:
@@ -120,7 +131,7 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
 
     def reduce(self, tensor: Any, reduce_options: Any = None) -> None:
         """Reduce every member's tensor into ``reduce_options.root_rank``'s, in place."""
-        op = _op(getattr(reduce_options, "reduceOp", ReduceOp.SUM))
+        op = self._checked(lambda: _op(getattr(reduce_options, "reduceOp", ReduceOp.SUM)))
         root = int(getattr(reduce_options, "root_rank", 0))
         self._inplace(tensor, "tensor", reduce_options, lambda b: collective.reduce(b, root, self.group, op))
 
@@ -133,9 +144,12 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = None) -> None:
         """Fill ``tensor_list[r]`` with member ``r``'s ``tensor`` on every member."""
-        outs = _single(tensor_list, "tensor_list")
-        bufs = [_output(t) for t in outs]
-        src, _ = as_buffer(_single(tensor, "tensor"), write=False)
+        bufs, (src, _) = self._checked(
+            lambda: (
+                [_output(t) for t in _single(tensor_list, "tensor_list")],
+                as_buffer(_single(tensor, "tensor"), write=False),
+            )
+        )
         self._call(allgather_options, lambda: collective.allgather([b for b, _ in bufs], src, self.group))
         for _, back in bufs:
             if back is not None:
@@ -143,8 +157,12 @@ class HopliteGroup(BaseGroup):  # type: ignore[misc]
 
     def reducescatter(self, tensor: Any, tensor_list: Any, reducescatter_options: Any = None) -> None:
         """Member ``r`` gets the reduction over members of their ``tensor_list[r]``, in ``tensor``."""
-        op = _op(getattr(reducescatter_options, "reduceOp", ReduceOp.SUM))
-        inputs = [as_buffer(t, write=False)[0] for t in _single(tensor_list, "tensor_list")]
+        op, inputs = self._checked(
+            lambda: (
+                _op(getattr(reducescatter_options, "reduceOp", ReduceOp.SUM)),
+                [as_buffer(t, write=False)[0] for t in _single(tensor_list, "tensor_list")],
+            )
+        )
         self._inplace(
             tensor,
             "tensor",
