@@ -12,6 +12,9 @@ Systems, each with one process per host talking only over the cluster's links:
 * ``gloo``: ``torch.distributed`` with the gloo backend;
 * ``ray``: a Ray node per host, object-store put/get as the Hoplite paper's Ray baseline
   (:mod:`bench.peers.ray_peer`).
+* ``pyring`` (only when named in ``--systems``, allreduce only): not a peer but a bound for our
+  direct ring, the same ring in Python on each member's calling thread over blocking sockets
+  (:mod:`bench.peers.pyring`).
 
 Each collective is timed from the last member entering it to the last leaving it (members pass a
 barrier first; CLOCK_MONOTONIC is shared by every namespace of the machine), as in
@@ -84,7 +87,10 @@ from bench.common import (
 OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather", "barrier")
 DIRECTORY_PORT = 7070
 GLOO_PORT = 29500
-SYSTEMS = ("hoplite_gpu", "mpi", "gloo", "ray")
+SYSTEMS = ("hoplite_gpu", "mpi", "gloo", "ray", "pyring")
+#: What runs unless ``--systems`` says otherwise: ``pyring`` is a bound for our ring
+#: (:mod:`bench.peers.pyring`, allreduce only), not a peer.
+DEFAULT_SYSTEMS = ("hoplite_gpu", "mpi", "gloo", "ray")
 #: Peers run by a module of bench/peers (``run(cluster, sizes, ops, repeat, warmup) -> rows``).
 PEER_MODULES = {"mpi": "bench.peers.mpi", "ray": "bench.peers.ray_peer"}
 #: Sizes below this are "small": more rounds (latency-bound, noisy, cheap).
@@ -167,6 +173,10 @@ def _member_main(system: str, address: str, rank: int, world: int) -> None:
         _member(address, os.environ["HOPLITE_TOKEN"], rank, world, False, _Stdio(), cpu_pids_from_env())
     elif system == "gloo":
         _gloo_member(address, rank, world, _Stdio())
+    elif system == "pyring":  # a bound for our ring, not a peer (allreduce only)
+        from bench.peers.pyring import member
+
+        member(address, rank, world, _Stdio())
     else:
         raise ValueError(system)
 
@@ -273,6 +283,8 @@ def run(
                     continue
                 for these in ([s for s in group if s == first], [s for s in group if s != first]):
                     chosen = [o for o in ops if o != "barrier" or first in these]
+                    if system == "pyring":
+                        chosen = [o for o in chosen if o == "allreduce"]
                     if not these or not chosen:
                         continue
                     if system in PEER_MODULES:
@@ -392,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--small-repeat", type=int, default=20, help="timed rounds of sizes under 4 MiB")
     ap.add_argument("--small-warmup", type=int, default=5, help="untimed rounds of sizes under 4 MiB")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
+    ap.add_argument(
+        "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}"
+    )
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
     ap.add_argument("--prefix", default="hgb", help="namespace prefix of the emulated cluster")
     ap.add_argument(

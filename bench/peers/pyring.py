@@ -1,0 +1,130 @@
+"""``pyring``: the floor of a ring allreduce run on the caller's thread, in Python and NumPy.
+
+Not a system anyone runs: a measure of what :mod:`hoplite_gpu.collective.ring` could reach if its
+rounds ran as Gloo's do, on the calling thread over blocking sockets kept to the member before
+and after, with no hand-off to an I/O thread, no pull request and no ack. Each member sends on
+one helper thread while its caller's thread receives and adds, region by region (Gloo's plain
+ring: ``N-1`` reduce-scatter steps, then ``N-1`` allgather steps). No chunking within a step, no
+failure handling, no authentication: a bound to measure our ring against in the same run
+(bench/pages/collectives.md#where-a-1-mib-round-goes-100-mbs-4-hosts-2026-12-01), run by
+``bench/netbench.py --systems pyring`` (allreduce only; a gloo process group of the same members
+serves its barriers and its address exchange).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.collectives import check_result, idle_before_round
+from bench.common import cpu_seconds, round_counters, round_counters_since
+
+#: Where each member listens for the member before it (the barrier's gloo group uses another).
+RING_PORT = 29610
+#: The gloo group's port (not netbench's gloo system's: both may run in one cluster).
+STORE_PORT = 29611
+
+
+def _recv_exact(sock: socket.socket, into: Any) -> None:
+    view = memoryview(into).cast("B")
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("the member before closed its connection")
+        got += n
+
+
+def _connect(rank: int, world: int, store: Any) -> tuple[socket.socket, socket.socket]:
+    """This member's socket to the member after it and from the member before it."""
+    mine = os.environ.get("HOPLITE_LISTEN_HOST", "127.0.0.1")
+    listener = socket.create_server((mine, RING_PORT))
+    store.set(f"pyring/{rank}", mine)
+    after = store.get(f"pyring/{(rank + 1) % world}").decode()
+    out = socket.create_connection((after, RING_PORT), timeout=60)
+    listener.settimeout(60)
+    inn, _ = listener.accept()
+    listener.close()
+    for sock in (out, inn):
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return out, inn
+
+
+def allreduce(
+    flat: Any,
+    rank: int,
+    world: int,
+    out: socket.socket,
+    inn: socket.socket,
+    sender: concurrent.futures.Executor,
+    scratch: Any,
+) -> None:
+    """Sum ``flat`` (1-D float32) over the ring in place: rank ``r`` sends to ``r+1``."""
+    cuts = [flat.size * j // world for j in range(world + 1)]
+
+    def region(c: int) -> Any:
+        return flat[cuts[c % world] : cuts[c % world + 1]]
+
+    for s in range(world - 1):
+        sent = sender.submit(out.sendall, memoryview(region(rank - s)).cast("B"))
+        into = region(rank - s - 1)
+        buf = scratch[: into.size]
+        _recv_exact(inn, buf)
+        np.add(into, buf, out=into)
+        sent.result()
+    for s in range(world - 1):
+        sent = sender.submit(out.sendall, memoryview(region(rank + 1 - s)).cast("B"))
+        _recv_exact(inn, region(rank - s))
+        sent.result()
+
+
+def member(master: str, rank: int, world: int, conn: Any) -> None:
+    """The same protocol as netbench's gloo member, for allreduce alone."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{master}:{STORE_PORT}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    store = dist.distributed_c10d._get_default_store()
+    out, inn = _connect(rank, world, store)
+    sender = concurrent.futures.ThreadPoolExecutor(1)
+    conn.send("ready")
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            op, size, rounds = msg
+            if op != "allreduce":
+                raise ValueError(f"pyring runs allreduce only, not {op}")
+            t = np.empty(size // 4, np.float32)
+            scratch = np.empty(t.size // world + 1, np.float32)
+            spans = []
+            for _ in range(rounds):
+                t.fill(rank + 1)
+                idle_before_round()
+                dist.barrier()
+                cpu, counted = cpu_seconds(), round_counters()
+                start = time.monotonic()
+                allreduce(t, rank, world, out, inn, sender, scratch)
+                end = time.monotonic()
+                dist.barrier()
+                spans.append((start, end, cpu_seconds() - cpu, round_counters_since(counted)))
+                check_result(op, rank, world, t, [])
+            conn.send(spans)
+    finally:
+        sender.shutdown()
+        out.close()
+        inn.close()
+        dist.destroy_process_group()
