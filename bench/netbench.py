@@ -63,7 +63,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,8 +112,16 @@ class _Stdio:
         return json.loads(line) if line else None
 
 
-def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
-    """The same protocol as :func:`bench.collectives._member`, with ``torch.distributed``'s gloo."""
+def _gloo_member(
+    master: str,
+    rank: int,
+    world: int,
+    conn: Any,
+    port: int = GLOO_PORT,
+    ring: Callable[..., Any] | None = None,
+) -> None:
+    """The same protocol as :func:`bench.collectives._member`, with ``torch.distributed``'s gloo;
+    with ``ring``, allreduce is ``ring(dist, rank, world)(array)`` instead (``pyring``)."""
     import datetime
 
     import torch
@@ -121,11 +129,12 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{master}:{GLOO_PORT}",
+        init_method=f"tcp://{master}:{port}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
+    allreduce = None if ring is None else ring(dist, rank, world)
     conn.send("ready")
     try:
         while True:
@@ -147,6 +156,8 @@ def _gloo_member(master: str, rank: int, world: int, conn: Any) -> None:
                     dist.broadcast(t, src=0)
                 elif op == "reduce":
                     dist.reduce(t, dst=0)
+                elif op == "allreduce" and allreduce is not None:
+                    allreduce(t.numpy())
                 elif op == "allreduce":
                     dist.all_reduce(t)
                 elif op == "gather":
@@ -174,9 +185,9 @@ def _member_main(system: str, address: str, rank: int, world: int) -> None:
     elif system == "gloo":
         _gloo_member(address, rank, world, _Stdio())
     elif system == "pyring":  # a bound for our ring, not a peer (allreduce only)
-        from bench.peers.pyring import member
+        from bench.peers.pyring import STORE_PORT, ring
 
-        member(address, rank, world, _Stdio())
+        _gloo_member(address, rank, world, _Stdio(), STORE_PORT, ring)
     else:
         raise ValueError(system)
 

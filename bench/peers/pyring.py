@@ -8,22 +8,19 @@ ring: ``N-1`` reduce-scatter steps, then ``N-1`` allgather steps). No chunking w
 failure handling, no authentication: a bound to measure our ring against in the same run
 (bench/pages/collectives.md#where-a-1-mib-round-goes-100-mbs-4-hosts-2026-12-01), run by
 ``bench/netbench.py --systems pyring`` (allreduce only; a gloo process group of the same members
-serves its barriers and its address exchange).
+serves its barriers and its address exchange: :func:`bench.netbench._gloo_member` with
+:func:`ring`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import os
 import socket
-import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-from bench.collectives import check_result, idle_before_round
-from bench.common import cpu_seconds, round_counters, round_counters_since
 
 #: Where each member listens for the member before it (the barrier's gloo group uses another).
 RING_PORT = 29610
@@ -85,46 +82,19 @@ def allreduce(
         sent.result()
 
 
-def member(master: str, rank: int, world: int, conn: Any) -> None:
-    """The same protocol as netbench's gloo member, for allreduce alone."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{master}:{STORE_PORT}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+def ring(dist: Any, rank: int, world: int) -> Callable[[Any], None]:
+    """This member's allreduce of a 1-D float32 NumPy array, over connections it makes now to
+    the members before and after it (``dist``: the gloo process group's module, whose store
+    carries the addresses)."""
     store = dist.distributed_c10d._get_default_store()
     out, inn = _connect(rank, world, store)
     sender = concurrent.futures.ThreadPoolExecutor(1)
-    conn.send("ready")
-    try:
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                break
-            op, size, rounds = msg
-            if op != "allreduce":
-                raise ValueError(f"pyring runs allreduce only, not {op}")
-            t = np.empty(size // 4, np.float32)
-            scratch = np.empty(t.size // world + 1, np.float32)
-            spans = []
-            for _ in range(rounds):
-                t.fill(rank + 1)
-                idle_before_round()
-                dist.barrier()
-                cpu, counted = cpu_seconds(), round_counters()
-                start = time.monotonic()
-                allreduce(t, rank, world, out, inn, sender, scratch)
-                end = time.monotonic()
-                dist.barrier()
-                spans.append((start, end, cpu_seconds() - cpu, round_counters_since(counted)))
-                check_result(op, rank, world, t, [])
-            conn.send(spans)
-    finally:
-        sender.shutdown()
-        out.close()
-        inn.close()
-        dist.destroy_process_group()
+    scratch: dict[int, Any] = {}
+
+    def run(flat: Any) -> None:
+        buf = scratch.get(flat.size)
+        if buf is None:
+            buf = scratch[flat.size] = np.empty(flat.size // world + 1, np.float32)
+        allreduce(flat, rank, world, out, inn, sender, buf)
+
+    return run
