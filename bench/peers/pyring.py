@@ -22,20 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from hoplite_gpu.dataplane.sockets import recv_exact
+
 #: Where each member listens for the member before it (the barrier's gloo group uses another).
 RING_PORT = 29610
 #: The gloo group's port (not netbench's gloo system's: both may run in one cluster).
 STORE_PORT = 29611
-
-
-def _recv_exact(sock: socket.socket, into: Any) -> None:
-    view = memoryview(into).cast("B")
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise ConnectionError("the member before closed its connection")
-        got += n
 
 
 def _connect(rank: int, world: int, store: Any) -> tuple[socket.socket, socket.socket]:
@@ -73,12 +65,12 @@ def allreduce(
         sent = sender.submit(out.sendall, memoryview(region(rank - s)).cast("B"))
         into = region(rank - s - 1)
         buf = scratch[: into.size]
-        _recv_exact(inn, buf)
+        recv_exact(inn, memoryview(buf).cast("B"))
         np.add(into, buf, out=into)
         sent.result()
     for s in range(world - 1):
         sent = sender.submit(out.sendall, memoryview(region(rank + 1 - s)).cast("B"))
-        _recv_exact(inn, region(rank - s))
+        recv_exact(inn, memoryview(region(rank - s)).cast("B"))
         sent.result()
 
 
