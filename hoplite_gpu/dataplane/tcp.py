@@ -50,6 +50,7 @@ from .sockets import (
     stale,
     tune,
 )
+from .wire import Handed
 
 log = logging.getLogger("hoplite_gpu.transport")
 
@@ -94,6 +95,7 @@ class TcpDataPlane(PlaneBase):
         self._handshakes_by_address: dict[str, int] = {}
         self._refused_at = 0.0  # when a refused peer was last logged
         self._refused_since = 0  # refused peers not logged yet
+        self.handed = Handed()  # connections peers handed over (dataplane.wire)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, host: str = "") -> int:
@@ -195,6 +197,12 @@ class TcpDataPlane(PlaneBase):
             while not self._closed:
                 await recv_async(loop, sock, request)  # no time-out: an idle connection is fine
                 magic, version, transfer_id, offset, chunk, oid_raw = p.PULL_REQUEST.unpack(request)
+                if magic == p.WIRE_MAGIC and version == p.PROTOCOL_VERSION:  # (dataplane.wire)
+                    await loop.sock_sendall(sock, p.PULL_RESPONSE.pack(p.PULL_OK, 0, 0))
+                    self._open.discard(sock)
+                    sock.setblocking(True)
+                    self.handed.put(ObjectID(oid_raw), sock)
+                    return
                 if magic != p.PULL_MAGIC or version != p.PROTOCOL_VERSION:
                     log.warning("data plane: malformed pull request; closing the connection")
                     return
@@ -204,7 +212,8 @@ class TcpDataPlane(PlaneBase):
         except (asyncio.CancelledError, Closed, OSError):
             pass
         finally:
-            self._forget(sock)
+            if sock in self._open:  # (not one handed over)
+                self._forget(sock)
 
     async def _authenticate_server(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
         nonce = auth.new_nonce()

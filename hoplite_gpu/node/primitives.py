@@ -6,13 +6,20 @@ withdrawing objects served from memory the caller takes back, and a hook on a di
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import protocol as p
 from ..config import Config
 from ..dataplane.base import ChunkCallback, DataPlane
-from ..errors import HopliteError, HopliteTimeoutError, InvalidArgumentError, ObjectDeletedError
+from ..errors import (
+    HopliteError,
+    HopliteTimeoutError,
+    InvalidArgumentError,
+    ObjectDeletedError,
+    TransportError,
+)
 from ..iothread import IOThread
 from ..memory import LocalObject, LocalStore, write_at
 from ..object_id import ObjectID
@@ -214,6 +221,33 @@ class Primitives:
         hears nothing of it; ``chunk_bytes`` as that method's. Raises as
         :meth:`hoplite_gpu.dataplane.base.DataPlane.pull` does. Call it on the I/O thread."""
         await self._data.pull(host, port, obj, 0, on_chunk=on_chunk, chunk_bytes=chunk_bytes)
+
+    def hand_over(self, host: str, port: int, key: ObjectID) -> socket.socket:
+        """A new connection to the TCP data plane at ``host:port`` (another node's), authenticated
+        with this node's token and handed over there under ``key``, for a library's own stream
+        (:mod:`hoplite_gpu.dataplane.wire`): the caller owns it (blocking) and closes it; the
+        other node's library takes it with :meth:`take_handed`. Call it off the I/O thread.
+        Raises ``PeerLostError`` (unreachable) or ``TransportError`` (not taken, or this node
+        runs UCX)."""
+        from ..dataplane.tcp import TcpDataPlane
+        from ..dataplane.wire import hand_over
+
+        if not isinstance(self._data, TcpDataPlane):
+            raise TransportError("connections are handed over by the TCP data plane only")
+        return self.io.run(hand_over(self._data, host, port, key))
+
+    def take_handed(self, key: ObjectID, timeout: float) -> socket.socket | None:
+        """The connection another node handed over to this one under ``key`` (:meth:`hand_over`),
+        waiting up to ``timeout`` seconds for it; None if none came (or this node runs UCX). The
+        caller owns it."""
+        handed = getattr(self._data, "handed", None)
+        return None if handed is None else handed.take(key, timeout)
+
+    def drop_handed(self, keys: list[ObjectID]) -> None:
+        """Close the connections handed over to this node under ``keys`` not taken yet."""
+        handed = getattr(self._data, "handed", None)
+        if handed is not None:
+            handed.drop(keys)
 
     def add_rejoin_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` whenever this node rejoins a restarted directory, on the I/O thread

@@ -29,6 +29,7 @@ from .data_plane import (
     TAG_REQUEST,
     TAG_RESPONSE,
     TAG_WARMUP,
+    WIRE_MAGIC,
     chunk_tag,
 )
 from .fields import (
@@ -129,6 +130,7 @@ __all__ = [
     "TAG_REQUEST",
     "TAG_RESPONSE",
     "TAG_WARMUP",
+    "WIRE_MAGIC",
     "AbortTransfer",
     "BarrierReply",
     "BarrierRequest",

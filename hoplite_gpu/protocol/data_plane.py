@@ -9,6 +9,9 @@ import struct
 #: chooses it; the sender sends messages of exactly that size), object_id (20 bytes).
 PULL_REQUEST = struct.Struct("<4sHxxQQQ20s")
 PULL_MAGIC = b"HGPL"
+#: The same request with this magic asks the holder to keep the connection for a library's own
+#: stream (:mod:`hoplite_gpu.dataplane.wire`), its object_id naming what it is for.
+WIRE_MAGIC = b"HGWR"
 #: Pull response, sender -> receiver: status, object size.
 PULL_RESPONSE = struct.Struct("<iiQ")
 PULL_OK = 0
