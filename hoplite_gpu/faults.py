@@ -144,7 +144,10 @@ class FaultInjector:
                 self._faults.remove(f)
         for f in due:
             _record(f, object_hex, pos)
-            os.kill(os.getpid(), SIGNALS[f.signal_name])
+            # Directed at this thread, which takes it on its way back from the call: sent to
+            # the process, the signal may wait for another thread to be scheduled (the main
+            # one), while this one goes on sending what the fault was to cut.
+            signal.pthread_kill(threading.get_ident(), SIGNALS[f.signal_name])
 
 
 def _record(fault: Fault, object_hex: str, pos: int) -> None:
