@@ -67,6 +67,7 @@ def test_every_operator_sums_exactly_without_a_directory_message_per_round(n: in
             }[op]
             assert np.array_equal(got, want), op
         assert goes_direct(group._peers)
+        assert group._wire is not None and group._wire.out is not None  # (collective.wire)
         # Once the members know each other a round sends the directory nothing: the ring's
         # objects never reach it, and a member puts nothing else a later round would delete.
         before = _handled(owner)
@@ -95,7 +96,7 @@ def test_a_member_that_starts_later_than_the_stall_timeout_still_gets_the_sum() 
 def test_a_reduction_that_fails_fails_the_call_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # An error of the reduction on the receiving thread is final: the pull is not asked again
     # (as a stalled one is), and every member hears of it well before the group's timeout.
-    from hoplite_gpu.collective import ring
+    from hoplite_gpu.collective import wire
 
     n = 3
     with _group(n, "direct-broken") as (_owner, group, workers):
@@ -105,7 +106,7 @@ def test_a_reduction_that_fails_fails_the_call_at_once(monkeypatch: pytest.Monke
         def broken(*args: Any, **kwargs: Any) -> None:
             raise ValueError("no such reduction")
 
-        monkeypatch.setattr(ring, "reduce_chunk", broken)  # the owner's only (rank 0)
+        monkeypatch.setattr(wire, "reduce_chunk", broken)  # the owner's only (rank 0)
         for w in workers:
             w.send("allreduce", group.name, "float32", shape, 1, "sum")
         start = time.monotonic()
@@ -403,6 +404,76 @@ def test_a_non_contiguous_array_on_one_member_takes_the_ring_with_the_others() -
             if cmd == "allreduce":
                 assert all(np.array_equal(t, mine) for t in theirs)
             assert time.monotonic() - started < TIMEOUT / 3, cmd
+
+
+@pytest.mark.parametrize("how", ["refused", "dtype", "reduction"])
+def test_after_a_round_fails_on_the_ring_the_next_one_sums_exactly(how: str, monkeypatch: Any) -> None:
+    # A round that fails closes the members' connections along the ring (collective.wire): each
+    # member makes them again at its next round, and that round sums exactly on every member.
+    from hoplite_gpu.collective import wire
+
+    n = 3
+    with _group(n, f"direct-again-{how}") as (_owner, group, workers):
+        shape = (1 << 18,)
+        _allreduce(group, workers, "float32", shape, 0, "sum")  # the members connect
+        assert group._wire is not None and group._wire.out is not None
+        for w in workers:
+            w.send("allreduce", group.name, "float32", shape, 1, "sum")
+        start = time.monotonic()
+        if how == "refused":
+            with pytest.raises(hg.CollectiveArgumentError, match="not mine"):
+                group.refuse(hg.CollectiveArgumentError("not mine"))
+        elif how == "dtype":
+            with pytest.raises(hg.CollectiveArgumentError, match="every member's array must match"):
+                hg.collective.allreduce(make_array("int32", shape, 1), group)
+        else:
+
+            def broken(*args: Any, **kwargs: Any) -> None:
+                raise ValueError("no such reduction")
+
+            with monkeypatch.context() as patched:
+                patched.setattr(wire, "reduce_chunk", broken)
+                with pytest.raises(hg.HopliteError, match="the reduction failed"):
+                    hg.collective.allreduce(make_array("float32", shape, 1), group)
+        # The member after rank 0 reads its refusal (or its dtype) first: it names the cause.
+        with pytest.raises(RuntimeError, match="CollectiveArgumentError" if how != "reduction" else "Error"):
+            workers[0].result(timeout=TIMEOUT / 2)
+        with pytest.raises(RuntimeError, match="Error"):
+            workers[1].result(timeout=TIMEOUT / 2)
+        assert time.monotonic() - start < TIMEOUT / 3
+        for seed in (2, 3):  # the first round after remakes the connections, the next keeps them
+            got = _allreduce(group, workers, "float32", shape, seed, "sum")
+            want = sum(make_array("float32", shape, seed + r).astype(np.float64) for r in range(n))
+            assert np.allclose(got, want)
+
+
+def test_a_connection_handed_over_reaches_the_node_it_names() -> None:
+    # The TCP data plane's hand-over (dataplane.wire): authenticated with the cluster's token,
+    # taken by its key on the other node, then a plain two-way stream that neither plane reads.
+    from hoplite_gpu.object_id import ObjectID
+
+    a = hg.init(**SHARDED)
+    b = hg.init(a.directory_address, token=a.token, **SHARDED)
+    try:
+        key, other = ObjectID.from_name("wire-test/a"), ObjectID.from_name("wire-test/b")
+        assert b.take_handed(key, 0.05) is None
+        host, _, port = b.data_address.rpartition(":")
+        sock = a.hand_over(host, int(port), key)
+        theirs = b.take_handed(key, TIMEOUT)
+        assert theirs is not None and b.take_handed(key, 0.05) is None  # taken once
+        sock.sendall(b"ping")
+        assert theirs.recv(4, __import__("socket").MSG_WAITALL) == b"ping"
+        theirs.sendall(b"pong")
+        assert sock.recv(4, __import__("socket").MSG_WAITALL) == b"pong"
+        later = a.hand_over(host, int(port), other)
+        b.drop_handed([other])  # not taken: closed
+        later.settimeout(TIMEOUT)
+        assert later.recv(1) == b""
+        for s in (sock, theirs, later):
+            s.close()
+    finally:
+        b.close()
+        a.close()
 
 
 def test_members_whose_schedules_differ_agree_on_the_directorys() -> None:

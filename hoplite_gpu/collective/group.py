@@ -118,6 +118,7 @@ class Group(Watching):
         self._scratch: Any = None  # a direct reduce's partial sums, kept for the next (the same)
         self._listener: Any = None  # where the members on this host connect (collective.host)
         self._mesh: Any = None  # its sockets to them and shared segments, once made (the same)
+        self._wire: Any = None  # its connections along the ring, once made (collective.wire)
         # See _describe; an OrderedDict: point-to-point calls on other threads add to it too.
         self._described: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         self.destroyed = False  # see destroy
@@ -268,6 +269,9 @@ class Group(Watching):
         if mesh is not None:
             mesh.close()
         close_listener(self)
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.stop()
 
     def refuse(self, error: BaseException) -> NoReturn:
         """Raise ``error`` as this member's next collective. A layer over this API that
@@ -283,6 +287,8 @@ class Group(Watching):
     def _tell_refused(self, seq: int) -> None:
         """Tell the others through the members' mesh, if they have one, that this member refused
         round ``seq`` (:meth:`~.host.Mesh.refuse`): they fail it at once, and the mesh stays."""
+        if self._wire is not None:
+            self._wire.refuse(seq)
         mesh = self._mesh
         if mesh is not None and not mesh.broken:
             with contextlib.suppress(HopliteError):  # (the mesh is left then; the error stands)

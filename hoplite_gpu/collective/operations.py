@@ -21,6 +21,7 @@ from ..reduce_ops import ReduceOp, as_op
 from .group import Group, _check_group, _check_list, _check_rank
 from .host import meets, wait_limit
 from .ring import direct_allreduce, direct_reduce, goes_direct, ring_peers
+from .wire import ON_WIRE, goes_wire, on_wire
 
 
 def broadcast(array: Any, src_rank: int, group: Group) -> Any:
@@ -162,9 +163,12 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     array, back = _working(array, refused)
     flat = memory.flat_view(array)
     if g.world_size > 1 and flat is not None and flat.size:
-        _via_host(
-            g, seq, array, flat, reduce_op, None, lambda host: _large(g, seq, array, flat, reduce_op, host)
-        )
+        if not on_wire(g, seq, flat, reduce_op):
+            done = _via_host(
+                g, seq, array, flat, reduce_op, None, lambda h: _large(g, seq, array, flat, reduce_op, h)
+            )
+            if done is ON_WIRE:  # (the members just learnt each other)
+                on_wire(g, seq, flat, reduce_op)
     else:
         g._run(_small_allreduce(g, seq, array, reduce_op))
     if back:
@@ -311,6 +315,8 @@ async def _large(g: Group, seq: int, array: Any, flat: Any, op: ReduceOp, host: 
         return ON_HOST
     if flat.size < g.world_size:
         return await _small_allreduce(g, seq, array, op)
+    if goes_wire(g, flat):
+        return ON_WIRE
     if goes_direct(peers) and flat.nbytes >= cfg.direct_min_bytes:
         return await _direct(g, seq, array, flat, lambda h: direct_allreduce(g, seq, h, op, peers), True)
     if flat.nbytes >= cfg.allreduce_shard_bytes:

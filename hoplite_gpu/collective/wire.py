@@ -1,0 +1,445 @@
+"""The direct ring on the caller's thread: a group's large allreduce passed member to member over
+connections each member keeps to the next, as Gloo's ring is, with no I/O thread, no pull request
+and no acknowledgement in a round (bench/pages/collectives.md#the-ring-on-the-callers-thread).
+
+It takes the rounds that :mod:`.ring`'s direct ring takes where every member runs the TCP data
+plane. Each member keeps ``out``, a connection to the member after it, which it makes (over that
+member's data plane, authenticated with the cluster's token, :meth:`~hoplite_gpu.Node.hand_over`)
+at the group's first such round, and ``inn``, the one the member before made to it. A round is
+Gloo's plain ring cut into pieces: the caller's thread receives each piece of the running sums
+from ``inn``, adds its own chunk in place in the caller's array, and lets a helper thread send
+what it summed on to ``out``; then the whole sums go round the same way, straight into the
+caller's array. Every stream starts with :data:`WIRE`: the round's number and the sender's
+dtype, operator and element count, which the receiver checks against its own before it adds
+anything in (``CollectiveArgumentError`` where they differ).
+
+Failures: a member whose round fails closes both its connections (the member after it then
+reads the end of its stream in the round and fails too, and so on round the ring: every member
+that had not finished fails the round), and makes them again at its next round; a member that
+finds its ``inn`` closed before a round's first byte waits for the new one. A member lost fails
+the call (``MemberLostError`` in a watched group, whose error every wait checks at least every
+:data:`~.host.WATCH_SLICE` seconds; ``ObjectLostError`` otherwise). Every wait ends by the
+group's timeout. Nothing of a round is known to the directory, so nothing of it is repaired."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import memory
+from ..dataplane.sockets import blocking_with_timeouts, shut, stale
+from ..dataplane.sockets import flat as flat_bytes
+from ..errors import (
+    CollectiveArgumentError,
+    HopliteError,
+    HopliteTimeoutError,
+    ObjectLostError,
+    PeerLostError,
+    TransportError,
+)
+from ..faults import INJECTOR
+from ..reduce_ops import ReduceOp, reduce_chunk
+from .host import WATCH_SLICE, wait_limit
+from .ring import HEADER, Peer, _described, goes_direct
+
+if TYPE_CHECKING:
+    from .group import Group
+
+#: What each round's stream starts with: the round's number, a flag (:data:`DATA`, or
+#: :data:`REFUSED`: no data follows), then :data:`.ring.HEADER`'s dtype, operator and count.
+WIRE = struct.Struct("<QB7x" + HEADER.format.lstrip("<"))
+DATA, REFUSED = 0, 1
+#: Bytes received, added and passed on at a time: a step's sum goes on to the next member after
+#: its first piece, not its whole chunk.
+PIECE = 512 << 10
+
+
+class _Round:
+    """One round's stream to ``out``, shared by the caller's thread (which says how much of it is
+    ready) and the sender (which sends it as it is)."""
+
+    def __init__(self, sock: socket.socket, header: bytes, views: list[memoryview], ready: int, fault: str):
+        self.sock, self.header, self.views, self.fault = sock, header, views, fault
+        self.total = sum(len(v) for v in views)
+        self.ready = ready
+        self.cond = threading.Condition()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.abort = False
+
+    def advance(self, ready: int) -> None:
+        with self.cond:
+            self.ready = ready
+            self.cond.notify()
+
+    def send(self) -> None:
+        """On the sender's thread: ``header``, then the stream's bytes as they are ready."""
+        try:
+            self._send_all(memoryview(self.header))
+            pos = 0
+            for view in self.views:
+                base, end = pos, pos + len(view)
+                while pos < end:
+                    with self.cond:
+                        while self.ready <= pos and not self.abort:
+                            self.cond.wait(WATCH_SLICE)
+                        ready = self.ready
+                    if self.abort:
+                        return
+                    if self.fault and INJECTOR.armed:
+                        INJECTOR.check("serve", self.fault, pos, self.total)
+                    stop = min(ready, end)
+                    self._send_all(view[pos - base : stop - base])
+                    pos = stop
+            if self.fault and INJECTOR.armed:
+                INJECTOR.check("serve", self.fault, pos, self.total)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def send_now(self, check: Callable[[], None], deadline: float, late: Callable[[], Exception]) -> None:
+        """``header`` from the caller's thread, checking ``check`` and ``deadline`` between
+        slices (``late()``: the error past it)."""
+        data = memoryview(self.header)
+        while len(data):
+            try:
+                data = data[self.sock.send(data) :]
+            except BlockingIOError:  # the member after has not read the round before yet
+                check()
+                if time.monotonic() >= deadline:
+                    raise late() from None
+
+    def _send_all(self, data: memoryview) -> None:
+        while len(data):
+            try:
+                data = data[self.sock.send(data) :]
+            except BlockingIOError:  # a slice of SO_SNDTIMEO: the next member reads slowly
+                if self.abort:
+                    raise
+                continue
+
+
+class Wire:
+    """A member's connections along its group's ring and the thread that sends (see the module's
+    text). Its rounds run one at a time, on the caller's thread."""
+
+    def __init__(self, g: Group) -> None:
+        self.node = g.node
+        self.rank, self.world = g.rank, g.world_size
+        self._oid = g.object_id
+        self.pred, self.succ = (g.rank - 1) % g.world_size, (g.rank + 1) % g.world_size
+        self.out_key = g.object_id(0, "wire", g.rank)  # what the member after takes it by
+        self.in_key = g.object_id(0, "wire", self.pred)
+        self.out: socket.socket | None = None
+        self.inn: socket.socket | None = None
+        self._jobs: queue.SimpleQueue[_Round | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._scratch = np.empty(0, np.uint8)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def allreduce(
+        self, seq: int, flat: Any, op: ReduceOp, peers: list[Peer], limit: float, check: Callable[[], None]
+    ) -> None:
+        """Round ``seq``: allreduce ``flat`` (a C-contiguous 1-D host array of at least one
+        element per member) in place. ``limit``: seconds the round may wait in all; ``check``
+        raises the watched group's error."""
+        deadline = time.monotonic() + limit
+        n, me = self.world, self.rank
+        cuts = [flat.size * j // n for j in range(n + 1)]
+
+        def region(c: int) -> Any:
+            return flat[cuts[c % n] : cuts[c % n + 1]]
+
+        # What this member sends: its own chunk, the running sums it made, then the whole sums it
+        # relays; what it receives: the running sums to add its chunk to, then the whole sums.
+        sends = [region(me - i) for i in range(n)] + [region(me + 1 - t) for t in range(1, n - 1)]
+        lands = [region(me - 1 - j) for j in range(n - 1)] + [region(me - t) for t in range(n - 1)]
+        head = region(me).nbytes
+        relayed = sum(a.nbytes for a in lands[:-1])
+        header = WIRE.pack(seq, DATA, np.dtype(flat.dtype).name.encode(), op.value.encode(), flat.size)
+        if not self._lock.acquire(timeout=min(max(0.0, limit), threading.TIMEOUT_MAX)):
+            raise self._late(seq, "this member's previous round did not end", limit)
+        try:
+            out = self._connect(peers[self.succ], seq, header, deadline, check, limit)
+            rnd = _Round(out, b"", [flat_bytes(a) for a in sends], head, self.fault(seq))
+            self._post(rnd)
+            try:
+                inn = self._header(seq, header, deadline, check, rnd, limit)
+                item = flat.dtype.itemsize
+                if self._scratch.nbytes < min(PIECE, max(a.nbytes for a in lands)):
+                    self._scratch = np.empty(min(PIECE, max(a.nbytes for a in lands)), np.uint8)
+                done = 0
+                for j, into in enumerate(lands):
+                    raw = flat_bytes(into)
+                    for off in range(0, len(raw), PIECE):
+                        k = min(PIECE, len(raw) - off)
+                        if j < n - 1:  # a running sum: add this member's chunk into it
+                            buf = self._scratch[:k]
+                            self._recv(inn, flat_bytes(buf), seq, deadline, check, rnd, limit)
+                            mine = into[off // item : (off + k) // item]
+                            try:
+                                reduce_chunk(op, mine, [buf.view(flat.dtype)], mine, n if j == n - 2 else 0)
+                            except Exception as exc:
+                                raise HopliteError(f"allreduce #{seq}: the reduction failed: {exc}") from exc
+                        else:  # a whole sum, in place
+                            self._recv(inn, raw[off : off + k], seq, deadline, check, rnd, limit)
+                        done += k
+                        rnd.advance(head + min(done, relayed))
+                while not rnd.done.wait(WATCH_SLICE):
+                    check()
+                    if time.monotonic() >= deadline:
+                        raise self._late(seq, f"rank {self.succ} did not read this member's part", limit)
+                if rnd.error is not None:
+                    raise self._lost(seq, self.succ, rnd.error)
+            except BaseException:
+                rnd.abort = True
+                self.close()
+                rnd.done.wait(WATCH_SLICE * 10)  # (the sender wakes at once: its socket is shut)
+                raise
+        finally:
+            self._lock.release()
+
+    def refuse(self, seq: int) -> None:
+        """This member refused round ``seq`` before it began: tell the member after it (which
+        fails the round with ``CollectiveArgumentError`` if it runs it here) and close both
+        connections (the member before may have sent this round: it is not read)."""
+        out = self.out
+        if out is not None and not stale(out):
+            header = WIRE.pack(seq, REFUSED, b"", b"", 0)
+            rnd = _Round(out, header, [], 0, "")
+            rnd.send()
+        self.close()
+
+    def close(self) -> None:
+        """Close both connections (the sender, if blocked, wakes); a next round makes them again."""
+        for sock in (self.out, self.inn):
+            if sock is not None:
+                shut(sock)
+        self.out = self.inn = None
+
+    def stop(self) -> None:
+        """Close for good: the connections, the sender's thread and what was handed over unread."""
+        self.closed = True
+        self.close()
+        self._jobs.put(None)
+        self.node.drop_handed([self.in_key])
+
+    # ------------------------------------------------------------ plumbing
+    def fault(self, seq: int) -> str:
+        """The object whose armed ``serve`` faults fire while this member sends round ``seq``
+        (:mod:`hoplite_gpu.faults`): the direct ring's object of the same round."""
+        return self._oid(seq, "ring-out", self.rank).hex() if INJECTOR.armed else ""
+
+    def _post(self, rnd: _Round) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._sending, name="hoplite-wire", daemon=True)
+            self._thread.start()
+        self._jobs.put(rnd)
+
+    def _sending(self) -> None:
+        while True:
+            rnd = self._jobs.get()
+            if rnd is None:
+                return
+            rnd.send()
+
+    def _connect(
+        self, peer: Peer, seq: int, header: bytes, deadline: float, check: Callable[[], None], limit: float
+    ) -> socket.socket:
+        """``out`` with the round's ``header`` sent on it, made again where the member after
+        closed it (it failed a round). The header goes first, from this thread: a member that
+        fails the round after it is read to have failed it (its stream ends in the round), not
+        to have left an earlier one."""
+        for _ in range(2):
+            if self.out is not None and stale(self.out):
+                shut(self.out)
+                self.out = None
+            if self.out is None:
+                try:
+                    sock = self.node.hand_over(peer.host, peer.port, self.out_key)
+                except (PeerLostError, TransportError) as exc:
+                    raise self._lost(seq, self.succ, exc) from None
+                blocking_with_timeouts(sock, WATCH_SLICE)
+                self.out = sock
+            try:
+                _Round(self.out, header, [], 0, "").send_now(
+                    check,
+                    deadline,
+                    lambda: self._late(seq, f"rank {self.succ} did not read the round before", limit),
+                )
+                return self.out
+            except (BrokenPipeError, ConnectionResetError):  # closed by the member after since: again
+                shut(self.out)
+                self.out = None
+        raise self._lost(seq, self.succ, ConnectionResetError("it closed the connection made for the round"))
+
+    def _inbound(
+        self, seq: int, deadline: float, check: Callable[[], None], rnd: _Round, limit: float
+    ) -> socket.socket:
+        """``inn``, waiting for the member before to make it where it has not."""
+        while self.inn is None:
+            check()
+            if rnd.error is not None:
+                raise self._lost(seq, self.succ, rnd.error)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._late(seq, f"rank {self.pred} did not connect", limit)
+            sock = self.node.take_handed(self.in_key, min(left, WATCH_SLICE))
+            if sock is not None:
+                blocking_with_timeouts(sock, WATCH_SLICE)
+                self.inn = sock
+        return self.inn
+
+    def _header(
+        self, seq: int, header: bytes, deadline: float, check: Callable[[], None], rnd: _Round, limit: float
+    ) -> socket.socket:
+        """``inn``, once its round ``seq`` header is read and matches this member's: a
+        connection closed before a round's first byte (the member before failed an earlier
+        round), or that starts with an earlier round, is closed and a newer one waited on."""
+        got = bytearray(WIRE.size)
+        while True:
+            inn = self._inbound(seq, deadline, check, rnd, limit)
+            try:
+                self._recv(inn, memoryview(got), seq, deadline, check, rnd, limit, first=True)
+            except _Empty:
+                shut(inn)
+                self.inn = None
+                continue
+            their_seq, flag = WIRE.unpack(got)[:2]
+            if their_seq < seq:
+                # A round this member did not run here (it refused it, or failed before): the
+                # member before fails it too, and makes the connection again at its next round.
+                shut(inn)
+                self.inn = None
+                continue
+            if their_seq != seq:
+                raise HopliteError(
+                    f"allreduce #{seq}: rank {self.pred} sent round #{their_seq} on the ring "
+                    f"(rank {self.rank} of {self.world}): members called their collectives in other "
+                    "orders, or with arrays of which only some take the ring"
+                )
+            if flag == REFUSED:
+                raise CollectiveArgumentError(
+                    f"allreduce #{seq}: rank {self.pred} refused its call (its arguments)"
+                )
+            theirs = bytes(got[WIRE.size - HEADER.size :])
+            mine = header[WIRE.size - HEADER.size :]
+            if theirs != mine:
+                raise CollectiveArgumentError(
+                    f"allreduce #{seq}: the member before this one has {_described(theirs)}, "
+                    f"this one {_described(mine)}: every member's array must match"
+                )
+            return inn
+
+    def _recv(
+        self,
+        sock: socket.socket,
+        view: memoryview,
+        seq: int,
+        deadline: float,
+        check: Callable[[], None],
+        rnd: _Round,
+        limit: float,
+        first: bool = False,
+    ) -> None:
+        """Fill ``view`` from ``sock`` (the caller's thread blocked in the kernel, a slice at a
+        time), checking between slices the group, the deadline and the sender."""
+        got, size = 0, len(view)
+        while got < size:
+            error: OSError | None = None
+            try:
+                k = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+            except BlockingIOError:  # a slice of SO_RCVTIMEO
+                check()
+                if rnd.error is not None:
+                    raise self._lost(seq, self.succ, rnd.error) from None
+                if time.monotonic() >= deadline:
+                    raise self._late(seq, f"rank {self.pred} did not send its part", limit) from None
+                continue
+            except OSError as exc:
+                k, error = 0, exc
+            if k == 0:
+                if first and got == 0:
+                    raise _Empty()
+                raise self._lost(seq, self.pred, error or ConnectionResetError("the connection ended"))
+            got += k
+
+    def _lost(self, seq: int, rank: int, exc: BaseException) -> ObjectLostError:
+        return ObjectLostError(
+            f"allreduce #{seq}: rank {rank}'s connection on the ring ended during the round "
+            f"(rank {self.rank} of {self.world}): {type(exc).__name__}: {exc}",
+            object_id=self._oid(seq, "ring-out", rank).hex(),
+        )
+
+    def _late(self, seq: int, why: str, limit: float) -> HopliteTimeoutError:
+        return HopliteTimeoutError(
+            f"allreduce #{seq}: {why} within {limit} s", operation="allreduce", timeout=limit
+        )
+
+
+class _Empty(Exception):
+    """A connection that ended before a round's first byte."""
+
+
+#: What a round's path on the I/O thread returns where the round goes on the wire
+#: (:func:`on_wire` runs it then, on the caller's thread).
+ON_WIRE = object()
+
+
+def goes_wire(g: Group, flat: Any) -> bool:
+    """Whether allreduce of ``flat`` goes on the wire: ``g``'s members know each other
+    (:func:`~.ring.ring_peers`), take the direct ring (:func:`~.ring.goes_direct`) and all run the
+    TCP data plane, and ``flat`` is large enough for the direct ring."""
+    peers = g._peers
+    return (
+        goes_direct(peers)
+        and all(p.plane == "tcp" for p in peers)
+        and flat.size >= g.world_size
+        and flat.nbytes >= g.node.config.direct_min_bytes
+    )
+
+
+def on_wire(g: Group, seq: int, flat: Any, op: ReduceOp) -> bool:
+    """Round ``seq``, an allreduce of ``flat`` (a flat view of the caller's array), on the wire
+    where it goes there (:func:`goes_wire`), on the caller's thread; whether it did. Device
+    memory goes through a host copy (the TCP plane sends host bytes anyway)."""
+    if not goes_wire(g, flat):
+        return False
+    g._raise_if_broken()
+    wire = g._wire
+    if wire is None:
+        wire = g._wire = Wire(g)
+        weakref.finalize(g, wire.stop)  # (a group dropped without destroy: its thread ends)
+    host = flat if isinstance(flat, np.ndarray) else memory.to_host(flat).reshape(-1)
+
+    def check() -> None:
+        g._raise_if_broken()
+        if g.node.closed:
+            raise HopliteError(f"allreduce #{seq}: the node closed")
+
+    try:
+        g._call(lambda: wire.allreduce(seq, host, op, g._peers, wait_limit(g), check))
+    except ObjectLostError as exc:
+        if g._watching is None:
+            raise
+        g._run(_raise(exc))  # the watch's MemberLostError, once it reports the member
+        raise
+    if host is not flat:
+        memory.copy_into(flat, host)
+    if g._owned:
+        g._run(g._delete_before(seq))
+    return True
+
+
+async def _raise(exc: BaseException) -> None:
+    raise exc
