@@ -146,7 +146,9 @@ class Config:
         allreduce_schedule: How a group's allreduce of a large array moves its shards
             (:func:`hoplite_gpu.collective.allreduce`): ``direct`` (member to member over the
             data plane, each pulling the running sums from the one before it, with no message
-            to the directory per round: :mod:`hoplite_gpu.collective.ring`), ``ring`` (each
+            to the directory per round: :mod:`hoplite_gpu.collective.ring`; on the TCP data
+            plane, on the caller's thread over connections kept along the ring:
+            :mod:`hoplite_gpu.collective.wire`), ``ring`` (each
             shard an ordinary reduction along the ring of members, placed by the directory, its
             result read along it), ``star`` (each shard reduced at its member from every other at
             once, the results read straight from it), ``auto``: ``direct`` when no two members

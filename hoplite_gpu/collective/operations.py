@@ -130,7 +130,9 @@ def allreduce(array: Any, group: Group, op: ReduceOp | str = ReduceOp.SUM) -> An
     above 64 KiB by default) goes by the direct ring (:mod:`hoplite_gpu.collective.ring`): it is cut
     into one chunk per member, each member pulls the running sums from the member before it over the
     data plane, adds its own chunk in place and is read on by the next, then the whole sums go round
-    the same way, with no message to the directory in a round. Else a small array (under
+    the same way, with no message to the directory in a round; where every member runs the TCP
+    data plane it runs on the caller's thread, over connections each member keeps to the next
+    (:mod:`hoplite_gpu.collective.wire`). Else a small array (under
     ``Config.allreduce_shard_bytes``, :data:`SHARD_MIN_BYTES` by default) is reduced once, on a tree
     the directory shapes, and the result read by every member as it is being reduced; a large one is
     cut into one shard per member, and member ``j`` requests the reduction of everyone's shard

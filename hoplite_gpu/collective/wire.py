@@ -23,6 +23,7 @@ group's timeout. Nothing of a round is known to the directory, so nothing of it 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import struct
@@ -216,8 +217,11 @@ class Wire:
         out = self.out
         if out is not None and not stale(out):
             header = WIRE.pack(seq, REFUSED, b"", b"", 0)
-            rnd = _Round(out, header, [], 0, "")
-            rnd.send()
+            # At most a few slices: the member after reads what is before it unless it is gone.
+            with contextlib.suppress(OSError, HopliteTimeoutError):
+                _Round(out, header, [], 0, "").send_now(
+                    lambda: None, time.monotonic() + 10 * WATCH_SLICE, lambda: self._late(seq, "", 0)
+                )
         self.close()
 
     def close(self) -> None:
