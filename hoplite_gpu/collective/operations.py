@@ -95,6 +95,8 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         large = flat.size >= n and flat.nbytes >= g.node.config.direct_min_bytes
         if not (large and goes_direct(peers, sharing=True)):
             return await run()
+        if goes_wire(g, flat, sharing=True):
+            return ON_WIRE
 
         def along(host: np.ndarray) -> Awaitable[None]:
             return direct_reduce(g, seq, host, reduce_op, peers, dst_rank)
@@ -102,7 +104,9 @@ def reduce(array: Any, dst_rank: int, group: Group, op: ReduceOp | str = ReduceO
         return await _direct(g, seq, array, flat, along, g.rank == dst_rank)
 
     if n > 1 and flat is not None and flat.size:
-        _via_host(g, seq, array, flat, reduce_op, dst_rank, chain)
+        if not on_wire(g, seq, flat, reduce_op, dst_rank):
+            if _via_host(g, seq, array, flat, reduce_op, dst_rank, chain) is ON_WIRE:
+                on_wire(g, seq, flat, reduce_op, dst_rank)  # (the members just learnt each other)
     else:
         g._run(run())
     if back:

@@ -16,6 +16,10 @@ Where every member runs the TCP data plane, the allreduce runs instead on the ca
 over connections the members keep along the ring (:mod:`.wire`): the same streams, with no pull
 request, acknowledgement or I/O thread in a round.
 
+Where every member runs the TCP data plane, both run instead on the caller's thread over
+connections the members keep along the ring (:mod:`.wire`): the same streams, with no pull
+request or I/O thread in a round.
+
 A large reduce goes the same way along a chain that ends at its root (:func:`direct_reduce`):
 the first member lends its array, each next one pulls the partial reduction from the one before
 it and adds its own array in as the bytes land, and the root adds the last one into its array.

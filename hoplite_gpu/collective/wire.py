@@ -47,6 +47,7 @@ from ..errors import (
     TransportError,
 )
 from ..faults import INJECTOR
+from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, reduce_chunk
 from .host import WATCH_SLICE, wait_limit
 from .ring import HEADER, Peer, _described, goes_direct
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
 #: :data:`REFUSED`: no data follows), then :data:`.ring.HEADER`'s dtype, operator and count.
 WIRE = struct.Struct("<QB7x" + HEADER.format.lstrip("<"))
 DATA, REFUSED = 0, 1
+#: What a member sends back once a round landed whole: the round's number.
+ACK = struct.Struct("<Q")
 #: Bytes received, added and passed on at a time: a step's sum goes on to the next member after
 #: its first piece, not its whole chunk.
 PIECE = 512 << 10
@@ -97,7 +100,7 @@ class _Round:
                         return
                     if self.fault and INJECTOR.armed:
                         INJECTOR.check("serve", self.fault, pos, self.total)
-                    stop = min(ready, end)
+                    stop = min(ready, end, pos + PIECE)  # (a fault fires between pieces)
                     self._send_all(view[pos - base : stop - base])
                     pos = stop
             if self.fault and INJECTOR.armed:
@@ -138,13 +141,17 @@ class Wire:
         self.rank, self.world = g.rank, g.world_size
         self._oid = g.object_id
         self.pred, self.succ = (g.rank - 1) % g.world_size, (g.rank + 1) % g.world_size
-        self.out_key = g.object_id(0, "wire", g.rank)  # what the member after takes it by
-        self.in_key = g.object_id(0, "wire", self.pred)
+        # What the member after takes ``out`` by, and this one ``inn``. A group destroyed and made
+        # again under its name has the same (destroy drops what was handed over and not taken).
+        self.out_key = ObjectID.from_name(f"hoplite-wire/{g.name}/{g.rank}")
+        self.in_key = ObjectID.from_name(f"hoplite-wire/{g.name}/{self.pred}")
         self.out: socket.socket | None = None
         self.inn: socket.socket | None = None
         self._jobs: queue.SimpleQueue[_Round | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._scratch = np.empty(0, np.uint8)
+        self._scratch = np.empty(0, np.uint8)  # a piece received, to add in
+        self._partial = np.empty(0, np.uint8)  # a reduce's partial reduction, passed on
+        self._what = "allreduce"  # the round's collective, for errors
         self._lock = threading.Lock()
         self.closed = False
 
@@ -167,45 +174,83 @@ class Wire:
         lands = [region(me - 1 - j) for j in range(n - 1)] + [region(me - t) for t in range(n - 1)]
         head = region(me).nbytes
         relayed = sum(a.nbytes for a in lands[:-1])
-        header = WIRE.pack(seq, DATA, np.dtype(flat.dtype).name.encode(), op.value.encode(), flat.size)
-        if not self._lock.acquire(timeout=min(max(0.0, limit), threading.TIMEOUT_MAX)):
-            raise self._late(seq, "this member's previous round did not end", limit)
+        header = self._begin(seq, flat, op, "allreduce", limit)
         try:
             out = self._connect(peers[self.succ], seq, header, deadline, check, limit)
-            rnd = _Round(out, b"", [flat_bytes(a) for a in sends], head, self.fault(seq))
+            rnd = _Round(out, b"", [flat_bytes(a) for a in sends], head, self.fault(seq, "ring-out"))
             self._post(rnd)
             try:
                 inn = self._header(seq, header, deadline, check, rnd, limit)
-                item = flat.dtype.itemsize
-                if self._scratch.nbytes < min(PIECE, max(a.nbytes for a in lands)):
-                    self._scratch = np.empty(min(PIECE, max(a.nbytes for a in lands)), np.uint8)
                 done = 0
                 for j, into in enumerate(lands):
                     raw = flat_bytes(into)
                     for off in range(0, len(raw), PIECE):
                         k = min(PIECE, len(raw) - off)
                         if j < n - 1:  # a running sum: add this member's chunk into it
-                            buf = self._scratch[:k]
+                            buf = self._piece(k)
                             self._recv(inn, flat_bytes(buf), seq, deadline, check, rnd, limit)
-                            mine = into[off // item : (off + k) // item]
-                            try:
-                                reduce_chunk(op, mine, [buf.view(flat.dtype)], mine, n if j == n - 2 else 0)
-                            except Exception as exc:
-                                raise HopliteError(f"allreduce #{seq}: the reduction failed: {exc}") from exc
+                            self._add(seq, op, into, off, buf, into, n if j == n - 2 else 0)
                         else:  # a whole sum, in place
                             self._recv(inn, raw[off : off + k], seq, deadline, check, rnd, limit)
                         done += k
                         rnd.advance(head + min(done, relayed))
-                while not rnd.done.wait(WATCH_SLICE):
-                    check()
-                    if time.monotonic() >= deadline:
-                        raise self._late(seq, f"rank {self.succ} did not read this member's part", limit)
-                if rnd.error is not None:
-                    raise self._lost(seq, self.succ, rnd.error)
+                self._acknowledge(inn, seq)
+                self._sent(rnd, seq, deadline, check, limit)
             except BaseException:
-                rnd.abort = True
-                self.close()
-                rnd.done.wait(WATCH_SLICE * 10)  # (the sender wakes at once: its socket is shut)
+                self._abandon(rnd)
+                raise
+        finally:
+            self._lock.release()
+
+    def reduce(
+        self,
+        seq: int,
+        flat: Any,
+        op: ReduceOp,
+        peers: list[Peer],
+        dst: int,
+        limit: float,
+        check: Callable[[], None],
+    ) -> None:
+        """Round ``seq``: reduce every member's ``flat`` into ``dst``'s, in place, along the chain
+        ``dst+1 -> dst+2 -> ... -> dst`` (:func:`~.ring.direct_reduce`'s): the first member sends
+        its array, each next one receives the partial reduction, adds its array in (in a buffer
+        the wire keeps: its array stays as it was) and sends it on, piece by piece; ``dst`` adds
+        the last into its array. The others return once what they send is in their kernel."""
+        deadline = time.monotonic() + limit
+        me, first = self.rank, (dst + 1) % self.world
+        header = self._begin(seq, flat, op, "reduce", limit)
+        rnd: _Round | None = None
+        try:
+            if me != dst:
+                out = self._connect(peers[self.succ], seq, header, deadline, check, limit)
+                if me == first:
+                    views, ready = [flat_bytes(flat)], flat.nbytes
+                else:
+                    if self._partial.nbytes < flat.nbytes:
+                        self._partial = np.empty(flat.nbytes, np.uint8)
+                    views, ready = [flat_bytes(self._partial[: flat.nbytes])], 0
+                rnd = _Round(out, b"", views, ready, self.fault(seq, "chain-out"))
+                self._post(rnd)
+            try:
+                if me != first:
+                    inn = self._header(seq, header, deadline, check, rnd, limit)
+                    for off in range(0, flat.nbytes, PIECE):
+                        k = min(PIECE, flat.nbytes - off)
+                        if rnd is None:  # the root: into its array
+                            buf = self._piece(k)
+                            self._recv(inn, flat_bytes(buf), seq, deadline, check, rnd, limit)
+                            self._add(seq, op, flat, off, buf, flat, self.world)
+                        else:  # the partial reduction, passed on
+                            buf = self._partial[off : off + k]
+                            self._recv(inn, flat_bytes(buf), seq, deadline, check, rnd, limit)
+                            self._add(seq, op, flat, off, buf, None, 0)
+                            rnd.advance(off + k)
+                    self._acknowledge(inn, seq)
+                if rnd is not None:
+                    self._sent(rnd, seq, deadline, check, limit)
+            except BaseException:
+                self._abandon(rnd)
                 raise
         finally:
             self._lock.release()
@@ -239,10 +284,66 @@ class Wire:
         self.node.drop_handed([self.in_key])
 
     # ------------------------------------------------------------ plumbing
-    def fault(self, seq: int) -> str:
+    def fault(self, seq: int, kind: str) -> str:
         """The object whose armed ``serve`` faults fire while this member sends round ``seq``
-        (:mod:`hoplite_gpu.faults`): the direct ring's object of the same round."""
-        return self._oid(seq, "ring-out", self.rank).hex() if INJECTOR.armed else ""
+        (:mod:`hoplite_gpu.faults`): :mod:`.ring`'s object of the same round (``kind``)."""
+        return self._oid(seq, kind, self.rank).hex() if INJECTOR.armed else ""
+
+    def _begin(self, seq: int, flat: Any, op: ReduceOp, what: str, limit: float) -> bytes:
+        """Take the wire for round ``seq`` (``what``, for errors); its header."""
+        if not self._lock.acquire(timeout=min(max(0.0, limit), threading.TIMEOUT_MAX)):
+            raise self._late(seq, "this member's previous round did not end", limit)
+        self._what = what
+        return WIRE.pack(seq, DATA, np.dtype(flat.dtype).name.encode(), op.value.encode(), flat.size)
+
+    def _piece(self, k: int) -> Any:
+        """A receive buffer of ``k`` bytes, kept from round to round."""
+        if self._scratch.nbytes < k:
+            self._scratch = np.empty(PIECE, np.uint8)
+        return self._scratch[:k]
+
+    def _add(self, seq: int, op: ReduceOp, flat: Any, off: int, buf: Any, into: Any, inputs: int) -> None:
+        """Add the piece ``buf`` landed (bytes ``off`` on of ``into``, a typed array) and the same
+        elements of ``flat``, into ``into`` (None: into ``buf``); ``inputs`` > 0 finishes AVG."""
+        item = flat.dtype.itemsize
+        mine = flat[off // item : (off + buf.nbytes) // item]
+        theirs = buf.view(flat.dtype)
+        try:
+            if into is None:
+                reduce_chunk(op, theirs, [mine], theirs, inputs)
+            else:
+                target = into[off // item : (off + buf.nbytes) // item]
+                reduce_chunk(op, target, [theirs], target, inputs)
+        except Exception as exc:
+            raise HopliteError(f"{self._what} #{seq}: the reduction failed: {exc}") from exc
+
+    def _sent(self, rnd: _Round, seq: int, deadline: float, check: Callable[[], None], limit: float) -> None:
+        """Wait for the sender to have sent the round, and the member after to have it whole."""
+        while not rnd.done.wait(WATCH_SLICE):
+            check()
+            if time.monotonic() >= deadline:
+                raise self._late(seq, f"rank {self.succ} did not read this member's part", limit)
+        if rnd.error is not None:
+            raise self._lost(seq, self.succ, rnd.error)
+        got = bytearray(ACK.size)
+        self._recv(rnd.sock, memoryview(got), seq, deadline, check, None, limit, who=self.succ)
+        if ACK.unpack(got)[0] != seq:
+            raise HopliteError(f"{self._what} #{seq}: rank {self.succ} acknowledged #{ACK.unpack(got)[0]}")
+
+    def _acknowledge(self, inn: socket.socket, seq: int) -> None:
+        """Tell the member before that round ``seq`` landed here whole (it returns then: one that
+        fails the round before this closes the connection instead, failing the sender's round
+        too, so that no member is a round ahead of its successor after a failure)."""
+        with contextlib.suppress(OSError):  # (it failed meanwhile: this member has its bytes)
+            inn.sendall(ACK.pack(seq))
+
+    def _abandon(self, rnd: _Round | None) -> None:
+        """A round failed here: stop its sender and close both connections."""
+        if rnd is not None:
+            rnd.abort = True
+        self.close()
+        if rnd is not None:
+            rnd.done.wait(WATCH_SLICE * 10)  # (the sender wakes at once: its socket is shut)
 
     def _post(self, rnd: _Round) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -288,12 +389,12 @@ class Wire:
         raise self._lost(seq, self.succ, ConnectionResetError("it closed the connection made for the round"))
 
     def _inbound(
-        self, seq: int, deadline: float, check: Callable[[], None], rnd: _Round, limit: float
+        self, seq: int, deadline: float, check: Callable[[], None], rnd: _Round | None, limit: float
     ) -> socket.socket:
         """``inn``, waiting for the member before to make it where it has not."""
         while self.inn is None:
             check()
-            if rnd.error is not None:
+            if rnd is not None and rnd.error is not None:
                 raise self._lost(seq, self.succ, rnd.error)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -305,7 +406,13 @@ class Wire:
         return self.inn
 
     def _header(
-        self, seq: int, header: bytes, deadline: float, check: Callable[[], None], rnd: _Round, limit: float
+        self,
+        seq: int,
+        header: bytes,
+        deadline: float,
+        check: Callable[[], None],
+        rnd: _Round | None,
+        limit: float,
     ) -> socket.socket:
         """``inn``, once its round ``seq`` header is read and matches this member's: a
         connection closed before a round's first byte (the member before failed an earlier
@@ -328,19 +435,19 @@ class Wire:
                 continue
             if their_seq != seq:
                 raise HopliteError(
-                    f"allreduce #{seq}: rank {self.pred} sent round #{their_seq} on the ring "
+                    f"{self._what} #{seq}: rank {self.pred} sent round #{their_seq} on the ring "
                     f"(rank {self.rank} of {self.world}): members called their collectives in other "
                     "orders, or with arrays of which only some take the ring"
                 )
             if flag == REFUSED:
                 raise CollectiveArgumentError(
-                    f"allreduce #{seq}: rank {self.pred} refused its call (its arguments)"
+                    f"{self._what} #{seq}: rank {self.pred} refused its call (its arguments)"
                 )
             theirs = bytes(got[WIRE.size - HEADER.size :])
             mine = header[WIRE.size - HEADER.size :]
             if theirs != mine:
                 raise CollectiveArgumentError(
-                    f"allreduce #{seq}: the member before this one has {_described(theirs)}, "
+                    f"{self._what} #{seq}: the member before this one has {_described(theirs)}, "
                     f"this one {_described(mine)}: every member's array must match"
                 )
             return inn
@@ -352,9 +459,10 @@ class Wire:
         seq: int,
         deadline: float,
         check: Callable[[], None],
-        rnd: _Round,
+        rnd: _Round | None,
         limit: float,
         first: bool = False,
+        who: int | None = None,
     ) -> None:
         """Fill ``view`` from ``sock`` (the caller's thread blocked in the kernel, a slice at a
         time), checking between slices the group, the deadline and the sender."""
@@ -365,29 +473,35 @@ class Wire:
                 k = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
             except BlockingIOError:  # a slice of SO_RCVTIMEO
                 check()
-                if rnd.error is not None:
+                if rnd is not None and rnd.error is not None:
                     raise self._lost(seq, self.succ, rnd.error) from None
                 if time.monotonic() >= deadline:
-                    raise self._late(seq, f"rank {self.pred} did not send its part", limit) from None
+                    late = (
+                        f"rank {self.pred} did not send its part"
+                        if who is None
+                        else f"rank {who} did not read"
+                    )
+                    raise self._late(seq, late, limit) from None
                 continue
             except OSError as exc:
                 k, error = 0, exc
             if k == 0:
                 if first and got == 0:
                     raise _Empty()
-                raise self._lost(seq, self.pred, error or ConnectionResetError("the connection ended"))
+                ended = error or ConnectionResetError("the connection ended")
+                raise self._lost(seq, self.pred if who is None else who, ended)
             got += k
 
     def _lost(self, seq: int, rank: int, exc: BaseException) -> ObjectLostError:
         return ObjectLostError(
-            f"allreduce #{seq}: rank {rank}'s connection on the ring ended during the round "
+            f"{self._what} #{seq}: rank {rank}'s connection on the ring ended during the round "
             f"(rank {self.rank} of {self.world}): {type(exc).__name__}: {exc}",
             object_id=self._oid(seq, "ring-out", rank).hex(),
         )
 
     def _late(self, seq: int, why: str, limit: float) -> HopliteTimeoutError:
         return HopliteTimeoutError(
-            f"allreduce #{seq}: {why} within {limit} s", operation="allreduce", timeout=limit
+            f"{self._what} #{seq}: {why} within {limit} s", operation=self._what, timeout=limit
         )
 
 
@@ -400,24 +514,26 @@ class _Empty(Exception):
 ON_WIRE = object()
 
 
-def goes_wire(g: Group, flat: Any) -> bool:
-    """Whether allreduce of ``flat`` goes on the wire: ``g``'s members know each other
-    (:func:`~.ring.ring_peers`), take the direct ring (:func:`~.ring.goes_direct`) and all run the
-    TCP data plane, and ``flat`` is large enough for the direct ring."""
+def goes_wire(g: Group, flat: Any, sharing: bool = False) -> bool:
+    """Whether an allreduce (a reduce: ``sharing``) of ``flat`` goes on the wire: ``g``'s members
+    know each other (:func:`~.ring.ring_peers`), take the direct ring (the reduce's chain:
+    :func:`~.ring.goes_direct`) and all run the TCP data plane, and ``flat`` is large enough for
+    the direct ring."""
     peers = g._peers
     return (
-        goes_direct(peers)
+        goes_direct(peers, sharing)
         and all(p.plane == "tcp" for p in peers)
         and flat.size >= g.world_size
         and flat.nbytes >= g.node.config.direct_min_bytes
     )
 
 
-def on_wire(g: Group, seq: int, flat: Any, op: ReduceOp) -> bool:
-    """Round ``seq``, an allreduce of ``flat`` (a flat view of the caller's array), on the wire
-    where it goes there (:func:`goes_wire`), on the caller's thread; whether it did. Device
-    memory goes through a host copy (the TCP plane sends host bytes anyway)."""
-    if not goes_wire(g, flat):
+def on_wire(g: Group, seq: int, flat: Any, op: ReduceOp, root: int | None = None) -> bool:
+    """Round ``seq``, an allreduce of ``flat`` (a flat view of the caller's array; with ``root``
+    a reduce into ``root``'s), on the wire where it goes there (:func:`goes_wire`), on the
+    caller's thread; whether it did. Device memory goes through a host copy (the TCP plane sends
+    host bytes anyway)."""
+    if not goes_wire(g, flat, root is not None):
         return False
     g._raise_if_broken()
     wire = g._wire
@@ -425,20 +541,27 @@ def on_wire(g: Group, seq: int, flat: Any, op: ReduceOp) -> bool:
         wire = g._wire = Wire(g)
         weakref.finalize(g, wire.stop)  # (a group dropped without destroy: its thread ends)
     host = flat if isinstance(flat, np.ndarray) else memory.to_host(flat).reshape(-1)
+    what = "allreduce" if root is None else "reduce"
 
     def check() -> None:
         g._raise_if_broken()
         if g.node.closed:
-            raise HopliteError(f"allreduce #{seq}: the node closed")
+            raise HopliteError(f"{what} #{seq}: the node closed")
+
+    def run() -> None:
+        if root is None:
+            wire.allreduce(seq, host, op, g._peers, wait_limit(g), check)
+        else:
+            wire.reduce(seq, host, op, g._peers, root, wait_limit(g), check)
 
     try:
-        g._call(lambda: wire.allreduce(seq, host, op, g._peers, wait_limit(g), check))
+        g._call(run)
     except ObjectLostError as exc:
         if g._watching is None:
             raise
         g._run(_raise(exc))  # the watch's MemberLostError, once it reports the member
         raise
-    if host is not flat:
+    if host is not flat and root in (None, g.rank):
         memory.copy_into(flat, host)
     if g._owned:
         g._run(g._delete_before(seq))
