@@ -177,23 +177,27 @@ class Wire:
         header = self._begin(seq, flat, op, "allreduce", limit)
         try:
             out = self._connect(peers[self.succ], seq, header, deadline, check, limit)
-            rnd = _Round(out, b"", [flat_bytes(a) for a in sends], head, self.fault(seq, "ring-out"))
+            fault = self.fault(seq, "ring-out")
+            rnd = _Round(out, b"", [flat_bytes(a) for a in sends], head, fault)
             self._post(rnd)
             try:
                 inn = self._header(seq, header, deadline, check, rnd, limit)
-                done = 0
+                done, total = 0, relayed + lands[-1].nbytes
                 for j, into in enumerate(lands):
                     raw = flat_bytes(into)
                     for off in range(0, len(raw), PIECE):
                         k = min(PIECE, len(raw) - off)
+                        _reach(fault, "receive", done, total)
                         if j < n - 1:  # a running sum: add this member's chunk into it
                             buf = self._piece(k)
                             self._recv(inn, flat_bytes(buf), seq, deadline, check, rnd, limit)
+                            _reach(fault, "reduce", done, total)
                             self._add(seq, op, into, off, buf, into, n if j == n - 2 else 0)
                         else:  # a whole sum, in place
                             self._recv(inn, raw[off : off + k], seq, deadline, check, rnd, limit)
                         done += k
                         rnd.advance(head + min(done, relayed))
+                _reach(fault, "report", total, total)
                 self._acknowledge(inn, seq)
                 self._sent(rnd, seq, deadline, check, limit)
             except BaseException:
@@ -220,6 +224,7 @@ class Wire:
         deadline = time.monotonic() + limit
         me, first = self.rank, (dst + 1) % self.world
         header = self._begin(seq, flat, op, "reduce", limit)
+        fault = self.fault(seq, "chain-out")
         rnd: _Round | None = None
         try:
             if me != dst:
@@ -230,22 +235,26 @@ class Wire:
                     if self._partial.nbytes < flat.nbytes:
                         self._partial = np.empty(flat.nbytes, np.uint8)
                     views, ready = [flat_bytes(self._partial[: flat.nbytes])], 0
-                rnd = _Round(out, b"", views, ready, self.fault(seq, "chain-out"))
+                rnd = _Round(out, b"", views, ready, fault)
                 self._post(rnd)
             try:
                 if me != first:
                     inn = self._header(seq, header, deadline, check, rnd, limit)
                     for off in range(0, flat.nbytes, PIECE):
                         k = min(PIECE, flat.nbytes - off)
+                        _reach(fault, "receive", off, flat.nbytes)
                         if rnd is None:  # the root: into its array
                             buf = self._piece(k)
                             self._recv(inn, flat_bytes(buf), seq, deadline, check, rnd, limit)
+                            _reach(fault, "reduce", off, flat.nbytes)
                             self._add(seq, op, flat, off, buf, flat, self.world)
                         else:  # the partial reduction, passed on
                             buf = self._partial[off : off + k]
                             self._recv(inn, flat_bytes(buf), seq, deadline, check, rnd, limit)
+                            _reach(fault, "reduce", off, flat.nbytes)
                             self._add(seq, op, flat, off, buf, None, 0)
                             rnd.advance(off + k)
+                    _reach(fault, "report", flat.nbytes, flat.nbytes)
                     self._acknowledge(inn, seq)
                 if rnd is not None:
                     self._sent(rnd, seq, deadline, check, limit)
@@ -503,6 +512,14 @@ class Wire:
         return HopliteTimeoutError(
             f"{self._what} #{seq}: {why} within {limit} s", operation=self._what, timeout=limit
         )
+
+
+def _reach(fault: str, event: str, pos: int, size: int) -> None:
+    """Where armed faults (:mod:`hoplite_gpu.faults`) on ``fault``, the round's object, fire:
+    ``receive`` before each piece lands, ``reduce`` before it is added in, ``report`` before the
+    round is acknowledged (``serve``: as the sender sends)."""
+    if fault and INJECTOR.armed:
+        INJECTOR.check(event, fault, pos, size)
 
 
 class _Empty(Exception):
