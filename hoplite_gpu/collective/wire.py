@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -174,8 +174,7 @@ class Wire:
         lands = [region(me - 1 - j) for j in range(n - 1)] + [region(me - t) for t in range(n - 1)]
         head = region(me).nbytes
         relayed = sum(a.nbytes for a in lands[:-1])
-        header = self._begin(seq, flat, op, "allreduce", limit)
-        try:
+        with self._taken(seq, flat, op, "allreduce", limit) as header:
             out = self._connect(peers[self.succ], seq, header, deadline, check, limit)
             fault = self.fault(seq, "ring-out")
             rnd = _Round(out, b"", [flat_bytes(a) for a in sends], head, fault)
@@ -203,8 +202,6 @@ class Wire:
             except BaseException:
                 self._abandon(rnd)
                 raise
-        finally:
-            self._lock.release()
 
     def reduce(
         self,
@@ -223,10 +220,9 @@ class Wire:
         the last into its array. The others return once what they send is in their kernel."""
         deadline = time.monotonic() + limit
         me, first = self.rank, (dst + 1) % self.world
-        header = self._begin(seq, flat, op, "reduce", limit)
         fault = self.fault(seq, "chain-out")
         rnd: _Round | None = None
-        try:
+        with self._taken(seq, flat, op, "reduce", limit) as header:
             if me != dst:
                 out = self._connect(peers[self.succ], seq, header, deadline, check, limit)
                 if me == first:
@@ -261,8 +257,6 @@ class Wire:
             except BaseException:
                 self._abandon(rnd)
                 raise
-        finally:
-            self._lock.release()
 
     def refuse(self, seq: int) -> None:
         """This member refused round ``seq`` before it began: tell the member after it (which
@@ -298,12 +292,16 @@ class Wire:
         (:mod:`hoplite_gpu.faults`): :mod:`.ring`'s object of the same round (``kind``)."""
         return self._oid(seq, kind, self.rank).hex() if INJECTOR.armed else ""
 
-    def _begin(self, seq: int, flat: Any, op: ReduceOp, what: str, limit: float) -> bytes:
-        """Take the wire for round ``seq`` (``what``, for errors); its header."""
+    @contextlib.contextmanager
+    def _taken(self, seq: int, flat: Any, op: ReduceOp, what: str, limit: float) -> Iterator[bytes]:
+        """The wire, held for round ``seq`` (``what``, for errors); gives the round's header."""
         if not self._lock.acquire(timeout=min(max(0.0, limit), threading.TIMEOUT_MAX)):
             raise self._late(seq, "this member's previous round did not end", limit)
-        self._what = what
-        return WIRE.pack(seq, DATA, np.dtype(flat.dtype).name.encode(), op.value.encode(), flat.size)
+        try:
+            self._what = what
+            yield WIRE.pack(seq, DATA, np.dtype(flat.dtype).name.encode(), op.value.encode(), flat.size)
+        finally:
+            self._lock.release()
 
     def _piece(self, k: int) -> Any:
         """A receive buffer of ``k`` bytes, kept from round to round."""
