@@ -49,7 +49,7 @@ from ..errors import (
 from ..faults import INJECTOR
 from ..object_id import ObjectID
 from ..reduce_ops import ReduceOp, reduce_chunk
-from .host import WATCH_SLICE, wait_limit
+from .host import WATCH_SLICE, goes_host, wait_limit
 from .ring import HEADER, Peer, _described, goes_direct
 
 if TYPE_CHECKING:
@@ -532,9 +532,12 @@ ON_WIRE = object()
 def goes_wire(g: Group, flat: Any, sharing: bool = False) -> bool:
     """Whether an allreduce (a reduce: ``sharing``) of ``flat`` goes on the wire: ``g``'s members
     know each other (:func:`~.ring.ring_peers`), take the direct ring (the reduce's chain:
-    :func:`~.ring.goes_direct`) and all run the TCP data plane, and ``flat`` is large enough for
+    :func:`~.ring.goes_direct`; not where their shared memory does, :func:`~.host.goes_host`,
+    unless their mesh broke) and all run the TCP data plane, and ``flat`` is large enough for
     the direct ring."""
     peers = g._peers
+    if sharing and goes_host(peers) and not (g._mesh is not None and g._mesh.broken):
+        return False  # the members' shared memory takes it (collective.host), or has refused it
     return (
         goes_direct(peers, sharing)
         and all(p.plane == "tcp" for p in peers)
