@@ -12,10 +12,6 @@ on to the successor as they land. Every byte goes from a member to the next on o
 ``2 (N-1)/N`` of the array each way on every link, like Gloo's ring; the only control is one pull
 request per member and round, and the event loop wakes once per round, not once per piece.
 
-Where every member runs the TCP data plane, the allreduce runs instead on the caller's thread
-over connections the members keep along the ring (:mod:`.wire`): the same streams, with no pull
-request, acknowledgement or I/O thread in a round.
-
 Where every member runs the TCP data plane, both run instead on the caller's thread over
 connections the members keep along the ring (:mod:`.wire`): the same streams, with no pull
 request or I/O thread in a round.

@@ -1,23 +1,23 @@
-"""The direct ring on the caller's thread: a group's large allreduce passed member to member over
-connections each member keeps to the next, as Gloo's ring is, with no I/O thread, no pull request
-and no acknowledgement in a round (bench/pages/collectives.md#the-ring-on-the-callers-thread).
+"""The direct ring on the caller's thread: a group's large allreduce (and reduce, along the chain
+to its root) passed member to member over connections each member keeps to the next, as Gloo's
+ring is, with no I/O thread and no pull request in a round
+(bench/pages/collectives.md#the-ring-on-the-callers-thread).
 
-It takes the rounds that :mod:`.ring`'s direct ring takes where every member runs the TCP data
-plane. Each member keeps ``out``, a connection to the member after it, which it makes (over that
-member's data plane, authenticated with the cluster's token, :meth:`~hoplite_gpu.Node.hand_over`)
-at the group's first such round, and ``inn``, the one the member before made to it. A round is
-Gloo's plain ring cut into pieces: the caller's thread receives each piece of the running sums
-from ``inn``, adds its own chunk in place in the caller's array, and lets a helper thread send
-what it summed on to ``out``; then the whole sums go round the same way, straight into the
-caller's array. Every stream starts with :data:`WIRE`: the round's number and the sender's
-dtype, operator and element count, which the receiver checks against its own before it adds
-anything in (``CollectiveArgumentError`` where they differ).
+It takes the rounds of :mod:`.ring`'s direct ring and chain where every member runs the TCP data
+plane. Each member makes ``out``, a connection to the member after it, at the group's first such
+round (over that member's data plane, authenticated: :meth:`~hoplite_gpu.Node.hand_over`), and
+keeps ``inn``, the one the member before made to it. A round is Gloo's plain ring cut into
+pieces: the caller's thread receives each piece of the running sums from ``inn``, adds its own
+chunk in place and lets a helper thread send the sum on to ``out``; then the whole sums go round
+the same way, into the caller's array. Every stream starts with :data:`WIRE`: the round's number
+and the sender's dtype, operator and element count, checked against the receiver's before it
+adds anything in (``CollectiveArgumentError``); a member acknowledges a round once it landed
+whole (:data:`ACK`), and the member before returns only then.
 
-Failures: a member whose round fails closes both its connections (the member after it then
-reads the end of its stream in the round and fails too, and so on round the ring: every member
-that had not finished fails the round), and makes them again at its next round; a member that
-finds its ``inn`` closed before a round's first byte waits for the new one. A member lost fails
-the call (``MemberLostError`` in a watched group, whose error every wait checks at least every
+Failures: a member whose round fails closes both its connections (the member after it then reads
+the end of its stream and fails too, and so on round the ring), and makes them again at its next
+round; one that finds ``inn`` closed before a round's first byte waits for the new one. A member
+lost fails the call (``MemberLostError`` in a watched group, whose error every wait checks every
 :data:`~.host.WATCH_SLICE` seconds; ``ObjectLostError`` otherwise). Every wait ends by the
 group's timeout. Nothing of a round is known to the directory, so nothing of it is repaired."""
 
@@ -110,18 +110,6 @@ class _Round:
         finally:
             self.done.set()
 
-    def send_now(self, check: Callable[[], None], deadline: float, late: Callable[[], Exception]) -> None:
-        """``header`` from the caller's thread, checking ``check`` and ``deadline`` between
-        slices (``late()``: the error past it)."""
-        data = memoryview(self.header)
-        while len(data):
-            try:
-                data = data[self.sock.send(data) :]
-            except BlockingIOError:  # the member after has not read the round before yet
-                check()
-                if time.monotonic() >= deadline:
-                    raise late() from None
-
     def _send_all(self, data: memoryview) -> None:
         while len(data):
             try:
@@ -153,7 +141,6 @@ class Wire:
         self._partial = np.empty(0, np.uint8)  # a reduce's partial reduction, passed on
         self._what = "allreduce"  # the round's collective, for errors
         self._lock = threading.Lock()
-        self.closed = False
 
     def allreduce(
         self, seq: int, flat: Any, op: ReduceOp, peers: list[Peer], limit: float, check: Callable[[], None]
@@ -217,7 +204,7 @@ class Wire:
         ``dst+1 -> dst+2 -> ... -> dst`` (:func:`~.ring.direct_reduce`'s): the first member sends
         its array, each next one receives the partial reduction, adds its array in (in a buffer
         the wire keeps: its array stays as it was) and sends it on, piece by piece; ``dst`` adds
-        the last into its array. The others return once what they send is in their kernel."""
+        the last into its array. The others return once the member after has what they send whole."""
         deadline = time.monotonic() + limit
         me, first = self.rank, (dst + 1) % self.world
         fault = self.fault(seq, "chain-out")
@@ -267,8 +254,12 @@ class Wire:
             header = WIRE.pack(seq, REFUSED, b"", b"", 0)
             # At most a few slices: the member after reads what is before it unless it is gone.
             with contextlib.suppress(OSError, HopliteTimeoutError):
-                _Round(out, header, [], 0, "").send_now(
-                    lambda: None, time.monotonic() + 10 * WATCH_SLICE, lambda: self._late(seq, "", 0)
+                _send_within(
+                    out,
+                    header,
+                    lambda: None,
+                    time.monotonic() + 10 * WATCH_SLICE,
+                    lambda: self._late(seq, "", 0),
                 )
         self.close()
 
@@ -281,14 +272,13 @@ class Wire:
 
     def stop(self) -> None:
         """Close for good: the connections, the sender's thread and what was handed over unread."""
-        self.closed = True
         self.close()
         self._jobs.put(None)
         self.node.drop_handed([self.in_key])
 
     # ------------------------------------------------------------ plumbing
     def fault(self, seq: int, kind: str) -> str:
-        """The object whose armed ``serve`` faults fire while this member sends round ``seq``
+        """The object whose armed faults fire in this member's round ``seq``
         (:mod:`hoplite_gpu.faults`): :mod:`.ring`'s object of the same round (``kind``)."""
         return self._oid(seq, kind, self.rank).hex() if INJECTOR.armed else ""
 
@@ -338,9 +328,8 @@ class Wire:
             raise HopliteError(f"{self._what} #{seq}: rank {self.succ} acknowledged #{ACK.unpack(got)[0]}")
 
     def _acknowledge(self, inn: socket.socket, seq: int) -> None:
-        """Tell the member before that round ``seq`` landed here whole (it returns then: one that
-        fails the round before this closes the connection instead, failing the sender's round
-        too, so that no member is a round ahead of its successor after a failure)."""
+        """Tell the member before that round ``seq`` landed here whole: it returns then (a member
+        that fails a round closes instead, so that its predecessor fails that round too)."""
         with contextlib.suppress(OSError):  # (it failed meanwhile: this member has its bytes)
             inn.sendall(ACK.pack(seq))
 
@@ -384,7 +373,9 @@ class Wire:
                 blocking_with_timeouts(sock, WATCH_SLICE)
                 self.out = sock
             try:
-                _Round(self.out, header, [], 0, "").send_now(
+                _send_within(
+                    self.out,
+                    header,
                     check,
                     deadline,
                     lambda: self._late(seq, f"rank {self.succ} did not read the round before", limit),
@@ -518,6 +509,25 @@ def _reach(fault: str, event: str, pos: int, size: int) -> None:
     round is acknowledged (``serve``: as the sender sends)."""
     if fault and INJECTOR.armed:
         INJECTOR.check(event, fault, pos, size)
+
+
+def _send_within(
+    sock: socket.socket,
+    data: bytes,
+    check: Callable[[], None],
+    deadline: float,
+    late: Callable[[], Exception],
+) -> None:
+    """Send ``data`` (a header) from the caller's thread, ``check`` and ``deadline`` (past it:
+    ``late()``) checked between slices of ``SO_SNDTIMEO``."""
+    view = memoryview(data)
+    while len(view):
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:  # the member after has not read the round before yet
+            check()
+            if time.monotonic() >= deadline:
+                raise late() from None
 
 
 class _Empty(Exception):

@@ -7,6 +7,7 @@ then owns the socket: the data plane neither reads it again nor closes it."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from typing import Any
@@ -56,8 +57,6 @@ async def hand_over(plane: Any, host: str, port: int, key: ObjectID) -> socket.s
     """A new authenticated connection to the TCP data plane at ``host:port``, handed over there
     under ``key``: the caller owns it (blocking, no time-outs set). Raises ``PeerLostError`` where
     the peer cannot be reached, ``TransportError`` where it refuses."""
-    import asyncio
-
     address = f"{host}:{port}"
     sock: socket.socket = await plane._connection(host, port, address)
     loop = asyncio.get_running_loop()
