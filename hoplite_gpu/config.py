@@ -92,6 +92,9 @@ class Config:
             device memory, the least it reduces at a time).
         device_reduce_chunk_bytes: Most bytes a vertex with its output in device memory reduces in one
             step, taking in what its inputs hold: fewer, longer steps cost fewer launches and waits.
+        reduce_threads: Threads a reduce vertex splits a run of host chunks among once every input
+            holds several chunks past it (the root of a one-host star, after the last put); 0: the
+            cores this process may use, at most 4; 1: one chunk at a time on the node's event loop.
         heartbeat_interval: Seconds between a node's heartbeats to the directory.
         lease_timeout: Seconds the directory waits without any message from a node before it declares
             it dead and repairs its schedules (a node whose connection closes is dead at once).
@@ -215,6 +218,7 @@ class Config:
     close_grace: float = 10.0
     reduce_chunk_bytes: int = 1 * MiB
     device_reduce_chunk_bytes: int = 64 * MiB
+    reduce_threads: int = 0
     heartbeat_interval: float = 1.0
     lease_timeout: float = 5.0
     reconnect_timeout: float = 30.0
@@ -304,6 +308,7 @@ class Config:
             "buffer_pool_bytes",
             "device_pool_bytes",
             "reconnect_timeout",
+            "reduce_threads",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"Config.{name} must be >= 0", argument=name)

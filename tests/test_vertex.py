@@ -80,9 +80,10 @@ async def _arrive(children: list[LocalObject], reducing: asyncio.Future[None], s
     chunk=st.sampled_from([1, 3, 64, 1000, 1 << 20]),
     root=st.booleans(),
     seed=st.integers(0, 2**31),
+    threads=st.sampled_from([1, 2, 3]),
 )
 def test_streamed_reduction_equals_whole_array_reduction(
-    n_children: int, length: int, dtype: str, op: ReduceOp, chunk: int, root: bool, seed: int
+    n_children: int, length: int, dtype: str, op: ReduceOp, chunk: int, root: bool, seed: int, threads: int
 ) -> None:
     rng = np.random.default_rng(seed)
     dt = _dtype(dtype)
@@ -97,7 +98,9 @@ def test_streamed_reduction_equals_whole_array_reduction(
         children = [_obj(a, 0) for a in arrays[1:]]
         out = _obj(np.empty_like(arrays[0]), 0)
         reducing = asyncio.ensure_future(
-            reduce_stream(reduce_task(arrays[0], op, n_children, count), own, children, out, chunk)
+            reduce_stream(
+                reduce_task(arrays[0], op, n_children, count), own, children, out, chunk, threads=threads
+            )
         )
         await _arrive(children, reducing, steps)
         assert out.progress == out.size

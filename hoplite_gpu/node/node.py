@@ -37,6 +37,7 @@ from .arguments import object_id_list, reduce_request, resolve_timeout, route_of
 from .channel import Channels
 from .diagnostics import Diagnostics
 from .fetch import Fetcher, check_out, streamable
+from .host_steps import default_threads
 from .primitives import Primitives
 from .pushes import DirectoryPushes
 from .puts import Putter
@@ -129,6 +130,7 @@ class Node(GroupWatches, Primitives, Diagnostics, DirectoryPushes):
             lambda oid: self._in_background(self._delete(oid)),
             self.config.reduce_chunk_bytes,
             self.config.device_reduce_chunk_bytes,
+            self.config.reduce_threads or default_threads(),
         )
         # Called when the node rejoins a restarted directory (see add_rejoin_callback).
         self._rejoin_callbacks: set[Callable[[], None]] = set()

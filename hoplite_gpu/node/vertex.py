@@ -32,9 +32,10 @@ from ..errors import (
 )
 from ..faults import INJECTOR
 from ..iothread import bounded, forget, retrieved
-from ..memory import Buffer, BufferKind, DeviceEvent, LocalObject, LocalStore, through_file, write_at
+from ..memory import Buffer, BufferKind, DeviceEvent, LocalObject, LocalStore, through_file
 from ..object_id import ObjectID
-from ..reduce_ops import ReduceOp, as_op, reduce_chunk, weighted_sum_chunk
+from ..reduce_ops import ReduceOp, as_op
+from .host_steps import HostSteps, ready_run
 
 log = logging.getLogger("hoplite_gpu")
 
@@ -59,6 +60,8 @@ class VertexRunner:
         chunk_bytes: Bytes reduced per step (the least per step for outputs in device memory).
         device_chunk_bytes: The most bytes reduced per step for outputs in device memory (see
             :func:`reduce_stream`).
+        threads: The most threads reducing a run of host chunks every source holds (see
+            :func:`reduce_stream`).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class VertexRunner:
         drop_copy: Callable[[ObjectID], None],
         chunk_bytes: int,
         device_chunk_bytes: int = 0,
+        threads: int = 1,
     ) -> None:
         self.store = store
         self._fetch = fetch
@@ -76,6 +80,7 @@ class VertexRunner:
         self._drop_copy = drop_copy
         self.chunk_bytes = chunk_bytes
         self.device_chunk_bytes = device_chunk_bytes
+        self.threads = threads
         self._runs: dict[tuple[bytes, int, int], VertexRun] = {}
         # Copies fetched only for reduce vertices, with how many running vertices use each.
         self._fetched: dict[ObjectID, Fetch] = {}
@@ -171,7 +176,14 @@ class VertexRunner:
                 forget(streams)  # (a stream cancelled under it failed it: not logged as unretrieved)
                 raise
             await reduce_stream(
-                task, own, list(children), out, self.chunk_bytes, run.weights, self.device_chunk_bytes
+                task,
+                own,
+                list(children),
+                out,
+                self.chunk_bytes,
+                run.weights,
+                self.device_chunk_bytes,
+                self.threads,
             )
             if INJECTOR.armed:
                 INJECTOR.check("report", task.reduction_id.hex(), task.size, task.size)
@@ -382,15 +394,17 @@ async def reduce_stream(
     chunk_bytes: int,
     weights: list[float] | None = None,
     device_chunk_bytes: int = 0,
+    threads: int = 1,
 ) -> None:
     """Fill ``out`` with ``own (op) children...`` chunk by chunk as the sources fill (with
     ``weights``, one for ``own`` and one per child: their weighted sum).
 
-    Host memory is reduced ``chunk_bytes`` at a time. An output in device memory is reduced in
-    steps of at least ``chunk_bytes`` that take in everything every source holds, up to
-    ``device_chunk_bytes`` (0: ``chunk_bytes``). Each step's kernels are queued on the device
-    without waiting for them; its bytes are published (``out``'s progress) once an event after it
-    is done, while the next step is queued.
+    Host memory is reduced ``chunk_bytes`` at a time, or, where every source holds several chunks
+    ahead, a run of them by up to ``threads`` threads at once (:mod:`.host_steps`). An output in
+    device memory is reduced in steps of at least ``chunk_bytes`` that take in everything every
+    source holds, up to ``device_chunk_bytes`` (0: ``chunk_bytes``). Each step's kernels are
+    queued on the device without waiting for them; its bytes are published (``out``'s progress)
+    once an event after it is done, while the next step is queued.
 
     Raises whatever error a source fails with (a lost transfer, a deletion) or ``out``'s own
     error if the output was dropped meanwhile.
@@ -405,23 +419,24 @@ async def reduce_stream(
         queue = _device_reducer(task, dtype, op, own, children, out, min(most, task.size), weights)
         await _device_stream(task, sources, out, step, most, item, queue)
         return
-    result = out.buffer.host
     # Into new shared memory, each chunk is reduced into scratch memory and written through the
     # segment's file: cheaper than a page fault per page of the output (see Segment.write_file).
-    scratch = np.empty(min(step, task.size), np.uint8) if through_file(result) else None
+    steps = HostSteps(
+        op, dtype, own, tuple(children), out.buffer.host, task.count, weights, through_file(out.buffer.host)
+    )
+    if any(src.buffer.on_device for src in sources):
+        threads = 1  # (a device source's chunks are copied to the host on this thread)
+    scratch = np.empty(min(step, task.size), np.uint8) if steps.through_file else None
     pos = 0
     while pos < task.size:
         end = min(pos + step, task.size)
         await _step_ready(task, sources, out, pos, end)
-        mine = own.buffer.host[pos:end].view(dtype)
-        parts = [c.buffer.host_chunk(pos, end).view(dtype) for c in children]
-        flat = result[pos:end] if scratch is None else scratch[: end - pos]
-        if weights:
-            weighted_sum_chunk(mine, parts, flat.view(dtype), weights)
+        far = pos if INJECTOR.armed else ready_run(sources, pos, step, task.size, threads)
+        if far > pos:  # several chunks ready: a few threads reduce them (see host_steps)
+            steps.run(pos, far, step, threads)
+            end = far
         else:
-            reduce_chunk(op, mine, parts, flat.view(dtype), task.count)
-        if scratch is not None:
-            write_at(result, pos, flat)
+            steps.step(pos, end, scratch)
         out.advance(end)
         pos = end
         await asyncio.sleep(0)  # let transfers this node serves or receives run between chunks
