@@ -6,6 +6,7 @@ the sources end and on step boundaries."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
@@ -109,3 +110,41 @@ def test_a_run_ends_on_a_step_where_the_sources_end_and_needs_two_steps() -> Non
     assert ready_run((a, b), 0, MiB, 10 * MiB, 2) == 8 * MiB  # at most RUN_CHUNKS per thread
     assert ready_run((a, b), 7 * MiB + 1, MiB, 10 * MiB, 2) == 10 * MiB  # to the end, unaligned
     assert 1 <= default_threads() <= 4
+
+
+def test_a_forked_child_makes_its_own_threads() -> None:
+    arr = np.arange(4 * MiB // 8, dtype=np.int64)
+
+    def summed() -> bool:
+        result = np.zeros(arr.nbytes, np.uint8)
+        steps = HostSteps(
+            ReduceOp.SUM,
+            np.dtype(np.int64),
+            _obj(arr, arr.nbytes),
+            (_obj(arr, arr.nbytes),),
+            result,
+            0,
+            None,
+            False,
+        )
+        steps.run(0, arr.nbytes, MiB, 2)
+        return bool(np.array_equal(result.view(np.int64), 2 * arr))
+
+    assert summed()  # the pool's threads exist in this process now
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's threads are not here; a run must not wait for them
+        code = 1
+        try:
+            code = 0 if summed() else 1
+        finally:
+            os._exit(code)
+    waited: list[tuple[int, int]] = []
+    waiter = threading.Thread(target=lambda: waited.append(os.waitpid(pid, 0)), daemon=True)
+    waiter.start()
+    waiter.join(30)
+    if not waited:
+        os.kill(pid, 9)
+        waiter.join(10)
+        pytest.fail("the forked child's run hung")
+    status = waited[0][1]
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

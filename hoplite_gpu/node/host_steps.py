@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import HopliteTimeoutError
 from ..memory import LocalObject, write_at
 from ..reduce_ops import ReduceOp, reduce_chunk, weighted_sum_chunk
 
@@ -31,9 +32,22 @@ RUN_CHUNKS = 4
 #: The most threads a run uses when ``Config.reduce_threads`` is 0 (the host's cores up to this).
 DEFAULT_MAX_THREADS = 4
 
+#: Seconds a run waits for its threads: far beyond a run's work (milliseconds); past it the
+#: memory is not answering, and the vertex fails rather than wait on.
+RUN_WAIT_SECONDS = 120.0
+
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's threads are not there, so its pool is not used."""
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def default_threads() -> int:
@@ -107,7 +121,11 @@ class HostSteps:
 
     def run(self, pos: int, end: int, step: int, threads: int) -> None:
         """Reduce ``[pos, end)`` (whole steps but at the end) split among ``threads`` threads,
-        this one included; returns once every slice is written, raising the first error."""
+        this one included; returns once every slice is written, raising the first error.
+
+        Raises:
+            HopliteTimeoutError: a thread's slice did not end within :data:`RUN_WAIT_SECONDS`.
+        """
         chunks = -(-(end - pos) // step)
         per = -(-chunks // threads)
         cuts = [min(end, pos + i * per * step) for i in range(threads + 1)]
@@ -119,7 +137,14 @@ class HostSteps:
                 futures = [pool.submit(self.steps, a, b, step) for a, b in slices[1:]]
             self.steps(*slices[0], step)
         finally:
-            wait_all(futures)  # even on an error here: no thread may write after this returns
+            # Even on an error here: no thread may write after this returns.
+            _, late = wait_all(futures, RUN_WAIT_SECONDS)
+        if late:
+            raise HopliteTimeoutError(
+                f"a reduce step's thread did not end within {RUN_WAIT_SECONDS:.0f} s",
+                operation="reduce step",
+                timeout=RUN_WAIT_SECONDS,
+            )
         for future in futures:
             future.result()
 
